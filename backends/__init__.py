@@ -1,0 +1,1 @@
+"""Built-in backends, installed as ``quantcore.backends`` (one subpackage each)."""

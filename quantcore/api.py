@@ -1,0 +1,266 @@
+"""The public API. Each function validates in the core, allocates outputs through the selected
+backend and calls one kernel-level op (see :mod:`quantcore.backend`). Results come back as the
+caller's array kind on the caller's device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import validate as v
+from .arrays import array_kind, as_dtype, meta
+from .backend import Backend, Nested
+from .errors import ShapeError, StateError
+from .formats import bnb, ggml
+from .registry import get_backend
+from .state import QuantState
+
+F32 = np.dtype(np.float32)
+U8 = np.dtype(np.uint8)
+
+
+def _backend(backend: str | Backend | None) -> Backend:
+    return backend if isinstance(backend, Backend) else get_backend(backend)
+
+
+def _const(be: Backend, values: np.ndarray, like: Any) -> Any:
+    """A small constant table (code map, thresholds) on the backend's device, in the caller's kind."""
+    return be.finish(be.from_numpy(np.ascontiguousarray(values), like=like), like)
+
+
+# -- bitsandbytes 4-bit ------------------------------------------------------------------------
+def quantize_4bit(
+    x: Any, blocksize: int = 64, quant_type: str = "nf4", compress_statistics: bool = True,
+    *, backend: str | Backend | None = None,
+) -> tuple[Any, QuantState]:
+    """bitsandbytes 4-bit quantization of ``x`` (any shape, fp32 / fp16 / bf16).
+
+    Returns ``(packed uint8 [(n+1)//2, 1], QuantState)``. With ``compress_statistics`` the fp32
+    absmax is itself quantized to 8 bits in blocks of 256 (double quantization). Note the defaults
+    follow ``bnb.nn.Linear4bit`` (nf4, double quantization), not ``bnb.functional``.
+    """
+    be = _backend(backend)
+    shape, dt = v.float_array(x, "x")
+    v.quant_type(quant_type)
+    v.blocksize_4bit(blocksize)
+    be.require("quantize_4bit", quant_type, dt, blocksize)
+    xn = be.prepare(x)
+    n = int(np.prod(shape))
+    nb = bnb.nblocks(n, blocksize)
+    packed = be.empty(((n + 1) // 2, 1), U8, like=xn)
+    absmax = be.empty((nb,), F32, like=xn)
+    be.quantize_4bit(xn, packed, absmax, blocksize=blocksize, quant_type=quant_type)
+    state = QuantState(absmax=None, shape=shape, code=_const(be, bnb.code_4bit(quant_type), x),
+                       blocksize=blocksize, quant_type=quant_type, dtype=dt)
+    if compress_statistics:
+        be.require("double_quantize", "dynamic8", "float32", bnb.NESTED_BLOCKSIZE)
+        qabsmax = be.empty((nb,), U8, like=xn)
+        absmax2 = be.empty((bnb.nblocks(nb, bnb.NESTED_BLOCKSIZE),), F32, like=xn)
+        offset = be.empty((1,), F32, like=xn)
+        be.double_quantize(absmax, qabsmax, absmax2, offset)
+        state.absmax = be.finish(qabsmax, x)
+        state.offset = be.finish(offset, x)
+        state.state2 = QuantState(absmax=be.finish(absmax2, x), code=_const(be, bnb.DYNAMIC_MAP, x),
+                                  blocksize=bnb.NESTED_BLOCKSIZE, dtype="float32")
+    else:
+        state.absmax = be.finish(absmax, x)
+    return be.finish(packed, x), state
+
+
+def _check_packed(packed: Any, state: QuantState) -> None:
+    if not isinstance(state, QuantState):
+        raise StateError(f"expected a quantcore.QuantState, got {type(state).__name__}")
+    state.validate()
+    if state.quant_type is None:
+        raise StateError("this state has no 4-bit quant_type (is it an 8-bit blockwise state?)")
+    shape = v.uint8_array(packed, "packed")
+    if int(np.prod(shape)) != (state.n + 1) // 2:
+        raise ShapeError(f"packed holds {int(np.prod(shape))} bytes; the state describes {state.n} "
+                         f"elements, which pack into {(state.n + 1) // 2}")
+
+
+def _nested(be: Backend, state: QuantState) -> Nested | None:
+    if not state.nested:
+        return None
+    return Nested(absmax2=be.prepare(state.state2.absmax), code2=be.prepare(state.state2.code),
+                  offset=be.prepare(state.offset))
+
+
+def dequantize_4bit(
+    packed: Any, state: QuantState, out_dtype: Any = None, *, backend: str | Backend | None = None
+) -> Any:
+    """Inverse of :func:`quantize_4bit`: an array of ``state.shape`` in ``out_dtype`` (default the
+    original dtype). ``out = T(code[q] * absmax)``; nested statistics are decoded in the same op."""
+    be = _backend(backend)
+    _check_packed(packed, state)
+    dt = v.out_dtype(out_dtype if out_dtype is not None else state.dtype)
+    be.require("dequantize_4bit", state.quant_type, dt, state.blocksize)
+    pn = be.prepare(packed)
+    out = be.empty(tuple(state.shape), as_dtype(dt), like=pn)
+    be.dequantize_4bit(pn, be.prepare(state.absmax), out, blocksize=state.blocksize,
+                       quant_type=state.quant_type, nested=_nested(be, state))
+    return be.finish(out, packed)
+
+
+def gemv_4bit(A: Any, packed: Any, state: QuantState, *, backend: str | Backend | None = None) -> Any:
+    """``A @ W.T`` for a 4-bit weight W of shape [N, K]: A [..., K] -> [..., N] in A's dtype.
+
+    fp32 accumulation. bitsandbytes takes one token; here any number of rows is allowed and
+    the backends read the weight once for batches up to 8.
+    """
+    be = _backend(backend)
+    _check_packed(packed, state)
+    if len(state.shape) != 2:
+        raise ShapeError(f"gemv_4bit needs a 2-D weight state [N, K], got shape {state.shape}")
+    n, k = state.shape
+    shape, dt = v.float_array(A, "A")
+    if shape[-1] != k:
+        raise ShapeError(f"A has {shape[-1]} elements in its last dimension; the weight has K = {k}")
+    be.require("gemv_4bit", state.quant_type, dt, state.blocksize)
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    an = be.prepare(A)
+    pn = be.prepare(packed)
+    out = be.empty((rows, n), as_dtype(dt), like=an)
+    be.gemv_4bit(an, pn, be.prepare(state.absmax), out, n=n, k=k, blocksize=state.blocksize,
+                 quant_type=state.quant_type, nested=_nested(be, state))
+    res = be.finish(out, A)
+    return res.reshape(tuple(shape[:-1]) + (n,))
+
+
+# -- bitsandbytes blockwise 8-bit --------------------------------------------------------------
+def quantize_blockwise(
+    x: Any, blocksize: int = 4096, *, backend: str | Backend | None = None
+) -> tuple[Any, QuantState]:
+    """Blockwise 8-bit with the dynamic map: ``(codes uint8 of x's shape, QuantState)``."""
+    be = _backend(backend)
+    shape, dt = v.float_array(x, "x")
+    v.blocksize_8bit(blocksize)
+    be.require("quantize_blockwise", "dynamic8", dt, blocksize)
+    xn = be.prepare(x)
+    n = int(np.prod(shape))
+    codes = be.empty(shape, U8, like=xn)
+    absmax = be.empty((bnb.nblocks(n, blocksize),), F32, like=xn)
+    thresholds = be.from_numpy(bnb.DYNAMIC_THRESHOLDS, like=xn)
+    be.quantize_blockwise(xn, thresholds, codes, absmax, blocksize=blocksize)
+    state = QuantState(absmax=be.finish(absmax, x), shape=shape, code=_const(be, bnb.DYNAMIC_MAP, x),
+                       blocksize=blocksize, dtype=dt)
+    return be.finish(codes, x), state
+
+
+def dequantize_blockwise(
+    codes: Any, state: QuantState, out_dtype: Any = None, *, backend: str | Backend | None = None
+) -> Any:
+    """``out = T(code[q] * absmax[i // blocksize])`` with the state's 256-entry code."""
+    be = _backend(backend)
+    if not isinstance(state, QuantState):
+        raise StateError(f"expected a quantcore.QuantState, got {type(state).__name__}")
+    state.validate()
+    shape = v.uint8_array(codes, "codes")
+    if int(np.prod(shape)) != state.n:
+        raise ShapeError(f"codes hold {int(np.prod(shape))} values, the state describes {state.n}")
+    if state.code is None or meta(state.code) != ((256,), F32):
+        raise StateError("an 8-bit state needs a float32 [256] code")
+    dt = v.out_dtype(out_dtype if out_dtype is not None else state.dtype)
+    be.require("dequantize_blockwise", "dynamic8", dt, state.blocksize)
+    cn = be.prepare(codes)
+    out = be.empty(tuple(state.shape), as_dtype(dt), like=cn)
+    be.dequantize_blockwise(cn, be.prepare(state.absmax), be.prepare(state.code), out,
+                            blocksize=state.blocksize)
+    return be.finish(out, codes)
+
+
+# -- ggml ----------------------------------------------------------------------------------------
+def _quantize_ggml(fmt: str, x: Any, backend) -> Any:
+    be = _backend(backend)
+    rows, k, dt = v.ggml_rows(x, "x")
+    be.require(f"quantize_{fmt}", fmt, dt, ggml.QK)
+    xn = be.prepare(x)
+    out = be.empty((rows, k // ggml.QK, ggml.BLOCK_BYTES[fmt]), U8, like=xn)
+    getattr(be, f"quantize_{fmt}")(xn, out)
+    res = be.finish(out, x)
+    return res if len(meta(x)[0]) == 2 else res.reshape(k // ggml.QK, ggml.BLOCK_BYTES[fmt])
+
+
+def quantize_q4_0(w: Any, *, backend: str | Backend | None = None) -> Any:
+    """ggml Q4_0: float ``[M, K]`` (K % 32 == 0) -> uint8 ``[M, K/32, 18]`` (ggml's bytes)."""
+    return _quantize_ggml("q4_0", w, backend)
+
+
+def quantize_q8_0(a: Any, *, backend: str | Backend | None = None) -> Any:
+    """ggml Q8_0: float ``[N, K]`` -> uint8 ``[N, K/32, 34]``."""
+    return _quantize_ggml("q8_0", a, backend)
+
+
+def quantize_q8_1(a: Any, *, backend: str | Backend | None = None) -> Any:
+    """ggml Q8_1: float ``[N, K]`` -> uint8 ``[N, K/32, 36]`` with ``s = fp16(d * sum(q))``."""
+    return _quantize_ggml("q8_1", a, backend)
+
+
+def _dequantize_ggml(fmt: str, q: Any, out_dtype: Any, backend) -> Any:
+    be = _backend(backend)
+    shape = v.uint8_array(q, "q")
+    if len(shape) not in (2, 3) or shape[-1] != ggml.BLOCK_BYTES[fmt]:
+        raise ShapeError(f"{fmt} blocks must have shape [rows, K/32, {ggml.BLOCK_BYTES[fmt]}], got {shape}")
+    rows = shape[0] if len(shape) == 3 else 1
+    k = shape[-2] * ggml.QK
+    dt = v.out_dtype(out_dtype)
+    be.require("dequantize_ggml", fmt, dt, ggml.QK)
+    qn = be.prepare(q)
+    out = be.empty((rows, k), as_dtype(dt), like=qn)
+    be.dequantize_ggml(qn, out, fmt=fmt)
+    res = be.finish(out, q)
+    return res if len(shape) == 3 else res.reshape(k)
+
+
+def dequantize_q4_0(wq: Any, out_dtype: Any = "float32", *, backend=None) -> Any:
+    """uint8 ``[M, K/32, 18]`` -> ``[M, K]``: ``(q - 8) * d``."""
+    return _dequantize_ggml("q4_0", wq, out_dtype, backend)
+
+
+def dequantize_q8_0(aq: Any, out_dtype: Any = "float32", *, backend=None) -> Any:
+    """uint8 ``[N, K/32, 34]`` -> ``[N, K]``: ``q * d``."""
+    return _dequantize_ggml("q8_0", aq, out_dtype, backend)
+
+
+def dequantize_q8_1(aq: Any, out_dtype: Any = "float32", *, backend=None) -> Any:
+    """uint8 ``[N, K/32, 36]`` -> ``[N, K]``: ``q * d``."""
+    return _dequantize_ggml("q8_1", aq, out_dtype, backend)
+
+
+def gemm_q4_0_q8_1(wq: Any, aq: Any, M: int, N: int, K: int, *, backend=None) -> Any:
+    """W4A8 GEMM on quantized operands: ``wq [M, K/32, 18]``, ``aq [N, K/32, 36]`` -> fp32 ``[M, N]``.
+
+    Per block: ``d4 * (d8 * sum(q4 * q8) - 8 * s8)``, integer dot products, fp32 accumulation.
+    """
+    be = _backend(backend)
+    M, N, K = v.mnk(M, N, K)
+    v.ggml_blocks(wq, M, K, "q4_0", "wq")
+    v.ggml_blocks(aq, N, K, "q8_1", "aq")
+    be.require("gemm_q4_0_q8_1", "q4_0", "float32", ggml.QK)
+    wn = be.prepare(wq)
+    out = be.empty((M, N), F32, like=wn)
+    be.gemm_q4_0_q8_1(wn, be.prepare(aq), out)
+    return be.finish(out, wq)
+
+
+def gemm_w4a8(wq: Any, a: Any, M: int, N: int, K: int, *, backend=None) -> Any:
+    """W4A8 GEMM with the activation ``a [N, K]`` (float) quantized to Q8_1 inside the op
+    (the same bytes :func:`quantize_q8_1` gives): ``wq [M, K/32, 18]`` -> fp32 ``[M, N]``."""
+    be = _backend(backend)
+    M, N, K = v.mnk(M, N, K)
+    v.ggml_blocks(wq, M, K, "q4_0", "wq")
+    shape, dt = v.float_array(a, "a")
+    if shape not in ((N, K),) and not (N == 1 and shape == (K,)):
+        raise ShapeError(f"a must have shape ({N}, {K}), got {shape}")
+    be.require("gemm_w4a8", "q4_0", dt, ggml.QK)
+    wn = be.prepare(wq)
+    out = be.empty((M, N), F32, like=wn)
+    be.gemm_w4a8(wn, be.prepare(a), out)
+    return be.finish(out, wq)
+
+
+def same_kind(result: Any, like: Any) -> bool:
+    """True when ``result`` is the same array kind as ``like`` (used by tests)."""
+    return array_kind(result) == array_kind(like)

@@ -1,0 +1,170 @@
+"""The backend protocol: what a backend declares and the kernel-level ops it implements.
+
+A backend is found through the entry-point group ``quantcore.backends`` (the built-in ones
+register there too). The public API (:mod:`quantcore.api`) validates every argument in the core,
+allocates the outputs through the backend's ``empty`` and then calls one of the kernel-level ops
+below with *native* arrays (the backend's own array type, contiguous, on its device) and plain
+Python parameters. Kernel-level ops write into the outputs they are given and return nothing;
+they never allocate. The conformance suite calls the same ops with poisoned, guarded outputs.
+
+Every op a backend supports is listed by :meth:`Backend.capabilities`; the full list of what a
+complete backend covers is :data:`quantcore.ops.ALL_CAPABILITIES`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import UnsupportedError
+
+
+@dataclass(frozen=True)
+class Capability:
+    """One supported combination: op name, format, dtype of the float side, block size."""
+
+    op: str
+    fmt: str
+    dtype: str
+    blocksize: int
+
+    def __str__(self) -> str:
+        return f"{self.op}[{self.fmt},{self.dtype},{self.blocksize}]"
+
+
+@dataclass(frozen=True)
+class Availability:
+    ok: bool
+    reason: str = ""
+    mode: str = ""  #: e.g. "validated through the CUDA compatibility header"
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+@dataclass
+class Nested:
+    """Second-level state of double quantization, as native arrays of the backend.
+
+    ``absmax[b] = code2[qabsmax[b]] * absmax2[b // 256] + offset[0]`` (two fp32 roundings).
+    """
+
+    absmax2: Any  #: fp32 [ceil(nblocks / 256)]
+    code2: Any  #: fp32 [256]
+    offset: Any  #: fp32 [1]
+
+
+class Backend:
+    """Base class. Subclasses set ``name`` and implement the adapters and the ops they declare.
+
+    Array adapters (all arrays below are the backend's native arrays unless said otherwise):
+
+    - ``prepare(x)``: the caller's array as a contiguous native array without a host/device copy;
+      raises :class:`~quantcore.errors.DeviceError` for an array on the wrong side.
+    - ``finish(native, like)``: a result in the caller's array kind (torch in, torch out).
+    - ``empty(shape, dtype, like=None)``: an uninitialised output on ``like``'s device.
+    - ``from_numpy(a, like=None)`` / ``to_numpy(x)``: explicit copies (tests, conformance).
+    - ``view(buf, byte_offset, shape, dtype)``: a typed view into a 1-D uint8 native buffer.
+    """
+
+    name = "base"
+
+    # -- discovery -------------------------------------------------------------------------
+    def availability(self) -> Availability:
+        return Availability(True)
+
+    def devices(self) -> list[str]:
+        return []
+
+    def capabilities(self) -> frozenset[Capability]:
+        return frozenset()
+
+    def supports(self, op: str, fmt: str, dtype: str, blocksize: int) -> bool:
+        return Capability(op, fmt, dtype, blocksize) in self.capabilities()
+
+    def require(self, op: str, fmt: str, dtype: str, blocksize: int) -> None:
+        if not self.supports(op, fmt, dtype, blocksize):
+            raise UnsupportedError(
+                f"backend {self.name!r} does not support {op} for format {fmt}, dtype {dtype}, "
+                f"blocksize {blocksize}; use quantcore.use_backend('cpu') for the reference"
+            )
+
+    # -- arrays ----------------------------------------------------------------------------
+    def prepare(self, x: Any) -> Any:
+        raise NotImplementedError
+
+    def finish(self, native: Any, like: Any) -> Any:
+        raise NotImplementedError
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype, like: Any = None) -> Any:
+        raise NotImplementedError
+
+    def from_numpy(self, a: np.ndarray, like: Any = None) -> Any:
+        raise NotImplementedError
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        raise NotImplementedError
+
+    def view(self, buf: Any, byte_offset: int, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Wait for all work this backend queued (used by benchmarks and the suite)."""
+
+    # -- kernel-level ops (outputs preallocated, arguments already validated) ----------------
+    # bitsandbytes family
+    def quantize_4bit(self, x, packed, absmax, *, blocksize: int, quant_type: str) -> None:
+        """x [n] float -> packed uint8 [(n+1)//2], absmax fp32 [ceil(n/blocksize)]."""
+        raise NotImplementedError
+
+    def dequantize_4bit(
+        self, packed, absmax, out, *, blocksize: int, quant_type: str, nested: Nested | None
+    ) -> None:
+        """packed uint8, absmax (fp32, or uint8 codes when ``nested``) -> out [n] float."""
+        raise NotImplementedError
+
+    def double_quantize(self, absmax, qabsmax, absmax2, offset) -> None:
+        """absmax fp32 [nb] -> qabsmax uint8 [nb], absmax2 fp32 [ceil(nb/256)], offset fp32 [1]."""
+        raise NotImplementedError
+
+    def quantize_blockwise(self, x, thresholds, codes, absmax, *, blocksize: int) -> None:
+        """x [n] float -> codes uint8 [n], absmax fp32 [nb]; thresholds fp32 [255]."""
+        raise NotImplementedError
+
+    def dequantize_blockwise(self, codes, absmax, code, out, *, blocksize: int) -> None:
+        """codes uint8 [n], absmax fp32 [nb], code fp32 [256] -> out [n] float."""
+        raise NotImplementedError
+
+    def gemv_4bit(
+        self, a, packed, absmax, out, *, n: int, k: int, blocksize: int, quant_type: str,
+        nested: Nested | None,
+    ) -> None:
+        """a [B, K] float, weight [N, K] 4-bit -> out [B, N] in a's dtype (fp32 accumulation)."""
+        raise NotImplementedError
+
+    # ggml family
+    def quantize_q4_0(self, w, out) -> None:
+        """w [R, K] float -> out uint8 [R, K/32, 18]."""
+        raise NotImplementedError
+
+    def quantize_q8_0(self, a, out) -> None:
+        """a [R, K] float -> out uint8 [R, K/32, 34]."""
+        raise NotImplementedError
+
+    def quantize_q8_1(self, a, out) -> None:
+        """a [R, K] float -> out uint8 [R, K/32, 36]."""
+        raise NotImplementedError
+
+    def dequantize_ggml(self, q, out, *, fmt: str) -> None:
+        """q uint8 [R, K/32, bytes(fmt)] -> out [R, K] float."""
+        raise NotImplementedError
+
+    def gemm_q4_0_q8_1(self, wq, aq, out) -> None:
+        """wq uint8 [M, K/32, 18], aq uint8 [N, K/32, 36] -> out fp32 [M, N]."""
+        raise NotImplementedError
+
+    def gemm_w4a8(self, wq, a, out) -> None:
+        """wq uint8 [M, K/32, 18], a [N, K] float (quantized to Q8_1 inside) -> out fp32 [M, N]."""
+        raise NotImplementedError

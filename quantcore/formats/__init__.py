@@ -1,0 +1,9 @@
+"""Format definitions: constants, layout math and the numpy reference, one module per family.
+
+- :mod:`quantcore.formats.bnb`  bitsandbytes NF4 / FP4 4-bit, blockwise 8-bit, double quantization
+- :mod:`quantcore.formats.ggml` ggml Q4_0 / Q8_0 / Q8_1 and the W4A8 dot product
+- :mod:`quantcore.formats.mx`   NVFP4, MXFP4 / MXFP8 and the swizzled scale layout
+
+Every constant of a format is defined once, here; kernel sources receive them from
+:func:`quantcore.formats.kernel_defines`.
+"""
