@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Callable, Iterator
 from importlib import metadata
-from typing import Callable, Iterator
 
 from .backend import Availability, Backend
 from .errors import BackendUnavailableError, ParameterError

@@ -1,0 +1,22 @@
+"""Shared fixtures: seeded generators and dtype helpers."""
+
+import numpy as np
+import pytest
+
+from quantcore.arrays import BF16
+
+FLOAT_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BF16}
+UINT_VIEW = {4: np.uint32, 2: np.uint16, 1: np.uint8}
+
+
+@pytest.fixture
+def rng(request):
+    # one seed per test, derived from its name: reproducible, different across tests
+    seed = abs(hash(request.node.nodeid)) % (2**32)
+    return np.random.default_rng(seed)
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    """The raw bit patterns of an array (for exact comparisons that see -0.0 and NaN payloads)."""
+    a = np.ascontiguousarray(a)
+    return a.view(UINT_VIEW[a.dtype.itemsize])

@@ -1,0 +1,222 @@
+"""Public API, registry, validation and interop on the embedded cpu backend."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import quantcore as qc
+from quantcore.formats import bnb, ggml
+
+from .conftest import FLOAT_DTYPES, bits
+
+
+def test_import_pulls_no_vendor_package():
+    code = ("import sys, quantcore; quantcore.available_backends(); "
+            "bad = [m for m in ('torch', 'cupy', 'dpctl', 'dpnp') if m in sys.modules]; "
+            "print(','.join(bad)); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, f"importing quantcore imported {r.stdout.strip()}"
+
+
+def test_registry_lists_builtins_with_reasons():
+    av = qc.available_backends()
+    assert {"cpu", "cuda", "sycl", "maca"} <= set(av)
+    assert av["cpu"].ok
+    for name, a in av.items():
+        assert a.ok or a.reason, f"{name} unavailable without a reason"
+
+
+def test_cpu_is_default_and_env_var_selects(monkeypatch):
+    assert qc.get_backend().name == "cpu"
+    monkeypatch.setenv("QUANTCORE_BACKEND", "nonexistent")
+    with pytest.raises(qc.BackendUnavailableError, match="nonexistent"):
+        qc.get_backend()
+
+
+def test_use_backend_is_scoped_and_unavailable_says_why():
+    class Broken(qc.Backend):
+        name = "broken"
+
+        def availability(self):
+            return qc.Availability(False, "no such hardware here; install the driver")
+
+    qc.register_backend("broken", Broken)
+    try:
+        with pytest.raises(qc.BackendUnavailableError, match="install the driver"):
+            qc.set_backend("broken")
+        with qc.use_backend("cpu") as be:
+            assert qc.get_backend() is be
+        assert qc.get_backend().name == "cpu"
+    finally:
+        qc.unregister_backend("broken")
+
+
+def test_entry_point_registers_cpu():
+    from importlib.metadata import entry_points
+
+    names = {ep.name for ep in entry_points(group="quantcore.backends")}
+    assert "cpu" in names, "pip install the package: the entry points come from its metadata"
+
+
+@pytest.mark.parametrize("dname", list(FLOAT_DTYPES))
+@pytest.mark.parametrize("nested", [False, True])
+def test_4bit_round_trip_through_api(rng, dname, nested):
+    x = rng.standard_normal((33, 65)).astype(FLOAT_DTYPES[dname])  # odd element count
+    packed, state = qc.quantize_4bit(x, 128, "fp4", nested)
+    assert packed.shape == ((x.size + 1) // 2, 1) and packed.dtype == np.uint8
+    assert state.nested == nested and state.shape == x.shape and state.dtype == dname
+    out = qc.dequantize_4bit(packed, state)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    ref_p, ref_a = bnb.quantize_4bit(x, 128, "fp4")
+    assert np.array_equal(packed, ref_p)
+    assert np.abs(out.astype(np.float32) - x.astype(np.float32)).max() <= 0.35 * np.abs(x.astype(np.float32)).max()
+
+
+def test_state_dict_round_trip_and_bad_states(rng):
+    x = rng.standard_normal((64, 128)).astype(np.float32)
+    packed, state = qc.quantize_4bit(x, 64, "nf4", True)
+    d = state.as_dict(packed=True)
+    assert set(d) == {"absmax", "quant_map", "nested_absmax", "nested_quant_map",
+                      "quant_state.bitsandbytes__nf4"}
+    back = qc.QuantState.from_dict({f"model.w.{k}": v for k, v in d.items()})
+    assert np.array_equal(qc.dequantize_4bit(packed, back), qc.dequantize_4bit(packed, state))
+    bad = dict(d)
+    bad["absmax"] = d["absmax"][:-1]
+    with pytest.raises(qc.StateError, match="absmax"):
+        qc.QuantState.from_dict(bad)
+    with pytest.raises(qc.StateError, match="quant_type"):
+        qc.QuantState.from_dict({"absmax": d["absmax"]})
+    wrong_map = dict(d)
+    wrong_map["quant_map"] = bnb.FP4_CODE
+    with pytest.raises(qc.StateError, match="quant_map"):
+        qc.QuantState.from_dict(wrong_map)
+
+
+def test_safetensors_round_trip(tmp_path, rng):
+    from quantcore.io import load_safetensors, save_safetensors
+
+    x = rng.standard_normal((32, 64)).astype(FLOAT_DTYPES["bfloat16"])
+    packed, state = qc.quantize_4bit(x, 64, "nf4", True)
+    tensors = {"l.weight": packed, **{f"l.weight.{k}": v for k, v in state.as_dict(packed=True).items()}}
+    save_safetensors(tmp_path / "q.safetensors", tensors)
+    loaded, _ = load_safetensors(tmp_path / "q.safetensors")
+    st = qc.QuantState.from_dict({k: np.array(v) for k, v in loaded.items() if k != "l.weight"})
+    assert np.array_equal(bits(qc.dequantize_4bit(np.array(loaded["l.weight"]), st)),
+                          bits(qc.dequantize_4bit(packed, state)))
+
+
+BAD_CALLS = [
+    (lambda: qc.quantize_4bit(np.zeros((0, 4), np.float32)), qc.ShapeError),
+    (lambda: qc.quantize_4bit(np.ones(64, np.int32)), qc.DTypeError),
+    (lambda: qc.quantize_4bit(np.ones(64, np.float32), blocksize=48), qc.ParameterError),
+    (lambda: qc.quantize_4bit(np.ones(64, np.float32), quant_type="int4"), qc.ParameterError),
+    (lambda: qc.quantize_blockwise(np.ones(64, np.float32), blocksize=32), qc.ParameterError),
+    (lambda: qc.quantize_q4_0(np.ones((2, 40), np.float32)), qc.ShapeError),
+    (lambda: qc.gemm_q4_0_q8_1(np.zeros((4, 1, 18), np.uint8), np.zeros((1, 1, 36), np.uint8), 4, 1, 64),
+     qc.ShapeError),
+    (lambda: qc.gemm_w4a8(np.zeros((4, 1, 18), np.uint8), np.zeros((2, 32), np.float32), 4, 1, 32),
+     qc.ShapeError),
+    (lambda: qc.gemm_w4a8(np.zeros((4, 1, 18), np.uint8), np.zeros((1, 32), np.float32), 0, 1, 32),
+     qc.ParameterError),
+]
+
+
+@pytest.mark.parametrize("call,exc", BAD_CALLS)
+def test_bad_input_raises_clear_error(call, exc):
+    with pytest.raises(exc) as info:
+        call()
+    assert len(str(info.value)) > 20  # says what was wrong
+
+
+def test_gemv_checks_a_and_state(rng):
+    w = rng.standard_normal((16, 64)).astype(np.float32)
+    packed, state = qc.quantize_4bit(w, 64, "nf4", False)
+    with pytest.raises(qc.ShapeError, match="K = 64"):
+        qc.gemv_4bit(np.ones((1, 63), np.float32), packed, state)
+    with pytest.raises(qc.ShapeError, match="packed"):
+        qc.gemv_4bit(np.ones((1, 64), np.float32), packed[:-1], state)
+    a = rng.standard_normal((3, 1, 64)).astype(np.float32)
+    y = qc.gemv_4bit(a, packed, state)
+    assert y.shape == (3, 1, 16)
+    wd = qc.dequantize_4bit(packed, state).astype(np.float64)
+    assert np.allclose(y, a.astype(np.float64) @ wd.T, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input_changes_nothing(rng):
+    x = rng.standard_normal(64).astype(np.float32)
+    packed, state = qc.quantize_4bit(x, 64, "nf4", False)
+    before = (packed.copy(), state.absmax.copy())
+    with pytest.raises(qc.DTypeError):
+        qc.dequantize_4bit(packed, state, out_dtype="int8")
+    assert np.array_equal(before[0], packed) and np.array_equal(before[1], state.absmax)
+
+
+def test_ggml_api_shapes_and_bytes(rng):
+    w = rng.standard_normal((8, 96)).astype(np.float32)
+    a = rng.standard_normal((3, 96)).astype(np.float32)
+    wq = qc.quantize_q4_0(w)
+    assert wq.shape == (8, 3, 18) and np.array_equal(wq, ggml.quantize_q4_0(w))
+    aq = qc.quantize_q8_1(a)
+    assert aq.shape == (3, 3, 36)
+    assert np.array_equal(qc.gemm_w4a8(wq, a, 8, 3, 96), qc.gemm_q4_0_q8_1(wq, aq, 8, 3, 96))
+    assert qc.dequantize_q4_0(wq, "bfloat16").dtype == FLOAT_DTYPES["bfloat16"]
+    assert qc.quantize_q8_0(a[0]).shape == (3, 34)
+
+
+def test_torch_in_torch_out(rng):
+    torch = pytest.importorskip("torch", reason="torch interop needs torch")
+    x = torch.from_numpy(rng.standard_normal((16, 64)).astype(np.float32)).to(torch.bfloat16)
+    packed, state = qc.quantize_4bit(x, 64, "nf4", True)
+    assert isinstance(packed, torch.Tensor) and isinstance(state.absmax, torch.Tensor)
+    out = qc.dequantize_4bit(packed, state)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.shape == x.shape
+    ref = qc.dequantize_4bit(*qc.quantize_4bit(x.view(torch.int16).numpy().view(FLOAT_DTYPES["bfloat16"]), 64, "nf4", True))
+    assert np.array_equal(out.view(torch.int16).numpy(), ref.view(np.int16))
+    d = state.as_dict(packed=True)
+    assert isinstance(d["quant_state.bitsandbytes__nf4"], torch.Tensor)
+    back = qc.QuantState.from_dict(d)
+    assert torch.equal(qc.dequantize_4bit(packed, back), out)
+    y = qc.gemv_4bit(torch.ones(1, 64, dtype=torch.bfloat16), packed, state)
+    assert isinstance(y, torch.Tensor) and y.shape == (1, 16)
+
+
+def test_cli_info_and_demo_run():
+    env = dict(os.environ, QUANTCORE_BACKEND="cpu")
+    r = subprocess.run([sys.executable, "-m", "quantcore.cli", "info"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and "cpu" in r.stdout and "available" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "quantcore.cli", "demo", "--backend", "cpu", "--rows", "256",
+                        "--cols", "512"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "gemm_w4a8" in r.stdout and "nan" not in r.stdout.lower()
+
+
+def test_cli_quantize_nf4_loads_back(tmp_path, rng):
+    from quantcore.cli import main
+    from quantcore.io import load_safetensors, save_safetensors
+
+    w = (rng.standard_normal((128, 256)) * 0.02).astype(FLOAT_DTYPES["bfloat16"])
+    save_safetensors(tmp_path / "in.safetensors", {"l.weight": w, "l.bias": np.ones(128, np.float32)})
+    assert main(["quantize", str(tmp_path / "in.safetensors"), "-o", str(tmp_path / "o.safetensors"),
+                 "--format", "nf4"]) == 0
+    t, meta = load_safetensors(tmp_path / "o.safetensors")
+    assert meta["quantcore.format"] == "nf4" and np.array_equal(t["l.bias"], np.ones(128))
+    st = qc.QuantState.from_dict({k[len("l.weight."):]: np.array(v) for k, v in t.items() if k.startswith("l.weight.")})
+    out = qc.dequantize_4bit(np.array(t["l.weight"]), st)
+    assert out.shape == w.shape and out.dtype == w.dtype
+
+
+def test_cli_quantize_q4_0_is_ggml_bytes(tmp_path, rng):
+    gguf = pytest.importorskip("gguf", reason="GGUF output needs the gguf package")
+    from quantcore.cli import main
+    from quantcore.io import save_safetensors
+
+    w = rng.standard_normal((64, 128)).astype(np.float32)
+    save_safetensors(tmp_path / "in.safetensors", {"w": w})
+    assert main(["quantize", str(tmp_path / "in.safetensors"), "-o", str(tmp_path / "o.gguf"),
+                 "--format", "q4_0"]) == 0
+    t = {tt.name: tt for tt in gguf.GGUFReader(tmp_path / "o.gguf").tensors}
+    assert t["w"].tensor_type == gguf.GGMLQuantizationType.Q4_0
+    assert np.array_equal(np.array(t["w"].data).reshape(-1), ggml.quantize_q4_0(w).reshape(-1))
