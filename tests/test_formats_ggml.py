@@ -88,3 +88,4 @@ def test_w4a8_reference_matches_dequantized_product(rng):
     got = ggml.gemm_q4_0_q8_1(wq, aq)
     # s8 is fp16-rounded d*sum(q): differs from the exact sum by at most 8 * half an fp16 ulp per block
     assert np.abs(got - ref).max() < 1e-2 * np.abs(ref).max()
+
