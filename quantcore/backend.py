@@ -168,3 +168,50 @@ class Backend:
     def gemm_w4a8(self, wq, a, out) -> None:
         """wq uint8 [M, K/32, 18], a [N, K] float (quantized to Q8_1 inside) -> out fp32 [M, N]."""
         raise NotImplementedError
+
+    # -- MX family (NVFP4, MXFP4, MXFP8) -------------------------------------------------------
+    # Rules: quantcore.formats.mx (shared/design/FORMATS-MX.md). Shapes come as keywords so a
+    # backend can work on flat memory; ``x`` of any shape [..., K] is treated as [rows, cols].
+    # Scale matrices are uint8 (E8M0 bytes for mxfp4 / mxfp8, E4M3 bytes for nvfp4), either
+    # row-major [rows, cols/blk] or swizzled: [ceil(rows/128)*128, ceil(cols/blk/4)*4] in 128x4
+    # tiles (quantcore.formats.mx.swizzle), the padding written as zeros. Scalars that a kernel
+    # reads (the NVFP4 global scale, the GEMM's alpha) are fp32 [1] native arrays, so no call
+    # has to synchronize to read them on the host.
+    def mx_quantize(
+        self, x, codes, scales, *, rows: int, cols: int, fmt: str, scale_mode: str | None,
+        swizzled: bool, global_scale=None,
+    ) -> None:
+        """x [rows, cols] float -> codes uint8 [rows, cols/2] (fp4, element 2i in the low nibble)
+        or [rows, cols] (mxfp8, E4M3 bytes); scales row-major or swizzled (see above).
+
+        ``fmt`` "mxfp4" | "mxfp8" | "nvfp4"; ``scale_mode`` "floor" | "rceil" for MX, None for
+        nvfp4; ``global_scale`` fp32 [1] for nvfp4, None for MX.
+        """
+        raise NotImplementedError
+
+    def mx_dequantize(
+        self, codes, scales, out, *, rows: int, cols: int, fmt: str, swizzled: bool,
+        global_scale=None,
+    ) -> None:
+        """Inverse of :meth:`mx_quantize`: codes + scales (+ global_scale for nvfp4) -> out
+        [rows, cols] float (fp32 / fp16 / bf16), computed in fp32 then rounded once."""
+        raise NotImplementedError
+
+    def swizzle_scales(self, scales, out, *, rows: int, cols: int) -> None:
+        """scales uint8 [rows, cols] -> out uint8 [ceil(rows/128)*128, ceil(cols/4)*4] swizzled,
+        padding zeroed."""
+        raise NotImplementedError
+
+    def unswizzle_scales(self, swz, out, *, rows: int, cols: int) -> None:
+        """swz uint8 [ceil(rows/128)*128, ceil(cols/4)*4] -> out uint8 [rows, cols] row-major."""
+        raise NotImplementedError
+
+    def scaled_fp4_mm(
+        self, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: int, k: int, fmt: str
+    ) -> None:
+        """``out = bf16(alpha * A @ B^T + bias)``: a uint8 [m, k/2], b uint8 [n, k/2] (packed
+        E2M1), scale_a / scale_b swizzled ([ceil(m/128)*128, ...] / [ceil(n/128)*128, ...]),
+        alpha fp32 [1], bias bf16 [n] or None, out bf16 [m, n]. ``fmt`` "nvfp4" | "mxfp4"; the
+        NVFP4 global scales are folded into alpha by the caller. Tolerance tier (fp32
+        accumulation of the exactly dequantized operands)."""
+        raise NotImplementedError

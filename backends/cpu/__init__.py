@@ -13,7 +13,7 @@ from quantcore import ops
 from quantcore.arrays import array_kind, device_of, numpy_to_torch, torch_to_numpy
 from quantcore.backend import Availability, Backend, Nested
 from quantcore.errors import DeviceError
-from quantcore.formats import bnb, ggml
+from quantcore.formats import bnb, ggml, mx
 
 
 def _flat(a: np.ndarray) -> np.ndarray:
@@ -124,6 +124,36 @@ class CpuBackend(Backend):
     def gemm_w4a8(self, wq, a, out):
         aq = ggml.quantize_q8_1(a.reshape(-1, a.shape[-1]))
         _store(out, ggml.gemm_q4_0_q8_1(wq, aq).astype(np.float32))
+
+    # -- MX family (NVFP4, MXFP4, MXFP8) -------------------------------------------------------
+    def mx_quantize(self, x, codes, scales, *, rows, cols, fmt, scale_mode, swizzled,
+                    global_scale=None):
+        g = None if global_scale is None else _flat(global_scale)[0]
+        c, s = mx.quantize(x.reshape(rows, cols), fmt, scale_mode=scale_mode or "floor",
+                           global_scale=g)
+        _store(codes, c)
+        _store(scales, mx.swizzle(s) if swizzled else s)
+
+    def _row_major_scales(self, scales, rows, cols, fmt, swizzled):
+        ncols = cols // mx.block_size(fmt)
+        return mx.unswizzle(scales, rows, ncols) if swizzled else scales.reshape(rows, ncols)
+
+    def mx_dequantize(self, codes, scales, out, *, rows, cols, fmt, swizzled, global_scale=None):
+        g = None if global_scale is None else _flat(global_scale)[0]
+        s = self._row_major_scales(scales, rows, cols, fmt, swizzled)
+        q = codes.reshape(rows, mx.codes_cols(fmt, cols))
+        _store(out, mx.dequantize(q, s, fmt, global_scale=g, out_dtype=out.dtype))
+
+    def swizzle_scales(self, scales, out, *, rows, cols):
+        _store(out, mx.swizzle(scales.reshape(rows, cols)))
+
+    def unswizzle_scales(self, swz, out, *, rows, cols):
+        _store(out, mx.unswizzle(swz, rows, cols))
+
+    def scaled_fp4_mm(self, a, b, scale_a, scale_b, alpha, bias, out, *, m, n, k, fmt):
+        bias_v = None if bias is None else _flat(bias)
+        _store(out, mx.scaled_fp4_mm(a.reshape(m, k // 2), b.reshape(n, k // 2), scale_a, scale_b,
+                                     _flat(alpha)[0], bias_v, fmt))
 
 
 def create() -> CpuBackend:
