@@ -65,3 +65,29 @@ __all__ = [
     "quantize_blockwise", "quantize_q4_0", "quantize_q8_0", "quantize_q8_1", "register_backend",
     "set_backend", "unregister_backend", "use_backend", "__version__",
 ]
+
+# -- MX family (NVFP4, MXFP4, MXFP8): quantcore/api_mx.py ------------------------------------------
+from .api_mx import (  # noqa: E402
+    as_torch_float8_e4m3,
+    as_torch_float8_e8m0,
+    as_torch_fp4,
+    dequantize_mx,
+    dequantize_mxfp4,
+    dequantize_mxfp8,
+    dequantize_nvfp4,
+    nvfp4_global_scale,
+    quantize_mx,
+    scaled_fp4_mm,
+    scaled_mxfp4_quant,
+    scaled_mxfp8_quant,
+    scaled_nvfp4_quant,
+    swizzle_scales,
+    unswizzle_scales,
+)
+
+__all__ += [
+    "as_torch_float8_e4m3", "as_torch_float8_e8m0", "as_torch_fp4", "dequantize_mx",
+    "dequantize_mxfp4", "dequantize_mxfp8", "dequantize_nvfp4", "nvfp4_global_scale", "quantize_mx",
+    "scaled_fp4_mm", "scaled_mxfp4_quant", "scaled_mxfp8_quant", "scaled_nvfp4_quant",
+    "swizzle_scales", "unswizzle_scales",
+]

@@ -17,6 +17,9 @@ Q8_1_BLOCK_BYTES = 36  #: half d; half s; int8 qs[32]
 Q4_0_OFFSET = 8  #: q4 codes are unsigned 0..15, value = (q - 8) * d
 Q4_0_ROUND_BIAS = 8.5
 Q8_MAX = 127
+#: fp16 bits of Q8_1's ``s`` when it is NaN (a block with an infinity); see quantize_q8_1.
+Q8_1_NAN_S_BITS = 0xFE00
+Q8_1_NAN_S_F32 = np.array(0xFFC00000, dtype=np.uint32).view(F32)
 BLOCK_BYTES = {"q4_0": Q4_0_BLOCK_BYTES, "q8_0": Q8_0_BLOCK_BYTES, "q8_1": Q8_1_BLOCK_BYTES}
 
 
@@ -91,7 +94,11 @@ def quantize_q8_0(a: np.ndarray) -> np.ndarray:
 def quantize_q8_1(a: np.ndarray) -> np.ndarray:
     """``a [..., K]`` -> uint8 ``[..., K/32, 36]``: Q8_0's d and q, plus ``s = fp16(f32(sum(q)) * d)``."""
     _, d, q = _q8_core(a)
-    s = (q.sum(axis=-1).astype(F32) * d).astype(F32)
+    with np.errstate(invalid="ignore"):
+        s = (q.sum(axis=-1).astype(F32) * d).astype(F32)
+    # A block holding an infinity has d = inf and q = 0, so s = 0 * inf = NaN. Pin its bits to
+    # the x86 default NaN (0xFFC00000 -> fp16 0xFE00) so every host and kernel writes the same.
+    s = np.where(np.isnan(s), Q8_1_NAN_S_F32, s)
     out = np.empty(d.shape + (Q8_1_BLOCK_BYTES,), dtype=np.uint8)
     out[..., 0:2] = d.astype(np.float16)[..., None].view(np.uint8)
     with np.errstate(over="ignore"):

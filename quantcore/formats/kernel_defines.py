@@ -53,6 +53,7 @@ def _entries() -> list[tuple[str, str]]:
         ("QC_Q4_0_OFFSET", str(ggml.Q4_0_OFFSET)),
         ("QC_Q4_0_ROUND_BIAS", f"{ggml.Q4_0_ROUND_BIAS}f"),
         ("QC_Q8_MAX", str(ggml.Q8_MAX)),
+        ("QC_Q8_1_NAN_S_BITS", hex(ggml.Q8_1_NAN_S_BITS)),
         ("QC_DTYPE_F32", "0"),
         ("QC_DTYPE_F16", "1"),
         ("QC_DTYPE_BF16", "2"),

@@ -1,0 +1,3 @@
+// Compatibility build only: <mc_runtime.h> of the MetaX SDK, resolved onto CUDA (mappings in maca_compat.h).
+#pragma once
+#include "maca_compat.h"

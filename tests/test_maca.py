@@ -1,0 +1,576 @@
+"""The maca backend: MetaX MACA sources, their CUDA compatibility build, and the Python glue.
+
+CPU-safe part (runs in CI): every ``kernels_maca/*.maca`` compiles and links with this machine's
+nvcc through the compatibility header; the exact mxcc command lines are pinned; the compat header
+holds mappings only; the sources use mc* names, one wave-width constant and no inline PTX;
+availability says why the backend cannot run here.
+
+GPU part (skipped with the reason where the backend is unavailable; run on the GPU machine with
+the same pytest command): bit-exact quantize / dequantize against the numpy reference on random
+and adversarial data, gemv / gemm within tolerance of fp64, and errors surfacing as KernelError.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from quantcore.backends import maca
+from quantcore.backends.maca import build
+
+import quantcore as qc
+from quantcore import ops
+from quantcore.arrays import BF16
+from quantcore.errors import DeviceError, KernelError
+from quantcore.formats import bnb, ggml
+
+from .conftest import FLOAT_DTYPES, bits
+
+NVCC = build.find_nvcc()
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found: the MACA sources are "
+                                "compile-checked with nvcc through the CUDA compatibility header")
+KERNELS = build.kernel_dir()
+EXPECTED_SOURCES = {"bnb_4bit.maca", "bnb_8bit.maca", "gemv_4bit.maca", "ggml_quant.maca",
+                    "ggml_gemm.maca", "runtime.maca"}
+
+
+def _kernel_texts() -> dict[str, str]:
+    """The MACA sources and their headers (not the compat folder)."""
+    files = sorted(KERNELS.glob("*.maca")) + sorted(KERNELS.glob("*.h"))
+    return {f.name: f.read_text() for f in files}
+
+
+def _strip_comments(text: str) -> str:
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    return re.sub(r"//[^\n]*", "", text)
+
+
+# -- the CUDA compatibility build, on any machine with nvcc (no GPU needed) -------------------------
+@pytest.fixture(scope="module")
+def compat_build(tmp_path_factory):
+    """libqc_maca.so built here with nvcc through the compat header, in a private cache."""
+    cache = tmp_path_factory.mktemp("xdg-cache")
+    toolchain = build.Toolchain(build.MODE_NVCC_COMPAT, NVCC, archs=("sm_90",))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(cache))
+        path = build.build_library(toolchain)
+        mtime = path.stat().st_mtime_ns
+        again = build.build_library(toolchain)
+    return toolchain, path, again, mtime, cache
+
+
+def test_sources_are_the_expected_set():
+    assert {p.name for p in build.sources()} == EXPECTED_SOURCES
+
+
+@needs_nvcc
+def test_every_maca_source_compiles_and_links_with_nvcc_through_compat(compat_build):
+    toolchain, path, again, mtime, cache = compat_build
+    assert path.is_file() and path.name == build.LIBRARY_NAME
+    assert str(path).startswith(str(cache / "quantcore" / "maca"))
+    # second call: the cached library, not a rebuild
+    assert again == path and path.stat().st_mtime_ns == mtime
+    lib = maca._load_library(str(path), toolchain)
+    for op in maca._SIGNATURES:
+        assert hasattr(lib, f"qc_maca_{op}"), op
+    assert lib.qc_maca_wave_size() == 32  # the compatibility build's constant (NVIDIA warp)
+
+
+@needs_nvcc
+def test_launcher_error_codes_become_kernel_error(compat_build):
+    toolchain, path, *_ = compat_build
+    lib = maca._load_library(str(path), toolchain)
+    # An unknown dtype code is rejected by the launcher (mcErrorInvalidValue), before any launch.
+    rc = lib.qc_maca_quantize_4bit(None, 99, None, None, 64, 64, 0, None)
+    assert rc != 0
+    with pytest.raises(KernelError, match=r"maca quantize_4bit failed: invalid argument"):
+        maca.MacaBackend._check(lib, "quantize_4bit", rc)
+    rc = lib.qc_maca_dequantize_ggml(None, 17, None, 0, 1, None)  # no format has 17-byte blocks
+    with pytest.raises(KernelError, match="invalid argument"):
+        maca.MacaBackend._check(lib, "dequantize_ggml", rc)
+
+
+@needs_nvcc
+def test_a_broken_source_is_reported_with_the_compiler_log(tmp_path):
+    bad = tmp_path / "broken.maca"
+    bad.write_text('#include "qc_maca.h"\n__global__ void k(float* x) { x[0] = undefined_name; }\n')
+    toolchain = build.Toolchain(build.MODE_NVCC_COMPAT, NVCC, archs=("sm_90",))
+    with pytest.raises(KernelError, match=r"compile broken\.maca failed[\s\S]*undefined_name"):
+        build.compile_sources(toolchain, tmp_path, [bad])
+
+
+F16_HARNESS = r"""
+#include "qc_maca.h"
+#include <immintrin.h>
+#include <cstdio>
+// qc_half_bits_rn on every fp32 bit pattern: finite and Inf against the CPU's F16C conversion
+// (IEEE round to nearest even), NaN against numpy's rule (sign and top payload bits kept).
+int main() {
+  unsigned long long bad = 0;
+#pragma omp parallel for reduction(+ : bad) schedule(static, 1 << 20)
+  for (long long i = 0; i < (1LL << 32); ++i) {
+    const uint32_t x = (uint32_t)i;
+    float f;
+    memcpy(&f, &x, 4);
+    uint32_t ref;
+    if ((x & 0x7fffffffu) > 0x7f800000u) {
+      ref = 0x7c00u + ((x & 0x7fffffu) >> 13);
+      ref = ((x >> 16) & 0x8000u) | (ref == 0x7c00u ? ref + 1 : ref);
+    } else {
+      ref = _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+    }
+    bad += qc_half_bits_rn(f) != ref;
+  }
+  printf("%llu\n", bad);
+  return bad != 0;
+}
+"""
+
+
+def _has_f16c() -> bool:
+    try:
+        return " f16c" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@needs_nvcc
+@pytest.mark.skipif(not _has_f16c(), reason="needs a CPU with F16C for the reference conversion")
+def test_fp16_rounding_of_the_kernels_is_exact_on_every_fp32(tmp_path):
+    from quantcore.formats import kernel_defines
+
+    kernel_defines.write_header(tmp_path)
+    src = tmp_path / "f16.cu"
+    src.write_text(F16_HARNESS)
+    exe = tmp_path / "f16"
+    build._run([NVCC, "-x", "cu", "-O2", "-Xcompiler", "-fopenmp,-mf16c", f"-I{KERNELS / 'compat'}",
+                f"-I{KERNELS}", f"-I{tmp_path}", str(src), "-o", str(exe)], "compile the fp16 harness")
+    build._run([str(exe)], "run the fp16 harness (prints the number of mismatches)")
+
+
+# -- command lines (pinned) -------------------------------------------------------------------------
+def test_mxcc_command_lines_are_pinned():
+    tc = build.Toolchain(build.MODE_MXCC, build.mxcc_path("/opt/maca"), maca_path="/opt/maca")
+    assert tc.compile_command("/src/bnb_4bit.maca", "/b/bnb_4bit.o", ["/src", "/b"]) == [
+        "/opt/maca/mxgpu_llvm/bin/mxcc", "-x", "maca", "-O3", "-std=c++17", "-fPIC",
+        "-I/src", "-I/b", "-c", "/src/bnb_4bit.maca", "-o", "/b/bnb_4bit.o"]
+    assert tc.link_command(["/b/a.o", "/b/b.o"], "/b/libqc_maca.so") == [
+        "/opt/maca/mxgpu_llvm/bin/mxcc", "-shared", "-fPIC", "/b/a.o", "/b/b.o",
+        "-L/opt/maca/lib", "-lmcruntime", "-Wl,-rpath,/opt/maca/lib:/opt/maca/mxgpu_llvm/lib",
+        "-o", "/b/libqc_maca.so"]
+    assert build.runtime_library_path("/opt/maca") == "/opt/maca/lib:/opt/maca/mxgpu_llvm/lib"
+
+
+def test_build_on_metax_runs_exactly_the_pinned_mxcc_commands(monkeypatch, tmp_path):
+    """What build_library would run on a MetaX machine: one mxcc compile per source against the
+    sources' folder and the generated constants header, then one link with -lmcruntime."""
+    ran = []
+
+    def fake_run(cmd, what):
+        out = Path(cmd[cmd.index("-o") + 1])
+        ran.append((cmd, (out.parent / "quantcore_constants.h").is_file()))
+        out.write_bytes(b"")
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(build, "_run", fake_run)
+    tc = build.Toolchain(build.MODE_MXCC, build.mxcc_path("/opt/maca"), maca_path="/opt/maca")
+    lib = build.build_library(tc)
+    assert lib.name == "libqc_maca.so" and lib.parent.parent == tmp_path / "quantcore" / "maca"
+    *compiles, (link, _) = ran
+    assert len(compiles) == len(build.sources())
+    compiles.sort(key=lambda c: c[0][-3])  # they run in parallel: order by source
+    for (cmd, header_written), src in zip(compiles, build.sources()):
+        workdir = Path(cmd[-1]).parent
+        assert cmd == ["/opt/maca/mxgpu_llvm/bin/mxcc", "-x", "maca", "-O3", "-std=c++17", "-fPIC",
+                       f"-I{KERNELS}", f"-I{workdir}", "-c", str(src), "-o", str(workdir / (src.stem + ".o"))]
+        assert header_written  # the constants header sits in the include folder when mxcc runs
+    assert link[:3] == ["/opt/maca/mxgpu_llvm/bin/mxcc", "-shared", "-fPIC"]
+    assert link[-5:] == ["-L/opt/maca/lib", "-lmcruntime", "-Wl,-rpath,/opt/maca/lib:/opt/maca/mxgpu_llvm/lib",
+                         "-o", link[-1]] and link[-1].endswith("libqc_maca.so")
+    assert link[3:-5] == [str(Path(c[-1]).parent / (src.stem + ".o")) for (c, _), src in
+                          zip(compiles, build.sources())]
+
+
+def test_nvcc_compat_command_lines_are_pinned():
+    tc = build.Toolchain(build.MODE_NVCC_COMPAT, "/cuda/bin/nvcc", archs=("sm_90",))
+    assert tc.compile_command("/src/k.maca", "/b/k.o", ["/src", "/b"]) == [
+        "/cuda/bin/nvcc", "-x", "cu", "-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-arch=sm_90",
+        f"-I{KERNELS / 'compat'}", "-I/src", "-I/b", "-c", "/src/k.maca", "-o", "/b/k.o"]
+    assert tc.link_command(["/b/k.o"], "/b/lib.so") == [
+        "/cuda/bin/nvcc", "-shared", "-arch=sm_90", "/b/k.o", "-o", "/b/lib.so"]
+    two = build.Toolchain(build.MODE_NVCC_COMPAT, "nvcc", archs=("sm_80", "sm_90"))
+    assert two.link_command([], "l.so")[2:4] == ["-gencode=arch=compute_80,code=sm_80",
+                                                "-gencode=arch=compute_90,code=sm_90"]
+
+
+# -- what the sources may and may not contain ---------------------------------------------------
+def test_compat_header_holds_mappings_only():
+    allowed = re.compile(r"^(#pragma once|#include [<\"][\w./]+[>\"]|#define \w+( .+)?|"
+                         r"typedef [\w ]+ \w+;)$")
+    headers = sorted((KERNELS / "compat").glob("*.h"))
+    assert {h.name for h in headers} == {"maca_compat.h", "mc_runtime.h", "maca_fp16.h",
+                                         "maca_bfloat16.h"}
+    for h in headers:
+        for line in _strip_comments(h.read_text()).splitlines():
+            line = line.strip()
+            assert not line or allowed.match(line), f"{h.name}: not a mapping: {line!r}"
+    text = "".join(h.read_text() for h in headers)
+    for word in ("__global__", "__device__", "{", "return"):
+        assert word not in _strip_comments(text)
+
+
+def test_sources_use_mc_runtime_names_and_no_cuda_names():
+    for name, text in _kernel_texts().items():
+        code = _strip_comments(text)
+        assert not re.search(r"\bcuda\w*", code), f"{name} names a CUDA API"
+        assert "__nv_" not in code, f"{name} names a CUDA type"
+        assert not re.search(r"\bmaca(Malloc|Memcpy|Free|Stream|Error|GetLastError|Device)", code), (
+            f"{name} uses a maca* runtime name (the MACA runtime spells them mc*)")
+        assert not re.search(r"\basm\b|__asm", code), f"{name} has inline assembly"
+    launchers = "".join(_kernel_texts().values())
+    assert "mcStream_t stream" in launchers and "mcGetLastError" in launchers
+    assert "mcDeviceAttributeMaxSharedMemoryPerBlock" in launchers
+
+
+def test_wave_width_is_one_constant():
+    texts = _kernel_texts()
+    for name, text in texts.items():
+        code = _strip_comments(text)
+        assert "warpSize" not in code, f"{name} reads warpSize instead of QC_WAVE_SIZE"
+        assert not re.search(r"0xffffffff\b|0xFFFFFFFF\b", code), f"{name} spells a 32-bit lane mask"
+        if name != "qc_maca.h":
+            assert "__shfl" not in code, f"{name} shuffles outside the wave helpers of qc_maca.h"
+    common = _strip_comments(texts["qc_maca.h"])
+    assert re.search(r"#define QC_WAVE_SIZE 64\b", common)
+    assert "typedef unsigned long long qc_lane_mask_t" in common
+    # every shuffle takes the full-width mask of the wave
+    for call in re.findall(r"__shfl\w*\(([^,]+),", common):
+        assert call.strip() == "QC_FULL_MASK"
+
+
+def test_no_format_table_is_spelled_in_the_sources():
+    # Tables and thresholds come from quantcore_constants.h; a long decimal literal in a kernel
+    # would be a copy of one.
+    for name, text in _kernel_texts().items():
+        found = re.findall(r"\d\.\d{4,}", _strip_comments(text))
+        assert not found, f"{name} spells constants {found[:3]}"
+    assert "QC_NF4_THRESHOLDS_INIT" in _kernel_texts()["bnb_4bit.maca"]
+
+
+# -- availability and adapters without a device -------------------------------------------------
+def test_unavailable_without_metax_sdk_or_nvidia_gpu(monkeypatch, tmp_path):
+    monkeypatch.setenv("MACA_PATH", str(tmp_path / "no-sdk"))
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    monkeypatch.setattr(build, "nvidia_gpus", lambda: [])
+    av = maca.create().availability()
+    assert not av.ok
+    assert av.reason == "no MetaX SDK (MACA_PATH) and no NVIDIA GPU for the compatibility mode"
+
+
+def test_metax_sdk_is_detected_by_maca_path(monkeypatch, tmp_path):
+    sdk = tmp_path / "maca"
+    (sdk / "mxgpu_llvm" / "bin").mkdir(parents=True)
+    (sdk / "mxgpu_llvm" / "bin" / "mxcc").write_text("")
+    monkeypatch.setenv("MACA_PATH", str(sdk))
+    assert build.find_maca_path() == str(sdk)
+    monkeypatch.setattr(build, "metax_gpu_count", lambda path: 0)
+    av = maca.create().availability()
+    assert not av.ok and f"MetaX SDK is at {sdk}" in av.reason and "mcGetDeviceCount" in av.reason
+    monkeypatch.setattr(build, "metax_gpu_count", lambda path: 1)
+    monkeypatch.setattr(maca, "_torch_installed", lambda: True)
+    be = maca.create()
+    av = be.availability()
+    assert av.ok and av.mode == maca.MXCC_MODE
+    assert be._toolchain.compile_command("k.maca", "k.o", [])[:7] == [
+        f"{sdk}/mxgpu_llvm/bin/mxcc", "-x", "maca", "-O3", "-std=c++17", "-fPIC", "-c"]
+
+
+def test_compat_mode_needs_nvcc(monkeypatch, tmp_path):
+    monkeypatch.setenv("MACA_PATH", str(tmp_path / "no-sdk"))
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    monkeypatch.setattr(build, "nvidia_gpus", lambda: [build.Gpu("NVIDIA H200", "sm_90")])
+    monkeypatch.setattr(build, "find_nvcc", lambda: None)
+    av = maca.create().availability()
+    assert not av.ok and "no nvcc" in av.reason and "NVIDIA H200" in av.reason
+    monkeypatch.setattr(build, "find_nvcc", lambda: "/cuda/bin/nvcc")
+    monkeypatch.setattr(maca, "_torch_installed", lambda: True)
+    be = maca.create()
+    av = be.availability()
+    assert av.ok and av.mode == "validated through the CUDA compatibility header"
+    assert be._toolchain.archs == ("sm_90",)
+
+
+def test_host_arrays_are_refused():
+    be = maca.create()
+    with pytest.raises(DeviceError, match="maca backend takes device arrays"):
+        be.prepare(np.zeros(4, np.float32))
+
+
+def test_capabilities_cover_the_bnb_and_ggml_families():
+    caps = maca.create().capabilities()
+    assert caps == frozenset(ops.bnb_capabilities() + ops.ggml_capabilities())
+    assert caps <= ops.ALL_CAPABILITIES
+
+
+# -- on a GPU ----------------------------------------------------------------------------------------
+def _maca_backend():
+    be = maca.create()
+    av = be.availability()
+    if not av:
+        pytest.skip(f"maca backend unavailable here: {av.reason}")
+    return be
+
+
+@pytest.fixture(scope="module")
+def be():
+    return _maca_backend()
+
+
+def _same(got: np.ndarray, ref: np.ndarray, what: str) -> None:
+    """Bit for bit, except that a NaN reference needs a NaN of any sign and payload."""
+    got, ref = np.ascontiguousarray(got), np.ascontiguousarray(ref).reshape(got.shape)
+    diff = bits(got) != bits(ref.astype(got.dtype))
+    if got.dtype.kind == "f" or got.dtype == BF16:
+        rnan, gnan = np.isnan(ref.astype(np.float32)), np.isnan(got.astype(np.float32))
+        diff = np.where(rnan, ~gnan, diff)
+    if diff.any():
+        i = int(np.flatnonzero(diff)[0])
+        raise AssertionError(f"{what}: {int(diff.sum())} of {diff.size} differ; first at {i}: "
+                             f"got {got.reshape(-1)[i]!r}, expected {ref.reshape(-1)[i]!r}")
+
+
+def _adversarial(rng, n: int, bs: int, dtype) -> np.ndarray:
+    """Block-scaled normals with special blocks: all zero, NaN, +-Inf, huge, subnormal, values
+    on the NF4 / FP4 thresholds and next to them, and an all-NaN block."""
+    x = rng.standard_normal(n) * np.repeat(np.exp2(rng.uniform(-10, 10, -(-n // bs))), bs)[:n]
+    specials = []
+    specials.append(np.zeros(bs))
+    nan_block = rng.standard_normal(bs)
+    nan_block[::7] = np.nan
+    specials.append(nan_block)
+    inf_block = rng.standard_normal(bs)
+    inf_block[1], inf_block[-1] = np.inf, -np.inf
+    specials.append(inf_block)
+    specials.append(rng.uniform(-1, 1, bs) * float(np.finfo(np.float32).max))
+    specials.append(rng.uniform(-1, 1, bs) * 1e-40)
+    t = np.concatenate([bnb.NF4_THRESHOLDS, bnb.FP4_THRESHOLDS, -bnb.FP4_THRESHOLDS]).astype(np.float32)
+    ties = np.concatenate([[1.0], t, np.nextafter(t, np.float32(2)), np.nextafter(t, np.float32(-2))])
+    specials.append(np.resize(ties, bs))
+    specials.append(np.full(bs, np.nan))
+    x[: len(specials) * bs] = np.concatenate(specials)[:n]
+    with np.errstate(over="ignore"):
+        return x.astype(np.float32).astype(dtype)
+
+
+def _dev(be, a):
+    return be.from_numpy(np.ascontiguousarray(a))
+
+
+def _run(be, op: str, outs: dict, *args, **kw) -> dict:
+    """Call a kernel-level op with fresh outputs (poisoned with 0xA5 bytes), return them on host."""
+    native = {}
+    for k, (shape, dt) in outs.items():
+        buf = be.from_numpy(np.full(int(np.prod(shape)) * np.dtype(dt).itemsize, 0xA5, np.uint8))
+        native[k] = be.view(buf, 0, shape, dt)
+    getattr(be, op)(*args, *native.values(), **kw)
+    be.synchronize()
+    return {k: be.to_numpy(v) for k, v in native.items()}
+
+
+DTYPE_IDS = list(FLOAT_DTYPES)
+
+
+@pytest.mark.gpu
+def test_library_wave_size_matches_the_device(be):
+    import torch
+
+    lib = be.library()
+    assert lib.qc_maca_wave_size() == torch.cuda.get_device_properties(0).warp_size
+    smem = ctypes.c_int(0)
+    assert lib.qc_maca_device_shared_memory(0, ctypes.byref(smem)) == 0 and smem.value >= 16384
+    assert be.availability().mode in (maca.COMPAT_MODE, maca.MXCC_MODE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPE_IDS)
+@pytest.mark.parametrize("qt", bnb.QUANT_TYPES)
+@pytest.mark.parametrize("bs", bnb.BLOCKSIZES_4BIT)
+def test_4bit_quantize_dequantize_bit_exact(be, rng, dtype, qt, bs):
+    T = FLOAT_DTYPES[dtype]
+    for n in (1, 3, 9 * bs + bs // 2 + 1, 12 * bs):
+        x = _adversarial(rng, n, bs, T)
+        packed_ref, absmax_ref = bnb.quantize_4bit(x, bs, qt)
+        nb = absmax_ref.size
+        got = _run(be, "quantize_4bit", {"packed": (((n + 1) // 2, 1), np.uint8), "absmax": ((nb,), np.float32)},
+                   _dev(be, x), blocksize=bs, quant_type=qt)
+        _same(got["packed"], packed_ref, f"packed n={n}")
+        _same(got["absmax"], absmax_ref, f"absmax n={n}")
+        out = _run(be, "dequantize_4bit", {"out": ((n,), T)}, _dev(be, packed_ref), _dev(be, absmax_ref),
+                   blocksize=bs, quant_type=qt, nested=None)
+        _same(out["out"], bnb.dequantize_4bit(packed_ref, absmax_ref, n, bs, qt, T), f"dequantize n={n}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nb", [1, 2, 255, 257, 4099, 65543, (1 << 20) + 3])
+def test_double_quantize_and_nested_dequantize_bit_exact(be, rng, nb):
+    absmax = (np.abs(rng.standard_normal(nb)) * np.exp2(rng.uniform(-20, 20, nb))).astype(np.float32)
+    absmax[rng.integers(0, nb, max(1, nb // 9))] = 0.0
+    q_ref, a2_ref, off_ref = bnb.double_quantize(absmax)
+    got = _run(be, "double_quantize", {"qabsmax": ((nb,), np.uint8), "absmax2": (a2_ref.shape, np.float32),
+                                        "offset": ((1,), np.float32)}, _dev(be, absmax))
+    _same(got["offset"], np.array([off_ref], np.float32), "offset")
+    _same(got["qabsmax"], q_ref, "qabsmax")
+    _same(got["absmax2"], a2_ref, "absmax2")
+    if nb > 5000:
+        return
+    bs, qt = 64, "nf4"
+    n = nb * bs - 5
+    packed = rng.integers(0, 256, ((n + 1) // 2, 1), dtype=np.uint8)
+    nested = qc.backend.Nested(_dev(be, a2_ref), _dev(be, bnb.DYNAMIC_MAP), _dev(be, np.array([off_ref])))
+    eff = bnb.dequantize_absmax(q_ref, a2_ref, off_ref)
+    for dtype in DTYPE_IDS:
+        T = FLOAT_DTYPES[dtype]
+        out = _run(be, "dequantize_4bit", {"out": ((n,), T)}, _dev(be, packed), _dev(be, q_ref),
+                   blocksize=bs, quant_type=qt, nested=nested)
+        _same(out["out"], bnb.dequantize_4bit(packed, eff, n, bs, qt, T), f"nested dequantize {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPE_IDS)
+@pytest.mark.parametrize("bs", bnb.BLOCKSIZES_8BIT)
+def test_blockwise_8bit_bit_exact(be, rng, dtype, bs):
+    T = FLOAT_DTYPES[dtype]
+    for n in (1, 5 * bs + 3, 8 * bs):
+        x = _adversarial(rng, n, bs, T)
+        codes_ref, absmax_ref = bnb.quantize_blockwise(x, bs)
+        got = _run(be, "quantize_blockwise", {"codes": ((n,), np.uint8), "absmax": (absmax_ref.shape, np.float32)},
+                   _dev(be, x), _dev(be, bnb.DYNAMIC_THRESHOLDS), blocksize=bs)
+        _same(got["codes"], codes_ref, f"codes n={n}")
+        _same(got["absmax"], absmax_ref, f"absmax n={n}")
+        codes = rng.integers(0, 256, n, dtype=np.uint8)
+        out = _run(be, "dequantize_blockwise", {"out": ((n,), T)}, _dev(be, codes), _dev(be, absmax_ref),
+                   _dev(be, bnb.DYNAMIC_MAP), blocksize=bs)
+        _same(out["out"], bnb.dequantize_blockwise(codes, absmax_ref, bs, T), f"dequantize n={n}")
+
+
+def _ggml_input(rng, rows: int, k: int, T) -> np.ndarray:
+    x = rng.standard_normal((rows, k)) * np.repeat(np.exp2(rng.uniform(-12, 12, (rows, k // 32))), 32, axis=1)
+    x[0, 3], x[0, 40], x[0, 70] = np.nan, np.inf, -np.inf  # NaN skipped, d = +-Inf
+    x[0, 96:128] = np.nan
+    x[0, 128:160] = 0.0
+    x[0, 160:192] = np.resize([-8.0, 8.0, 4.25, -3.75, 0.5], 32)  # first of equal |x| sets d; .5 ties
+    x[1 % rows, 192:224] = rng.uniform(-1, 1, 32) * 6e4
+    x[1 % rows, 224:256] = rng.uniform(-1, 1, 32) * 1e-42
+    with np.errstate(over="ignore"):
+        return x.astype(np.float32).astype(T)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPE_IDS)
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q8_1"])
+def test_ggml_quantize_dequantize_bit_exact(be, rng, dtype, fmt):
+    T = FLOAT_DTYPES[dtype]
+    rows, k = 5, 320
+    x = _ggml_input(rng, rows, k, T)
+    with np.errstate(all="ignore"):
+        ref = getattr(ggml, f"quantize_{fmt}")(x)
+    got = _run(be, f"quantize_{fmt}", {"out": (ref.shape, np.uint8)}, _dev(be, x))
+    _same(got["out"], ref, f"quantize_{fmt}")
+    q = rng.integers(0, 256, (rows, k // 32, ggml.BLOCK_BYTES[fmt]), dtype=np.uint8)  # any d: Inf, NaN
+    with np.errstate(all="ignore"):
+        vals = ggml.dequantize_q4_0(q) if fmt == "q4_0" else ggml.dequantize_q8(q, fmt)
+        ref = vals.astype(T)
+    out = _run(be, "dequantize_ggml", {"out": ((rows, k), T)}, _dev(be, q), fmt=fmt)
+    _same(out["out"], ref, f"dequantize {fmt}")
+
+
+def _rel_err(got, ref) -> float:
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(got).all()
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+GEMV_TOL = {"float32": 2e-6, "float16": 1e-3, "bfloat16": 8e-3}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPE_IDS)
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize(("rows", "n", "k", "bs"), [(1, 33, 256, 64), (3, 40, 100, 32), (8, 17, 4096, 4096),
+                                                   (11, 5, 1000, 128)])
+def test_gemv_4bit_within_tolerance(be, rng, dtype, nested, rows, n, k, bs):
+    T = FLOAT_DTYPES[dtype]
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    packed, absmax = bnb.quantize_4bit(w, bs, "nf4")
+    a = rng.standard_normal((rows, k)).astype(T)
+    nest = None
+    eff = absmax
+    if nested:
+        q, a2, off = bnb.double_quantize(absmax)
+        nest = qc.backend.Nested(_dev(be, a2), _dev(be, bnb.DYNAMIC_MAP), _dev(be, np.array([off])))
+        eff, absmax = bnb.dequantize_absmax(q, a2, off), q
+    wd = bnb.dequantize_4bit(packed, eff, n * k, bs, "nf4", np.float32).reshape(n, k).astype(np.float64)
+    ref = a.astype(np.float64) @ wd.T
+    got = _run(be, "gemv_4bit", {"out": ((rows, n), T)}, _dev(be, a), _dev(be, packed), _dev(be, absmax),
+               n=n, k=k, blocksize=bs, quant_type="nf4", nested=nest)
+    assert _rel_err(got["out"].astype(np.float64), ref) < GEMV_TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("m", "n", "k"), [(33, 1, 32), (64, 8, 96), (7, 9, 256), (130, 3, 1024), (1, 33, 4096),
+                                           (67, 2, 14336 // 2), (200, 17, 512)])
+def test_w4a8_gemms_within_tolerance(be, rng, m, n, k):
+    wq = ggml.quantize_q4_0(rng.standard_normal((m, k)).astype(np.float32))
+    for dtype in DTYPE_IDS:
+        a = rng.standard_normal((n, k)).astype(FLOAT_DTYPES[dtype])
+        aq = ggml.quantize_q8_1(a)
+        ref = ggml.gemm_q4_0_q8_1(wq, aq)
+        got = _run(be, "gemm_w4a8", {"out": ((m, n), np.float32)}, _dev(be, wq), _dev(be, a))
+        assert _rel_err(got["out"], ref) < 1e-5, dtype
+    got = _run(be, "gemm_q4_0_q8_1", {"out": ((m, n), np.float32)}, _dev(be, wq), _dev(be, aq))
+    assert _rel_err(got["out"], ref) < 1e-5
+
+
+@pytest.mark.gpu
+def test_public_api_roundtrip_on_a_side_stream(be, rng):
+    import torch
+
+    x = torch.from_numpy(rng.standard_normal((64, 96)).astype(np.float32)).cuda()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        packed, state = qc.quantize_4bit(x, 64, "fp4", backend=be)
+        out = qc.dequantize_4bit(packed, state, backend=be)
+        wq = qc.quantize_q4_0(x, backend=be)
+    stream.synchronize()
+    assert out.is_cuda and out.dtype == torch.float32 and out.shape == x.shape
+    p_ref, st_ref = qc.quantize_4bit(x.cpu().numpy(), 64, "fp4", backend="cpu")
+    _same(packed.cpu().numpy(), p_ref, "packed")
+    _same(out.cpu().numpy(), qc.dequantize_4bit(p_ref, st_ref, backend="cpu"), "out")
+    _same(wq.cpu().numpy(), ggml.quantize_q4_0(x.cpu().numpy()), "q4_0")
+
+
+@pytest.mark.gpu
+def test_launch_errors_surface_as_kernel_error(be):
+    import torch
+
+    x = torch.zeros(64, device="cuda")
+    packed = torch.empty(32, dtype=torch.uint8, device="cuda")
+    absmax = torch.empty(1, device="cuda")
+    with pytest.raises(KernelError, match="invalid argument"):
+        be._launch("quantize_4bit", x, x, 99, packed, absmax, 64, 64, 0)  # no dtype code 99
+    wq = torch.zeros((1, 1, 18), dtype=torch.uint8, device="cuda")
+    n = 65536 * 8  # more activation rows than 65535 CTAs of 8 cover
+    out = torch.empty((1, n), device="cuda")
+    with pytest.raises(KernelError, match="invalid argument"):
+        be._launch("gemm_q4_0_q8_1", out, wq, wq, out, 1, n, 32)
+
+
+@pytest.mark.gpu
+def test_cache_dir_is_used(be):
+    be.library()
+    assert Path(be.library_path).parent.parent == build.cache_root()
+    assert os.path.basename(be.library_path) == build.LIBRARY_NAME
