@@ -138,3 +138,16 @@ def test_linear4bit_checkpoint_loads_bit_exact(qt):
         t = bnb.NF4_THRESHOLDS if qt == "nf4" else np.concatenate([bnb.FP4_THRESHOLDS, -bnb.FP4_THRESHOLDS])
         assert _near_threshold(original.reshape(-1), plain, t, 64)[diff].all()
     assert np.array_equal(ours.absmax, layer["weight.absmax"])
+
+
+@pytest.mark.parametrize("qt", ["nf4", "fp4"])
+def test_linear4bit_checkpoint_as_torch_tensors(qt):
+    """The same state dict as transformers hands it over: torch tensors with layer prefixes."""
+    torch = pytest.importorskip("torch", reason="the torch form of the state dict needs torch")
+    st_torch = pytest.importorskip("safetensors.torch", reason="loading as torch needs safetensors")
+    sd = st_torch.load_file(str(GOLDEN / f"bnb_linear4bit_{qt}.safetensors"))
+    state = qc.QuantState.from_dict({k: v for k, v in sd.items()
+                                     if k.startswith("layer.weight.")})
+    w = qc.dequantize_4bit(sd["layer.weight"], state)
+    assert isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16
+    assert torch.equal(w.view(torch.int16), sd["reference.weight_dequantized"].view(torch.int16))
