@@ -3,11 +3,13 @@
 CPU-safe part (runs in CI): every ``kernels_maca/*.maca`` compiles and links with this machine's
 nvcc through the compatibility header; the exact mxcc command lines are pinned; the compat header
 holds mappings only; the sources use mc* names, one wave-width constant and no inline PTX;
-availability says why the backend cannot run here.
+the MX conversions of qc_mx.h, compiled for the host, match quantcore.formats.mx; availability
+says why the backend cannot run here.
 
 GPU part (skipped with the reason where the backend is unavailable; run on the GPU machine with
-the same pytest command): bit-exact quantize / dequantize against the numpy reference on random
-and adversarial data, gemv / gemm within tolerance of fp64, and errors surfacing as KernelError.
+the same pytest command): bit-exact quantize / dequantize (bnb, ggml, NVFP4 / MXFP4 / MXFP8) and
+swizzle against the numpy reference on random and adversarial data, gemv / gemm / scaled_fp4_mm
+within tolerance of fp64, and errors surfacing as KernelError.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import quantcore as qc
 from quantcore import ops
 from quantcore.arrays import BF16
 from quantcore.errors import DeviceError, KernelError
-from quantcore.formats import bnb, ggml
+from quantcore.formats import bnb, ggml, mx
+from quantcore.formats.kernel_defines import DTYPE_CODE
 
 from .conftest import FLOAT_DTYPES, bits
 
@@ -35,7 +38,7 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found: the MACA s
                                 "compile-checked with nvcc through the CUDA compatibility header")
 KERNELS = build.kernel_dir()
 EXPECTED_SOURCES = {"bnb_4bit.maca", "bnb_8bit.maca", "gemv_4bit.maca", "ggml_quant.maca",
-                    "ggml_gemm.maca", "runtime.maca"}
+                    "ggml_gemm.maca", "mx.maca", "runtime.maca"}
 
 
 def _kernel_texts() -> dict[str, str]:
@@ -92,6 +95,145 @@ def test_launcher_error_codes_become_kernel_error(compat_build):
     rc = lib.qc_maca_dequantize_ggml(None, 17, None, 0, 1, None)  # no format has 17-byte blocks
     with pytest.raises(KernelError, match="invalid argument"):
         maca.MacaBackend._check(lib, "dequantize_ggml", rc)
+    # MX launchers: an unknown format or scale mode, nvfp4 without its global scale, K off the block
+    f32 = DTYPE_CODE["float32"]
+    nvfp4, mxfp4 = mx.MX_FORMAT_CODE["nvfp4"], mx.MX_FORMAT_CODE["mxfp4"]
+    assert lib.qc_maca_mx_quantize(None, f32, None, None, 2, 64, 7, 0, 0, None, None) != 0
+    assert lib.qc_maca_mx_quantize(None, f32, None, None, 2, 64, mxfp4, 5, 0, None, None) != 0
+    assert lib.qc_maca_mx_quantize(None, f32, None, None, 2, 64, nvfp4, 0, 0, None, None) != 0
+    assert lib.qc_maca_mx_quantize(None, f32, None, None, 2, 48, mxfp4, 0, 0, None, None) != 0
+    assert lib.qc_maca_mx_dequantize(None, None, None, f32, 2, 64, nvfp4, 1, None, None) != 0
+    assert lib.qc_maca_scaled_fp4_mm(None, None, None, None, None, None, None, 1, 1, 64, nvfp4, None) != 0
+    assert lib.qc_maca_scaled_fp4_mm(None, None, None, None, 1, None, None, 1, 1, 48, mxfp4, None) != 0
+    assert lib.qc_maca_unswizzle_scales(None, None, 0, 4, None) != 0
+
+
+MX_HARNESS = r"""
+#include "qc_mx.h"
+#include <cstdio>
+#include <vector>
+// The conversions of qc_mx.h on the host, for tests/test_maca.py to compare with the reference.
+// argv: inputs (fp32), per-input results (6 bytes each), decoders (3 x 256 fp32), swizzle
+// offsets (int64) of each "rows,cols" shape given after them. Prints the number of swizzle
+// positions whose inverse is wrong.
+static std::vector<char> slurp(const char* path) {
+  FILE* f = fopen(path, "rb");
+  std::vector<char> buf;
+  char tmp[1 << 16];
+  size_t got;
+  while ((got = fread(tmp, 1, sizeof(tmp), f)) > 0) buf.insert(buf.end(), tmp, tmp + got);
+  fclose(f);
+  return buf;
+}
+int main(int argc, char** argv) {
+  std::vector<char> in = slurp(argv[1]);
+  const size_t n = in.size() / 4;
+  std::vector<unsigned char> res(6 * n);
+  for (size_t i = 0; i < n; ++i) {
+    float x;
+    memcpy(&x, &in[4 * i], 4);
+    const float a = fabsf(x);
+    res[6 * i + 0] = qc_e2m1_code(x);
+    res[6 * i + 1] = qc_e4m3_code(x);
+    res[6 * i + 2] = qc_e8m0_scale(a, QC_EMAX_E2M1, QC_MAX_MANTISSA_BITS_E2M1, false);
+    res[6 * i + 3] = qc_e8m0_scale(a, QC_EMAX_E2M1, QC_MAX_MANTISSA_BITS_E2M1, true);
+    res[6 * i + 4] = qc_e8m0_scale(a, QC_EMAX_E4M3, QC_MAX_MANTISSA_BITS_E4M3, false);
+    res[6 * i + 5] = qc_e8m0_scale(a, QC_EMAX_E4M3, QC_MAX_MANTISSA_BITS_E4M3, true);
+  }
+  FILE* f = fopen(argv[2], "wb");
+  fwrite(res.data(), 1, res.size(), f);
+  fclose(f);
+  float dec[3 * 256];
+  for (unsigned b = 0; b < 256; ++b) {
+    dec[b] = qc_e4m3_value(b);
+    dec[256 + b] = qc_e8m0_value(b);
+    dec[512 + b] = qc_e8m0_multiplier(b);
+  }
+  f = fopen(argv[3], "wb");
+  fwrite(dec, sizeof(float), 3 * 256, f);
+  fclose(f);
+  long long wrong = 0;
+  f = fopen(argv[4], "wb");
+  for (int s = 5; s < argc; ++s) {
+    long long rows, cols;
+    sscanf(argv[s], "%lld,%lld", &rows, &cols);
+    const long long pc = qc_swizzle_pad_cols(cols);
+    for (long long r = 0; r < rows; ++r)
+      for (long long c = 0; c < cols; ++c) {
+        const long long off = qc_swizzle_offset(r, c, pc);
+        long long rr, cc;
+        qc_swizzle_position(off, pc, &rr, &cc);
+        wrong += rr != r || cc != c;
+        fwrite(&off, sizeof(off), 1, f);
+      }
+  }
+  fclose(f);
+  printf("%lld\n", wrong);
+  return wrong != 0;
+}
+"""
+
+
+def _mx_conversion_inputs(rng) -> np.ndarray:
+    """fp32 inputs where the MX conversions can go wrong: random bit patterns (every exponent,
+    NaN payloads, subnormals), the E2M1 and E4M3 rounding midpoints at many power-of-two scales
+    and one ulp either side, the E8M0 floor / rceil boundaries, specials."""
+    f32 = np.float32
+    parts = [rng.integers(0, 1 << 32, 1 << 21, dtype=np.uint64).astype(np.uint32).view(f32)]
+    e4 = mx.e4m3_decode(np.arange(0x7F, dtype=np.uint8)).astype(np.float64)
+    mids = np.concatenate([mx.E2M1_MIDPOINTS.astype(np.float64), mx.E2M1_VALUES[:8].astype(np.float64),
+                           (e4[:-1] + e4[1:]) / 2, e4, [452.0, 464.0, 480.0, 500.0]])
+    scaled = (mids[None, :] * np.exp2(np.arange(-140, 128, dtype=np.float64))[:, None]).reshape(-1)
+    with np.errstate(over="ignore"):
+        v = scaled.astype(f32)
+    v = v[np.isfinite(v)]
+    parts += [v, np.nextafter(v, f32(np.inf)), np.nextafter(v, f32(-np.inf))]
+    exps = np.arange(256, dtype=np.uint32) << np.uint32(23)
+    mants = np.array([0, 1, 0x3FFFFF, 0x400000, 0x400001, 0x5FFFFF, 0x600000, 0x600001, 0x7FFFFF], np.uint32)
+    parts.append((exps[:, None] | mants[None, :]).reshape(-1).view(f32))
+    parts.append(np.array([0.0, np.inf, np.nan, 448.0, 6.0, 2.0**-6, 2.0**-9, 2.0**-10, 2.0**-149], f32))
+    x = np.concatenate(parts).astype(f32)
+    return np.concatenate([x, -x])
+
+
+@needs_nvcc
+def test_mx_conversions_match_the_reference_on_the_host(tmp_path, rng):
+    """The E2M1 / E4M3 / E8M0 conversions and the swizzle offsets of qc_mx.h, compiled for the
+    host from the same header the kernels include, against quantcore.formats.mx."""
+    from quantcore.formats import kernel_defines
+
+    kernel_defines.write_header(tmp_path)
+    src = tmp_path / "mx_harness.cu"
+    src.write_text(MX_HARNESS)
+    exe = tmp_path / "mx_harness"
+    build._run([NVCC, "-x", "cu", "-O2", f"-I{KERNELS / 'compat'}", f"-I{KERNELS}", f"-I{tmp_path}", str(src),
+                "-o", str(exe)], "compile the MX conversion harness")
+    x = _mx_conversion_inputs(rng)
+    x.tofile(tmp_path / "in.bin")
+    shapes = [(1, 1), (128, 4), (130, 5), (257, 9), (33, 3), (300, 130)]
+    build._run([str(exe), *(str(tmp_path / f) for f in ("in.bin", "res.bin", "dec.bin", "swz.bin")),
+                *(f"{r},{c}" for r, c in shapes)], "run the MX conversion harness")
+    res = np.fromfile(tmp_path / "res.bin", np.uint8).reshape(-1, 6)
+    a = np.abs(x)
+    with np.errstate(all="ignore"):
+        expect = {"e2m1": mx.e2m1_round_codes(x), "e4m3": mx.e4m3_round_codes(x),
+                  "e8m0 e2m1 floor": mx.e8m0_scale(a, "e2m1", "floor"),
+                  "e8m0 e2m1 rceil": mx.e8m0_scale(a, "e2m1", "rceil"),
+                  "e8m0 e4m3 floor": mx.e8m0_scale(a, "e4m3", "floor"),
+                  "e8m0 e4m3 rceil": mx.e8m0_scale(a, "e4m3", "rceil")}
+    for col, (what, ref) in enumerate(expect.items()):
+        bad = np.flatnonzero(res[:, col] != ref)
+        assert bad.size == 0, (f"{what}: {bad.size} of {x.size} differ; first {x[bad[0]]!r} "
+                               f"(bits {x[bad[0]:bad[0] + 1].view(np.uint32)[0]:#x}): got "
+                               f"{res[bad[0], col]:#x}, expected {ref[bad[0]]:#x}")
+    dec = np.fromfile(tmp_path / "dec.bin", np.float32).reshape(3, 256)
+    b = np.arange(256, dtype=np.uint8)
+    for what, got, ref in (("e4m3 decode", dec[0], mx.e4m3_decode(b)), ("e8m0 decode", dec[1], mx.e8m0_decode(b)),
+                           ("e8m0 multiplier", dec[2], mx.e8m0_element_multiplier(b))):
+        _same(got, ref, what)
+    offs = np.fromfile(tmp_path / "swz.bin", np.int64)
+    ref = np.concatenate([mx.swizzle_offsets(r, c).reshape(-1) for r, c in shapes])
+    assert np.array_equal(offs, ref)
 
 
 @needs_nvcc
@@ -310,10 +452,11 @@ def test_host_arrays_are_refused():
         be.prepare(np.zeros(4, np.float32))
 
 
-def test_capabilities_cover_the_bnb_and_ggml_families():
+def test_capabilities_cover_every_family():
     caps = maca.create().capabilities()
-    assert caps == frozenset(ops.bnb_capabilities() + ops.ggml_capabilities())
-    assert caps <= ops.ALL_CAPABILITIES
+    assert caps == frozenset(ops.bnb_capabilities() + ops.ggml_capabilities() + ops.mx_capabilities())
+    assert frozenset(mx.capabilities()) <= caps
+    assert caps == ops.ALL_CAPABILITIES
 
 
 # -- on a GPU ----------------------------------------------------------------------------------------
@@ -574,3 +717,165 @@ def test_cache_dir_is_used(be):
     be.library()
     assert Path(be.library_path).parent.parent == build.cache_root()
     assert os.path.basename(be.library_path) == build.LIBRARY_NAME
+
+
+# -- MX family on a GPU ------------------------------------------------------------------------------
+def _mx_input(rng, fmt: str, rows: int, nbk: int, T) -> np.ndarray:
+    """[rows, nbk * blk] block-scaled normals with special blocks in row 0: zero, -0.0, NaN, +-Inf,
+    the top of the dtype's range, subnormals, E2M1 / E4M3 midpoints (scaled to a block amax of
+    6 * 2^e or 448 * 2^e), amax on the E8M0 floor / rceil boundaries, and a tiny block whose
+    NVFP4 scale rounds to zero."""
+    blk = mx.block_size(fmt)
+    x = rng.standard_normal((rows, nbk * blk)) * np.repeat(np.exp2(rng.uniform(-12, 12, (rows, nbk))), blk, 1)
+    info = np.finfo(np.float32) if T == np.float32 else (np.finfo(np.float16) if T == np.float16 else None)
+    top = float(info.max) if info is not None else 3.0e38
+    tiny = float(info.smallest_subnormal) if info is not None else 1e-40
+    top_elem = 6.0 if mx.element_format(fmt) == "e2m1" else 448.0
+    mids = np.concatenate([mx.E2M1_MIDPOINTS, mx.e4m3_decode(np.arange(1, 0x7E, dtype=np.uint8))[::7]])
+    specials = [np.zeros(blk), np.full(blk, -0.0), np.where(np.arange(blk) % 5 == 1, np.nan, 1.0),
+                np.where(np.arange(blk) == 2, np.inf, np.where(np.arange(blk) == 3, -np.inf, 0.5)),
+                rng.uniform(-1, 1, blk) * top, rng.integers(-9, 10, blk) * tiny,
+                np.concatenate([[top_elem * 4], rng.choice(mids, blk - 1) * 4 * rng.choice([-1, 1], blk - 1)]),
+                np.full(blk, top_elem * 2.0**-3) * np.nextafter(np.float32(1), np.float32(2)),
+                np.full(blk, np.float32(1.5 * 2.0**-5)), rng.standard_normal(blk) * 1e-7]
+    sp = np.concatenate(specials)[: x.shape[1]]
+    x[0, : sp.size] = sp
+    with np.errstate(over="ignore", invalid="ignore"):
+        return x.astype(np.float32).astype(T)
+
+
+MX_FMT_IDS = list(mx.MX_FORMATS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPE_IDS)
+@pytest.mark.parametrize("fmt", MX_FMT_IDS)
+def test_mx_quantize_dequantize_bit_exact(be, rng, dtype, fmt):
+    """Quantize (both scale modes, row-major and swizzled scales with zeroed padding) and
+    dequantize (random codes and every scale byte) bit for bit against quantcore.formats.mx."""
+    import torch
+
+    T = FLOAT_DTYPES[dtype]
+    blk = mx.block_size(fmt)
+    for rows, nbk in ((1, 1), (3, 10), (130, 6)):
+        x = _mx_input(rng, fmt, rows, nbk, T)
+        k = nbk * blk
+        cc = mx.codes_cols(fmt, k)
+        finite = np.abs(x.astype(np.float64))[np.isfinite(x.astype(np.float64))]
+        g = mx.nvfp4_global_scale(float(finite.max()) if finite.max() > 0 else 1.0)
+        g_dev = _dev(be, np.array([g], np.float32)) if fmt == "nvfp4" else None
+        for mode in ((None,) if fmt == "nvfp4" else mx.SCALE_MODES):
+            with np.errstate(all="ignore"):
+                codes, scales = mx.quantize(x, fmt, scale_mode=mode or "floor", global_scale=g)
+            for swizzled in (False, True):
+                sref = mx.swizzle(scales) if swizzled else scales
+                got = _run(be, "mx_quantize", {"codes": ((rows, cc), np.uint8), "scales": (sref.shape, np.uint8)},
+                           _dev(be, x), rows=rows, cols=k, fmt=fmt, scale_mode=mode, swizzled=swizzled,
+                           global_scale=g_dev)
+                what = f"{fmt} {mode} rows={rows} swizzled={swizzled}"
+                _same(got["codes"], codes, f"codes {what}")
+                _same(got["scales"], sref, f"scales {what}")
+        q = rng.integers(0, 256, (rows, cc), dtype=np.uint8)
+        s = rng.integers(0, 256, (rows, nbk), dtype=np.uint8)
+        if fmt != "nvfp4":  # mostly in the range where fp16 / bf16 outputs are not all 0 or Inf
+            s = np.where(rng.random(s.shape) < 0.7, rng.integers(110, 145, s.shape), s).astype(np.uint8)
+        s.reshape(-1)[: min(s.size, 256)] = np.arange(min(s.size, 256), dtype=np.uint8)
+        with np.errstate(all="ignore"):
+            ref = mx.dequantize(q, s, fmt, global_scale=g, out_dtype=T)
+        for swizzled in (False, True):
+            s_in = mx.swizzle(s) if swizzled else s
+            if swizzled:  # garbage in the padding: the op must not read it
+                pad = np.ones(s_in.size, bool)
+                pad[mx.swizzle_offsets(rows, nbk).reshape(-1)] = False
+                s_in = s_in.copy().reshape(-1)
+                s_in[pad] = rng.integers(0, 256, int(pad.sum())).astype(np.uint8)
+                s_in = s_in.reshape(mx.swizzled_shape(rows, nbk))
+            out = _run(be, "mx_dequantize", {"out": ((rows, k), T)}, _dev(be, q), _dev(be, s_in), rows=rows,
+                       cols=k, fmt=fmt, swizzled=swizzled, global_scale=g_dev)
+            _same(out["out"], ref, f"dequantize {fmt} rows={rows} swizzled={swizzled}")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("rows", "cols"), [(1, 1), (128, 4), (130, 5), (257, 9), (33, 3), (1000, 70)])
+def test_swizzle_unswizzle_bit_exact(be, rng, rows, cols):
+    s = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
+    ref = mx.swizzle(s)
+    got = _run(be, "swizzle_scales", {"out": (ref.shape, np.uint8)}, _dev(be, s), rows=rows, cols=cols)
+    _same(got["out"], ref, "swizzle")  # the padding is zero in the reference
+    swz = ref.copy().reshape(-1)
+    pad = np.ones(swz.size, bool)
+    pad[mx.swizzle_offsets(rows, cols).reshape(-1)] = False
+    swz[pad] = 0xEE
+    back = _run(be, "unswizzle_scales", {"out": ((rows, cols), np.uint8)}, _dev(be, swz.reshape(ref.shape)),
+                rows=rows, cols=cols)
+    _same(back["out"], s, "unswizzle")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", list(mx.FP4_FORMATS))
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 64), (33, 17, 128), (130, 70, 192), (7, 129, 512),
+                                           (65, 64, 96), (200, 3, 4096)])
+def test_scaled_fp4_mm_within_the_conformance_bound(be, rng, fmt, m, n, k):
+    from quantcore.conformance.families.mx import mm_bound
+
+    ops_ = []
+    for rows in (m, n):
+        x = (rng.standard_normal((rows, k)) * np.exp2(rng.uniform(-3, 3, (rows, 1)))).astype(np.float32)
+        g = mx.nvfp4_global_scale(float(np.abs(x).max())) if fmt == "nvfp4" else None
+        codes, scales = mx.quantize(x, fmt, global_scale=g)
+        ops_.append((codes, mx.swizzle(scales), g))
+    (a, sa, ga), (b, sb, gb) = ops_
+    alpha = np.float32(1.0) / (ga * gb) if fmt == "nvfp4" else np.float32(1.5)
+    for bias in (None, rng.standard_normal(n).astype(BF16)):
+        ref, bound = mm_bound(mx.fp4_operand(a, sa, fmt), mx.fp4_operand(b, sb, fmt), float(alpha),
+                              None if bias is None else bias.astype(np.float64))
+        got = _run(be, "scaled_fp4_mm", {"out": ((m, n), BF16)}, _dev(be, a), _dev(be, b), _dev(be, sa),
+                   _dev(be, sb), _dev(be, np.array([alpha], np.float32)),
+                   None if bias is None else _dev(be, bias), m=m, n=n, k=k, fmt=fmt)["out"]
+        err = np.abs(got.astype(np.float64) - ref)
+        assert (err <= bound.max_abs).all(), f"max excess {float((err - bound.max_abs).max())}"
+        assert float(np.sum(err**2)) <= bound.nmse * float(np.sum(ref**2))
+
+
+@pytest.mark.gpu
+def test_mx_public_api_on_a_side_stream(be, rng):
+    import torch
+
+    import quantcore.api_mx as api_mx
+
+    x = torch.from_numpy(rng.standard_normal((64, 256)).astype(np.float32)).cuda()
+    g = float(mx.nvfp4_global_scale(float(x.abs().max())))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        c, s = api_mx.scaled_nvfp4_quant(x, g, backend=be)
+        y = api_mx.dequantize_nvfp4(c, s, g, "bfloat16", backend=be)
+        c8, s8 = api_mx.scaled_mxfp8_quant(x, scale_mode="rceil", swizzle=False, backend=be)
+        out = api_mx.scaled_fp4_mm(c, c, s, s, 1.0 / (g * g), backend=be)
+    stream.synchronize()
+    assert c.is_cuda and out.dtype == torch.bfloat16 and out.shape == (64, 64)
+    xh = x.cpu().numpy()
+    c_ref, s_ref = mx.quantize_nvfp4(xh, np.float32(g))
+    _same(c.cpu().numpy(), c_ref, "nvfp4 codes")
+    _same(s.cpu().numpy(), mx.swizzle(s_ref), "nvfp4 scales")
+    _same(be.to_numpy(y), mx.dequantize_nvfp4(c_ref, s_ref, np.float32(g), BF16), "nvfp4 dequantize")
+    c8_ref, s8_ref = mx.quantize_mx(xh, "mxfp8", "rceil")
+    _same(c8.cpu().numpy(), c8_ref, "mxfp8 codes")
+    _same(s8.cpu().numpy(), s8_ref, "mxfp8 scales")
+
+
+@pytest.mark.gpu
+def test_mx_launch_errors_surface_as_kernel_error(be):
+    import torch
+
+    x = torch.zeros((2, 64), device="cuda")
+    codes = torch.empty((2, 32), dtype=torch.uint8, device="cuda")
+    scales = torch.empty((2, 4), dtype=torch.uint8, device="cuda")
+    with pytest.raises(KernelError, match="maca mx_quantize failed: invalid argument"):
+        be._launch("mx_quantize", x, x, DTYPE_CODE["float32"], codes, scales, 2, 64, mx.MX_FORMAT_CODE["nvfp4"],
+                   0, 0, None)  # nvfp4 without its global scale
+    out = torch.empty((1, 1), dtype=torch.bfloat16, device="cuda")
+    alpha = torch.ones(1, device="cuda")
+    with pytest.raises(KernelError, match="invalid argument"):  # more row tiles than CTAs
+        be._launch("scaled_fp4_mm", out, codes, codes, scales, scales, alpha, None, out, 64 * 65536, 1, 64,
+                   mx.MX_FORMAT_CODE["mxfp4"])

@@ -25,7 +25,7 @@ from quantcore import ops
 from quantcore.arrays import array_kind, as_dtype, device_of, dtype_name
 from quantcore.backend import Availability, Backend, Nested
 from quantcore.errors import BackendUnavailableError, DeviceError, KernelError
-from quantcore.formats import ggml
+from quantcore.formats import ggml, mx
 from quantcore.formats.kernel_defines import DTYPE_CODE, QUANT_TYPE_CODE
 
 from . import build
@@ -48,6 +48,11 @@ _SIGNATURES = {
     "dequantize_ggml": (_P, _I, _P, _I, _L),
     "gemm_q4_0_q8_1": (_P, _P, _P, _I, _I, _I),
     "gemm_w4a8": (_P, _P, _I, _P, _I, _I, _I),
+    "mx_quantize": (_P, _I, _P, _P, _L, _L, _I, _I, _I, _P),
+    "mx_dequantize": (_P, _P, _P, _I, _L, _L, _I, _I, _P),
+    "swizzle_scales": (_P, _P, _L, _L),
+    "unswizzle_scales": (_P, _P, _L, _L),
+    "scaled_fp4_mm": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I),
 }
 
 
@@ -139,7 +144,7 @@ class MacaBackend(Backend):
         return [f"cuda:{i}" for i in range(_torch().cuda.device_count())]
 
     def capabilities(self):
-        return frozenset(ops.bnb_capabilities() + ops.ggml_capabilities())
+        return frozenset(ops.bnb_capabilities() + ops.ggml_capabilities() + ops.mx_capabilities())
 
     # -- the library ---------------------------------------------------------------------------
     def library(self) -> ctypes.CDLL:
@@ -286,6 +291,27 @@ class MacaBackend(Backend):
     def gemm_w4a8(self, wq, a, out):
         m, n = out.shape
         self._launch("gemm_w4a8", out, wq, a, _dtype_code(a), out, m, n, a.shape[-1])
+
+    # -- MX (NVFP4, MXFP4, MXFP8) --------------------------------------------------------------
+    # Formats and scale modes go to the launchers as mx.MX_FORMAT_CODE / SCALE_MODE_CODE; the
+    # global scale and alpha stay fp32 [1] device arrays (None is a null pointer).
+    def mx_quantize(self, x, codes, scales, *, rows, cols, fmt, scale_mode, swizzled, global_scale=None):
+        self._launch("mx_quantize", x, x, _dtype_code(x), codes, scales, rows, cols, mx.MX_FORMAT_CODE[fmt],
+                     mx.SCALE_MODE_CODE[scale_mode or "floor"], int(swizzled), global_scale)
+
+    def mx_dequantize(self, codes, scales, out, *, rows, cols, fmt, swizzled, global_scale=None):
+        self._launch("mx_dequantize", out, codes, scales, out, _dtype_code(out), rows, cols,
+                     mx.MX_FORMAT_CODE[fmt], int(swizzled), global_scale)
+
+    def swizzle_scales(self, scales, out, *, rows, cols):
+        self._launch("swizzle_scales", out, scales, out, rows, cols)
+
+    def unswizzle_scales(self, swz, out, *, rows, cols):
+        self._launch("unswizzle_scales", out, swz, out, rows, cols)
+
+    def scaled_fp4_mm(self, a, b, scale_a, scale_b, alpha, bias, out, *, m, n, k, fmt):
+        self._launch("scaled_fp4_mm", out, a, b, scale_a, scale_b, alpha, bias, out, m, n, k,
+                     mx.MX_FORMAT_CODE[fmt])
 
 
 def create() -> MacaBackend:
