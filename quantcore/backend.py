@@ -7,6 +7,11 @@ below with *native* arrays (the backend's own array type, contiguous, on its dev
 Python parameters. Kernel-level ops write into the outputs they are given and return nothing;
 they never allocate. The conformance suite calls the same ops with poisoned, guarded outputs.
 
+Shapes in the op docstrings below give the element counts; arrays arrive contiguous in the shape
+the caller used (``x`` of any shape for ``quantize_4bit``, ``a`` as [K] or [B, K] for
+``gemv_4bit``, ``packed`` as [(n+1)//2] or [(n+1)//2, 1], ggml blocks as [nb, bytes] or
+[R, nb, bytes]), so kernels work on flat memory and take sizes from the keywords and outputs.
+
 Every op a backend supports is listed by :meth:`Backend.capabilities`; the full list of what a
 complete backend covers is :data:`quantcore.ops.ALL_CAPABILITIES`.
 """

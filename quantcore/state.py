@@ -197,4 +197,6 @@ def _host(v: Any) -> np.ndarray:
         return torch_to_numpy(v.detach().cpu())
     if kind == "cupy":
         return v.get()
+    if hasattr(v, "to_numpy"):  # backend array types without __array__ (the SYCL USM array)
+        return np.asarray(v.to_numpy())
     return np.asarray(v)
