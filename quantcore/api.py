@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from . import validate as v
-from .arrays import array_kind, as_dtype, meta
+from .arrays import array_kind, as_dtype, device_of, meta
 from .backend import Backend, Nested
 from .errors import ShapeError, StateError
 from .formats import bnb, ggml
@@ -25,9 +25,23 @@ def _backend(backend: str | Backend | None) -> Backend:
     return backend if isinstance(backend, Backend) else get_backend(backend)
 
 
-def _const(be: Backend, values: np.ndarray, like: Any) -> Any:
-    """A small constant table (code map, thresholds) on the backend's device, in the caller's kind."""
-    return be.finish(be.from_numpy(np.ascontiguousarray(values), like=like), like)
+_CONSTANTS: dict[tuple, Any] = {}
+
+
+def _const(be: Backend, name: str, values: np.ndarray, like: Any) -> Any:
+    """A constant table (code map, thresholds) on ``like``'s device in the caller's array kind.
+
+    Made once per (backend, array kind, device) and reused: a host-to-device copy on every call
+    would synchronize and could not be captured in a CUDA graph. Treat the tables as read-only.
+    """
+    key = (be.name, id(be), array_kind(like), device_of(like), name)
+    table = _CONSTANTS.get(key)
+    if table is None:
+        table = be.finish(be.from_numpy(np.ascontiguousarray(values), like=be.prepare(like)), like)
+        if isinstance(table, np.ndarray):
+            table.flags.writeable = False  # shared by every state made here
+        _CONSTANTS[key] = table
+    return table
 
 
 # -- bitsandbytes 4-bit ------------------------------------------------------------------------
@@ -52,7 +66,7 @@ def quantize_4bit(
     packed = be.empty(((n + 1) // 2, 1), U8, like=xn)
     absmax = be.empty((nb,), F32, like=xn)
     be.quantize_4bit(xn, packed, absmax, blocksize=blocksize, quant_type=quant_type)
-    state = QuantState(absmax=None, shape=shape, code=_const(be, bnb.code_4bit(quant_type), x),
+    state = QuantState(absmax=None, shape=shape, code=_const(be, quant_type, bnb.code_4bit(quant_type), x),
                        blocksize=blocksize, quant_type=quant_type, dtype=dt)
     if compress_statistics:
         be.require("double_quantize", "dynamic8", "float32", bnb.NESTED_BLOCKSIZE)
@@ -62,7 +76,7 @@ def quantize_4bit(
         be.double_quantize(absmax, qabsmax, absmax2, offset)
         state.absmax = be.finish(qabsmax, x)
         state.offset = be.finish(offset, x)
-        state.state2 = QuantState(absmax=be.finish(absmax2, x), code=_const(be, bnb.DYNAMIC_MAP, x),
+        state.state2 = QuantState(absmax=be.finish(absmax2, x), code=_const(be, "dynamic_map", bnb.DYNAMIC_MAP, x),
                                   blocksize=bnb.NESTED_BLOCKSIZE, dtype="float32")
     else:
         state.absmax = be.finish(absmax, x)
@@ -142,9 +156,9 @@ def quantize_blockwise(
     n = int(np.prod(shape))
     codes = be.empty(shape, U8, like=xn)
     absmax = be.empty((bnb.nblocks(n, blocksize),), F32, like=xn)
-    thresholds = be.from_numpy(bnb.DYNAMIC_THRESHOLDS, like=xn)
+    thresholds = be.prepare(_const(be, "dynamic_thresholds", bnb.DYNAMIC_THRESHOLDS, x))
     be.quantize_blockwise(xn, thresholds, codes, absmax, blocksize=blocksize)
-    state = QuantState(absmax=be.finish(absmax, x), shape=shape, code=_const(be, bnb.DYNAMIC_MAP, x),
+    state = QuantState(absmax=be.finish(absmax, x), shape=shape, code=_const(be, "dynamic_map", bnb.DYNAMIC_MAP, x),
                        blocksize=blocksize, dtype=dt)
     return be.finish(codes, x), state
 

@@ -87,11 +87,11 @@ class QuantState:
         elif dt != np.float32:
             raise StateError(f"absmax must be float32 (or uint8 when nested), got {dt}")
         if self.quant_type is not None and self.code is not None:
-            host = _host(self.code)
-            # by value: bitsandbytes' fp4 quant_map holds +0.0 where its kernel decodes -0.0
-            if host.shape != (16,) or not np.array_equal(
-                host.astype(np.float32), bnb.code_4bit(self.quant_type)
-            ):
+            if meta(self.code)[0] != (16,):
+                raise StateError(f"quant_map must have 16 entries, got shape {meta(self.code)[0]}")
+            # The values are compared only for host tables: reading a device table back would
+            # synchronize on every call and break graph capture. from_dict checks loaded maps.
+            if _on_host(self.code) and not _code_matches(_host(self.code), self.quant_type):
                 raise StateError(f"quant_map does not match the {self.quant_type} table; "
                                  "custom 4-bit maps are not supported")
         return self
@@ -174,7 +174,21 @@ class QuantState:
             offset=offset,
             state2=state2,
         )
-        return state.validate()
+        state.validate()
+        if state.code is not None and not _code_matches(_host(state.code), state.quant_type):
+            raise StateError(f"quant_map does not match the {state.quant_type} table; "
+                             "custom 4-bit maps are not supported")
+        return state
+
+
+def _on_host(v: Any) -> bool:
+    kind = array_kind(v)
+    return kind == "numpy" or (kind == "torch" and v.device.type == "cpu")
+
+
+def _code_matches(host: np.ndarray, quant_type: str) -> bool:
+    # by value: bitsandbytes' fp4 quant_map holds +0.0 where its kernel decodes -0.0
+    return np.array_equal(host.astype(np.float32), bnb.code_4bit(quant_type))
 
 
 def _dtype_from_name(name: str) -> str:
@@ -199,4 +213,6 @@ def _host(v: Any) -> np.ndarray:
         return v.get()
     if hasattr(v, "to_numpy"):  # backend array types without __array__ (the SYCL USM array)
         return np.asarray(v.to_numpy())
+    if hasattr(v, "asnumpy"):  # dpnp arrays
+        return np.asarray(v.asnumpy())
     return np.asarray(v)

@@ -1,14 +1,451 @@
-"""The ``cuda`` backend (being written; reports itself unavailable until then)."""
+"""The ``cuda`` backend: kernels_cuda/*.cu compiled at run time by NVRTC, launched through CuPy.
 
-from quantcore.backend import Availability, Backend
+- Native arrays are the caller's own: torch CUDA tensors or CuPy arrays, used zero-copy (pointers
+  are passed to the kernels); results come back as the same kind. A host array raises
+  :class:`~quantcore.errors.DeviceError`.
+- Every op launches on the caller's current stream (torch's current stream for torch tensors,
+  CuPy's for CuPy arrays), does no host synchronization and allocates nothing beyond the outputs
+  it is given, so it can be captured in a CUDA graph.
+- Kernels are compiled on first use (one cubin per template instantiation, cached on disk under
+  ``$QUANTCORE_CACHE_DIR`` or ``~/.cache/quantcore/cuda``); no nvcc is needed.
+
+Each op has one launcher: the dtype and format select a template instantiation by name
+(``qc::dequantize_4bit_kernel<qc::BF16, 0, true>``), not a branch per combination.
+
+The double-quantization offset needs a reduction across the whole absmax array, done in a few
+launches without any workspace: the fp64 partial sums of the first launches are kept in the
+``qabsmax`` output itself (nb bytes; the partials need about nb/256), which the final launch then
+overwrites with the codes. All scratch lives in the op's own outputs, so concurrent ops on
+different streams never share memory.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from quantcore import ops
+from quantcore.arrays import as_dtype, dtype_name
+from quantcore.backend import Availability, Backend, Nested
+from quantcore.errors import DeviceError, DTypeError
+from quantcore.formats import bnb, ggml
+from quantcore.formats.kernel_defines import QUANT_TYPE_CODE
+
+from . import mx as _mx
+from . import runtime as rt
+from .runtime import NULL, Launcher, aligned, i32, i64, ptr_arg
+
+__all__ = ["CudaBackend", "create", "kernel_instances"]
+
+#: dtype name -> kernel element tag
+TYPE_TAG = {"float32": "qc::F32", "float16": "qc::F16", "bfloat16": "qc::BF16"}
+GGML_FMT = {"q4_0": 0, "q8_0": 1, "q8_1": 2}
+_F4 = "bnb_4bit.cu"
+_F8 = "bnb_8bit.cu"
+_FG = "ggml.cu"
+
+# launch geometry, mirrored from the kernels' constants
+_DEQUANT_THREADS, _DEQUANT_WORDS = 256, 8
+_GEMV_WARPS = 8
+_TREE_CHUNK = 2048
+_GEMM_WARPS, _GEMM_UB = 16, 8
 
 
-class _Pending(Backend):
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _log2(v: int) -> int:
+    return int(v).bit_length() - 1
+
+
+def _tag(x: Any) -> str:
+    return TYPE_TAG[dtype_name(x.dtype)]
+
+
+def _b(flag: bool) -> str:
+    return "true" if flag else "false"
+
+
+# -- the kernel instantiations, by op (used by the launchers and by the nvcc compile test) ----------
+def _q4(tag: str, qt: str) -> str:
+    return f"qc::quantize_4bit_kernel<{tag}, {QUANT_TYPE_CODE[qt]}>"
+
+
+def _dq4(tag: str, qt: str, nested: bool) -> str:
+    return f"qc::dequantize_4bit_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}>"
+
+
+def _gemv(path: str, tag: str, qt: str, nested: bool) -> str:
+    return f"qc::gemv_4bit_{path}_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}>"
+
+
+def _qbw(tag: str) -> str:
+    return f"qc::quantize_blockwise_kernel<{tag}>"
+
+
+def _dqbw(tag: str) -> str:
+    return f"qc::dequantize_blockwise_kernel<{tag}>"
+
+
+def _tree(from_f32: bool) -> str:
+    return f"qc::absmax_tree_sum_kernel<{_b(from_f32)}>"
+
+
+def _qg(tag: str, fmt: str) -> str:
+    return f"qc::quantize_ggml_kernel<{tag}, {GGML_FMT[fmt]}>"
+
+
+def _dqg(tag: str, fmt: str) -> str:
+    return f"qc::dequantize_ggml_kernel<{tag}, {GGML_FMT[fmt]}>"
+
+
+def _gemm(tag: str, quantize: bool) -> str:
+    return f"qc::gemm_q4_0_kernel<{tag}, {_b(quantize)}>"
+
+
+def kernel_instances() -> list[tuple[str, str]]:
+    """Every (source file, name expression) the backend can launch."""
+    tags = list(TYPE_TAG.values())
+    out: list[tuple[str, str]] = []
+    for qt in bnb.QUANT_TYPES:
+        for tag in tags:
+            out.append((_F4, _q4(tag, qt)))
+            for nested in (False, True):
+                out.append((_F4, _dq4(tag, qt, nested)))
+                out.append((_F4, _gemv("simple", tag, qt, nested)))
+                if tag != TYPE_TAG["float32"]:
+                    out.append((_F4, _gemv("mma", tag, qt, nested)))
+    for tag in tags:
+        out += [(_F8, _qbw(tag)), (_F8, _dqbw(tag))]
+        for fmt in GGML_FMT:
+            out += [(_FG, _qg(tag, fmt)), (_FG, _dqg(tag, fmt))]
+        out.append((_FG, _gemm(tag, True)))
+    out.append((_FG, _gemm(TYPE_TAG["float32"], False)))
+    out += [(_F8, _tree(True)), (_F8, _tree(False))]
+    return out
+
+
+def _resident(launch: Launcher, ctas: int, threads: int) -> int:
+    """Grid of a persistent kernel: ``ctas`` pieces of work, at most what the device holds at once
+    (2048 threads per multiprocessor), so per-CTA table set-up is paid once per CTA."""
+    return max(1, min(ctas, rt.sm_count(launch.device) * (2048 // threads)))
+
+
+def _gemv_ksplit(ntiles: int, npieces: int, sms: int) -> int:
+    """Warps of a CTA that share one 16-row tile (splitting K), for the tensor-core gemv.
+
+    A CTA has 8 warps; with ``ks`` warps per tile it covers 8 / ks tiles. The smallest split that
+    gives every multiprocessor at least one CTA: measured on the H200 (docs/performance.md), a
+    longer K range per warp beats a more even spread of CTAs (14336 x 4096: ks 2 ran 27.7 us,
+    ks 8 35.0 us). Each warp keeps at least two stages (16 pieces) of K.
+    """
+    ks = 1
+    while ks < _GEMV_WARPS and _cdiv(ntiles, _GEMV_WARPS // ks) < sms and npieces >= 32 * ks:
+        ks *= 2
+    return ks
+
+
+class CudaBackend(Backend):
     name = "cuda"
 
+    def __init__(self) -> None:
+        self._avail: Availability | None = None
+        self._lock = threading.Lock()
+
+    # -- discovery -----------------------------------------------------------------------------------
     def availability(self) -> Availability:
-        return Availability(False, "the cuda backend is not built in this version")
+        if self._avail is None:
+            with self._lock:
+                self._avail = self._probe()
+        return self._avail
+
+    @staticmethod
+    def _probe() -> Availability:
+        try:
+            cp = rt.cupy()
+        except ImportError:
+            return Availability(False, "cupy is not installed: pip install quantcore[cuda]")
+        try:
+            count = cp.cuda.runtime.getDeviceCount()
+        except Exception as exc:  # noqa: BLE001 - no driver, no device: all mean unavailable
+            return Availability(False, f"no CUDA device ({type(exc).__name__}: {exc})")
+        if count < 1:
+            return Availability(False, "no CUDA device")
+        try:
+            comp = rt.nvrtc()
+        except Exception as exc:  # noqa: BLE001
+            return Availability(False, str(exc))
+        names = ", ".join(rt.device_name(i) for i in range(count))
+        return Availability(True, f"{count} device(s): {names}; NVRTC {comp.version[0]}.{comp.version[1]}")
+
+    def devices(self) -> list[str]:
+        if not self.availability():
+            return []
+        return [f"cuda:{i}" for i in range(rt.cupy().cuda.runtime.getDeviceCount())]
+
+    _CAPS: frozenset | None = None
+
+    def capabilities(self):
+        if CudaBackend._CAPS is None:  # built once: the core checks it on every call
+            CudaBackend._CAPS = frozenset(ops.bnb_capabilities() + ops.ggml_capabilities()
+                                          + _mx.capabilities())  # MX family: see backends/cuda/mx.py
+        return CudaBackend._CAPS
+
+    # -- arrays --------------------------------------------------------------------------------------
+    def prepare(self, x: Any) -> Any:
+        rt.check_device_array(x)
+        if rt.kind(x) == "torch":
+            return x if x.is_contiguous() else x.contiguous()
+        return rt.cupy().ascontiguousarray(x)
+
+    def finish(self, native: Any, like: Any) -> Any:
+        kn, kl = rt.kind(native), rt.kind(like)
+        if kn == kl or kl not in ("torch", "cupy"):
+            return native
+        if kl == "torch":
+            return rt.torch_module().from_dlpack(native)
+        return rt.cupy().from_dlpack(native)
+
+    def _default_kind(self, like: Any) -> str:
+        k = rt.kind(like) if like is not None else None
+        if k in ("torch", "cupy"):
+            return k
+        return "torch" if _torch_cuda() else "cupy"
+
+    def empty(self, shape, dtype, like=None) -> Any:
+        dt = as_dtype(dtype)
+        if self._default_kind(like) == "torch":
+            torch = _torch()
+            device = like.device if rt.kind(like) == "torch" else torch.device("cuda", torch.cuda.current_device())
+            return torch.empty(tuple(shape), dtype=_torch_dtype(dt), device=device)
+        cp = rt.cupy()
+        dev = like.device if rt.kind(like) == "cupy" else cp.cuda.Device()
+        with dev:
+            return cp.empty(tuple(shape), dtype=_cupy_dtype(dt))
+
+    def from_numpy(self, a: np.ndarray, like: Any = None) -> Any:
+        a = np.ascontiguousarray(a)
+        if self._default_kind(like) == "torch":
+            torch = _torch()
+            device = like.device if rt.kind(like) == "torch" else torch.device("cuda", torch.cuda.current_device())
+            if a.dtype == as_dtype("bfloat16"):
+                return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16).to(device)
+            return torch.from_numpy(a.copy()).to(device)
+        cp = rt.cupy()
+        dev = like.device if rt.kind(like) == "cupy" else cp.cuda.Device()
+        with dev:
+            return cp.asarray(a.astype(_cupy_dtype(a.dtype), copy=False))
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        if rt.kind(x) == "torch":
+            t = x.detach()
+            if str(t.dtype) == "torch.bfloat16":
+                return t.view(_torch().int16).cpu().numpy().view(as_dtype("bfloat16"))
+            return t.cpu().numpy()
+        if rt.kind(x) == "cupy":
+            return rt.cupy().asnumpy(x)
+        raise DeviceError(f"to_numpy takes a torch CUDA tensor or a CuPy array, got {type(x).__name__}")
+
+    def view(self, buf: Any, byte_offset: int, shape, dtype) -> Any:
+        dt = as_dtype(dtype)
+        nbytes = int(np.prod(shape)) * dt.itemsize
+        part = buf.reshape(-1)[byte_offset: byte_offset + nbytes]
+        if rt.kind(buf) == "torch":
+            return part.view(_torch_dtype(dt)).view(tuple(shape))
+        return part.view(_cupy_dtype(dt)).reshape(tuple(shape))
+
+    def synchronize(self) -> None:
+        if self.availability():
+            rt.cupy().cuda.runtime.deviceSynchronize()
+
+    # -- bitsandbytes 4-bit --------------------------------------------------------------------------
+    def quantize_4bit(self, x, packed, absmax, *, blocksize, quant_type):
+        n = rt.numel(x)
+        if n == 0:
+            return
+        threads = max(256, blocksize // 8)
+        vec = aligned(x, 16) and aligned(packed, 4)
+        launch = Launcher(x)
+        launch(_F4, _q4(_tag(x), quant_type), (_resident(launch, _cdiv(_cdiv(n, 8), threads), threads),), threads,
+               (ptr_arg(x), ptr_arg(packed), ptr_arg(absmax), i64(n), i32(_log2(blocksize)), i32(vec)))
+
+    def dequantize_4bit(self, packed, absmax, out, *, blocksize, quant_type, nested: Nested | None):
+        n = rt.numel(out)
+        if n == 0:
+            return
+        vec = aligned(packed, 4) and aligned(out, 16)
+        nest = (ptr_arg(nested.absmax2), ptr_arg(nested.code2), ptr_arg(nested.offset)) if nested else (NULL,) * 3
+        launch = Launcher(out)
+        grid = _resident(launch, _cdiv(_cdiv(n, 8), _DEQUANT_THREADS * _DEQUANT_WORDS), _DEQUANT_THREADS)
+        launch(_F4, _dq4(_tag(out), quant_type, nested is not None), (grid,), _DEQUANT_THREADS,
+               (ptr_arg(packed), ptr_arg(absmax)) + nest + (ptr_arg(out), i64(n), i32(_log2(blocksize)), i32(vec)))
+
+    def gemv_4bit(self, a, packed, absmax, out, *, n, k, blocksize, quant_type, nested: Nested | None):
+        rows = rt.numel(a) // k
+        if rows == 0 or n == 0:
+            return
+        launch = Launcher(a)
+        dt = dtype_name(a.dtype)
+        nest = (ptr_arg(nested.absmax2), ptr_arg(nested.code2), ptr_arg(nested.offset)) if nested else (NULL,) * 3
+        common = (ptr_arg(a), ptr_arg(packed), ptr_arg(absmax)) + nest + (ptr_arg(out), i32(rows), i64(n), i64(k),
+                                                                          i32(_log2(blocksize)))
+        sms = rt.sm_count(launch.device)
+        if dt != "float32" and k % 32 == 0 and aligned(a, 16) and aligned(packed, 4):
+            ksplit = rt.tune("gemv_ksplit", 0) or _gemv_ksplit(_cdiv(n, 16), k // 32, sms)
+            ngroups = _cdiv(_cdiv(n, 16), _GEMV_WARPS // ksplit)
+            cap = rt.tune("gemv_ctas_per_sm", 0)
+            grid = (min(ngroups, cap * sms) if cap else ngroups, _cdiv(rows, 8))
+            launch(_F4, _gemv("mma", _tag(a), quant_type, nested is not None), grid, 32 * _GEMV_WARPS,
+                   common + (i32(ksplit),))
+        else:
+            grid = (min(_cdiv(n, 8), 16 * sms), _cdiv(rows, 8))
+            launch(_F4, _gemv("simple", _tag(a), quant_type, nested is not None), grid, 256, common)
+
+    def double_quantize(self, absmax, qabsmax, absmax2, offset):
+        nb = rt.numel(absmax)
+        if nb == 0:
+            return
+        launch = Launcher(absmax)
+        # fp64 partial sums of the tree, kept in qabsmax's bytes until the codes overwrite them
+        base = rt.pointer(qabsmax)
+        region = (base + 7) // 8 * 8
+        src, count, from_f32 = ptr_arg(absmax), nb, True
+        while True:
+            chunks = _cdiv(count, _TREE_CHUNK)
+            if chunks == 1:
+                launch(_F8, _tree(from_f32), (1,), 256, (src, i64(count), NULL, ptr_arg(offset), i64(nb)))
+                break
+            if region + 8 * chunks > base + nb:
+                raise AssertionError("double_quantize: partial sums do not fit in qabsmax")  # nb >= 2049 here
+            launch(_F8, _tree(from_f32), (chunks,), 256, (src, i64(count), np.uint64(region), NULL, i64(nb)))
+            src, count, from_f32 = np.uint64(region), chunks, False
+            region += 8 * chunks
+        self._quantize_blockwise(launch, absmax, NULL, qabsmax, absmax2, ptr_arg(offset), nb,
+                                 bnb.NESTED_BLOCKSIZE)
+
+    # -- blockwise 8-bit -----------------------------------------------------------------------------
+    def _quantize_blockwise(self, launch, x, thresholds, codes, absmax, center, n, blocksize):
+        threads = max(256, blocksize // 8)
+        vec = aligned(x, 16) and aligned(codes, 8)
+        launch(_F8, _qbw(_tag(x)), (_resident(launch, _cdiv(_cdiv(n, 8), threads), threads),), threads,
+               (ptr_arg(x), thresholds, ptr_arg(codes), ptr_arg(absmax), center, i64(n),
+                i32(_log2(blocksize)), i32(vec)))
+
+    def quantize_blockwise(self, x, thresholds, codes, absmax, *, blocksize):
+        n = rt.numel(x)
+        if n:
+            self._quantize_blockwise(Launcher(x), x, ptr_arg(thresholds), codes, absmax, NULL, n, blocksize)
+
+    def dequantize_blockwise(self, codes, absmax, code, out, *, blocksize):
+        n = rt.numel(out)
+        if n == 0:
+            return
+        vec = aligned(codes, 8) and aligned(out, 16)
+        Launcher(out)(_F8, _dqbw(_tag(out)), (_cdiv(n, 256 * 2 * 8),), 256,
+                      (ptr_arg(codes), ptr_arg(absmax), ptr_arg(code), ptr_arg(out), i64(n),
+                       i32(_log2(blocksize)), i32(vec)))
+
+    # -- ggml ----------------------------------------------------------------------------------------
+    def _quantize_ggml(self, fmt, x, out):
+        nblocks = rt.numel(x) // ggml.QK
+        if nblocks:
+            Launcher(x)(_FG, _qg(_tag(x), fmt), (_cdiv(nblocks, 256),), 256,
+                        (ptr_arg(x), ptr_arg(out), i64(nblocks), i32(aligned(x, 16)), i32(aligned(out, 2))))
+
+    def quantize_q4_0(self, w, out):
+        self._quantize_ggml("q4_0", w, out)
+
+    def quantize_q8_0(self, a, out):
+        self._quantize_ggml("q8_0", a, out)
+
+    def quantize_q8_1(self, a, out):
+        self._quantize_ggml("q8_1", a, out)
+
+    def dequantize_ggml(self, q, out, *, fmt):
+        nblocks = rt.numel(out) // ggml.QK
+        if nblocks:
+            Launcher(out)(_FG, _dqg(_tag(out), fmt), (_cdiv(nblocks * 4, 256),), 256,
+                          (ptr_arg(q), ptr_arg(out), i64(nblocks), i32(aligned(out, 16))))
+
+    def _gemm(self, wq, act, out, quantize: bool, tag: str, n_rows: int, aligned4: bool):
+        m, k = int(wq.shape[0]), int(wq.shape[1]) * ggml.QK
+        if m == 0 or n_rows == 0:
+            return
+        launch = Launcher(wq)
+        ntiles = _cdiv(m, 16)
+        tpc = rt.tune("gemm_tpc", 0) or min(_GEMM_WARPS, _cdiv(ntiles, rt.sm_count(launch.device)))
+        kss = _GEMM_WARPS // tpc
+        kt = kss * _GEMM_UB
+        act_bytes = 8 * (kt * 32 + 16) + 8 * kt * 8  # GemmSmem::act_bytes
+        smem = 2 * act_bytes + _GEMM_WARPS * 2 * 16 * _GEMM_UB * ggml.Q4_0_BLOCK_BYTES
+        vec = aligned(act, 16) if quantize else False
+        async4 = k % (_GEMM_UB * 32) == 0 and aligned(wq, 4)
+        launch(_FG, _gemm(tag, quantize), (_cdiv(ntiles, tpc), _cdiv(n_rows, 8)), 32 * _GEMM_WARPS,
+               (ptr_arg(wq), ptr_arg(act), ptr_arg(out), i64(m), i32(n_rows), i64(k), i32(tpc), i32(vec),
+                i32(aligned4), i32(async4)), shared_mem=smem)
+
+    def gemm_q4_0_q8_1(self, wq, aq, out):
+        self._gemm(wq, aq, out, False, TYPE_TAG["float32"], int(aq.shape[0]), aligned(aq, 4))
+
+    def gemm_w4a8(self, wq, a, out):
+        k = int(wq.shape[1]) * ggml.QK
+        self._gemm(wq, a, out, True, _tag(a), rt.numel(a) // k, False)
 
 
-def create() -> Backend:
-    return _Pending()
+    # -- MX family (NVFP4, MXFP4, MXFP8): launchers in backends/cuda/mx.py ----------------------------
+    def mx_quantize(self, x, codes, scales, *, rows, cols, fmt, scale_mode, swizzled, global_scale=None):
+        _mx.mx_quantize(self, x, codes, scales, rows=rows, cols=cols, fmt=fmt, scale_mode=scale_mode,
+                        swizzled=swizzled, global_scale=global_scale)
+
+    def mx_dequantize(self, codes, scales, out, *, rows, cols, fmt, swizzled, global_scale=None):
+        _mx.mx_dequantize(self, codes, scales, out, rows=rows, cols=cols, fmt=fmt, swizzled=swizzled,
+                          global_scale=global_scale)
+
+    def swizzle_scales(self, scales, out, *, rows, cols):
+        _mx.swizzle_scales(self, scales, out, rows=rows, cols=cols)
+
+    def unswizzle_scales(self, swz, out, *, rows, cols):
+        _mx.unswizzle_scales(self, swz, out, rows=rows, cols=cols)
+
+    def scaled_fp4_mm(self, a, b, scale_a, scale_b, alpha, bias, out, *, m, n, k, fmt):
+        _mx.scaled_fp4_mm(self, a, b, scale_a, scale_b, alpha, bias, out, m=m, n=n, k=k, fmt=fmt)
+
+# -- dtype maps ------------------------------------------------------------------------------------------
+def _torch():
+    torch = rt.torch_module()
+    if torch is None:
+        import torch  # noqa: PLC0415 - only reached when the caller works with torch or has it
+    return torch
+
+
+def _torch_cuda() -> bool:
+    try:
+        return bool(_torch().cuda.is_available())
+    except ImportError:
+        return False
+
+
+def _torch_dtype(dt: np.dtype):
+    torch = _torch()
+    name = dtype_name(dt)
+    if not hasattr(torch, name):
+        raise DTypeError(f"no torch dtype for {name}")
+    return getattr(torch, name)
+
+
+def _cupy_dtype(dt: np.dtype) -> np.dtype:
+    dt = as_dtype(dt)
+    if dtype_name(dt) == "bfloat16":
+        try:
+            rt.cupy().empty((0,), dtype=dt)
+        except Exception as exc:  # noqa: BLE001
+            raise DTypeError("this CuPy has no bfloat16 arrays; pass torch tensors for bfloat16 "
+                             f"({type(exc).__name__}: {exc})") from exc
+    return dt
+
+
+def create() -> CudaBackend:
+    return CudaBackend()

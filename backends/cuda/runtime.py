@@ -1,0 +1,436 @@
+"""CUDA run time of the ``cuda`` backend: NVRTC compilation of kernels_cuda/*.cu, a disk cache of
+the cubins, module loading per device, launches on the caller's stream, and the array interop
+(torch CUDA tensors and CuPy arrays, zero-copy).
+
+Why NVRTC through ctypes and not CuPy's ``RawModule``: CuPy appends ``-ftz=true`` to every
+NVRTC compilation it makes (after the caller's options, and NVRTC keeps the last one), which
+flushes subnormals and breaks the formats' bit-exactness on subnormal inputs. Here the options
+are exactly ``-std=c++17 -ftz=false --fmad=false`` plus the architecture and the include paths,
+and the NVRTC library is the one CuPy itself loaded. CuPy still loads the cubins and launches
+them (``cupy.cuda.function.Module`` / ``Function``).
+
+Nothing here imports cupy or torch at module import; they are imported on first use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import hashlib
+import os
+import sys
+import threading
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+from quantcore.errors import BackendUnavailableError, DeviceError, KernelError
+from quantcore.formats import kernel_defines
+
+#: the options every kernel is compiled with (besides the architecture and include paths):
+#: IEEE arithmetic with subnormals, no a*b+c contraction (kernels write fmaf where they want it)
+COMPILE_OPTIONS = ("-std=c++17", "-ftz=false", "-prec-div=true", "-prec-sqrt=true", "--fmad=false")
+ENV_CACHE = "QUANTCORE_CACHE_DIR"
+
+_lock = threading.RLock()
+
+
+# -- lazy imports ----------------------------------------------------------------------------------
+def cupy():
+    import cupy as cp  # noqa: PLC0415 - optional dependency, imported on first use
+
+    return cp
+
+
+def torch_module():
+    return sys.modules.get("torch")
+
+
+# -- kernel sources ----------------------------------------------------------------------------------
+def kernel_dir() -> str:
+    """Folder holding the .cu / .cuh sources (installed package data or the source tree)."""
+    return str(resources.files("quantcore.kernels_cuda"))
+
+
+def cache_dir() -> str:
+    base = os.environ.get(ENV_CACHE) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "quantcore")
+    return os.path.join(base, "cuda")
+
+
+_header_dirs: set[str] = set()
+
+
+def header_dir() -> str:
+    """Where quantcore_constants.h is written (the cache folder), returned after writing it."""
+    d = os.path.join(cache_dir(), "include")
+    if d not in _header_dirs:
+        with _lock:
+            if d not in _header_dirs:
+                kernel_defines.write_header(d)
+                _header_dirs.add(d)
+    return d
+
+
+def _sources_digest() -> str:
+    h = hashlib.sha256()
+    h.update(kernel_defines.constants_header().encode())
+    kd = kernel_dir()
+    for name in sorted(os.listdir(kd)):
+        if name.endswith((".cu", ".cuh")):
+            with open(os.path.join(kd, name), "rb") as f:
+                h.update(name.encode() + b"\0" + f.read())
+    return h.hexdigest()
+
+
+# -- NVRTC -------------------------------------------------------------------------------------------
+class Nvrtc:
+    """The few NVRTC entry points needed, through ctypes."""
+
+    def __init__(self, path: str):
+        self.path = path
+        # NVRTC dlopen()s its builtins library by soname; a pip-installed NVRTC is not on the loader
+        # path, so load the one beside it first (a later dlopen by soname then finds it loaded).
+        here = os.path.dirname(os.path.realpath(path))
+        for builtins in sorted(glob.glob(os.path.join(here, "libnvrtc-builtins.so*"))):
+            if ".alt." not in builtins:
+                try:
+                    ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+                except OSError:
+                    pass
+        lib = ctypes.CDLL(path)
+        self.lib = lib
+        vp = ctypes.c_void_p
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        lib.nvrtcGetErrorString.argtypes = [ctypes.c_int]
+        lib.nvrtcVersion.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
+        lib.nvrtcCreateProgram.argtypes = [ctypes.POINTER(vp), ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
+                                           ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p)]
+        lib.nvrtcDestroyProgram.argtypes = [ctypes.POINTER(vp)]
+        lib.nvrtcAddNameExpression.argtypes = [vp, ctypes.c_char_p]
+        lib.nvrtcCompileProgram.argtypes = [vp, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.nvrtcGetProgramLogSize.argtypes = [vp, ctypes.POINTER(ctypes.c_size_t)]
+        lib.nvrtcGetProgramLog.argtypes = [vp, ctypes.c_char_p]
+        lib.nvrtcGetCUBINSize.argtypes = [vp, ctypes.POINTER(ctypes.c_size_t)]
+        lib.nvrtcGetCUBIN.argtypes = [vp, ctypes.c_char_p]
+        lib.nvrtcGetLoweredName.argtypes = [vp, ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p)]
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self._check(lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+        self.version = (major.value, minor.value)
+
+    def _check(self, status: int, what: str, log: str = "") -> None:
+        if status != 0:
+            msg = self.lib.nvrtcGetErrorString(status).decode()
+            raise KernelError(f"NVRTC {what} failed: {msg}" + (f"\n{log}" if log else ""))
+
+    def compile(self, source: str, filename: str, name_expr: str, options: list[str]) -> tuple[bytes, str, str]:
+        """-> (cubin, lowered name of ``name_expr``, compiler log)."""
+        prog = ctypes.c_void_p()
+        self._check(self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), filename.encode(), 0,
+                                                None, None), "nvrtcCreateProgram")
+        try:
+            self._check(self.lib.nvrtcAddNameExpression(prog, name_expr.encode()), "nvrtcAddNameExpression")
+            opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+            status = self.lib.nvrtcCompileProgram(prog, len(options), opts)
+            size = ctypes.c_size_t()
+            self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            buf = ctypes.create_string_buffer(size.value)
+            self.lib.nvrtcGetProgramLog(prog, buf)
+            log = buf.value.decode(errors="replace")
+            self._check(status, f"compilation of {name_expr} ({filename}, options {' '.join(options)})", log)
+            self._check(self.lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+            cubin = ctypes.create_string_buffer(size.value)
+            self._check(self.lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+            lowered = ctypes.c_char_p()
+            self._check(self.lib.nvrtcGetLoweredName(prog, name_expr.encode(), ctypes.byref(lowered)),
+                        "nvrtcGetLoweredName")
+            return cubin.raw, lowered.value.decode(), log
+        finally:
+            self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _nvrtc_candidates() -> list[str]:
+    found: list[str] = []
+    # the library CuPy uses (loaded by its first compile or version query)
+    try:
+        from cupy_backends.cuda.libs import nvrtc as cupy_nvrtc  # noqa: PLC0415
+
+        cupy_nvrtc.getVersion()
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1] if line.strip() else ""
+                if os.path.basename(path).startswith("libnvrtc.so"):
+                    found.append(path)
+    except Exception:  # noqa: BLE001 - any failure just means: look elsewhere
+        pass
+    for var in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(var):
+            found += sorted(glob.glob(os.path.join(os.environ[var], "lib64", "libnvrtc.so*")))
+    for site in sys.path:
+        found += sorted(glob.glob(os.path.join(site, "nvidia", "*", "lib", "libnvrtc.so*")))
+        found += sorted(glob.glob(os.path.join(site, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so*")))
+    found += sorted(glob.glob("/usr/local/cuda/lib64/libnvrtc.so*"))
+    lib = ctypes.util.find_library("nvrtc")
+    if lib:
+        found.append(lib)
+    return [p for p in dict.fromkeys(found) if "builtins" not in os.path.basename(p)]
+
+
+_nvrtc: Nvrtc | None = None
+
+
+def nvrtc() -> Nvrtc:
+    global _nvrtc
+    with _lock:
+        if _nvrtc is None:
+            errors = []
+            for path in _nvrtc_candidates():
+                try:
+                    _nvrtc = Nvrtc(path)
+                    break
+                except (OSError, AttributeError, KernelError) as exc:
+                    errors.append(f"{path}: {exc}")
+            if _nvrtc is None:
+                raise BackendUnavailableError(
+                    "NVRTC (libnvrtc.so) not found: install the CUDA runtime compiler (it comes with "
+                    "cupy-cuda13x's dependencies or the CUDA toolkit) or set CUDA_PATH"
+                    + (f"; tried: {'; '.join(errors)}" if errors else ""))
+        return _nvrtc
+
+
+# -- compiled kernels ----------------------------------------------------------------------------------
+class KernelCache:
+    """cubin per (source file, name expression, architecture): compiled once (disk cache), loaded
+    once per device; returns CuPy ``Function`` objects."""
+
+    def __init__(self) -> None:
+        self._functions: dict[tuple[int, str, str], Any] = {}
+        self._modules: list[Any] = []  # keep loaded modules alive
+        self._digest: str | None = None
+
+    def _cubin(self, filename: str, expr: str, arch: int) -> tuple[bytes, str]:
+        comp = nvrtc()
+        if self._digest is None:
+            self._digest = _sources_digest()
+        options = list(COMPILE_OPTIONS) + [f"--gpu-architecture=sm_{arch}", f"-I{header_dir()}",
+                                           f"-I{kernel_dir()}"]
+        key_src = "\n".join([self._digest, filename, expr, str(arch), str(comp.version)] + list(COMPILE_OPTIONS))
+        key = hashlib.sha256(key_src.encode()).hexdigest()[:40]
+        d = cache_dir()
+        cubin_path, name_path = os.path.join(d, key + ".cubin"), os.path.join(d, key + ".name")
+        try:
+            with open(cubin_path, "rb") as f:
+                cubin = f.read()
+            with open(name_path) as f:
+                lowered = f.read().strip()
+            if cubin and lowered:
+                return cubin, lowered
+        except OSError:
+            pass
+        with open(os.path.join(kernel_dir(), filename)) as f:
+            source = f.read()
+        cubin, lowered, _ = comp.compile(source, filename, expr, options)
+        os.makedirs(d, exist_ok=True)
+        for path, data, mode in ((cubin_path, cubin, "wb"), (name_path, lowered, "w")):
+            tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+            with open(tmp, mode) as f:
+                f.write(data)
+            os.replace(tmp, path)
+        return cubin, lowered
+
+    def function(self, device: int, filename: str, expr: str) -> Any:
+        key = (device, filename, expr)
+        fn = self._functions.get(key)
+        if fn is not None:
+            return fn
+        with _lock:
+            fn = self._functions.get(key)
+            if fn is None:
+                cp = cupy()
+                arch = device_arch(device)
+                cubin, lowered = self._cubin(filename, expr, arch)
+                from cupy.cuda import function as cufunction  # noqa: PLC0415
+
+                with cp.cuda.Device(device):
+                    mod = cufunction.Module()
+                    mod.load(cubin)
+                    fn = mod.get_function(lowered)
+                self._modules.append(mod)
+                self._functions[key] = fn
+        return fn
+
+
+KERNELS = KernelCache()
+
+
+def precompile(instances: list[tuple[str, str]], device: int = 0, workers: int = 8) -> int:
+    """Compile (into the disk cache) every (file, name expression) for ``device``'s architecture,
+    ``workers`` NVRTC compilations at a time (ctypes releases the GIL). Returns the count."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    arch = device_arch(device)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(lambda fe: KERNELS._cubin(fe[0], fe[1], arch), instances))
+    return len(instances)
+
+
+# -- device facts ------------------------------------------------------------------------------------
+_props: dict[int, dict] = {}
+
+
+def device_props(device: int) -> dict:
+    p = _props.get(device)
+    if p is None:
+        p = dict(cupy().cuda.runtime.getDeviceProperties(device))
+        _props[device] = p
+    return p
+
+
+def device_arch(device: int) -> int:
+    p = device_props(device)
+    return int(p["major"]) * 10 + int(p["minor"])
+
+
+def sm_count(device: int) -> int:
+    return int(device_props(device)["multiProcessorCount"])
+
+
+def device_name(device: int) -> str:
+    name = device_props(device)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+# -- arrays ------------------------------------------------------------------------------------------
+def kind(x: Any) -> str:
+    mod = type(x).__module__.split(".")[0]
+    if mod == "torch" and hasattr(x, "data_ptr"):
+        return "torch"
+    if mod == "cupy":
+        return "cupy"
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    return "other"
+
+
+def pointer(x: Any) -> int:
+    return int(x.data_ptr()) if kind(x) == "torch" else int(x.data.ptr)
+
+
+def device_index(x: Any) -> int:
+    if kind(x) == "torch":
+        idx = x.device.index
+        return int(idx) if idx is not None else int(torch_module().cuda.current_device())
+    return int(x.device.id)
+
+
+def numel(x: Any) -> int:
+    return int(x.numel()) if kind(x) == "torch" else int(x.size)
+
+
+def check_device_array(x: Any, what: str = "array") -> None:
+    k = kind(x)
+    if k == "torch" and x.device.type == "cuda":
+        return
+    if k == "cupy":
+        return
+    where = str(x.device) if k == "torch" else ("host memory (numpy)" if k == "numpy" else type(x).__name__)
+    raise DeviceError(
+        f"the cuda backend takes CUDA arrays (torch CUDA tensors or CuPy arrays); this {what} is on "
+        f"{where}. Move it to the GPU (for example tensor.cuda() or cupy.asarray(a)) or use "
+        "quantcore.use_backend('cpu')")
+
+
+# -- streams -------------------------------------------------------------------------------------------
+_ext_streams: dict[tuple[int, int], Any] = {}
+
+
+def stream_for(x: Any, device: int) -> Any:
+    """The caller's current stream: torch's for torch tensors, CuPy's for CuPy arrays (None: CuPy
+    launches on its own current stream)."""
+    if kind(x) != "torch":
+        return None
+    ptr = int(torch_module().cuda.current_stream(device).cuda_stream)
+    s = _ext_streams.get((device, ptr))
+    if s is None:
+        s = cupy().cuda.ExternalStream(ptr, device)
+        _ext_streams[(device, ptr)] = s
+    return s
+
+
+class Launcher:
+    """Launches the kernels of one op: on the device of ``like`` and on the caller's stream."""
+
+    __slots__ = ("device", "stream", "_switch")
+
+    def __init__(self, like: Any):
+        self.device = device_index(like)
+        self.stream = stream_for(like, self.device)
+        self._switch = cupy().cuda.runtime.getDevice() != self.device
+
+    def __call__(self, filename: str, expr: str, grid: tuple[int, ...], block: int, args: tuple,
+                 shared_mem: int = 0) -> None:
+        fn = KERNELS.function(self.device, filename, expr)
+        grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+        if shared_mem > 48 * 1024:
+            _raise_smem_limit(fn, self.device, shared_mem)
+        try:
+            if self._switch:
+                with cupy().cuda.Device(self.device):
+                    fn(grid, (int(block), 1, 1), args, shared_mem=shared_mem, stream=self.stream)
+            else:
+                fn(grid, (int(block), 1, 1), args, shared_mem=shared_mem, stream=self.stream)
+        except Exception as exc:  # noqa: BLE001 - report which kernel failed and how
+            raise KernelError(f"launch of {expr} (grid {grid}, block {block}, shared {shared_mem} B) "
+                              f"failed: {type(exc).__name__}: {exc}") from exc
+
+
+_smem_limit: dict[int, int] = {}  #: id(function) -> dynamic shared memory limit set so far
+
+
+def _raise_smem_limit(fn: Any, device: int, nbytes: int) -> None:
+    """Allow ``nbytes`` of dynamic shared memory (over 48 KiB needs the opt-in); the limit only
+    grows, so a launch with less after one with more keeps working."""
+    if _smem_limit.get(id(fn), 0) >= nbytes:
+        return
+    drv = cupy().cuda.driver
+    attr = getattr(drv, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
+    with cupy().cuda.Device(device):
+        drv.funcSetAttribute(fn.ptr, attr, int(nbytes))
+    _smem_limit[id(fn)] = int(nbytes)
+
+
+# -- kernel argument helpers ------------------------------------------------------------------------
+def ptr_arg(x: Any) -> np.uint64:
+    return np.uint64(pointer(x))
+
+
+NULL = np.uint64(0)
+
+
+def i64(v: int) -> np.int64:
+    return np.int64(v)
+
+
+def i32(v: int) -> np.int32:
+    return np.int32(v)
+
+
+def aligned(x: Any, nbytes: int) -> bool:
+    return pointer(x) % nbytes == 0
+
+
+ENV_TUNE = "QUANTCORE_CUDA_TUNE"
+
+
+def tune(name: str, default: int) -> int:
+    """Launch parameter override for experiments: QUANTCORE_CUDA_TUNE="gemv_ksplit=4,gemm_tpc=2"."""
+    spec = os.environ.get(ENV_TUNE)
+    if not spec:
+        return default
+    for item in spec.split(","):
+        key, _, val = item.partition("=")
+        if key.strip() == name:
+            return int(val)
+    return default

@@ -1,0 +1,408 @@
+// ggml Q4_0 / Q8_0 / Q8_1: quantize, dequantize, and the W4A8 GEMM (Q4_0 weights times Q8_1
+// activations, given or quantized inside the kernel). Semantics: shared/design/FORMATS.md
+// section 3 and quantcore/formats/ggml.py (ggml's _ref C functions, bit for bit).
+#include "qc_common.cuh"
+
+namespace qc {
+
+constexpr int kQK = QC_QK;
+constexpr int kFmtQ4_0 = 0, kFmtQ8_0 = 1, kFmtQ8_1 = 2;
+
+template <int FMT>
+struct GgmlFmt {
+    static constexpr int kBytes = FMT == kFmtQ4_0 ? QC_Q4_0_BLOCK_BYTES
+                                  : FMT == kFmtQ8_0 ? QC_Q8_0_BLOCK_BYTES : QC_Q8_1_BLOCK_BYTES;
+    static constexpr int kQs = FMT == kFmtQ8_1 ? 4 : 2;  // offset of the quants in a block
+};
+
+// 32 elements of one block as fp32.
+template <typename T>
+__device__ __forceinline__ void load_block(const typename T::S* x, bool vec, float (&v)[kQK]) {
+#pragma unroll
+    for (int i = 0; i < kQK; i += 8) {
+        float w[8];
+        load8<T>(x + i, 0, 8, vec, w);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[i + j] = w[j];
+    }
+}
+
+// C's float -> int8 with a GPU's behaviour off range, as the reference defines it: NaN -> 0,
+// +-inf -> +-127, finite values clipped to [-128, 127]. r is already an integer value.
+__device__ __forceinline__ int q8_from_rounded(float r) {
+    if (is_nan(r)) return 0;
+    if ((__float_as_uint(r) & 0x7fffffffu) == 0x7f800000u) return r > 0.0f ? QC_Q8_MAX : -QC_Q8_MAX;
+    return (int)fminf(fmaxf(r, -128.0f), 127.0f);
+}
+
+// Q8 quantization of one block: d = amax / 127, id = 1/d (0 if d == 0), q = roundf(x * id) (half
+// away from zero); sum of q for Q8_1. Returns d; q packed 4 per word, little-endian.
+__device__ __forceinline__ float quantize_q8_block(const float (&v)[kQK], u32 (&qw)[8], int& qsum) {
+    float amax = 0.0f;  // fmaxf skips NaN; an all-NaN block gives 0, as the reference
+#pragma unroll
+    for (int j = 0; j < kQK; ++j) amax = fmaxf(amax, fabsf(v[j]));
+    const float d = __fdiv_rn(amax, (float)QC_Q8_MAX);
+    const float id = d != 0.0f ? recip_rn(d) : 0.0f;
+    int sum = 0;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+        u32 word = 0;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            const int q = q8_from_rounded(roundf(__fmul_rn(v[4 * w + b], id)));
+            sum += q;
+            word |= ((u32)q & 255u) << (8 * b);
+        }
+        qw[w] = word;
+    }
+    qsum = sum;
+    return d;
+}
+
+// Q8_1's s: fp16(f32(sum q) * d), the reference form (not ggml CUDA's sum of x). The product is
+// NaN only for a block holding an infinity (d = inf, every q = 0); the numpy reference then stores
+// the x86 default NaN (0xffc00000 -> fp16 0xfe00), a GPU its canonical 0x7fff: store 0xfe00 so
+// the bytes agree (see the report: the core should fix one NaN encoding for byte outputs).
+constexpr u16 kQ8_1NanS = 0xfe00;
+__device__ __forceinline__ u16 q8_1_s(int qsum, float d) {
+    const float s = __fmul_rn((float)qsum, d);
+    return is_nan(s) ? kQ8_1NanS : f32_to_f16(s);
+}
+
+__device__ __forceinline__ void store_u16(u8* p, u32 v, bool aligned2) {
+    if (aligned2) {
+        *reinterpret_cast<u16*>(p) = (u16)v;
+    } else {
+        p[0] = (u8)v;
+        p[1] = (u8)(v >> 8);
+    }
+}
+
+// One thread per block. Q4_0: max = the signed value of the first element of largest |x| (NaN
+// never wins), d = max / -8, id = 1/d (0 if d == 0), q = min(15, trunc(f32(x * id) + 8.5)) with
+// the multiply and the add rounded separately; element j in the low nibble of qs[j], j + 16 in
+// its high nibble.
+template <typename T, int FMT>
+__global__ void __launch_bounds__(256) quantize_ggml_kernel(
+    const typename T::S* __restrict__ x, u8* __restrict__ out, i64 nblocks, int vec, int aligned2) {
+    const i64 b = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= nblocks) return;
+    float v[kQK];
+    load_block<T>(x + b * kQK, vec != 0, v);
+    u8* o = out + b * GgmlFmt<FMT>::kBytes;
+    const bool al = aligned2 != 0;
+    if (FMT == kFmtQ4_0) {
+        // |x| compared as integers (the order of non-negative floats is that of their bits), NaN as
+        // -1: no float comparison whose NaN behaviour a compiler could fold away
+        int best = -1;
+        float mx = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kQK; ++j) {
+            const u32 mag = __float_as_uint(v[j]) & 0x7fffffffu;
+            const int key = mag > 0x7f800000u ? -1 : (int)mag;
+            if (key > best) {
+                best = key;
+                mx = v[j];
+            }
+        }
+        const float d = __fdiv_rn(mx, -(float)QC_Q4_0_OFFSET);
+        const float id = d != 0.0f ? recip_rn(d) : 0.0f;
+        int q[kQK];
+#pragma unroll
+        for (int j = 0; j < kQK; ++j) {
+            int t = __float2int_rz(__fadd_rn(__fmul_rn(v[j], id), QC_Q4_0_ROUND_BIAS));  // NaN -> 0
+            t = min(max(t, -128), 127);
+            q[j] = min(15, t);
+        }
+        store_u16(o, f32_to_f16(d), al);
+#pragma unroll
+        for (int j = 0; j < 16; j += 2) {
+            const u32 b0 = ((u32)q[j] & 15u) | (((u32)q[j + 16] & 15u) << 4);
+            const u32 b1 = ((u32)q[j + 1] & 15u) | (((u32)q[j + 17] & 15u) << 4);
+            store_u16(o + 2 + j, b0 | (b1 << 8), al);
+        }
+    } else {
+        u32 qw[8];
+        int qsum;
+        const float d = quantize_q8_block(v, qw, qsum);
+        store_u16(o, f32_to_f16(d), al);
+        if (FMT == kFmtQ8_1) store_u16(o + 2, q8_1_s(qsum, d), al);
+        u8* qs = o + GgmlFmt<FMT>::kQs;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) {
+            store_u16(qs + 4 * w, qw[w] & 0xffffu, al);
+            store_u16(qs + 4 * w + 2, qw[w] >> 16, al);
+        }
+    }
+}
+
+// dequantize: Q4_0 (q - 8) * d, Q8 q * d; one fp32 rounding, then one into T. One thread per
+// 8 elements (a quarter block).
+template <typename T, int FMT>
+__global__ void __launch_bounds__(256) dequantize_ggml_kernel(
+    const u8* __restrict__ q, typename T::S* __restrict__ out, i64 nblocks, int vec) {
+    const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= nblocks * 4) return;
+    const i64 b = t >> 2;
+    const int part = (int)(t & 3);
+    const u8* blk = q + b * GgmlFmt<FMT>::kBytes;
+    const float d = f16_to_f32((u16)(ldg_u8(blk) | (ldg_u8(blk + 1) << 8)));
+    float v[8];
+    if (FMT == kFmtQ4_0) {
+        const u8* qs = blk + 2 + (part & 1) * 8;  // parts 0,1: low nibbles; 2,3: high nibbles
+        const int shift = (part >> 1) * 4;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            v[i] = __fmul_rn((float)((int)((ldg_u8(qs + i) >> shift) & 15u) - QC_Q4_0_OFFSET), d);
+    } else {
+        const u8* qs = blk + GgmlFmt<FMT>::kQs + part * 8;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = __fmul_rn((float)(i8)ldg_u8(qs + i), d);
+    }
+    store8<T>(out, t * 8, nblocks * kQK, vec != 0, v);
+}
+
+// ==================================================================================================
+// W4A8 GEMM: out[m, n] = sum_b d4[m,b] * (d8[n,b] * sumi(m,n,b) - 8 * s8[n,b])
+// ==================================================================================================
+// int8 tensor cores (mma.m16n8k32.s8): a warp multiplies 16 weight rows by 8 activation rows, one
+// Q4_0 block (32 k) per mma, so each mma result is one block's sumi. The Q4_0 nibbles are the A
+// operand as they are (0..15 as int8; the -8 is the s8 term), the Q8_1 quants the B operand. The
+// lanes of a row take qs bytes 4c..4c+3: their low nibbles are elements 4c..4c+3 and their high
+// nibbles elements 16+4c..16+4c+3, exactly the A fragment's k columns; B's fragment holds the same
+// k of the activation block.
+//
+// Weights: each warp copies its 16 rows x 8 blocks (16 x 144 contiguous bytes) into its own
+// shared-memory slot with coalesced cp.async (4-byte words: blocks are 18 bytes, so rows are only
+// 4-byte aligned, which needs K % 256 == 0; otherwise a plain byte copy), one K-tile ahead, and
+// reads the fragments from there (a row is 36 words, so the 8 rows a warp reads are 4 banks apart).
+//
+// Activations (N <= 8 rows per grid row) live in shared memory as Q8_1 values, K-tile by K-tile:
+// quantized inside the kernel from the float activation (gemm_w4a8; the same arithmetic as
+// quantize_q8_1, so the same bytes; 8 lanes per block) or copied from given Q8_1 blocks
+// (gemm_q4_0_q8_1). Double-buffered: while the warps multiply tile t, the weights of tile t+1 are in
+// flight and its activations are produced. A CTA owns a fixed range of row tiles (one CTA per
+// multiprocessor); a tile's K-tile is split between several warps when the CTA has fewer tiles
+// than warps, and the partial sums are added in a fixed order at the end (deterministic).
+constexpr int kGemmWarps = 16;
+constexpr int kGemmUB = 8;                               // blocks per warp per K-tile
+constexpr int kGemmRowBytes = kGemmUB * QC_Q4_0_BLOCK_BYTES;  // 144: one row's segment
+constexpr int kGemmSlotBytes = 16 * kGemmRowBytes;       // one warp's 16 rows
+
+struct GemmSmem {
+    // per activation row n: KT blocks of 32 int8, padded by 16 bytes so that the 8 rows read by a
+    // warp fall in different banks; then (d8, 8*s8) per block.
+    static __device__ __forceinline__ int row_bytes(int kt) { return kt * 32 + 16; }
+    static __device__ __forceinline__ int act_bytes(int kt) { return 8 * row_bytes(kt) + 8 * kt * 8; }
+};
+
+__device__ __forceinline__ void cp_async4(void* smem_dst, const void* gsrc) {
+    const u32 d = (u32)__cvta_generic_to_shared(smem_dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(d), "l"(gsrc) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+// The warp's 16 rows x 8 blocks of K-tile t into its slot (rows clamped to M - 1, blocks past
+// the end of K not copied; they are never read).
+__device__ __forceinline__ void gemm_copy_weights(u8* slot, const u8* wq, i64 tile, i64 M, i64 nbk, i64 kb0,
+                                                  bool async4) {
+    const int lane = lane_id();
+    if (async4) {  // nbk % 8 == 0: the segment is whole and 4-byte aligned
+#pragma unroll
+        for (int i = 0; i < kGemmSlotBytes / 4 / 32; ++i) {
+            const int w = lane + 32 * i, row = w / (kGemmRowBytes / 4), col = w % (kGemmRowBytes / 4);
+            const i64 r = min(tile * 16 + row, M - 1);
+            cp_async4(slot + row * kGemmRowBytes + 4 * col, wq + (r * nbk + kb0) * QC_Q4_0_BLOCK_BYTES + 4 * col);
+        }
+    } else {
+        const int valid = (int)min((i64)kGemmUB, nbk - kb0) * QC_Q4_0_BLOCK_BYTES;
+        for (int w = lane; w < 16 * kGemmRowBytes; w += 32) {
+            const int row = w / kGemmRowBytes, col = w % kGemmRowBytes;
+            if (col < valid) {
+                const i64 r = min(tile * 16 + row, M - 1);
+                slot[w] = (u8)ldg_u8(wq + (r * nbk + kb0) * QC_Q4_0_BLOCK_BYTES + col);
+            }
+        }
+    }
+}
+
+// Activation K-tile [kb0, kb0 + kt) of rows n0 .. n0+nn-1 into buf. 8 lanes per block, each with
+// 4 elements (the reductions over the block are NaN-ignoring max and an integer sum, so they are
+// exact in any order: the bytes equal quantize_q8_1's).
+template <typename T, bool QUANTIZE>
+__device__ __forceinline__ void gemm_produce(u8* buf, int kt, const void* act, int nn, int n0, i64 K, i64 kb0,
+                                             int vec, int aligned4) {
+    const i64 nbk = K / kQK;
+    const int rb = GemmSmem::row_bytes(kt);
+    Pair* ds = reinterpret_cast<Pair*>(buf + 8 * rb);
+    const int li = threadIdx.x & 7;
+    const int units = nn * kt, per_pass = blockDim.x >> 3;
+    for (int base = 0; base < units; base += per_pass) {  // uniform trip count: shuffles below
+        const int u = base + (threadIdx.x >> 3);
+        const int n = u / kt, bl = u - n * kt;
+        const i64 kb = kb0 + bl;
+        const bool valid = u < units && kb < nbk;
+        u32 qw = 0u;
+        float d = 0.0f, s8x8 = 0.0f;
+        if (QUANTIZE) {
+            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (valid) {
+                const typename T::S* x = reinterpret_cast<const typename T::S*>(act) + (i64)(n0 + n) * K + kb * kQK + 4 * li;
+                if (T::kBytes == 4 && vec) {
+                    u32 w0, w1, w2, w3;
+                    ldg_v4(x, w0, w1, w2, w3);
+                    v[0] = __uint_as_float(w0);
+                    v[1] = __uint_as_float(w1);
+                    v[2] = __uint_as_float(w2);
+                    v[3] = __uint_as_float(w3);
+                } else if (T::kBytes == 2 && vec) {
+                    const u64 w = ldg_u64(x);
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) v[j] = T::to_f((typename T::S)(w >> (16 * j)));
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) v[j] = T::to_f(x[j]);
+                }
+            }
+            float amax = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fabsf(v[j]));
+#pragma unroll
+            for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
+            const float dq = __fdiv_rn(amax, (float)QC_Q8_MAX);
+            const float id = dq != 0.0f ? recip_rn(dq) : 0.0f;
+            int sum = 0;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int q = q8_from_rounded(roundf(__fmul_rn(v[j], id)));
+                sum += q;
+                qw |= ((u32)q & 255u) << (8 * j);
+            }
+#pragma unroll
+            for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(kFullMask, sum, o);
+            d = f16_to_f32(f32_to_f16(dq));
+            s8x8 = 8.0f * f16_to_f32(q8_1_s(sum, dq));
+        } else if (valid) {
+            const u8* blk = reinterpret_cast<const u8*>(act) + ((i64)(n0 + n) * nbk + kb) * QC_Q8_1_BLOCK_BYTES;
+            d = f16_to_f32((u16)(ldg_u8(blk) | (ldg_u8(blk + 1) << 8)));
+            s8x8 = 8.0f * f16_to_f32((u16)(ldg_u8(blk + 2) | (ldg_u8(blk + 3) << 8)));
+            const u8* q = blk + 4 + 4 * li;
+            qw = aligned4 ? ldg_u32(q) : (ldg_u8(q) | (ldg_u8(q + 1) << 8) | (ldg_u8(q + 2) << 16) | (ldg_u8(q + 3) << 24));
+        }
+        if (valid) {
+            *reinterpret_cast<u32*>(buf + n * rb + bl * 32 + 4 * li) = qw;
+            if (li == 0) ds[n * kt + bl] = Pair{d, s8x8};
+        }
+    }
+}
+
+__device__ __forceinline__ void mma_s8_16832(int (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 lds_u16(const u8* p) { return *reinterpret_cast<const u16*>(p); }
+
+template <typename T, bool QUANTIZE>
+__global__ void __launch_bounds__(kGemmWarps * 32, 1) gemm_q4_0_kernel(
+    const u8* __restrict__ wq, const void* __restrict__ act, float* __restrict__ out, i64 M, int N, i64 K,
+    int tiles_per_cta, int vec, int aligned4, int wq_async4) {
+    extern __shared__ __attribute__((aligned(16))) u8 smem[];
+    const int warp = threadIdx.x >> 5, lane = lane_id(), g = lane >> 2, c = lane & 3;
+    const i64 nbk = K / kQK;
+    const i64 ntiles = (M + 15) >> 4;
+    const i64 t_begin = (i64)blockIdx.x * tiles_per_cta;
+    const int tc = (int)min((i64)tiles_per_cta, ntiles - t_begin);  // tiles of this CTA (>= 1)
+    const int kss = tiles_per_cta <= kGemmWarps ? kGemmWarps / tiles_per_cta : 1;
+    const int kt = kss * kGemmUB;  // blocks per K-tile
+    const int n0 = blockIdx.y * 8, nn = min(8, N - n0);
+    const int ab = GemmSmem::act_bytes(kt);
+    u8* wslots = smem + 2 * ab;  // [warp][2][16 rows][144 bytes]
+
+    // this warp's unit: tile slot and K sub-range of every K-tile
+    const int slot_t = warp % tiles_per_cta, part = warp / tiles_per_cta;
+    const bool active = part < kss && slot_t < tc;
+    const i64 tile = t_begin + slot_t;
+    const int rb = GemmSmem::row_bytes(kt);
+    const bool async4 = wq_async4 != 0;
+
+    // activation rows past N feed the mma but their output columns are never stored; zero them
+    // once so that no uninitialised shared memory is read
+    for (int i = threadIdx.x; i < 2 * ab / 4; i += blockDim.x) reinterpret_cast<u32*>(smem)[i] = 0u;
+    __syncthreads();
+
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const i64 ntile_k = (nbk + kt - 1) / kt;
+    auto copy_tile = [&](i64 t) {
+        const i64 kb0 = t * kt + part * kGemmUB;
+        if (active && kb0 < nbk)
+            gemm_copy_weights(wslots + (warp * 2 + (int)(t & 1)) * kGemmSlotBytes, wq, tile, M, nbk, kb0, async4);
+        cp_async_commit();
+    };
+
+    copy_tile(0);
+    gemm_produce<T, QUANTIZE>(smem, kt, act, nn, n0, K, 0, vec, aligned4);
+    __syncthreads();
+    for (i64 t = 0; t < ntile_k; ++t) {
+        if (t + 1 < ntile_k) {
+            copy_tile(t + 1);
+        } else {
+            cp_async_commit();  // an empty group keeps "all but the newest group" meaning tile t
+        }
+        cp_async_wait_1();
+        __syncwarp();
+        const u8* cur = smem + (t & 1) * ab;
+        const Pair* ds = reinterpret_cast<const Pair*>(cur + 8 * rb);
+        const u8* ws = wslots + (warp * 2 + (int)(t & 1)) * kGemmSlotBytes;
+        if (active) {
+#pragma unroll
+            for (int u = 0; u < kGemmUB; ++u) {
+                const int bl = part * kGemmUB + u;
+                const i64 kb = t * kt + bl;
+                if (kb < nbk) {  // warp-uniform
+                    const u8* b0 = ws + g * kGemmRowBytes + u * QC_Q4_0_BLOCK_BYTES;
+                    const u8* b1 = b0 + 8 * kGemmRowBytes;
+                    const u32 w0 = lds_u16(b0 + 2 + 4 * c) | (lds_u16(b0 + 4 + 4 * c) << 16);
+                    const u32 w1 = lds_u16(b1 + 2 + 4 * c) | (lds_u16(b1 + 4 + 4 * c) << 16);
+                    const u32 af[4] = {w0 & 0x0f0f0f0fu, w1 & 0x0f0f0f0fu, (w0 >> 4) & 0x0f0f0f0fu,
+                                       (w1 >> 4) & 0x0f0f0f0fu};
+                    const u32* brow = reinterpret_cast<const u32*>(cur + g * rb + bl * 32);
+                    int d[4] = {0, 0, 0, 0};
+                    mma_s8_16832(d, af, brow[c], brow[4 + c]);
+                    const Pair dsa = ds[(2 * c) * kt + bl], dsb = ds[(2 * c + 1) * kt + bl];
+                    const float d40 = f16_to_f32((u16)lds_u16(b0)), d41 = f16_to_f32((u16)lds_u16(b1));
+                    acc[0] = fmaf(d40, fmaf(dsa.x, (float)d[0], -dsa.y), acc[0]);
+                    acc[1] = fmaf(d40, fmaf(dsb.x, (float)d[1], -dsb.y), acc[1]);
+                    acc[2] = fmaf(d41, fmaf(dsa.x, (float)d[2], -dsa.y), acc[2]);
+                    acc[3] = fmaf(d41, fmaf(dsb.x, (float)d[3], -dsb.y), acc[3]);
+                }
+            }
+        }
+        if (t + 1 < ntile_k)
+            gemm_produce<T, QUANTIZE>(smem + ((t + 1) & 1) * ab, kt, act, nn, n0, K, (t + 1) * kt, vec, aligned4);
+        __syncthreads();
+    }
+
+    // partial sums of the warps of one tile, added in part order
+    float* red = reinterpret_cast<float*>(smem);  // [kGemmWarps][16][8], the tiles are consumed
+    red[(warp * 16 + g) * 8 + 2 * c] = acc[0];
+    red[(warp * 16 + g) * 8 + 2 * c + 1] = acc[1];
+    red[(warp * 16 + g + 8) * 8 + 2 * c] = acc[2];
+    red[(warp * 16 + g + 8) * 8 + 2 * c + 1] = acc[3];
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < tc * 128; idx += blockDim.x) {
+        const int s = idx >> 7, row = (idx >> 3) & 15, col = idx & 7;
+        const i64 r = (t_begin + s) * 16 + row;
+        if (r < M && col < nn) {
+            float sum = red[(s * 16 + row) * 8 + col];
+            for (int p = 1; p < kss; ++p) sum += red[((p * tiles_per_cta + s) * 16 + row) * 8 + col];
+            out[r * N + n0 + col] = sum;
+        }
+    }
+}
+
+}  // namespace qc

@@ -1,0 +1,243 @@
+// Shared helpers of the CUDA kernels: element types, exact conversions, vector memory access,
+// warp reductions and the format tables (taken from quantcore_constants.h, never spelled here).
+//
+// Compiled at run time by NVRTC (quantcore.backends.cuda) and, as a check, by nvcc. No CUDA
+// header is included on purpose: every conversion and memory access that matters for
+// bit-exactness or speed is written in PTX, so NVRTC and nvcc see the same code and no include
+// path to the toolkit is needed. Kernels are built with -ftz=false --fmad=false: plain float
+// arithmetic is IEEE round-to-nearest with subnormals, and a*b+c is never contracted unless
+// fmaf() is written (the formats require two separate roundings in several places).
+#pragma once
+#include "quantcore_constants.h"
+
+namespace qc {
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+typedef signed char i8;
+
+constexpr u32 kFullMask = 0xffffffffu;
+
+struct alignas(8) Pair {
+    float x, y;
+};
+
+// -- element types -------------------------------------------------------------------------------
+// Each tag names the storage type S of one float dtype and converts one element to and from fp32
+// with round-to-nearest-even, keeping subnormals.
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float((u32)h << 16); }
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+struct F32 {
+    typedef float S;
+    static constexpr int kBytes = 4;
+    static __device__ __forceinline__ float to_f(S v) { return v; }
+    static __device__ __forceinline__ S from_f(float f) { return f; }
+    // two fp32 values packed into one 32-bit word is not possible: F32 stores go element-wise
+};
+struct F16 {
+    typedef u16 S;
+    static constexpr int kBytes = 2;
+    static __device__ __forceinline__ float to_f(S v) { return f16_to_f32(v); }
+    static __device__ __forceinline__ S from_f(float f) { return f32_to_f16(f); }
+    static __device__ __forceinline__ u32 pack2(float lo, float hi) {
+        u32 r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+    static __device__ __forceinline__ float lo(u32 w) { return f16_to_f32((u16)(w & 0xffffu)); }
+    static __device__ __forceinline__ float hi(u32 w) { return f16_to_f32((u16)(w >> 16)); }
+};
+struct BF16 {
+    typedef u16 S;
+    static constexpr int kBytes = 2;
+    static __device__ __forceinline__ float to_f(S v) { return bf16_to_f32(v); }
+    static __device__ __forceinline__ S from_f(float f) { return f32_to_bf16(f); }
+    static __device__ __forceinline__ u32 pack2(float lo, float hi) {
+        u32 r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+    static __device__ __forceinline__ float lo(u32 w) { return __uint_as_float(w << 16); }
+    static __device__ __forceinline__ float hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+};
+
+// -- memory access ---------------------------------------------------------------------------------
+// Read-only loads go through the non-coherent path: inputs are never written while a kernel runs.
+// The asm is volatile: to the compiler a non-volatile asm is a pure function of its operands, which
+// it may evaluate ahead of the branch that guards it (a bounds check) and read past an allocation.
+__device__ __forceinline__ u32 ldg_u32(const void* p) {
+    u32 v;
+    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u32 ldg_u16(const void* p) {
+    u16 v;
+    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u32 ldg_u8(const void* p) {
+    u16 v;
+    asm volatile("ld.global.nc.u8 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float ldg_f32(const float* p) {
+    float v;
+    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u64 ldg_u64(const void* p) {
+    u64 v;
+    asm volatile("ld.global.nc.u64 %0, [%1];" : "=l"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ void ldg_v4(const void* p, u32& a, u32& b, u32& c, u32& d) {
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "l"(p));
+}
+// Streaming loads of data read exactly once (quantized weights): keep L1 for what is reused.
+__device__ __forceinline__ u32 ldg_stream_u32(const void* p) {
+    u32 v;
+    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ void stg_v4(void* p, u32 a, u32 b, u32 c, u32 d) {
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" :: "l"(p), "r"(a), "r"(b), "r"(c), "r"(d)
+                 : "memory");
+}
+
+// 8 consecutive elements starting at x[e0] as fp32. Vector loads when the caller guarantees a
+// 16-byte aligned base and e0 + 8 <= n; otherwise element loads, with 0 past n (the formats pad
+// a partial last block with zeros).
+template <typename T>
+__device__ __forceinline__ void load8(const typename T::S* x, i64 e0, i64 n, bool vec, float (&v)[8]);
+
+template <>
+__device__ __forceinline__ void load8<F32>(const float* x, i64 e0, i64 n, bool vec, float (&v)[8]) {
+    if (vec && e0 + 8 <= n) {
+        u32 w[8];
+        ldg_v4(x + e0, w[0], w[1], w[2], w[3]);
+        ldg_v4(x + e0 + 4, w[4], w[5], w[6], w[7]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = __uint_as_float(w[i]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = (e0 + i < n) ? ldg_f32(x + e0 + i) : 0.0f;
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void load8_half(const u16* x, i64 e0, i64 n, bool vec, float (&v)[8]) {
+    if (vec && e0 + 8 <= n) {
+        u32 w[4];
+        ldg_v4(x + e0, w[0], w[1], w[2], w[3]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            v[2 * i] = T::lo(w[i]);
+            v[2 * i + 1] = T::hi(w[i]);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = (e0 + i < n) ? T::to_f((u16)ldg_u16(x + e0 + i)) : 0.0f;
+    }
+}
+template <>
+__device__ __forceinline__ void load8<F16>(const u16* x, i64 e0, i64 n, bool vec, float (&v)[8]) {
+    load8_half<F16>(x, e0, n, vec, v);
+}
+template <>
+__device__ __forceinline__ void load8<BF16>(const u16* x, i64 e0, i64 n, bool vec, float (&v)[8]) {
+    load8_half<BF16>(x, e0, n, vec, v);
+}
+
+// 8 consecutive outputs at out[e0]: one rounding from fp32 each; vector stores when aligned and
+// whole, otherwise element stores of those below n.
+template <typename T>
+__device__ __forceinline__ void store8(typename T::S* out, i64 e0, i64 n, bool vec, const float (&v)[8]);
+
+template <>
+__device__ __forceinline__ void store8<F32>(float* out, i64 e0, i64 n, bool vec, const float (&v)[8]) {
+    if (vec && e0 + 8 <= n) {
+        stg_v4(out + e0, __float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]),
+               __float_as_uint(v[3]));
+        stg_v4(out + e0 + 4, __float_as_uint(v[4]), __float_as_uint(v[5]), __float_as_uint(v[6]),
+               __float_as_uint(v[7]));
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (e0 + i < n) out[e0 + i] = v[i];
+    }
+}
+template <typename T>
+__device__ __forceinline__ void store8_half(u16* out, i64 e0, i64 n, bool vec, const float (&v)[8]) {
+    if (vec && e0 + 8 <= n) {
+        stg_v4(out + e0, T::pack2(v[0], v[1]), T::pack2(v[2], v[3]), T::pack2(v[4], v[5]),
+               T::pack2(v[6], v[7]));
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (e0 + i < n) out[e0 + i] = T::from_f(v[i]);
+    }
+}
+template <>
+__device__ __forceinline__ void store8<F16>(u16* out, i64 e0, i64 n, bool vec, const float (&v)[8]) {
+    store8_half<F16>(out, e0, n, vec, v);
+}
+template <>
+__device__ __forceinline__ void store8<BF16>(u16* out, i64 e0, i64 n, bool vec, const float (&v)[8]) {
+    store8_half<BF16>(out, e0, n, vec, v);
+}
+
+// -- warp helpers ----------------------------------------------------------------------------------
+__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+
+__device__ __forceinline__ double shfl_xor_f64(double v, int mask) {
+    int lo = __double2loint(v), hi = __double2hiint(v);
+    lo = __shfl_xor_sync(kFullMask, lo, mask);
+    hi = __shfl_xor_sync(kFullMask, hi, mask);
+    return __hiloint2double(hi, lo);
+}
+
+// -- format tables ---------------------------------------------------------------------------------
+__device__ const float kNf4Code[16] = QC_NF4_CODE_INIT;
+__device__ const float kFp4Code[16] = QC_FP4_CODE_INIT;
+__device__ const float kNf4Thresholds[QC_NF4_NTHRESHOLDS] = QC_NF4_THRESHOLDS_INIT;
+__device__ const float kFp4Thresholds[QC_FP4_NTHRESHOLDS] = QC_FP4_THRESHOLDS_INIT;
+__device__ const int kFp4StepCodes[QC_FP4_NTHRESHOLDS + 1] = QC_FP4_STEP_CODES_INIT;
+__device__ const float kDynamicMap[256] = QC_DYNAMIC_MAP_INIT;
+__device__ const float kDynamicThresholds[255] = QC_DYNAMIC_THRESHOLDS_INIT;
+
+template <int QT>
+__device__ __forceinline__ float code_4bit(int q) {
+    return QT == QC_QUANT_NF4 ? kNf4Code[q] : kFp4Code[q];
+}
+
+// -- exact arithmetic of the formats ---------------------------------------------------------------
+// Correctly rounded 1/x (the formats' reciprocal; never the approximate rcp of fast math).
+__device__ __forceinline__ float recip_rn(float x) { return __frcp_rn(x); }
+
+// absmax of a block as the formats define it: NaN-ignoring max of |x| (fmaxf returns the other
+// operand when one is NaN), starting from NaN so that an all-NaN block stays NaN.
+__device__ __forceinline__ float nan_value() { return __uint_as_float(0x7fffffffu); }
+// NaN test on the bits (a float self-comparison is what an optimizer may fold away)
+__device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u; }
+__device__ __forceinline__ float pos_inf() { return __uint_as_float(0x7f800000u); }
+
+}  // namespace qc

@@ -1,0 +1,466 @@
+"""``quantcore bench``: speed of quantcore's ops against the peers, in one process.
+
+One run measures, on the selected backend: quantcore through its public API, the peers that are
+installed (bitsandbytes; torch bf16 for the matrix products) and the device's copy bandwidth (a
+large device-to-device copy, bytes read + written) as the ceiling. It prints a table (time, GB/s
+on the counted bytes, % of copy, speedup of quantcore over each peer), and writes JSON and a PNG
+plot. Method (shared/design/PERFORMANCE.md): random data, warm-up, median of many runs, input
+buffers rotated when a call's data would fit in L2, bytes counted as each input read once plus
+each output written once (4-bit dequantize: the seeds' ``n/2 + nblocks + 2*ngroups + 2*256 +
+itemsize*n``).
+
+GPU time on CUDA: each timed call is queued behind a sleep kernel (~1 ms) so the host has queued
+the two events and the call before the GPU reaches them; the event pair then measures the GPU's
+time for the call alone (``kernel``). quantcore's kernel time is taken on the backend's
+kernel-level op (outputs preallocated, as in the conformance suite); ``eager`` is the host wall
+time per call of many back-to-back calls of the public API (validation, allocation and Python
+overhead included), which is what a small shape costs a caller. The peers are timed through
+their public functions for both.
+Other backends (sycl, cpu) are timed with the host clock after ``synchronize()``; no peers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import __version__, api
+from .arrays import as_dtype
+from .backend import Nested
+from .formats import bnb as fbnb
+from .registry import get_backend
+
+ROTATE_BYTES = 256 << 20  #: rotate input sets until a pass over them is this large (L2 is 50-60 MB)
+SLEEP_CYCLES = 2_000_000  #: ~1 ms at 2 GHz: longer than the host needs to queue one timed call
+
+
+@dataclass
+class Row:
+    op: str
+    shape: str
+    impl: str
+    nbytes: int
+    kernel_us: float | None = None
+    eager_us: float | None = None
+    gbps: float | None = None
+    pct_copy: float | None = None
+    speedup: dict[str, float] = field(default_factory=dict)  #: peer impl -> t_peer / t_quantcore
+    note: str = ""
+
+
+# -- timers -------------------------------------------------------------------------------------------
+class CudaTimer:
+    """CUDA-event timing of single calls (see the module docstring) through torch."""
+
+    def __init__(self, torch):
+        self.torch = torch
+
+    def kernel(self, fns: list[Callable[[], Any]], reps: int, warmup: int) -> float:
+        t = self.torch
+        for i in range(warmup):
+            fns[i % len(fns)]()
+        t.cuda.synchronize()
+        starts = [t.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [t.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps):
+            t.cuda._sleep(SLEEP_CYCLES)
+            starts[i].record()
+            fns[i % len(fns)]()
+            ends[i].record()
+        t.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+
+    def eager(self, fns: list[Callable[[], Any]], reps: int) -> float:
+        self.torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(reps):
+            fns[i % len(fns)]()
+        self.torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / reps * 1e6
+
+
+class HostTimer:
+    """Host-clock timing for backends without CUDA events."""
+
+    def __init__(self, sync: Callable[[], None]):
+        self.sync = sync
+
+    def kernel(self, fns: list[Callable[[], Any]], reps: int, warmup: int) -> float:
+        for i in range(warmup):
+            fns[i % len(fns)]()
+        self.sync()
+        times = []
+        for i in range(reps):
+            t0 = time.perf_counter()
+            fns[i % len(fns)]()
+            self.sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e6
+
+    def eager(self, fns: list[Callable[[], Any]], reps: int) -> float:
+        return self.kernel(fns, reps, 0)
+
+
+# -- the cases ------------------------------------------------------------------------------------------
+CUDA_SIZES = {
+    "dequantize_4bit": [(16384, 16384), (8192, 8192), (4096, 4096)],
+    "quantize_4bit": [(16384, 16384), (4096, 4096)],
+    "gemv_4bit": [(1, 16384, 16384), (1, 14336, 4096), (1, 4096, 4096), (2, 16384, 16384),
+                  (4, 16384, 16384), (8, 16384, 16384), (8, 14336, 4096)],
+    "gemm_w4a8": [(1, 4096, 14336), (2, 4096, 14336), (4, 4096, 14336), (8, 4096, 14336),
+                  (1, 14336, 4096), (8, 14336, 4096)],
+}
+QUICK_CUDA_SIZES = {
+    "dequantize_4bit": [(16384, 16384), (4096, 4096)],
+    "quantize_4bit": [(16384, 16384)],
+    "gemv_4bit": [(1, 16384, 16384), (1, 14336, 4096), (8, 16384, 16384)],
+    "gemm_w4a8": [(1, 4096, 14336), (8, 4096, 14336), (1, 14336, 4096)],
+}
+HOST_SIZES = {
+    "dequantize_4bit": [(4096, 4096)],
+    "quantize_4bit": [(4096, 4096)],
+    "gemv_4bit": [(1, 4096, 4096)],
+    "gemm_w4a8": [(1, 4096, 4096)],
+}
+QUICK_HOST_SIZES = {
+    "dequantize_4bit": [(1024, 1024)],
+    "quantize_4bit": [(1024, 1024)],
+    "gemv_4bit": [(1, 1024, 1024)],
+    "gemm_w4a8": [(1, 1024, 1024)],
+}
+OPS = tuple(CUDA_SIZES)
+
+
+def _dq_bytes(n: int, bs: int, out_itemsize: int) -> int:
+    nb = fbnb.nblocks(n, bs)
+    return n // 2 + nb + 2 * fbnb.nblocks(nb, 256) + 2 * 256 + out_itemsize * n
+
+
+def _nested_bytes(n: int, bs: int) -> int:
+    nb = fbnb.nblocks(n, bs)
+    return nb + 4 * fbnb.nblocks(nb, 256) + 4 * 256 + 4
+
+
+class Bench:
+    def __init__(self, backend: str, quick: bool, reps: int | None, verbose: bool):
+        self.be = get_backend(backend)
+        self.backend = backend
+        self.quick = quick
+        self.reps = reps or (20 if quick else 60)
+        self.verbose = verbose
+        self.torch = None
+        self.bnb = None
+        self.rows: list[Row] = []
+        self.copy_gbps: float | None = None
+        self.device = platform.processor() or platform.machine()
+        self.notes: list[str] = []
+        if backend == "cuda":
+            import torch  # noqa: PLC0415 - the CUDA bench drives torch tensors
+
+            self.torch = torch
+            self.timer: Any = CudaTimer(torch)
+            self.device = torch.cuda.get_device_name()
+            try:
+                import bitsandbytes  # noqa: PLC0415
+                import bitsandbytes.functional  # noqa: F401, PLC0415
+
+                self.bnb = bitsandbytes
+            except Exception as exc:  # noqa: BLE001 - not installed or broken: no bnb rows
+                self.notes.append(f"bitsandbytes not measured: {type(exc).__name__}: {exc}")
+        else:
+            self.timer = HostTimer(self.be.synchronize)
+
+    # -- helpers --------------------------------------------------------------------------------------
+    def log(self, msg: str) -> None:
+        if self.verbose:
+            print(msg, flush=True)
+
+    def sets(self, bytes_per_call: int) -> int:
+        return max(1, min(16, math.ceil(ROTATE_BYTES / max(bytes_per_call, 1)))) if self.torch else 1
+
+    def rand(self, shape, dtype: str, scale: float = 1.0):
+        if self.torch is not None:
+            t = self.torch
+            return (t.randn(*shape, device="cuda", dtype=t.float32) * scale).to(getattr(t, dtype))
+        a = (np.random.default_rng(len(self.rows)).standard_normal(shape) * scale).astype(as_dtype(dtype))
+        return self.be.from_numpy(a)
+
+    def measure(self, op: str, shape: str, impl: str, nbytes: int, fns: list[Callable[[], Any]],
+                note: str = "", eager: list[Callable[[], Any]] | None = None) -> Row:
+        row = Row(op, shape, impl, nbytes, note=note)
+        try:
+            row.kernel_us = self.timer.kernel(fns, self.reps, warmup=max(3, len(fns)))
+            row.eager_us = self.timer.eager(eager or fns, max(10, self.reps // 2))
+            row.gbps = nbytes / (row.kernel_us * 1e-6) / 1e9
+            if self.copy_gbps:
+                row.pct_copy = 100.0 * row.gbps / self.copy_gbps
+        except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, not fatal
+            row.note = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+        self.rows.append(row)
+        self.log(f"  {op:16s} {shape:22s} {impl:12s} {row.kernel_us or float('nan'):10.1f} us  {row.note}")
+        return row
+
+    def group(self, rows: list[Row]) -> None:
+        """Speedups of the quantcore row over each peer row of one (op, shape)."""
+        qc = [r for r in rows if r.impl == "quantcore" and r.kernel_us]
+        for q in qc:
+            for r in rows:
+                if r is not q and r.kernel_us:
+                    q.speedup[r.impl] = r.kernel_us / q.kernel_us
+
+    # -- the copy ceiling -------------------------------------------------------------------------------
+    def copy(self) -> None:
+        if self.torch is not None:
+            t = self.torch
+            nbytes = 2 << 30
+            src = t.empty(nbytes, dtype=t.uint8, device="cuda").random_(0, 255)
+            dst = t.empty_like(src)
+            row = self.measure("copy", "2 GiB d2d", "torch", 2 * nbytes, [lambda: dst.copy_(src)])
+            del src, dst
+            t.cuda.empty_cache()
+        else:
+            n = (64 << 20) // 8
+            src = np.random.default_rng(0).standard_normal(n)
+            dst = np.empty_like(src)
+            row = self.measure("copy", "64 MiB host", "numpy", 2 * src.nbytes, [lambda: np.copyto(dst, src)])
+        self.copy_gbps = row.gbps
+        row.pct_copy = 100.0 if row.gbps else None
+
+    # -- ops ----------------------------------------------------------------------------------------------
+    def dequantize_4bit(self, rows_cols, qt: str = "nf4") -> None:
+        r, c = rows_cols
+        n, bs = r * c, 64
+        nbytes = _dq_bytes(n, bs, 2)
+        k = self.sets(nbytes)
+        shape = f"{r}x{c} {qt} bs64 dq"
+        xs = [self.rand((r, c), "bfloat16") for _ in range(k)]
+        qs = [api.quantize_4bit(x, bs, qt, True, backend=self.be) for x in xs]
+        outs = [self.be.empty((r, c), as_dtype("bfloat16"), like=xs[0]) for _ in range(k)]
+        be = self.be
+        rows = [self.measure(
+            "dequantize_4bit", shape, "quantcore", nbytes,
+            [lambda p=p, s=s, o=o: be.dequantize_4bit(p, s.absmax, o, blocksize=bs, quant_type=qt,
+                                                      nested=_nested(s)) for (p, s), o in zip(qs, outs)],
+            eager=[lambda p=p, s=s: api.dequantize_4bit(p, s, backend=be) for p, s in qs])]
+        del qs, outs
+        if self.bnb is not None:
+            F = self.bnb.functional
+            bq = [F.quantize_4bit(x, blocksize=bs, compress_statistics=True, quant_type=qt) for x in xs]
+            rows.append(self.measure("dequantize_4bit", shape, "bnb", nbytes,
+                                     [lambda p=p, s=s: F.dequantize_4bit(p, s) for p, s in bq]))
+            del bq
+        self.group(rows)
+
+    def quantize_4bit(self, rows_cols, qt: str = "nf4") -> None:
+        r, c = rows_cols
+        n, bs = r * c, 64
+        nbytes = 2 * n + n // 2 + _nested_bytes(n, bs)
+        k = self.sets(nbytes)
+        shape = f"{r}x{c} bf16 {qt} bs64 dq"
+        xs = [self.rand((r, c), "bfloat16") for _ in range(k)]
+        be, nb = self.be, fbnb.nblocks(n, bs)
+        u8, f32 = as_dtype("uint8"), as_dtype("float32")
+        bufs = [(be.empty(((n + 1) // 2, 1), u8, like=x), be.empty((nb,), f32, like=x), be.empty((nb,), u8, like=x),
+                 be.empty((fbnb.nblocks(nb, 256),), f32, like=x), be.empty((1,), f32, like=x)) for x in xs]
+
+        def kernel(x, p, a, q, a2, off):
+            be.quantize_4bit(x, p, a, blocksize=bs, quant_type=qt)
+            be.double_quantize(a, q, a2, off)
+
+        rows = [self.measure("quantize_4bit", shape, "quantcore", nbytes,
+                             [lambda x=x, b=b: kernel(x, *b) for x, b in zip(xs, bufs)],
+                             eager=[lambda x=x: api.quantize_4bit(x, bs, qt, True, backend=be) for x in xs])]
+        del bufs
+        if self.bnb is not None:
+            F = self.bnb.functional
+            rows.append(self.measure("quantize_4bit", shape, "bnb", nbytes,
+                                     [lambda x=x: F.quantize_4bit(x, blocksize=bs, compress_statistics=True,
+                                                                  quant_type=qt) for x in xs]))
+        self.group(rows)
+
+    def gemv_4bit(self, bnk, qt: str = "nf4") -> None:
+        b, n, k = bnk
+        bs = 64
+        nbytes = n * k // 2 + _nested_bytes(n * k, bs) + 2 * b * k + 2 * b * n
+        sets = self.sets(nbytes)
+        shape = f"B{b} N{n} K{k} {qt}"
+        ws = [self.rand((n, k), "bfloat16", 0.05) for _ in range(sets)]
+        a = self.rand((b, k), "bfloat16")
+        qs = [api.quantize_4bit(w, bs, qt, True, backend=self.be) for w in ws]
+        be = self.be
+        out = be.empty((b, n), as_dtype("bfloat16"), like=a)
+        rows = [self.measure(
+            "gemv_4bit", shape, "quantcore", nbytes,
+            [lambda p=p, s=s: be.gemv_4bit(a, p, s.absmax, out, n=n, k=k, blocksize=bs, quant_type=qt,
+                                           nested=_nested(s)) for p, s in qs],
+            eager=[lambda p=p, s=s: api.gemv_4bit(a, p, s, backend=be) for p, s in qs])]
+        del qs
+        if self.bnb is not None:
+            F = self.bnb.functional
+            bq = [F.quantize_4bit(w, blocksize=bs, compress_statistics=True, quant_type=qt) for w in ws]
+            rows.append(self.measure("gemv_4bit", shape, "bnb", nbytes,
+                                     [lambda p=p, s=s: self.bnb.matmul_4bit(a, p.t(), quant_state=s)
+                                      for p, s in bq]))
+            del bq
+        if self.torch is not None:
+            lin = self.torch.nn.functional.linear
+            tbytes = 2 * n * k + 2 * b * k + 2 * b * n
+            tsets = self.sets(tbytes)
+            wt = (ws * tsets)[:tsets] if len(ws) >= tsets else ws + [self.rand((n, k), "bfloat16", 0.05)
+                                                                     for _ in range(tsets - len(ws))]
+            rows.append(self.measure("gemv_4bit", shape, "torch-bf16", tbytes,
+                                     [lambda w=w: lin(a, w) for w in wt], note="bf16 weight bytes"))
+            del wt
+        del ws
+        self.group(rows)
+
+    def gemm_w4a8(self, nmk) -> None:
+        nn, m, k = nmk
+        wbytes = m * (k // 32) * 18
+        nbytes = wbytes + 2 * nn * k + 4 * m * nn
+        sets = self.sets(nbytes)
+        shape = f"N{nn} M{m} K{k} q4_0"
+        wqs = [api.quantize_q4_0(self.rand((m, k), "float32", 0.05), backend=self.be) for _ in range(sets)]
+        a = self.rand((nn, k), "bfloat16")
+        be = self.be
+        out = be.empty((m, nn), as_dtype("float32"), like=a)
+        rows = [self.measure("gemm_w4a8", shape, "quantcore", nbytes,
+                             [lambda wq=wq: be.gemm_w4a8(wq, a, out) for wq in wqs],
+                             eager=[lambda wq=wq: api.gemm_w4a8(wq, a, m, nn, k, backend=be) for wq in wqs])]
+        rows[0].note = f"weights {wbytes / 1e6:.1f} MB: {wbytes / rows[0].kernel_us / 1e3:.0f} GB/s" \
+            if rows[0].kernel_us else rows[0].note
+        del wqs
+        if self.torch is not None:
+            lin = self.torch.nn.functional.linear
+            tbytes = 2 * m * k + 2 * nn * k + 2 * nn * m
+            wt = [self.rand((m, k), "bfloat16", 0.05) for _ in range(self.sets(tbytes))]
+            rows.append(self.measure("gemm_w4a8", shape, "torch-bf16", tbytes, [lambda w=w: lin(a, w) for w in wt],
+                                     note="bf16 weight bytes"))
+            del wt
+        self.group(rows)
+
+    def run(self, ops: tuple[str, ...], sizes: dict[str, list] | None) -> None:
+        table = sizes or (
+            (QUICK_CUDA_SIZES if self.quick else CUDA_SIZES) if self.torch is not None
+            else (QUICK_HOST_SIZES if self.quick else HOST_SIZES))
+        self.log(f"quantcore bench on {self.backend} ({self.device})")
+        self.copy()
+        for op in ops:
+            for size in table.get(op, []):
+                getattr(self, op)(tuple(size))
+                if op == "dequantize_4bit" and tuple(size) == tuple(table[op][0]):
+                    self.dequantize_4bit(tuple(size), "fp4")
+                if self.torch is not None:
+                    self.torch.cuda.empty_cache()
+
+    # -- report --------------------------------------------------------------------------------------------
+    def table(self) -> str:
+        peers = sorted({p for r in self.rows for p in r.speedup})
+        header = ["op", "shape", "impl", "kernel us", "eager us", "GB/s", "% copy"] + [f"vs {p}" for p in peers]
+        lines = []
+        for r in self.rows:
+            lines.append([r.op, r.shape, r.impl, _f(r.kernel_us, 1), _f(r.eager_us, 1),
+                          _f(r.gbps, 0 if (r.gbps or 0) >= 100 else 2),
+                          _f(r.pct_copy, 1)] + [(_f(r.speedup[p], 2) + "x") if p in r.speedup else ""
+                                                for p in peers] + ([r.note] if r.note else []))
+        widths = [max(len(str(x[i])) for x in [header] + lines if i < len(x)) for i in range(len(header))]
+        fmt = lambda cells: "  ".join(str(c).ljust(widths[i]) if i < len(widths) else str(c)  # noqa: E731
+                                      for i, c in enumerate(cells))
+        out = [f"quantcore {__version__} bench, backend {self.backend}, device: {self.device}",
+               fmt(header), fmt(["-" * w for w in widths])] + [fmt(x) for x in lines]
+        return "\n".join(out + self.notes)
+
+    def as_dict(self) -> dict:
+        versions = {"quantcore": __version__, "python": platform.python_version(), "numpy": np.__version__}
+        if self.torch is not None:
+            versions["torch"] = self.torch.__version__
+        if self.bnb is not None:
+            versions["bitsandbytes"] = getattr(self.bnb, "__version__", "?")
+        return {"backend": self.backend, "device": self.device, "copy_gbps": self.copy_gbps,
+                "versions": versions, "method": __doc__.split("\n\n")[2].replace("\n", " "),
+                "rows": [asdict(r) for r in self.rows], "notes": self.notes}
+
+    def plot(self, path: str) -> str:
+        try:
+            import matplotlib  # noqa: PLC0415
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt  # noqa: PLC0415
+        except ImportError:
+            return "matplotlib is not installed: no plot written (pip install matplotlib)"
+        rows = [r for r in self.rows if r.gbps]
+        labels = [f"{r.op} {r.shape} [{r.impl}]" for r in rows]
+        vals = [r.pct_copy if r.pct_copy is not None else r.gbps for r in rows]
+        colors = {"quantcore": "tab:blue", "bnb": "tab:orange", "torch-bf16": "tab:green"}
+        fig, ax = plt.subplots(figsize=(11, 0.28 * len(rows) + 1.5))
+        ax.barh(range(len(rows)), vals, color=[colors.get(r.impl, "tab:gray") for r in rows])
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels(labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("% of device copy bandwidth (counted bytes)" if self.copy_gbps else "GB/s")
+        ax.set_title(f"quantcore bench: {self.backend} on {self.device}")
+        ax.axvline(100.0, color="k", lw=0.5)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return f"plot written to {path}"
+
+
+def _nested(state) -> Nested | None:
+    if state.state2 is None:
+        return None
+    return Nested(absmax2=state.state2.absmax, code2=state.state2.code, offset=state.offset)
+
+
+def _f(v: float | None, nd: int) -> str:
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def run(backend: str = "cuda", ops: tuple[str, ...] | list[str] = OPS, sizes: dict[str, list] | None = None,
+        json_path: str | None = None, png_path: str | None = None, quick: bool = False,
+        reps: int | None = None, verbose: bool = False) -> dict:
+    """Run the benchmark in this process and return the report (``rows``, ``copy_gbps`` ...).
+
+    ``ops``: any of ``dequantize_4bit``, ``quantize_4bit``, ``gemv_4bit``, ``gemm_w4a8``.
+    ``sizes``: per op, a list of shapes ((rows, cols) for the 4-bit quantizers, (B, N, K) for
+    gemv_4bit, (N, M, K) for gemm_w4a8) replacing the defaults. Prints the table.
+    """
+    b = Bench(backend, quick, reps, verbose)
+    b.run(tuple(ops), sizes)
+    print(b.table())
+    report = b.as_dict()
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"JSON written to {json_path}")
+    if png_path:
+        print(b.plot(png_path))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``quantcore bench [--backend NAME] [--quick] [--json PATH] [--png PATH] [--ops ...]``."""
+    p = argparse.ArgumentParser(prog="quantcore bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default="cuda", help="backend to measure (default cuda)")
+    p.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
+    p.add_argument("--json", default="bench.json", help="JSON report path (default bench.json)")
+    p.add_argument("--png", default="bench.png", help="plot path (default bench.png)")
+    p.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS), help="ops to measure")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions per case")
+    p.add_argument("-v", "--verbose", action="store_true", help="print each case as it is measured")
+    args = p.parse_args(argv)
+    run(args.backend, args.ops, None, args.json, args.png, args.quick, args.reps, args.verbose)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

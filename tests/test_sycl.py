@@ -1,0 +1,540 @@
+"""The sycl backend: kernels_sycl/ compiled at run time and run on the OpenCL CPU device.
+
+Runs wherever the ``sycl`` extra is installed (CI installs it); elsewhere every test skips with
+the backend's own reason. Covers what the conformance suite does not: the device compiler's
+arithmetic the bit-exact tier relies on (correctly rounded division, no FMA contraction, fp16 /
+bf16 rounding), the explicit sub-group size, compile errors surfacing with the log, the OpenCL
+ICD setup, the shim's disk cache, the array adapters (views, DeviceError for host arrays,
+dpnp zero-copy, out-of-order queues); then bit-exact and tolerance checks of every op (the MX
+family included) on random and adversarial data, and the full conformance suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import quantcore as qc
+from quantcore import api
+from quantcore.arrays import BF16
+from quantcore.backend import Nested
+from quantcore.errors import DeviceError, KernelError
+from quantcore.formats import bnb, ggml
+from quantcore.registry import availability, get_backend
+
+from .conftest import FLOAT_DTYPES, bits
+
+_AVAIL = availability("sycl")
+pytestmark = [
+    pytest.mark.skipif(not _AVAIL, reason=f"sycl backend unavailable: {_AVAIL.reason}"),
+    # the reference warns on the adversarial inputs (overflow, NaN); the comparisons are exact
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+]
+REPO = Path(__file__).resolve().parents[1]
+DTYPES = list(FLOAT_DTYPES.values())
+
+
+@pytest.fixture(scope="module")
+def be():
+    return get_backend("sycl")
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    from quantcore.backends.sycl import runtime
+
+    return runtime
+
+
+def dev(be, a):
+    return be.from_numpy(np.ascontiguousarray(a))
+
+
+def host(be, x):
+    return be.to_numpy(x)
+
+
+# -- the device compiler's arithmetic ------------------------------------------------------------------
+ARITH_SRC = r"""
+#include "qc_common.hpp"
+namespace syclext = sycl::ext::oneapi;
+namespace syclexp = sycl::ext::oneapi::experimental;
+extern "C" SYCL_EXTERNAL SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
+void arith(const float *x, const float *y, const float *z, float *recip, float *muladd,
+           uint16_t *as_bf16, qc::half *as_half, int64_t n) {
+  const int64_t i = syclext::this_work_item::get_nd_item<1>().get_global_id(0);
+  if (i >= n) return;
+  recip[i] = qc::recip_rn(x[i]);
+  const float p = x[i] * y[i];
+  muladd[i] = p + z[i];
+  as_bf16[i] = qc::bf16_bits_rne(x[i]);
+  qc::Elem<qc::half>::store(as_half, i, x[i]);
+}
+"""
+
+
+def _random_bit_floats(rng, n):
+    v = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32).view(np.float32).copy()
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 1.1754942e-38, 65504.0,
+                         65520.0, 65519.996, 6.1035156e-05, 5.9604645e-08, 2.9802322e-08, 3.4e38],
+                        dtype=np.float32)
+    v[: specials.size] = specials
+    return v
+
+
+def test_device_arithmetic_is_the_references(be, runtime, rng):
+    """Correctly rounded 1/x, a*b+c with two roundings (no FMA contraction), RNE into fp16 and
+    bf16: on random bit patterns (subnormals, huge values, NaN and Inf included), built with the
+    backend's own options."""
+    _, includes = runtime.kernel_sources()
+    prog = runtime.compile_source(be.default_queue(), ARITH_SRC, includes, runtime.BASE_BUILD_OPTIONS)
+    n = 1 << 18
+    x = _random_bit_floats(rng, n)
+    y = rng.standard_normal(n).astype(np.float32)
+    z = rng.standard_normal(n).astype(np.float32)
+    out = {k: be.empty((n,), dt) for k, dt in
+           (("recip", np.float32), ("muladd", np.float32), ("bf16", np.uint16), ("half", np.float16))}
+    prog.launch(be.default_queue(), "arith", n // 128, 128,
+                (dev(be, x), dev(be, y), dev(be, z), out["recip"], out["muladd"], out["bf16"],
+                 out["half"], n))
+    with np.errstate(all="ignore"):
+        ref_recip = (np.float32(1.0) / x).astype(np.float32)
+        ref_muladd = ((x * y).astype(np.float32) + z).astype(np.float32)
+        ref_half = x.astype(np.float16)
+    finite = ~np.isnan(x)
+    assert np.array_equal(bits(host(be, out["recip"]))[finite], bits(ref_recip)[finite])
+    got = host(be, out["muladd"])
+    ok = np.isnan(ref_muladd) & np.isnan(got) | (bits(got) == bits(ref_muladd))
+    assert ok.all(), f"{(~ok).sum()} of {n} a*b+c differ: contraction into FMA?"
+    assert np.array_equal(host(be, out["bf16"]), bits(x.astype(BF16)))
+    gh = host(be, out["half"])
+    # numpy keeps a signalling NaN's payload where the hardware quiets it: compare NaN-ness only.
+    assert np.array_equal(np.isnan(gh), np.isnan(ref_half))
+    assert np.array_equal(bits(gh)[finite], bits(ref_half)[finite])
+
+
+# -- build, errors, sub-group size ---------------------------------------------------------------------
+def test_compile_error_surfaces_the_compiler_log(be, runtime):
+    bad = textwrap.dedent("""
+        #include <sycl/sycl.hpp>
+        extern "C" SYCL_EXTERNAL void broken(int *p) { p[0] = qc_no_such_symbol; }
+    """)
+    with pytest.raises(KernelError) as info:
+        runtime.compile_source(be.default_queue(), bad)
+    msg = str(info.value)
+    assert "qc_no_such_symbol" in msg and "error" in msg, msg
+
+
+def test_required_subgroup_size_reaches_the_kernels(be):
+    """bitsandbytes' bf16 gemv once ran with 8 lanes where 32 were meant: here the size is a
+    kernel property (the runtime reports it back) and a probe kernel sees it at run time."""
+    prog = be.program()
+    q = be.default_queue()
+    assert prog.subgroup_size in list(q.sycl_device.sub_group_sizes)
+    names = ["qc_gemv_4bit_f32", "qc_gemv_4bit_f16", "qc_gemv_4bit_bf16", "qc_gemm_q4_0_q8_1",
+             "qc_gemm_w4a8_bf16", "qc_subgroup_probe"]
+    for name in names:
+        assert prog.kernel_info(name, q)["required_subgroup_size"] == prog.subgroup_size, name
+    probe = be.empty((1,), np.int64)
+    prog.launch(q, "qc_subgroup_probe", 1, 4 * prog.subgroup_size, (probe,))
+    assert int(host(be, probe)[0]) == prog.subgroup_size
+
+
+def test_subgroup_size_choice(runtime):
+    class Dev:
+        def __init__(self, cpu, sizes, width):
+            self.is_cpu, self.sub_group_sizes, self.native_vector_width_float = cpu, sizes, width
+
+    want = runtime.GEOMETRY["QC_SUBGROUP_SIZE"]
+    assert runtime.pick_subgroup_size(Dev(False, [8, 16, 32], 1)) == want  # GPU: bitsandbytes' 32
+    assert runtime.pick_subgroup_size(Dev(True, [4, 8, 16, 32, 64], 8)) == 8  # AVX2 CPU
+    assert runtime.pick_subgroup_size(Dev(True, [4, 8, 16, 32, 64], 16)) == 16  # AVX-512 CPU
+    assert runtime.pick_subgroup_size(Dev(False, [8, 16], 1)) == 16
+
+
+def test_geometry_header_is_parsed(runtime):
+    g = runtime.GEOMETRY
+    assert g["QC_DEQUANT_WG"] * g["QC_DEQUANT_BYTES_PER_ITEM"] == 512  # bitsandbytes' tile
+    assert g["QC_GEMV_ROWS_PER_WG"] == 4 and g["QC_MAX_BATCH"] == 8
+
+
+SYCL2020_TU = r"""
+#include "sycl2020_launchers.hpp"
+template <typename T> void all(sycl::queue &q) {
+  T *t = nullptr; uint8_t *u = nullptr; float *f = nullptr;
+  const qc::Absmax am{f, nullptr, nullptr, nullptr, nullptr};
+  namespace l = qc::sycl2020;
+  l::dequantize_4bit<T>(q, u, am, t, 1, 64, 0);
+  l::dequantize_blockwise_8bit<T>(q, u, f, f, t, 1, 64);
+  l::quantize_4bit<T>(q, t, u, f, 1, 64, 0);
+  l::quantize_blockwise_8bit<T>(q, t, f, u, f, 1, 64);
+  l::gemv_4bit<T>(q, t, u, am, t, 1, 1, 64, 64, 0);
+  l::quantize_ggml<T>(q, l::GgmlFormat::q4_0, t, u, 1);
+  l::dequantize_ggml<T>(q, l::GgmlFormat::q8_1, u, t, 1);
+  l::gemm_w4a8<true, T>(q, u, nullptr, t, f, 1, 1, 32);
+}
+void instantiate(sycl::queue &q) {
+  all<float>(q); all<sycl::half>(q); all<sycl::ext::oneapi::bfloat16>(q);
+  qc::sycl2020::gemm_w4a8<false, float>(q, nullptr, nullptr, nullptr, nullptr, 1, 1, 32);
+  qc::sycl2020::double_quantize(q, nullptr, nullptr, nullptr, nullptr, 1);
+}
+"""
+
+
+@pytest.mark.parametrize("subgroup", [8, 16, 32])
+def test_sycl2020_launchers_compile_as_host_code(runtime, tmp_path, subgroup):
+    """The SYCL 2020 launchers for offline compilers (no oneAPI extension), every instantiation,
+    parsed and type-checked as host code by the system C++ compiler against the runtime's SYCL
+    headers. No SYCL offline compiler (icpx, acpp) is installable here, so device-side rules are
+    checked only by the run-time build of the same bodies (docs/sycl.md)."""
+    from quantcore.formats import kernel_defines
+
+    include_dir, _ = runtime.sycl_runtime_dirs()
+    kernel_defines.write_header(tmp_path)
+    (tmp_path / "tu.cpp").write_text(SYCL2020_TU)
+    cmd = [runtime._compiler(), "-std=c++17", "-fsyntax-only", "-Werror", "-Wno-deprecated-declarations",
+           "-Wno-attributes", "-DSYCL_DISABLE_FSYCL_SYCLHPP_WARNING", f"-DQC_SUBGROUP_SIZE={subgroup}",
+           f"-I{include_dir}", f"-I{tmp_path}", f"-I{REPO / 'kernels_sycl'}", str(tmp_path / "tu.cpp")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+
+
+# -- OpenCL ICD and the shim cache (fresh processes) ----------------------------------------------------
+def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_icd_is_set_up_when_the_user_did_not(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("OCL_ICD_FILENAMES", "OCL_ICD_VENDORS")}
+    res = _python("""
+        import json, os
+        from quantcore.registry import get_backend
+        be = get_backend("sycl")
+        import dpctl
+        print(json.dumps({"icd": os.environ.get("OCL_ICD_FILENAMES"),
+                          "devices": [d.filter_string for d in dpctl.get_devices()]}))
+    """, env)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["icd"] and out["icd"].endswith("libintelocl.so") and os.path.exists(out["icd"])
+    assert any(d.startswith("opencl:cpu") for d in out["devices"])
+
+
+def test_icd_setting_of_the_user_wins():
+    env = dict(os.environ, OCL_ICD_FILENAMES="/nonexistent/libOpenCL-user.so")
+    res = _python("""
+        from quantcore.backends.sycl import runtime
+        import os
+        print(runtime.setup_opencl_icd()); print(os.environ["OCL_ICD_FILENAMES"])
+    """, env)
+    assert res.returncode == 0, res.stderr
+    note, value = res.stdout.strip().splitlines()[-2:]
+    assert "set by the user" in note and value == "/nonexistent/libOpenCL-user.so"
+
+
+def test_shim_is_cached_and_rebuilt_when_its_source_changes(runtime, tmp_path, monkeypatch):
+    monkeypatch.setenv(runtime.ENV_CACHE, str(tmp_path))
+    first = runtime.build_shim()
+    assert first.parent == tmp_path / "sycl" and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert runtime.build_shim() == first and first.stat().st_mtime_ns == mtime  # cached
+    changed = tmp_path / "shim.cpp"
+    changed.write_text(runtime._shim_source().read_text() + "\n// a change\n")
+    monkeypatch.setattr(runtime, "_shim_source", lambda: changed)
+    second = runtime.build_shim()
+    assert second != first and second.exists()
+    assert not list((tmp_path / "sycl").glob("*.tmp"))
+
+
+def test_two_processes_building_the_shim_at_once(tmp_path):
+    env = dict(os.environ, QUANTCORE_CACHE_DIR=str(tmp_path))
+    code = "from quantcore.backends.sycl import runtime; print(runtime.build_shim())"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
+    paths = {o[0].strip() for o in outs}
+    assert len(paths) == 1
+    built = list((tmp_path / "sycl").iterdir())
+    assert [p.name for p in built] == [Path(paths.pop()).name]  # one library, no temporary left
+
+
+# -- arrays -------------------------------------------------------------------------------------------------
+def test_host_arrays_are_refused_not_copied(be):
+    with pytest.raises(DeviceError, match="from_numpy"):
+        api.quantize_q4_0(np.zeros((2, 32), np.float32), backend="sycl")
+
+
+def test_native_arrays_round_trip_through_the_public_api(be, rng):
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    packed, state = api.quantize_4bit(dev(be, x), 64, "nf4", backend="sycl")
+    from quantcore.backends.sycl import SyclArray
+
+    assert isinstance(packed, SyclArray) and isinstance(state.absmax, SyclArray)
+    ref_packed, _ = api.quantize_4bit(x, 64, "nf4", backend="cpu")
+    assert np.array_equal(host(be, packed), ref_packed)
+
+
+def test_view_is_a_window_into_the_buffer(be):
+    buf = dev(be, np.zeros(64, np.uint8))
+    v = be.view(buf, 16, (4,), np.float32)
+    v.copy_from_numpy(np.array([1, 2, 3, 4], np.float32))
+    raw = host(be, buf)
+    assert np.array_equal(raw[16:32].view(np.float32), [1, 2, 3, 4])
+    assert not raw[:16].any() and not raw[32:].any()
+    with pytest.raises(qc.errors.ShapeError):
+        be.view(buf, 60, (2,), np.float32)
+
+
+def test_dpctl_memory_is_wrapped_zero_copy(be):
+    import dpctl.memory as dm
+    from quantcore.backends.sycl import asarray
+
+    mem = dm.MemoryUSMShared(32 * 4, queue=be.default_queue())
+    view = np.frombuffer(mem, dtype=np.float32)  # shared USM: host-visible
+    view[:] = np.arange(32, dtype=np.float32)
+    arr = asarray(mem, (1, 32), np.float32)
+    assert arr.ptr == mem.__sycl_usm_array_interface__["data"][0]
+    out = api.quantize_q8_0(arr, backend="sycl")
+    assert np.array_equal(host(be, out), ggml.quantize_q8_0(view.reshape(1, 32)))
+
+
+def test_dpnp_arrays_in_and_out_zero_copy(be, rng):
+    dpnp = pytest.importorskip("dpnp", reason="dpnp is not installed (optional)")
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    xd = dpnp.asarray(x, device=be.default_queue().sycl_device.filter_string)
+    assert be.prepare(xd).ptr == xd.__sycl_usm_array_interface__["data"][0]  # no copy
+    qd = api.quantize_q8_1(xd, backend="sycl")
+    assert type(qd).__module__.startswith("dpnp")
+    assert np.array_equal(dpnp.asnumpy(qd), ggml.quantize_q8_1(x))
+    yd = api.dequantize_q8_1(qd, "float32", backend="sycl")
+    assert np.array_equal(dpnp.asnumpy(yd), ggml.dequantize_q8(ggml.quantize_q8_1(x), "q8_1"))
+
+
+def test_out_of_order_queue_is_ordered(be, rng):
+    """dpnp's queues are out of order: an op waits for the queue's earlier work and orders its
+    own kernels (double quantization is two dependent kernels)."""
+    import dpctl
+    from quantcore.backends.sycl import SyclArray
+
+    q = dpctl.SyclQueue(be.default_queue().sycl_device)
+    assert not q.is_in_order
+    absmax = (rng.random(3000) * 4).astype(np.float32)
+    src = SyclArray.empty(absmax.shape, np.float32, q)
+    src.copy_from_numpy(absmax)
+    outs = [SyclArray.empty(s, d, q) for s, d in (((3000,), np.uint8), ((12,), np.float32), ((1,), np.float32))]
+    be.double_quantize(src, *outs)
+    ref = bnb.double_quantize(absmax)
+    assert np.array_equal(outs[0].to_numpy(), ref[0])
+    assert np.array_equal(bits(outs[1].to_numpy()), bits(ref[1]))
+    assert bits(outs[2].to_numpy())[0] == bits(np.array([ref[2]], np.float32))[0]
+
+
+# -- ops against the reference ------------------------------------------------------------------------
+def adversarial(rng, n: int, dtype) -> np.ndarray:
+    """Random normal values with the cases that break kernels mixed in: zero blocks, NaN, Inf,
+    -0.0, subnormals, huge values, and values that land exactly on NF4 / FP4 thresholds."""
+    x = (rng.standard_normal(n) * 2.0).astype(np.float32)
+    if n >= 256:
+        x[:64] = 0.0  # an all-zero block
+        x[64:128] = np.concatenate([[1.0], bnb.NF4_THRESHOLDS, -bnb.NF4_THRESHOLDS, bnb.FP4_THRESHOLDS,
+                                    -bnb.FP4_THRESHOLDS, np.zeros(64 - 45)]).astype(np.float32)
+        x[128:192] = rng.standard_normal(64).astype(np.float32) * np.float32(1e-39)  # subnormals
+        x[192:256] = np.float32(3e38) * np.sign(rng.standard_normal(64)).astype(np.float32)
+    picks = rng.choice(n, size=max(1, n // 97), replace=False)
+    x[picks] = rng.choice(np.array([np.nan, np.inf, -np.inf, -0.0, 0.0], np.float32), picks.size)
+    if n % 64:  # a partial last block of NaNs: absmax counts the zero padding
+        x[-(n % 64):] = np.nan
+    return x.astype(dtype)
+
+
+def _same(got, ref):
+    got, ref = np.asarray(got), np.asarray(ref)
+    assert got.shape == ref.shape and got.dtype == ref.dtype, (got.shape, got.dtype, ref.shape, ref.dtype)
+    diff = bits(got) != bits(ref)
+    assert not diff.any(), f"{diff.sum()} of {diff.size} differ; first at {np.argwhere(diff)[:3].ravel()}"
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("blocksize", [32, 64, 512, 4096])
+def test_4bit_quantize_dequantize_bit_exact(be, rng, quant_type, dtype, blocksize):
+    for n in (1, 7, 4096 + 33, 3 * blocksize + 5):
+        x = adversarial(rng, n, dtype)
+        xd = dev(be, x)
+        nb = bnb.nblocks(n, blocksize)
+        packed, absmax = be.empty(((n + 1) // 2, 1), np.uint8), be.empty((nb,), np.float32)
+        be.quantize_4bit(xd, packed, absmax, blocksize=blocksize, quant_type=quant_type)
+        ref_p, ref_a = bnb.quantize_4bit(x, blocksize, quant_type)
+        _same(host(be, packed), ref_p)
+        _same(host(be, absmax), ref_a)
+        out = be.empty((n,), dtype)
+        be.dequantize_4bit(packed, absmax, out, blocksize=blocksize, quant_type=quant_type, nested=None)
+        _same(host(be, out), bnb.dequantize_4bit(ref_p, ref_a, n, blocksize, quant_type, dtype))
+        # double quantization, then the nested decode inside dequantize
+        qa, a2, off = (be.empty((nb,), np.uint8), be.empty((bnb.nblocks(nb, 256),), np.float32),
+                       be.empty((1,), np.float32))
+        be.double_quantize(absmax, qa, a2, off)
+        rq, ra2, roff = bnb.double_quantize(ref_a)
+        _same(host(be, qa), rq)
+        _same(host(be, a2), ra2)
+        _same(host(be, off), np.array([roff], np.float32))
+        nested = Nested(absmax2=a2, code2=dev(be, bnb.DYNAMIC_MAP), offset=off)
+        be.dequantize_4bit(packed, qa, out, blocksize=blocksize, quant_type=quant_type, nested=nested)
+        full = bnb.dequantize_absmax(rq, ra2, roff)
+        _same(host(be, out), bnb.dequantize_4bit(ref_p, full, n, blocksize, quant_type, dtype))
+
+
+def test_double_quant_offset_is_the_pairwise_tree(be, rng):
+    """Sizes around the work-group's chunking: one value, fewer values than work-items, more,
+    powers of two and not; magnitudes spread so the summation order shows in the last bit."""
+    for nb in (1, 2, 255, 256, 257, 4096, 70001, 262144 + 3):
+        absmax = (rng.random(nb) * 10.0 ** rng.uniform(-6, 6, nb)).astype(np.float32)
+        off = be.empty((1,), np.float32)
+        be.double_quantize(dev(be, absmax), be.empty((nb,), np.uint8),
+                           be.empty((bnb.nblocks(nb, 256),), np.float32), off)
+        assert bits(host(be, off))[0] == bits(np.array([bnb.absmax_offset(absmax)]))[0], nb
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("blocksize", [64, 256, 4096])
+def test_8bit_blockwise_bit_exact(be, rng, dtype, blocksize):
+    for n in (1, 1000, 3 * blocksize + 17):
+        x = adversarial(rng, n, dtype)
+        nb = bnb.nblocks(n, blocksize)
+        codes, absmax = be.empty((n,), np.uint8), be.empty((nb,), np.float32)
+        be.quantize_blockwise(dev(be, x), dev(be, bnb.DYNAMIC_THRESHOLDS), codes, absmax,
+                              blocksize=blocksize)
+        rc, ra = bnb.quantize_blockwise(x, blocksize)
+        _same(host(be, codes), rc)
+        _same(host(be, absmax), ra)
+        out = be.empty((n,), dtype)
+        be.dequantize_blockwise(codes, absmax, dev(be, bnb.DYNAMIC_MAP), out, blocksize=blocksize)
+        _same(host(be, out), bnb.dequantize_blockwise(rc, ra, blocksize, dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q8_1"])
+def test_ggml_codecs_bit_exact(be, rng, dtype, fmt):
+    for rows, k in ((1, 32), (3, 96), (37, 512)):
+        x = adversarial(rng, rows * k, np.float32).reshape(rows, k)
+        x[0, :32] = rng.standard_normal(32).astype(np.float32) * np.float32(1e-42)  # tiny d: 1/d = inf
+        x = x.astype(dtype)
+        q = be.empty((rows, k // 32, ggml.BLOCK_BYTES[fmt]), np.uint8)
+        getattr(be, f"quantize_{fmt}")(dev(be, x), q)
+        ref = getattr(ggml, f"quantize_{fmt}")(x)
+        _same(host(be, q), ref)
+        out = be.empty((rows, k), dtype)
+        be.dequantize_ggml(q, out, fmt=fmt)
+        vals = ggml.dequantize_q4_0(ref) if fmt == "q4_0" else ggml.dequantize_q8(ref, fmt)
+        _same(host(be, out), vals.astype(dtype))
+
+
+def _gemv_case(be, rng, n, k, batch, dtype, nested, quant_type="nf4", blocksize=64):
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    packed, absmax = bnb.quantize_4bit(w, blocksize, quant_type)
+    a = rng.standard_normal((batch, k)).astype(dtype)
+    out = be.empty((batch, n), dtype)
+    if nested:
+        qa, a2, off = bnb.double_quantize(absmax)
+        full = bnb.dequantize_absmax(qa, a2, off)
+        nest = Nested(dev(be, a2), dev(be, bnb.DYNAMIC_MAP), dev(be, np.array([off], np.float32)))
+        be.gemv_4bit(dev(be, a), dev(be, packed), dev(be, qa), out, n=n, k=k, blocksize=blocksize,
+                     quant_type=quant_type, nested=nest)
+    else:
+        full = absmax
+        be.gemv_4bit(dev(be, a), dev(be, packed), dev(be, absmax), out, n=n, k=k, blocksize=blocksize,
+                     quant_type=quant_type, nested=None)
+    wd = bnb.dequantize_4bit(packed, full, n * k, blocksize, quant_type, np.float32).reshape(n, k)
+    terms = np.abs(a.astype(np.float64)) @ np.abs(wd.astype(np.float64)).T
+    ref = a.astype(np.float64) @ wd.astype(np.float64).T
+    got = host(be, out).astype(np.float64)
+    u = {4: 2.0**-24, 2: 2.0**-8 if dtype == BF16 else 2.0**-11}[np.dtype(dtype).itemsize]
+    bound = u * np.abs(ref) + (2 * u + k * 2.0**-24) * terms + 1e-30
+    assert np.all(np.isfinite(got))
+    assert np.all(np.abs(got - ref) <= 1.05 * bound), np.max(np.abs(got - ref) / bound)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("n,k,batch", [(4, 32, 1), (33, 4096, 1), (9, 96, 3), (5, 100, 2), (7, 33, 1),
+                                       (13, 256, 9), (64, 64, 8)])
+def test_gemv_4bit_within_bounds(be, rng, n, k, batch, dtype):
+    """Both kernel paths (K % 32 == 0 and the per-value path for rows that start inside a byte
+    or a block), batches above QC_MAX_BATCH, rows not a multiple of the work-group's."""
+    _gemv_case(be, rng, n, k, batch, dtype, nested=False)
+    _gemv_case(be, rng, n, k, batch, dtype, nested=True, quant_type="fp4", blocksize=32)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 1, 32), (5, 3, 96), (13, 9, 1024), (64, 17, 4096)])
+def test_gemm_w4a8_is_gemm_on_quantize_q8_1(be, rng, m, n, k):
+    """The fused kernel quantizes the activation exactly as quantize_q8_1 does, so both GEMMs give
+    the same bits; both are within fp32 rounding of the fp64 reference."""
+    w = rng.standard_normal((m, k)).astype(np.float32)
+    wq = ggml.quantize_q4_0(w)
+    for dtype in DTYPES:
+        a = (rng.standard_normal((n, k)) * 3).astype(dtype)
+        o1, o2 = be.empty((m, n), np.float32), be.empty((m, n), np.float32)
+        be.gemm_w4a8(dev(be, wq), dev(be, a), o1)
+        be.gemm_q4_0_q8_1(dev(be, wq), dev(be, ggml.quantize_q8_1(a)), o2)
+        g1, g2 = host(be, o1), host(be, o2)
+        _same(g1, g2)
+        ref = ggml.gemm_q4_0_q8_1(wq, ggml.quantize_q8_1(a))
+        scale = np.abs(ref).max() + 1e-30
+        assert np.max(np.abs(g1 - ref)) / scale < (k // 32 + 4) * 2.0**-23
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("swizzled", [False, True])
+def test_mx_quantize_dequantize_bit_exact(be, rng, fmt, swizzled):
+    from quantcore.formats import mx
+
+    rows, cols = 131, 96  # rows past one 128-row tile, scale columns not a multiple of 4
+    x = adversarial(rng, rows * cols, np.float32).reshape(rows, cols)
+    x[5] = rng.standard_normal(cols).astype(np.float32) * np.float32(1e-40)  # fp32 denormals
+    g = mx.nvfp4_global_scale(np.nanmax(np.abs(x[np.isfinite(x)]))) if fmt == "nvfp4" else None
+    gd = dev(be, np.array([g], np.float32)) if g is not None else None
+    for dtype in DTYPES:
+        xt = x.astype(dtype)
+        for mode in (("floor", "rceil") if fmt != "nvfp4" else (None,)):
+            ref_c, ref_s = mx.quantize(xt, fmt, scale_mode=mode or "floor", global_scale=g)
+            ref_s = mx.swizzle(ref_s) if swizzled else ref_s
+            codes, scales = be.empty(ref_c.shape, np.uint8), be.empty(ref_s.shape, np.uint8)
+            be.mx_quantize(dev(be, xt), codes, scales, rows=rows, cols=cols, fmt=fmt, scale_mode=mode,
+                           swizzled=swizzled, global_scale=gd)
+            _same(host(be, codes), ref_c)
+            _same(host(be, scales), ref_s)
+            out = be.empty((rows, cols), dtype)
+            be.mx_dequantize(codes, scales, out, rows=rows, cols=cols, fmt=fmt, swizzled=swizzled,
+                             global_scale=gd)
+            plain = mx.unswizzle(ref_s, rows, cols // mx.block_size(fmt)) if swizzled else ref_s
+            _same(host(be, out), mx.dequantize(ref_c, plain, fmt, global_scale=g, out_dtype=dtype))
+
+
+def test_swizzle_round_trip_writes_the_padding(be, rng):
+    from quantcore.formats import mx
+
+    for rows, cols in ((1, 1), (130, 7), (256, 8)):
+        s = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
+        pr, pc = mx.swizzled_shape(rows, cols)
+        out = dev(be, np.full((pr, pc), 0xA5, np.uint8))  # poisoned: the padding must become 0
+        be.swizzle_scales(dev(be, s), out, rows=rows, cols=cols)
+        _same(host(be, out), mx.swizzle(s))
+        back = be.empty((rows, cols), np.uint8)
+        be.unswizzle_scales(out, back, rows=rows, cols=cols)
+        _same(host(be, back), s)
+
+
+# -- the conformance suite -----------------------------------------------------------------------------------
+def test_full_conformance_suite_passes():
+    from quantcore.conformance import run
+
+    report = run("sycl", level="full")
+    assert report.ok, report.table()
