@@ -1,0 +1,373 @@
+"""The MX family (NVFP4, MXFP4, MXFP8) on the ``cuda`` backend: launchers of
+``kernels_cuda/mx_quant.cu`` and ``kernels_cuda/mx_gemm.cu``.
+
+Each op here takes the backend instance first and then the arguments of the protocol method of
+the same name (:class:`quantcore.backend.Backend`, section "MX family"); arguments arrive
+validated by the core, outputs are preallocated, and nothing here allocates device memory,
+synchronizes or reads a device value on the host, so every op can be captured in a CUDA graph.
+
+Arrays are torch CUDA tensors or CuPy arrays (contiguous); kernels run on the caller's current
+stream (torch's current stream for tensors, CuPy's for CuPy arrays) on the array's device.
+
+Build: the sources are compiled at first use with NVRTC (through CuPy) into a cubin for the
+device, with the format constants of :func:`quantcore.formats.kernel_defines.constants_header`
+and ``mx_common.cuh`` handed to NVRTC as in-memory headers, and the flags
+``-ftz=false -fmad=false -prec-div=true`` the exact conversions need. The GEMM module is built
+for ``sm_90a`` on compute capability 9.0 (wgmma back end) and for ``sm_XY`` elsewhere (mma.sync
+back end, sm_80 and newer); ``QUANTCORE_CUDA_MX_GEMM=mma`` forces the mma.sync back end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import os
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+
+from quantcore.arrays import as_dtype, dtype_name
+from quantcore.errors import DeviceError, KernelError, UnsupportedError
+from quantcore.formats import kernel_defines, mx
+
+QUANT_SOURCE = "mx_quant.cu"
+GEMM_SOURCE = "mx_gemm.cu"
+HEADERS = ("mx_common.cuh",)
+NVRTC_OPTIONS = ("-std=c++17", "-ftz=false", "-fmad=false", "-prec-div=true", "-prec-sqrt=true")
+GEMM_MODE_ENV = "QUANTCORE_CUDA_MX_GEMM"
+GEMM_MODES = ("auto", "wgmma", "mma")
+THREADS = 256
+#: Dynamic shared memory of the GEMM kernels (kSmemBytes in mx_gemm.cu; the tests check the
+#: kernel reports the same number).
+GEMM_SMEM_BYTES = 1024 + 3 * 128 * 128 + 4 * (256 * 64 + 128 * 64 + 4 * 512 + 2 * 512) + 1024
+GEMM_BM, GEMM_BN, GEMM_GROUP_M = 256, 128, 8
+
+
+_lock = threading.Lock()
+_modules: dict[tuple[int, str, str], Any] = {}
+_functions: dict[tuple[int, str, str, str], Any] = {}
+_streams: dict[tuple[int, int], Any] = {}
+
+
+# -- build -------------------------------------------------------------------------------------------
+def kernel_text(name: str) -> str:
+    """Text of a file in ``quantcore.kernels_cuda`` (works installed and from the source tree)."""
+    return importlib.resources.files("quantcore.kernels_cuda").joinpath(name).read_text()
+
+
+def headers() -> tuple[list[str], list[str]]:
+    """(contents, include names) of the headers the MX sources include."""
+    contents = [kernel_defines.constants_header()] + [kernel_text(h) for h in HEADERS]
+    return contents, [kernel_defines.HEADER_NAME, *HEADERS]
+
+
+def cache_dir() -> str:
+    """Where built cubins are kept: $QUANTCORE_CACHE_DIR, else $XDG_CACHE_HOME/quantcore, else
+    ~/.cache/quantcore (a subfolder cuda-mx)."""
+    base = os.environ.get("QUANTCORE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "quantcore")
+    return os.path.join(base, "cuda-mx")
+
+
+def compile_cubin(source: str, arch: str, use_cache: bool = True) -> bytes:
+    """NVRTC build of ``kernels_cuda/<source>`` for ``arch`` ("sm_90a", "sm_80" ...) -> cubin.
+
+    Cached on disk under :func:`cache_dir`, keyed by the source, headers, options, target and
+    NVRTC version, so a new process does not rebuild (the GEMM takes tens of seconds)."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+    except ImportError as exc:  # pragma: no cover - the backend is unavailable without CuPy
+        raise KernelError(f"CuPy's NVRTC binding is missing: {exc}") from exc
+    contents, names = headers()
+    text = kernel_text(source)
+    options = [*NVRTC_OPTIONS, f"-DQCMX_EXPECT_SMEM={GEMM_SMEM_BYTES}", f"--gpu-architecture={arch}"]
+    key = hashlib.sha256("\0".join([text, *contents, *names, *options, repr(nvrtc.getVersion())])
+                         .encode()).hexdigest()[:32]
+    path = os.path.join(cache_dir(), f"{os.path.splitext(source)[0]}-{arch}-{key}.cubin")
+    if use_cache:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError:
+            pass
+    # CuPy's binding takes the header texts and names as bytes
+    prog = nvrtc.createProgram(text, source, [c.encode() for c in contents], [n.encode() for n in names])
+    try:
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as exc:
+            log = nvrtc.getProgramLog(prog)
+            raise KernelError(f"NVRTC could not build {source} for {arch}: {exc}\n{log}") from None
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    if use_cache:
+        try:  # write-then-rename: concurrent processes never read a partial file
+            os.makedirs(cache_dir(), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(cubin)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return cubin
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def compute_capability(device: int) -> tuple[int, int]:
+    cc = _cupy().cuda.Device(device).compute_capability  # "90"
+    return int(cc[:-1]), int(cc[-1])
+
+
+def gemm_mode() -> str:
+    mode = os.environ.get(GEMM_MODE_ENV, "auto").strip().lower() or "auto"
+    if mode not in GEMM_MODES:
+        raise KernelError(f"{GEMM_MODE_ENV}={mode!r}: expected one of {GEMM_MODES}")
+    return mode
+
+
+def gemm_arch(device: int, mode: str | None = None) -> tuple[str, bool]:
+    """(NVRTC target, wgmma back end?) of the GEMM module on ``device``."""
+    mode = mode or gemm_mode()
+    major, minor = compute_capability(device)
+    if major < 8:
+        raise UnsupportedError(f"scaled_fp4_mm needs compute capability 8.0 or newer (bf16 mma), "
+                               f"this GPU has {major}.{minor}")
+    if (major, minor) == (9, 0) and mode != "mma":
+        return "sm_90a", True
+    if mode == "wgmma":
+        raise UnsupportedError(f"the wgmma back end needs compute capability 9.0, not {major}.{minor}")
+    return f"sm_{major}{minor}", False
+
+
+def _module(device: int, source: str, arch: str):
+    key = (device, source, arch)
+    mod = _modules.get(key)
+    if mod is None:
+        with _lock:
+            mod = _modules.get(key)
+            if mod is None:
+                cubin = compile_cubin(source, arch)
+                cp = _cupy()
+                with cp.cuda.Device(device):
+                    mod = cp.cuda.function.Module()
+                    mod.load(cubin)
+                _modules[key] = mod
+    return mod
+
+
+def function(device: int, source: str, arch: str, name: str, smem: int = 0):
+    """A kernel of the module (loaded once per device / source / arch)."""
+    key = (device, source, arch, name)
+    fn = _functions.get(key)
+    if fn is None:
+        mod = _module(device, source, arch)
+        fn = mod.get_function(name)
+        if smem > 48 * 1024:  # above the default 48 KiB a kernel must opt in
+            drv = _cupy().cuda.driver
+            attr = getattr(drv, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
+            with _cupy().cuda.Device(device):
+                drv.funcSetAttribute(fn.ptr, attr, smem)
+        _functions[key] = fn
+    return fn
+
+
+# -- arrays and streams --------------------------------------------------------------------------------
+def _is_torch(a: Any) -> bool:
+    return type(a).__module__.startswith("torch")
+
+
+def device_of(a: Any) -> int:
+    if _is_torch(a):
+        if a.device.type != "cuda":
+            raise DeviceError(f"the cuda backend needs device arrays, got one on {a.device}")
+        return int(a.device.index)
+    dev = getattr(a, "device", None)
+    if dev is None or not hasattr(dev, "id"):
+        raise DeviceError(f"the cuda backend needs torch CUDA tensors or CuPy arrays, got {type(a).__name__}")
+    return int(dev.id)
+
+
+def ptr(a: Any) -> int:
+    if a is None:
+        return 0
+    if _is_torch(a):
+        return int(a.data_ptr())
+    return int(a.data.ptr)
+
+
+def _contiguous(a: Any) -> bool:
+    if _is_torch(a):
+        return bool(a.is_contiguous())
+    return bool(a.flags.c_contiguous)
+
+
+def stream_for(a: Any):
+    """The stream the caller is using for ``a``: torch's current stream or CuPy's."""
+    cp = _cupy()
+    if _is_torch(a):
+        import torch
+
+        dev = device_of(a)
+        handle = int(torch.cuda.current_stream(a.device).cuda_stream)
+        key = (dev, handle)
+        s = _streams.get(key)
+        if s is None:
+            with warnings.catch_warnings():  # CuPy 14 prefers Stream.from_external; both work
+                warnings.simplefilter("ignore", DeprecationWarning)
+                s = cp.cuda.ExternalStream(handle, dev)
+            _streams[key] = s
+        return s
+    return cp.cuda.get_current_stream()
+
+
+def _dtype(a: Any) -> str:
+    return dtype_name(as_dtype(a.dtype))
+
+
+def _check(*arrays: Any) -> int:
+    dev = None
+    for a in arrays:
+        if a is None:
+            continue
+        d = device_of(a)
+        if dev is None:
+            dev = d
+        elif d != dev:
+            raise DeviceError(f"arrays on different devices (cuda:{dev} and cuda:{d})")
+        if not _contiguous(a):
+            raise DeviceError("the cuda backend's MX kernels need contiguous arrays")
+    return 0 if dev is None else dev
+
+
+def _launch(fn, grid, block, args, stream, device: int, smem: int = 0) -> None:
+    cp = _cupy()
+    try:
+        with cp.cuda.Device(device):
+            fn(grid, block, args, shared_mem=smem, stream=stream)
+    except cp.cuda.driver.CUDADriverError as exc:
+        raise KernelError(f"launch of {fn.__class__.__name__} failed: {exc}") from exc
+
+
+def _grid2(cols: int, rows: int, per_thread_cols: int = 1) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """A block of 256 threads as (bx, by): bx covers columns (a power of two up to 32), by rows."""
+    tcols = -(-cols // per_thread_cols)
+    bx = 1
+    while bx < 32 and bx < tcols:
+        bx *= 2
+    by = THREADS // bx
+    gy = min(-(-rows // by), 65535)
+    return (-(-tcols // bx), max(gy, 1), 1), (bx, by, 1)
+
+
+def _u64(v: int) -> np.uint64:
+    return np.uint64(v)
+
+
+# -- ops -------------------------------------------------------------------------------------------------
+def mx_quantize(be, x, codes, scales, *, rows: int, cols: int, fmt: str, scale_mode: str | None,
+                swizzled: bool, global_scale=None) -> None:
+    """x [rows, cols] (fp32 / fp16 / bf16) -> codes, scales (row-major or swizzled, padding zeroed)."""
+    dev = _check(x, codes, scales, global_scale)
+    blk = mx.block_size(fmt)
+    ncols = cols // blk
+    prow, pcols = mx.swizzled_shape(rows, ncols) if swizzled else (rows, ncols)
+    dt = _dtype(x)
+    fn = function(dev, QUANT_SOURCE, quant_arch(dev), f"qc_mx_quantize_{fmt}_{dt}")
+    vec = int(ptr(x) % 16 == 0 and ptr(codes) % 16 == 0)
+    grid, block = _grid2(pcols, prow)
+    rceil = int(scale_mode == "rceil")
+    args = (_u64(ptr(x)), _u64(ptr(codes)), _u64(ptr(scales)), _u64(ptr(global_scale)), np.int64(rows),
+            np.int32(ncols), np.int64(prow), np.int32(pcols), np.int32(bool(swizzled)), np.int32(rceil),
+            np.int32(vec))
+    _launch(fn, grid, block, args, stream_for(x), dev)
+
+
+def mx_dequantize(be, codes, scales, out, *, rows: int, cols: int, fmt: str, swizzled: bool,
+                  global_scale=None) -> None:
+    """codes + scales (+ NVFP4 global scale) -> out [rows, cols] (fp32 / fp16 / bf16)."""
+    dev = _check(codes, scales, out, global_scale)
+    ncols = cols // mx.block_size(fmt)
+    pcols = mx.swizzled_shape(rows, ncols)[1] if swizzled else ncols
+    fn = function(dev, QUANT_SOURCE, quant_arch(dev), f"qc_mx_dequantize_{fmt}_{_dtype(out)}")
+    vec = int(ptr(codes) % 16 == 0 and ptr(out) % 16 == 0)
+    grid, block = _grid2(ncols, rows)
+    args = (_u64(ptr(codes)), _u64(ptr(scales)), _u64(ptr(out)), _u64(ptr(global_scale)), np.int64(rows),
+            np.int32(ncols), np.int32(pcols), np.int32(bool(swizzled)), np.int32(vec))
+    _launch(fn, grid, block, args, stream_for(out), dev)
+
+
+def swizzle_scales(be, scales, out, *, rows: int, cols: int) -> None:
+    """scales uint8 [rows, cols] -> out [ceil(rows/128)*128, ceil(cols/4)*4], padding zeroed."""
+    dev = _check(scales, out)
+    prow, pcols = mx.swizzled_shape(rows, cols)
+    fn = function(dev, QUANT_SOURCE, quant_arch(dev), "qc_mx_swizzle")
+    grid, block = _grid2(pcols, prow, per_thread_cols=4)
+    args = (_u64(ptr(scales)), _u64(ptr(out)), np.int64(rows), np.int32(cols), np.int64(prow),
+            np.int32(pcols), np.int32(ptr(out) % 4 == 0))
+    _launch(fn, grid, block, args, stream_for(out), dev)
+
+
+def unswizzle_scales(be, swz, out, *, rows: int, cols: int) -> None:
+    """swz [ceil(rows/128)*128, ceil(cols/4)*4] -> out uint8 [rows, cols]."""
+    dev = _check(swz, out)
+    pcols = mx.swizzled_shape(rows, cols)[1]
+    fn = function(dev, QUANT_SOURCE, quant_arch(dev), "qc_mx_unswizzle")
+    grid, block = _grid2(cols, rows, per_thread_cols=4)
+    args = (_u64(ptr(swz)), _u64(ptr(out)), np.int64(rows), np.int32(cols), np.int32(pcols),
+            np.int32(ptr(swz) % 4 == 0))
+    _launch(fn, grid, block, args, stream_for(out), dev)
+
+
+def gemm_kernel_name(fmt: str, wgmma: bool, cpw: int) -> str:
+    return f"qc_mx_gemm_{'wgmma' if wgmma else 'mma'}_{fmt}_cp{cpw}"
+
+
+def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: int, k: int, fmt: str,
+                  mode: str | None = None, variant: str = "") -> None:
+    """out bf16 [m, n] = alpha * A @ B^T + bias, A / B packed E2M1 with swizzled scales.
+
+    ``mode`` ("auto", "wgmma", "mma") overrides ``QUANTCORE_CUDA_MX_GEMM`` (tests, benchmarks);
+    ``variant`` "_nodq" / "_nomma" selects a timing experiment (nvfp4, wgmma, 16-byte copies only;
+    wrong results by design).
+    """
+    dev = _check(a, b, scale_a, scale_b, alpha, bias, out)
+    arch, wgmma = gemm_arch(dev, mode)
+    ptrs = (ptr(a), ptr(b), ptr(scale_a), ptr(scale_b))
+    if (k // 2) % 16 == 0 and all(p % 16 == 0 for p in ptrs):
+        cpw = 16
+    elif all(p % 4 == 0 for p in ptrs):
+        cpw = 4
+    else:
+        raise KernelError("scaled_fp4_mm needs its operands and scales 4-byte aligned (got a view at an odd "
+                          "offset); pass contiguous arrays that start at an aligned address")
+    fn = function(dev, GEMM_SOURCE, arch, gemm_kernel_name(fmt, wgmma, cpw) + variant, GEMM_SMEM_BYTES)
+    grid = (-(-m // GEMM_BM) * -(-n // GEMM_BN), 1, 1)
+    out_vec = int(n % 2 == 0 and ptr(out) % 4 == 0)
+    args = (_u64(ptrs[0]), _u64(ptrs[1]), _u64(ptrs[2]), _u64(ptrs[3]), _u64(ptr(alpha)), _u64(ptr(bias)),
+            _u64(ptr(out)), np.int32(m), np.int32(n), np.int32(k), np.int32(out_vec))
+    _launch(fn, grid, (THREADS, 1, 1), args, stream_for(out), dev, GEMM_SMEM_BYTES)
+
+
+def quant_arch(device: int) -> str:
+    major, minor = compute_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def capabilities(device: int | None = None) -> list:
+    """The MX capabilities this module implements (all of quantcore.formats.mx.capabilities();
+    scaled_fp4_mm needs compute capability 8.0+, checked at launch)."""
+    return list(mx.capabilities())
+
+
+__all__ = [
+    "capabilities", "compile_cubin", "gemm_arch", "mx_dequantize", "mx_quantize", "scaled_fp4_mm",
+    "swizzle_scales", "unswizzle_scales",
+]

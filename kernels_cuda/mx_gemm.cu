@@ -1,0 +1,542 @@
+// scaled_fp4_mm on GPUs without FP4 tensor cores (Hopper, Ampere): D = alpha * A @ B^T + bias,
+// A uint8 [M, K/2] and B uint8 [N, K/2] packed E2M1 (element 2i in the low nibble) with swizzled
+// scales (E4M3 for NVFP4, block 16; E8M0 for MXFP4, block 32), fp32 alpha [1], bf16 bias [N],
+// bf16 out [M, N].
+//
+// The fp4 operands are dequantized INSIDE the main loop into bf16 (exact: an E2M1 value times an
+// E4M3 or E8M0 scale has at most 6 significant bits) feeding bf16 tensor cores with fp32
+// accumulation; nothing is dequantized into device memory.
+//
+// CTA tile 256 (M) x 128 (N), 256 threads, a 4-stage cp.async pipeline of the PACKED operands and
+// their 512-byte scale tiles (128 K-elements per stage), the main loop in steps of 64 K-elements:
+//   * B (128 x 64 per step) is dequantized by all threads into a bf16 tile in shared memory, laid
+//     out as wgmma's K-major 128-byte-swizzled operand (row n at n*128, 16-byte chunk c at
+//     c ^ (n % 8)), three buffers deep;
+//   * A is dequantized by each thread straight into its MMA A-fragment registers (mma.m16n8k16 /
+//     wgmma RS layout), two buffers deep: thread (g = lane/4, t = lane%4) of a 16-row slice owns
+//     rows g and g+8.
+// Two MMA back ends share everything else: wgmma.m64n128k16 with A from registers (sm_90a;
+// each warpgroup owns 128 rows, the next step's dequantization overlaps the asynchronous MMAs),
+// and mma.sync.m16n8k16 + ldmatrix (sm_80+; each warp owns 32 rows).
+//
+// Fragment trick: a bf16x2 fragment register holds two K-neighbours; here it is built from one
+// 32-bit word q of 8 packed codes p0..p7 as W_i = (p_i, p_{i+4}) with three integer operations
+// (the codes of p_i and p_{i+4} sit at bits 4i and 4i+16; shifted to the top of each half, the
+// sign lands on bf16's sign bit and (e1 e0 m) on the exponent's low bits and the first mantissa
+// bit). That is a fixed permutation of K inside every 64-element step, the same for A and B, so
+// the dot products are unchanged: thread t of a quad reads only words t and t+4 of a row's 32
+// bytes and puts W_s of them into its fragment registers for k16 step s (mma's k = 2t, 2t+1 and
+// 2t+8, 2t+9 positions); the B tile stores [W_s(q_0..3)] / [W_s(q_4..7)] as logical chunks 2s and
+// 2s+1. (Reading whole rows for every thread would cost four times the shared-memory traffic.)
+// The decoded bf16 is the E2M1 value times 2^-126 (code +-0.5 is a bf16 subnormal, exact), then
+// one bf16x2 multiply by a per-block scale word from a 256-entry table in shared memory:
+//   NVFP4: table[b] = bf16(e4m3(b) * 2^117), so an operand is value * scale * 2^-9 (all normal),
+//          and the epilogue multiplies the fp32 accumulator by 2^18 (exact) before alpha;
+//   MXFP4: the decoded value is first multiplied by 2^126 (exact), then by table[b] =
+//          bf16(2^(b-127)), so an operand is exactly value * 2^(b-127) wherever bf16 holds it.
+// Scale columns past K/blk (the swizzled layout's padding, possibly garbage) are read as byte 0,
+// and codes past K are zero-filled by cp.async, so a partial last stage adds exact zeros.
+#include "mx_common.cuh"
+
+namespace qcmx {
+
+constexpr int kBM = 256, kBN = 128;
+constexpr int kStages = 4;
+constexpr int kThreads = 256;
+constexpr int kStageK = 128;                 // K elements per pipeline stage
+constexpr int kRowBytes = kStageK / 2;       // packed bytes of one row per stage
+constexpr int kAStageBytes = kBM * kRowBytes;
+constexpr int kBStageBytes = kBN * kRowBytes;
+constexpr int kSAStageBytes = 2 * 2 * QC_SWIZZLE_TILE_BYTES;  // 2 row tiles x up to 2 column tiles
+constexpr int kSBStageBytes = 2 * QC_SWIZZLE_TILE_BYTES;
+constexpr int kStageBytes = kAStageBytes + kBStageBytes + kSAStageBytes + kSBStageBytes;
+constexpr int kBsBytes = kBN * 128;          // one 128 x 64 bf16 B tile
+constexpr int kBsBufs = 3;
+constexpr int kLutBytes = 256 * 4;
+constexpr int kSmemBytes = 1024 + kBsBufs * kBsBytes + kStages * kStageBytes + kLutBytes;
+constexpr int kGroupM = 8;                   // CTA raster: 8 row tiles share the B tiles in L2
+#ifdef QCMX_EXPECT_SMEM  // the launcher passes its own number: a stale copy fails the build
+static_assert(kSmemBytes == QCMX_EXPECT_SMEM, "backends/cuda/mx.py GEMM_SMEM_BYTES is stale");
+#endif
+
+template <int FMT>
+struct GemmFmt {
+    static constexpr int kBlk = FMT == QC_FMT_NVFP4 ? QC_NVFP4_BLOCK : QC_MX_BLOCK;
+    static constexpr int kKTiles = kStageK / kBlk / QC_SWIZZLE_COLS;  // scale tile columns per stage
+    static constexpr int kBlocksPerStep = 64 / kBlk;
+};
+
+// -- PTX wrappers ---------------------------------------------------------------------------------
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+template <int W>
+__device__ __forceinline__ void cp_async(u32 dst, const void* src, int bytes) {
+    if (W == 16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+    } else if (W == 8) {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+    }
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// 16 bytes from global (valid of them, the rest zero-filled) in copies of W bytes.
+template <int W>
+__device__ __forceinline__ void copy16(u32 dst, const u8* src, int valid) {
+#pragma unroll
+    for (int o = 0; o < 16; o += W) {
+        const int v = min(max(valid - o, 0), W);
+        cp_async<W>(dst + o, v > 0 ? (const void*)(src + o) : (const void*)src, v);
+    }
+}
+
+__device__ __forceinline__ void lds128(u32 addr, u32& a, u32& b, u32& c, u32& d) {
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(addr));
+}
+__device__ __forceinline__ u32 lds32(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ void sts128(u32 addr, u32 a, u32 b, u32 c, u32 d) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+__device__ __forceinline__ void sts32(u32 addr, u32 v) {
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+
+// bf16x2 product a * b, rounded once (fma with -0 keeps the sign of a -0 product; sm_80+).
+__device__ __forceinline__ u32 bmul2(u32 a, u32 b) {
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
+    return r;
+}
+
+// W = (p_i, p_{i+4}) of the 8 codes in q as bf16x2, each E2M1 value times 2^-126: x holds the two
+// codes in the top nibble of each half (shifted by 12 - 4i), then sign stays at bit 15 and
+// (e1 e0 m) moves to bits 8..6.
+__device__ __forceinline__ u32 fp4_pair(u32 q, u32 shl) {
+    const u32 x = (q << shl) & 0xf000f000u;
+    return (x | (x >> 6)) & 0x81c081c0u;
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+__device__ __forceinline__ void mma_16816(float* d, const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// -- wgmma (sm_90a) -------------------------------------------------------------------------------
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define QCMX_HAS_WGMMA 1
+// Descriptor of a K-major bf16 operand in the 128-byte swizzle: 8-row groups 1024 bytes apart
+// (SBO), LBO unused for this layout, base 1024-byte aligned; K steps of 16 add 32 bytes.
+__device__ __forceinline__ u64 desc_sw128(u32 saddr) {
+    return (u64)((saddr & 0x3ffffu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// Keeps the compiler from moving accumulator accesses across the asynchronous MMAs.
+__device__ __forceinline__ void fence_acc(float (&d)[64]) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&a)[4], u64 desc) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+          "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
+          "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
+          "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]),
+          "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
+          "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+          "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+#endif
+
+// -- the kernel -----------------------------------------------------------------------------------
+// DBG (timing experiments only, never launched by the backend): 1 leaves the main loop's
+// dequantization out (the MMAs run on stale tiles), 2 leaves the MMAs out.
+template <int FMT, bool WG, int DBG = 0>
+struct Gemm {
+    using F = GemmFmt<FMT>;
+    static constexpr bool kNv = FMT == QC_FMT_NVFP4;
+    static constexpr u32 kTwo126 = 0x7e807e80u;  // bf16x2 (2^126, 2^126)
+
+    // first CTA-local row of the 16-row slice this warp owns in row tile mt (0, 1)
+    static __device__ __forceinline__ int row_base(int warp, int mt) {
+        return WG ? (warp >> 2) * 128 + mt * 64 + (warp & 3) * 16 : warp * 32 + mt * 16;
+    }
+
+    template <int CPW>
+    static __device__ __forceinline__ void load_stage(int st, u32 s_stage, const u8* A, const u8* B, const u8* SA,
+                                                      const u8* SB, int m0, int n0, int M, int N, int KB, int nkt,
+                                                      int nmt) {
+        const int tid = threadIdx.x;
+        const u32 buf = s_stage + (st % kStages) * kStageBytes;
+        const int kb0 = st * kRowBytes;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int id = tid + kThreads * i, row = id >> 2, c = id & 3;
+            const int gr = m0 + row, off = kb0 + c * 16;
+            const int valid = gr < M ? min(max(KB - off, 0), 16) : 0;
+            const u8* src = valid > 0 ? A + (i64)gr * KB + off : A;
+            copy16<CPW>(buf + row * kRowBytes + ((c ^ ((row >> 1) & 3)) << 4), src, valid);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int id = tid + kThreads * i, row = id >> 2, c = id & 3;
+            const int gr = n0 + row, off = kb0 + c * 16;
+            const int valid = gr < N ? min(max(KB - off, 0), 16) : 0;
+            const u8* src = valid > 0 ? B + (i64)gr * KB + off : B;
+            // XOR on (row / 2) % 4 (A and B alike) makes the dequantizers' reads conflict-free
+            copy16<CPW>(buf + kAStageBytes + row * kRowBytes + ((c ^ ((row >> 1) & 3)) << 4), src, valid);
+        }
+        constexpr int KT = F::kKTiles;
+        constexpr int kSaChunks = 2 * KT * 32, kSbChunks = KT * 32;
+        if (tid < kSaChunks) {
+            const int tile = tid >> 5, ch = tid & 31, mt = tile / KT, kt = tile % KT;
+            const int gm = (m0 >> 7) + mt, gk = st * KT + kt;
+            const bool ok = gm < nmt && gk < nkt;
+            const u8* src = ok ? SA + ((i64)gm * nkt + gk) * QC_SWIZZLE_TILE_BYTES + ch * 16 : SA;
+            copy16<CPW>(buf + kAStageBytes + kBStageBytes + tile * QC_SWIZZLE_TILE_BYTES + ch * 16, src, ok ? 16 : 0);
+        } else if (tid < kSaChunks + kSbChunks) {
+            const int tile = (tid - kSaChunks) >> 5, ch = tid & 31;
+            const int gn = n0 >> 7, gk = st * KT + tile;
+            const bool ok = gk < nkt;
+            const u8* src = ok ? SB + ((i64)gn * nkt + gk) * QC_SWIZZLE_TILE_BYTES + ch * 16 : SB;
+            copy16<CPW>(buf + kAStageBytes + kBStageBytes + kSAStageBytes + tile * QC_SWIZZLE_TILE_BYTES + ch * 16,
+                        src, ok ? 16 : 0);
+        }
+    }
+
+    // Scale bytes of one step, the ones of blocks past K replaced by 0 (finite, and 0 for E4M3).
+    static __device__ __forceinline__ u32 mask_blocks(u32 w, int nval) {
+        return nval >= 4 ? w : (nval <= 0 ? 0u : (w & ((1u << (8 * nval)) - 1u)));
+    }
+    static __device__ __forceinline__ u32 lut(u32 s_lut, u32 byte) { return lds32(s_lut + (byte << 2)); }
+
+    // A fragments of step j (64 K-elements) for this thread's 4 rows. Thread t reads words t and
+    // t + 4 (8-element groups) of each row's 32 bytes; register (k16 step s, half hh) is
+    // W_s(q_{t+4hh}), i.e. logical k = 16s + 8hh + 2t (the B tile is stored to match).
+    static __device__ __forceinline__ void dequant_a(int j, u32 s_stage, u32 s_lut, int nkb, u32 (&af)[2][4][4]) {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+        const int h = j & 1;
+        const u32 buf = s_stage + ((j >> 1) % kStages) * kStageBytes;
+        const int nval = nkb - j * F::kBlocksPerStep;
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                const int row = row_base(warp, mt) + g + 8 * rr;
+                const u32 rbase = buf + row * kRowBytes + 4 * t;
+                const int sw4 = (row >> 1) & 3;
+                const u32 q[2] = {lds32(rbase + (((2 * h) ^ sw4) << 4)), lds32(rbase + (((2 * h + 1) ^ sw4) << 4))};
+                const int r128 = row & 127;
+                const u32 soff = (r128 & 31) * 16 + (r128 >> 5) * 4;
+                u32 S[2];
+                if (kNv) {  // group t + 4hh lies in block 2hh + t/2 of the step
+                    const u32 sw = mask_blocks(lds32(buf + kAStageBytes + kBStageBytes +
+                                                     ((row >> 7) * 2 + h) * QC_SWIZZLE_TILE_BYTES + soff), nval);
+                    S[0] = lut(s_lut, (sw >> (8 * (t >> 1))) & 0xffu);
+                    S[1] = lut(s_lut, (sw >> (8 * (2 + (t >> 1)))) & 0xffu);
+                } else {  // group t + 4hh lies in block hh of the step
+                    const u32 sw = mask_blocks(lds32(buf + kAStageBytes + kBStageBytes +
+                                                     (row >> 7) * QC_SWIZZLE_TILE_BYTES + soff) >> (16 * h), nval);
+                    S[0] = lut(s_lut, sw & 0xffu);
+                    S[1] = lut(s_lut, (sw >> 8) & 0xffu);
+                }
+#pragma unroll
+                for (int s4 = 0; s4 < 4; ++s4) {
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        u32 w = fp4_pair(q[hh], 12 - 4 * s4);
+                        if (!kNv) w = bmul2(w, kTwo126);
+                        af[mt][s4][hh * 2 + rr] = bmul2(w, S[hh]);
+                    }
+                }
+            }
+        }
+    }
+
+    // B tile of step j (128 x 64 bf16) into the swizzled buffer at bs.
+    static __device__ __forceinline__ void dequant_b(int j, u32 s_stage, u32 s_lut, int nkb, u32 bs) {
+        const int tid = threadIdx.x, n = tid & 127, part = tid >> 7;
+        const int h = j & 1;
+        const u32 buf = s_stage + ((j >> 1) % kStages) * kStageBytes;
+        const int nval = nkb - j * F::kBlocksPerStep;
+        const int ch = 2 * h + part;
+        u32 q[4];
+        lds128(buf + kAStageBytes + n * kRowBytes + ((ch ^ ((n >> 1) & 3)) << 4), q[0], q[1], q[2], q[3]);
+        const u32 soff = (n & 31) * 16 + (n >> 5) * 4;
+        u32 S[2];
+        if (kNv) {
+            const u32 sw = mask_blocks(lds32(buf + kAStageBytes + kBStageBytes + kSAStageBytes +
+                                             h * QC_SWIZZLE_TILE_BYTES + soff), nval);
+            S[0] = lut(s_lut, (sw >> (16 * part)) & 0xffu);
+            S[1] = lut(s_lut, (sw >> (16 * part + 8)) & 0xffu);
+        } else {
+            const u32 sw = mask_blocks(lds32(buf + kAStageBytes + kBStageBytes + kSAStageBytes + soff) >> (16 * h),
+                                       nval);
+            S[0] = S[1] = lut(s_lut, (sw >> (8 * part)) & 0xffu);
+        }
+        // logical chunk 2s + part (k = 16s + 8part .. +7) = [W_s(q_0), W_s(q_1), W_s(q_2), W_s(q_3)],
+        // matching the A fragments (position 2t <- group t + 4part)
+#pragma unroll
+        for (int s4 = 0; s4 < 4; ++s4) {
+            u32 w[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                u32 x = fp4_pair(q[i], 12 - 4 * s4);
+                if (!kNv) x = bmul2(x, kTwo126);
+                w[i] = bmul2(x, S[i >> 1]);
+            }
+            const int c = 2 * s4 + part;
+            sts128(bs + n * 128 + ((c ^ (n & 7)) << 4), w[0], w[1], w[2], w[3]);
+        }
+    }
+
+    // The MMAs of one step: A from af, B from the tile at bs.
+    static __device__ __forceinline__ void mma_step(const u32 (&af)[2][4][4], u32 bs, float (&acc)[2][64]) {
+#if defined(QCMX_HAS_WGMMA)
+        if (WG) {
+            fence_acc(acc[0]);
+            fence_acc(acc[1]);
+            wgmma_fence();
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                const u64 desc = desc_sw128(bs + 32 * s);
+                wgmma_m64n128k16_rs(acc[0], af[0][s], desc);
+                wgmma_m64n128k16_rs(acc[1], af[1][s], desc);
+            }
+            wgmma_commit();
+            fence_acc(acc[0]);
+            fence_acc(acc[1]);
+            return;
+        }
+#endif
+        if (!WG) {
+            const int lane = threadIdx.x & 31, mi = lane >> 3, ri = lane & 7;
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+#pragma unroll
+                for (int p = 0; p < 8; ++p) {
+                    const int n = 16 * p + (mi >> 1) * 8 + ri, chunk = 2 * s + (mi & 1);
+                    u32 b0, b1, b2, b3;
+                    ldmatrix_x4(bs + n * 128 + ((chunk ^ ri) << 4), b0, b1, b2, b3);
+#pragma unroll
+                    for (int mt = 0; mt < 2; ++mt) {
+                        mma_16816(&acc[mt][8 * p], af[mt][s], b0, b1);
+                        mma_16816(&acc[mt][8 * p + 4], af[mt][s], b2, b3);
+                    }
+                }
+            }
+        }
+    }
+
+    static __device__ __forceinline__ void fence_af(u32 (&af)[2][4][4]) {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int s = 0; s < 4; ++s)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(af[mt][s][i])::"memory");
+    }
+
+    template <int CPW>
+    static __device__ __forceinline__ void run(const u8* __restrict__ A, const u8* __restrict__ B,
+                                               const u8* __restrict__ SA, const u8* __restrict__ SB,
+                                               const float* __restrict__ alpha, const u16* __restrict__ bias,
+                                               u16* __restrict__ out, int M, int N, int K, int out_vec) {
+        extern __shared__ u8 smem_raw[];
+        const u32 sbase = (smem_u32(smem_raw) + 1023u) & ~1023u;
+        const u32 s_bs = sbase;
+        const u32 s_stage = sbase + kBsBufs * kBsBytes;
+        const u32 s_lut = s_stage + kStages * kStageBytes;
+        const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+
+        // CTA raster: groups of kGroupM row tiles walk the column tiles together
+        const int num_m = (M + kBM - 1) / kBM, num_n = (N + kBN - 1) / kBN;
+        const int per_group = kGroupM * num_n, pid = blockIdx.x;
+        const int first_m = (pid / per_group) * kGroupM, gsz = min(num_m - first_m, kGroupM);
+        const int pm = first_m + (pid % per_group) % gsz, pn = (pid % per_group) / gsz;
+        const int m0 = pm * kBM, n0 = pn * kBN;
+
+        const int KB = K / 2, nkb = K / F::kBlk, nkt = (nkb + QC_SWIZZLE_COLS - 1) / QC_SWIZZLE_COLS;
+        const int nmt = (M + QC_SWIZZLE_ROWS - 1) / QC_SWIZZLE_ROWS;
+        const int nsub = (K + 63) / 64, nstage = (K + kStageK - 1) / kStageK;
+
+        {  // scale byte -> bf16x2 multiplier (see the file comment)
+            const float v = kNv ? __fmul_rn(e4m3_value(tid), __uint_as_float((117u + 127u) << 23)) : e8m0_value(tid);
+            const u32 hb = __float_as_uint(v) >> 16;
+            sts32(s_lut + tid * 4, hb | (hb << 16));
+        }
+
+        // stages 0 .. kStages-1 in flight; the step that starts stage s issues stage s + kStages - 1
+        // into the buffer of stage s - 1 (fully dequantized before that step's barrier)
+#pragma unroll
+        for (int st = 0; st < kStages; ++st) {
+            if (st < nstage) load_stage<CPW>(st, s_stage, A, B, SA, SB, m0, n0, M, N, KB, nkt, nmt);
+            cp_commit();
+        }
+        float acc[2][64];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int i = 0; i < 64; ++i) acc[mt][i] = 0.0f;
+        u32 af[2][2][4][4];
+
+        cp_wait<kStages - 1>();  // stage 0 landed
+        __syncthreads();
+        dequant_a(0, s_stage, s_lut, nkb, af[0]);
+        dequant_b(0, s_stage, s_lut, nkb, s_bs);
+#if defined(QCMX_HAS_WGMMA)
+        if (WG) fence_proxy_async();
+#endif
+
+        // One step: make step j's B tile visible, issue its MMAs, then (overlapping them on the
+        // wgmma path) refill the pipeline and dequantize step j + 1.
+#define QCMX_STEP(P, J)                                                                                   \
+    {                                                                                                     \
+        const int j_ = (J);                                                                               \
+        const bool more = j_ + 1 < nsub, newstage = more && ((j_ + 1) & 1) == 0;                          \
+        if (newstage) cp_wait<kStages - 2>();                                                             \
+        __syncthreads();                                                                                  \
+        if (DBG != 2) mma_step(af[WG ? P : 0], s_bs + (j_ % kBsBufs) * kBsBytes, acc);                            \
+        if (more) {                                                                                       \
+            if (newstage) {                                                                               \
+                const int st = ((j_ + 1) >> 1) + kStages - 1;                                             \
+                if (st < nstage) load_stage<CPW>(st, s_stage, A, B, SA, SB, m0, n0, M, N, KB, nkt, nmt);  \
+                cp_commit();                                                                              \
+            }                                                                                             \
+            QCMX_WAIT1();                                                                                 \
+            fence_af(af[WG ? 1 - P : 0]);                                                                          \
+            if (DBG != 1) {                                                                               \
+                dequant_a(j_ + 1, s_stage, s_lut, nkb, af[WG ? 1 - P : 0]);                               \
+                dequant_b(j_ + 1, s_stage, s_lut, nkb, s_bs + ((j_ + 1) % kBsBufs) * kBsBytes);           \
+            }                                                                                             \
+            QCMX_FENCE_PROXY();                                                                           \
+        }                                                                                                 \
+    }
+#if defined(QCMX_HAS_WGMMA)
+#define QCMX_WAIT1()                 \
+    if (WG) {                        \
+        wgmma_wait<1>();             \
+        fence_acc(acc[0]);           \
+        fence_acc(acc[1]);           \
+    }
+#define QCMX_FENCE_PROXY() \
+    if (WG) fence_proxy_async();
+#else
+#define QCMX_WAIT1()
+#define QCMX_FENCE_PROXY()
+#endif
+        for (int j = 0; j < nsub; j += 2) {
+            QCMX_STEP(0, j)
+            if (j + 1 < nsub) QCMX_STEP(1, j + 1)
+        }
+#undef QCMX_STEP
+#undef QCMX_WAIT1
+#undef QCMX_FENCE_PROXY
+#if defined(QCMX_HAS_WGMMA)
+        if (WG) {
+            wgmma_wait<0>();
+            fence_acc(acc[0]);
+            fence_acc(acc[1]);
+        }
+#endif
+
+        // epilogue: out = bf16(alpha * acc (+ bias)); NVFP4's operands carried 2^-9 each
+        const float a = *alpha;
+        const float fac = kNv ? 262144.0f : 1.0f;
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                const int row = m0 + row_base(warp, mt) + g + 8 * rr;
+                if (row >= M) continue;
+                u16* orow = out + (i64)row * N;
+#pragma unroll
+                for (int jn = 0; jn < 16; ++jn) {
+                    const int col = n0 + 8 * jn + 2 * t;
+                    if (col >= N) continue;
+                    float v0 = __fmul_rn(__fmul_rn(acc[mt][4 * jn + 2 * rr], fac), a);
+                    float v1 = __fmul_rn(__fmul_rn(acc[mt][4 * jn + 2 * rr + 1], fac), a);
+                    const bool two = col + 1 < N;
+                    if (bias != nullptr) {
+                        v0 = __fadd_rn(v0, __uint_as_float((u32)bias[col] << 16));
+                        if (two) v1 = __fadd_rn(v1, __uint_as_float((u32)bias[col + 1] << 16));
+                    }
+                    if (two && out_vec) {
+                        u32 pk;
+                        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pk) : "f"(v1), "f"(v0));
+                        *reinterpret_cast<u32*>(orow + col) = pk;
+                    } else {
+                        orow[col] = f32_to_bf16(v0);
+                        if (two) orow[col + 1] = f32_to_bf16(v1);
+                    }
+                }
+            }
+        }
+    }
+};
+
+}  // namespace qcmx
+
+// -- entry points ---------------------------------------------------------------------------------
+// qc_mx_gemm_{wgmma|mma}_{nvfp4|mxfp4}_cp{16|4}: cp16 needs K/2 % 16 == 0 and 16-byte aligned
+// operand and scale pointers, cp4 4-byte alignment. Dynamic shared memory: qc_mx_gemm_smem_bytes.
+#define QCMX_GEMM_ARGS                                                                                     \
+    const qcmx::u8 *A, const qcmx::u8 *B, const qcmx::u8 *SA, const qcmx::u8 *SB, const float *alpha,      \
+        const qcmx::u16 *bias, qcmx::u16 *out, int M, int N, int K, int out_vec
+#define QCMX_GEMM_PASS A, B, SA, SB, alpha, bias, out, M, N, K, out_vec
+
+#define QCMX_GEMM_MMA(FMTNAME, FMT, CPW)                                                                   \
+    extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_mma_##FMTNAME##_cp##CPW(QCMX_GEMM_ARGS) { \
+        qcmx::Gemm<FMT, false>::run<CPW>(QCMX_GEMM_PASS);                                                  \
+    }
+QCMX_GEMM_MMA(nvfp4, QC_FMT_NVFP4, 16)
+QCMX_GEMM_MMA(nvfp4, QC_FMT_NVFP4, 4)
+QCMX_GEMM_MMA(mxfp4, QC_FMT_MXFP4, 16)
+QCMX_GEMM_MMA(mxfp4, QC_FMT_MXFP4, 4)
+
+#if defined(QCMX_HAS_WGMMA)
+#define QCMX_GEMM_WG(FMTNAME, FMT, CPW)                                                                    \
+    extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_##FMTNAME##_cp##CPW(QCMX_GEMM_ARGS) { \
+        qcmx::Gemm<FMT, true>::run<CPW>(QCMX_GEMM_PASS);                                                   \
+    }
+QCMX_GEMM_WG(nvfp4, QC_FMT_NVFP4, 16)
+QCMX_GEMM_WG(nvfp4, QC_FMT_NVFP4, 4)
+QCMX_GEMM_WG(mxfp4, QC_FMT_MXFP4, 16)
+QCMX_GEMM_WG(mxfp4, QC_FMT_MXFP4, 4)
+// timing experiments (tools/cuda_mx_bench.py --experiments): no dequantization / no MMA in the loop
+extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_nvfp4_cp16_nodq(QCMX_GEMM_ARGS) {
+    qcmx::Gemm<QC_FMT_NVFP4, true, 1>::run<16>(QCMX_GEMM_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_nvfp4_cp16_nomma(QCMX_GEMM_ARGS) {
+    qcmx::Gemm<QC_FMT_NVFP4, true, 2>::run<16>(QCMX_GEMM_PASS);
+}
+#endif
+
+extern "C" __global__ void qc_mx_gemm_smem_bytes(int* out) { *out = qcmx::kSmemBytes; }
