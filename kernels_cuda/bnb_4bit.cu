@@ -223,36 +223,39 @@ __global__ void __launch_bounds__(kDequantThreads, 4) dequantize_4bit_kernel(
 }
 
 // ==================================================================================================
-// gemv_4bit, tensor-core path (fp16 / bf16 activations, K % 32 == 0, aligned operands)
+// gemv_4bit, tensor-core path (fp16 / bf16 activations, K % (8 V) == 0, aligned operands)
 // ==================================================================================================
 // out[b, r] = sum_k a[b, k] * code[q(r, k)] * absmax(r, k). A warp computes a tile of 16 weight
 // rows for up to 8 activation rows with mma.m16n8k16 (A = the 4-bit codes as fp16/bf16 values,
-// B = the activations, fp32 accumulation). The absmax scale is applied in fp32 to each 32-wide
-// piece of K (one piece never straddles a block: blocksize >= 32 and rows start on a piece):
-// the 4 lanes sharing a row each hold 4 bytes of the piece's 16, so the two k16 steps of a piece
-// hold only that piece's values; any order of k inside the mma is allowed as long as A and B use
-// the same one. Numerics: T(code) is the only rounding before the fp32 products.
+// B = the activations, fp32 accumulation). Numerics: T(code) is the only rounding before the fp32
+// products; the absmax scale is applied in fp32 to the mma result of each super-piece.
 //
-// Memory: a warp streams its 16 rows in stages of 8 pieces (128 bytes per row). Each lane loads
-// 16 contiguous bytes per row and stage half (a quad of lanes covers 64 contiguous bytes of a row,
-// two full sectors), then a 4x4 transpose inside the quad gives each lane its 4 bytes of every
-// piece. The next stage is loaded while the current one is multiplied (register double
-// buffering), and the scales are fetched with the weights: lane c of a quad fetches those of
-// pieces 2c and 2c+1 and hands them to the quad by shuffles, so a scale is loaded once per row.
+// Layout (no shuffles of weights): K is cut into super-pieces of 8V elements (4V bytes per row,
+// V = 8 bytes, or 4 when the blocksize is 32, so that a super-piece never straddles a block).
+// Lane c of a quad loads its own V contiguous bytes of the super-piece for rows g and g+8 with
+// one 8-byte (4-byte) load each: a quad covers 32 contiguous bytes of a row, a whole sector.
+// mma step j takes the lane's bytes 2j and 2j+1 as its A columns (2c, 2c+1) and (2c+8, 2c+9);
+// any assignment of k to mma columns is right as long as B uses the same one, so the lane's B
+// fragment holds the activation pairs of those same bytes: elements [2cV, 2cV + 2V) of the
+// super-piece, one or two 16-byte loads. The scale of a super-piece is computed by one lane of
+// the quad (lane c for the c-th super-piece of an iteration of 4) and handed out by shuffles.
 //
-// Decoding a byte (two codes) is one shared-memory load from a 256-entry table of T pairs. Each
-// lane has its own copy of the table (32 KiB) so that a warp's 32 random lookups never meet in a
-// bank. K is split between the warps of a CTA when there are too few row tiles; partial sums are
-// added in a fixed order (deterministic).
+// Decoding a byte (two codes) is two instructions: one byte_perm forms the shared-memory address
+// (the byte times 256 plus the lane times 4) and one 32-bit load reads the T pair from the lane's
+// own copy of a 256-entry table (rows of 64 words, the first 32 used: never a bank conflict).
+// Weights are loaded one iteration ahead (register double buffer). K is split between the warps
+// of a CTA when there are too few row tiles; partial sums are added in a fixed order.
 constexpr int kGemvWarps = 8;
-constexpr int kGemvStage = 8;  // pieces of 32 k per stage
+constexpr int kGemvU = 4;                       // super-pieces per iteration (one per quad lane)
+constexpr int kGemvLutWords = 256 * 64;         // table rows of 256 bytes
+constexpr int kGemvSmemBytes = 4 * (kGemvLutWords + 256 + kGemvWarps * 16 * 8);
 
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
 
 template <>
 __device__ __forceinline__ void mma_16816<F16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -260,177 +263,186 @@ __device__ __forceinline__ void mma_16816<F16>(float (&d)[4], const u32 (&a)[4],
 }
 template <>
 __device__ __forceinline__ void mma_16816<BF16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Byte j of word w looked up in the lane's copy of the pair table.
-__device__ __forceinline__ u32 lut_pair(const u32* lut, u32 w, int j, u32 lane) {
-    return lut[__byte_perm(w, 0u, 0x4440u + (u32)j) * 32u + lane];
+// Byte j of word w looked up in the lane's copy of the pair table (lane4 = lane * 4).
+template <int J>
+__device__ __forceinline__ u32 lut_pair(const u8* lut, u32 w, u32 lane4) {
+    return *reinterpret_cast<const u32*>(lut + __byte_perm(w, lane4, 0x7604u | (J << 4)));
 }
 
-__device__ __forceinline__ void ldg_stream_v4(const void* p, u32 (&w)[4]) {
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
-}
-
-// Lane c of each quad holds word j of item c in m[j]; afterwards it holds word c of item j.
-__device__ __forceinline__ void quad_transpose(u32 (&m)[4], int c) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-        const bool up = (c & 2) != 0;
-        const u32 recv = __shfl_xor_sync(kFullMask, up ? m[j] : m[j + 2], 2);
-        if (up) m[j] = recv; else m[j + 2] = recv;
-    }
-#pragma unroll
-    for (int j = 0; j < 4; j += 2) {
-        const bool up = (c & 1) != 0;
-        const u32 recv = __shfl_xor_sync(kFullMask, up ? m[j] : m[j + 1], 1);
-        if (up) m[j] = recv; else m[j + 1] = recv;
+template <int V>
+__device__ __forceinline__ void ldg_stream_w(const u8* p, u32 (&w)[V / 4]) {
+    if constexpr (V == 8) {
+        asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+    } else {
+        asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(w[0]) : "l"(p));
     }
 }
 
-// One stage as loaded: w[row][half][word] (16 bytes of piece 4*half + c), and the raw scale data
-// of pieces 2c and 2c+1 (absmax bits or nested code byte, and the nested second-level absmax).
+// One iteration's loads: the lane's V bytes of kGemvU super-pieces for rows g and g+8, and the raw
+// scale data (absmax bits or nested code byte) of super-piece sp0 + c for both rows.
+template <int V>
 struct GemvStage {
-    u32 w[2][2][4];
-    u32 raw[2][2];
-    float a2[2][2];
+    u32 w[kGemvU][2][V / 4];
+    u32 raw[2];  // the second-level absmax is read at use (an L1 hit): fewer registers
 };
 
-template <bool NESTED>
-__device__ __forceinline__ void gemv_load_stage(GemvStage& st, const u8* const (&wrow)[2], const i64 (&erow)[2],
-                                                i64 p0, i64 p_end, int c, const void* absmax,
+template <int V, bool NESTED>
+__device__ __forceinline__ void gemv_load_stage(GemvStage<V>& st, const u8* const (&wrow)[2], const i64 (&erow)[2],
+                                                i64 sp0, i64 sp_end, int c, const void* absmax,
                                                 const float* absmax2, int log2bs) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int u = 0; u < kGemvU; ++u) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const i64 p = p0 + 4 * h + c;
-            if (p < p_end) {
-                ldg_stream_v4(wrow[r] + p * 16, st.w[r][h]);
+        for (int r = 0; r < 2; ++r) {
+            if (sp0 + u < sp_end) {
+                ldg_stream_w<V>(wrow[r] + (sp0 + u) * (4 * V), st.w[u][r]);
             } else {
-                st.w[r][h][0] = st.w[r][h][1] = st.w[r][h][2] = st.w[r][h][3] = 0u;
-            }
-        }
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const i64 p = p0 + 2 * c + i;
-            const i64 blk = (erow[r] + (p < p_end ? p : p0) * 32) >> log2bs;
-            if (NESTED) {
-                st.raw[i][r] = ldg_u8(reinterpret_cast<const u8*>(absmax) + blk);
-                st.a2[i][r] = ldg_f32(absmax2 + (blk >> 8));
-            } else {
-                st.raw[i][r] = ldg_u32(reinterpret_cast<const float*>(absmax) + blk);
+                for (int i = 0; i < V / 4; ++i) st.w[u][r][i] = 0u;
             }
         }
     }
+    const i64 sp = sp0 + c < sp_end ? sp0 + c : sp0;  // a lane past the end reads a valid block
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const i64 blk = (erow[r] + sp * (8 * V)) >> log2bs;
+        st.raw[r] = NESTED ? ldg_u8(reinterpret_cast<const u8*>(absmax) + blk)
+                           : ldg_u32(reinterpret_cast<const float*>(absmax) + blk);
+    }
 }
 
-template <typename T, int QT, bool NESTED>
+template <typename T, int QT, bool NESTED, int V>
 __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_4bit_mma_kernel(
     const u16* __restrict__ a, const u8* __restrict__ packed, const void* __restrict__ absmax,
     const float* __restrict__ absmax2, const float* __restrict__ code2, const float* __restrict__ offset,
     u16* __restrict__ out, int batch, i64 N, i64 K, int log2bs, int ksplit) {
-    __shared__ u32 lut[256 * 32];
-    __shared__ float c2[NESTED ? 256 : 1];
-    __shared__ float red[kGemvWarps][16][8];
+    extern __shared__ __align__(16) u32 gemv_smem[];
+    u32* lut = gemv_smem;                                        // [256][64]
+    float* c2 = reinterpret_cast<float*>(gemv_smem + kGemvLutWords);  // [256]
+    float* red = c2 + 256;                                       // [kGemvWarps][16][8]
 
     for (int i = threadIdx.x; i < 256 * 32; i += blockDim.x) {
         const int byte = i >> 5;
-        lut[i] = T::pack2(code_4bit<QT>(byte >> 4), code_4bit<QT>(byte & 15));
+        lut[byte * 64 + (i & 31)] = T::pack2(code_4bit<QT>(byte >> 4), code_4bit<QT>(byte & 15));
     }
     if (NESTED)
         for (int i = threadIdx.x; i < 256; i += blockDim.x) c2[i] = ldg_f32(code2 + i);
     __syncthreads();
     const float off = NESTED ? ldg_f32(offset) : 0.0f;
+    const u8* lutb = reinterpret_cast<const u8*>(lut);
 
     const int warp = threadIdx.x >> 5, lane = lane_id(), g = lane >> 2, c = lane & 3;
-    const u32 lane4 = (u32)lane;  // lut_pair's lane operand
+    const u32 lane4 = 4u * (u32)lane;
     const int tiles_per_cta = kGemvWarps / ksplit;
     const int slot = warp / ksplit, ks = warp % ksplit;
     const int b0 = blockIdx.y * 8, nb = min(8, batch - b0);
     const i64 ntiles = (N + 15) >> 4, ngroups = (ntiles + tiles_per_cta - 1) / tiles_per_cta;
-    const i64 npieces = K >> 5;
-    const i64 p_begin = npieces * ks / ksplit, p_end = npieces * (ks + 1) / ksplit;
+    const i64 nsp = K / (8 * V);  // super-pieces per row
+    const i64 sp_begin = nsp * ks / ksplit, sp_end = nsp * (ks + 1) / ksplit;
     // batch row of this lane's B fragment; lanes past the batch feed zeros
     const bool has_row = g < nb;
-    const u16* arow = a + (i64)(b0 + (has_row ? g : 0)) * K + 8 * c;
+    const u16* arow = a + (i64)(b0 + (has_row ? g : 0)) * K + 2 * c * V;
 
     for (i64 grp = blockIdx.x; grp < ngroups; grp += gridDim.x) {
         const i64 tile = grp * tiles_per_cta + slot;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (tile < ntiles) {  // warp-uniform
+        if (tile < ntiles && sp_begin < sp_end) {  // warp-uniform
             const i64 r0 = min(tile * 16 + g, N - 1), r1 = min(tile * 16 + g + 8, N - 1);
-            const u8* const wrow[2] = {packed + ((r0 * K) >> 1), packed + ((r1 * K) >> 1)};
+            const u8* const wrow[2] = {packed + ((r0 * K) >> 1) + c * V, packed + ((r1 * K) >> 1) + c * V};
             const i64 erow[2] = {r0 * K, r1 * K};
-            GemvStage cur, nxt;
-            gemv_load_stage<NESTED>(cur, wrow, erow, p_begin, p_end, c, absmax, absmax2, log2bs);
-            for (i64 p0 = p_begin; p0 < p_end; p0 += kGemvStage) {
-                // activations of the stage (L1/L2 hits: every warp of the grid reads them)
-                const int valid = (int)min(p_end - p0, (i64)kGemvStage);  // pieces of this stage
-                const u16* ap = arow + p0 * 32;
-                u32 x[kGemvStage][4];
+            GemvStage<V> cur, nxt;
+            gemv_load_stage<V, NESTED>(cur, wrow, erow, sp_begin, sp_end, c, absmax, absmax2, log2bs);
+            for (i64 sp0 = sp_begin; sp0 < sp_end; sp0 += kGemvU) {
+                const int valid = (int)min(sp_end - sp0, (i64)kGemvU);  // super-pieces of this iteration
+                // activations (L1/L2 hits: every warp of the grid reads them)
+                u32 x[kGemvU][V];
 #pragma unroll
-                for (int u = 0; u < kGemvStage; ++u) {
-                    if (has_row && u < valid) {
-                        ldg_v4(ap + u * 32, x[u][0], x[u][1], x[u][2], x[u][3]);
-                    } else {
-                        x[u][0] = x[u][1] = x[u][2] = x[u][3] = 0u;
+                for (int u = 0; u < kGemvU; ++u) {
+#pragma unroll
+                    for (int h = 0; h < V / 4; ++h) {
+                        if (has_row && u < valid) {
+                            ldg_v4(arow + (sp0 + u) * (8 * V) + 8 * h, x[u][4 * h], x[u][4 * h + 1], x[u][4 * h + 2],
+                                   x[u][4 * h + 3]);
+                        } else {
+                            x[u][4 * h] = x[u][4 * h + 1] = x[u][4 * h + 2] = x[u][4 * h + 3] = 0u;
+                        }
                     }
                 }
-                if (p0 + kGemvStage < p_end)
-                    gemv_load_stage<NESTED>(nxt, wrow, erow, p0 + kGemvStage, p_end, c, absmax, absmax2, log2bs);
-                float sc[2][2];
+                if (sp0 + kGemvU < sp_end)
+                    gemv_load_stage<V, NESTED>(nxt, wrow, erow, sp0 + kGemvU, sp_end, c, absmax, absmax2, log2bs);
+                float sc[2];
 #pragma unroll
-                for (int i = 0; i < 2; ++i)
+                for (int r = 0; r < 2; ++r) {
+                    if (NESTED) {
+                        const i64 sp = sp0 + c < sp_end ? sp0 + c : sp0;
+                        const float a2 = ldg_f32(absmax2 + (((erow[r] + sp * (8 * V)) >> log2bs) >> 8));
+                        sc[r] = __fadd_rn(__fmul_rn(c2[cur.raw[r]], a2), off);
+                    } else {
+                        sc[r] = __uint_as_float(cur.raw[r]);
+                    }
+                }
+                // the kGemvU super-pieces' mma chains interleaved (independent accumulators), so a
+                // warp does not wait on one mma's result before issuing the next
+                float d[kGemvU][4];
 #pragma unroll
-                    for (int r = 0; r < 2; ++r)
-                        sc[i][r] = NESTED ? __fadd_rn(__fmul_rn(c2[cur.raw[i][r]], cur.a2[i][r]), off)
-                                          : __uint_as_float(cur.raw[i][r]);
+                for (int u = 0; u < kGemvU; ++u) d[u][0] = d[u][1] = d[u][2] = d[u][3] = 0.0f;
 #pragma unroll
-                for (int r = 0; r < 2; ++r)
+                for (int j = 0; j < V / 2; ++j) {
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) quad_transpose(cur.w[r][h], c);
-#pragma unroll
-                for (int u = 0; u < kGemvStage; ++u) {
-                    const int src = (lane & ~3) | (u >> 1);
-                    const float s0 = __shfl_sync(kFullMask, sc[u & 1][0], src);
-                    const float s1 = __shfl_sync(kFullMask, sc[u & 1][1], src);
-                    if (u < valid) {  // warp-uniform
-                        const u32 q0 = cur.w[0][u >> 2][u & 3], q1 = cur.w[1][u >> 2][u & 3];
-                        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const u32 af[4] = {lut_pair(lut, q0, 2 * h, lane4), lut_pair(lut, q1, 2 * h, lane4),
-                                               lut_pair(lut, q0, 2 * h + 1, lane4),
-                                               lut_pair(lut, q1, 2 * h + 1, lane4)};
-                            mma_16816<T>(d, af, x[u][2 * h], x[u][2 * h + 1]);
+                    for (int u = 0; u < kGemvU; ++u) {
+                        if (u < valid) {  // warp-uniform
+                            const u32 q0 = cur.w[u][0][j >> 1], q1 = cur.w[u][1][j >> 1];
+                            u32 af[4];
+                            if (j & 1) {
+                                af[0] = lut_pair<2>(lutb, q0, lane4);
+                                af[1] = lut_pair<2>(lutb, q1, lane4);
+                                af[2] = lut_pair<3>(lutb, q0, lane4);
+                                af[3] = lut_pair<3>(lutb, q1, lane4);
+                            } else {
+                                af[0] = lut_pair<0>(lutb, q0, lane4);
+                                af[1] = lut_pair<0>(lutb, q1, lane4);
+                                af[2] = lut_pair<1>(lutb, q0, lane4);
+                                af[3] = lut_pair<1>(lutb, q1, lane4);
+                            }
+                            mma_16816<T>(d[u], af, x[u][2 * j], x[u][2 * j + 1]);
                         }
-                        acc[0] = fmaf(d[0], s0, acc[0]);
-                        acc[1] = fmaf(d[1], s0, acc[1]);
-                        acc[2] = fmaf(d[2], s1, acc[2]);
-                        acc[3] = fmaf(d[3], s1, acc[3]);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < kGemvU; ++u) {
+                    const int src = (lane & ~3) | u;
+                    const float s0 = __shfl_sync(kFullMask, sc[0], src);
+                    const float s1 = __shfl_sync(kFullMask, sc[1], src);
+                    if (u < valid) {  // warp-uniform
+                        acc[0] = fmaf(d[u][0], s0, acc[0]);
+                        acc[1] = fmaf(d[u][1], s0, acc[1]);
+                        acc[2] = fmaf(d[u][2], s1, acc[2]);
+                        acc[3] = fmaf(d[u][3], s1, acc[3]);
                     }
                 }
                 cur = nxt;
             }
         }
         // C fragment: (row g, col 2c), (row g, col 2c+1), (row g+8, col 2c), (row g+8, col 2c+1)
-        red[warp][g][2 * c] = acc[0];
-        red[warp][g][2 * c + 1] = acc[1];
-        red[warp][g + 8][2 * c] = acc[2];
-        red[warp][g + 8][2 * c + 1] = acc[3];
+        float* rw = red + warp * 128;
+        rw[g * 8 + 2 * c] = acc[0];
+        rw[g * 8 + 2 * c + 1] = acc[1];
+        rw[(g + 8) * 8 + 2 * c] = acc[2];
+        rw[(g + 8) * 8 + 2 * c + 1] = acc[3];
         __syncthreads();
         for (int idx = threadIdx.x; idx < tiles_per_cta * 128; idx += blockDim.x) {
             const int s = idx >> 7, col = (idx >> 4) & 7, row = idx & 15;
             const i64 r = (grp * tiles_per_cta + s) * 16 + row;
             if (r < N && col < nb) {
-                float sum = red[s * ksplit][row][col];
-                for (int j = 1; j < ksplit; ++j) sum += red[s * ksplit + j][row][col];
+                float sum = red[(s * ksplit) * 128 + row * 8 + col];
+                for (int j = 1; j < ksplit; ++j) sum += red[(s * ksplit + j) * 128 + row * 8 + col];
                 out[(i64)(b0 + col) * N + r] = T::from_f(sum);
             }
         }

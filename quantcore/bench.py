@@ -137,6 +137,12 @@ QUICK_HOST_SIZES = {
     "gemv_4bit": [(1, 1024, 1024)],
     "gemm_w4a8": [(1, 1024, 1024)],
 }
+# -- MX family: NVFP4 / MXFP4 / MXFP8 quantize and scaled_fp4_mm (added with the CUDA MX kernels;
+# the methods of the same names are in Bench's "MX family" block) ---------------------------------
+CUDA_SIZES.update({"mx_quantize": [(16384, 16384)], "scaled_fp4_mm": [(8192, 8192, 8192)]})
+QUICK_CUDA_SIZES.update({"mx_quantize": [(16384, 16384)], "scaled_fp4_mm": [(8192, 8192, 8192)]})
+HOST_SIZES.update({"mx_quantize": [(1024, 1024)], "scaled_fp4_mm": [(128, 128, 256)]})
+QUICK_HOST_SIZES.update({"mx_quantize": [(256, 256)], "scaled_fp4_mm": [(64, 64, 128)]})
 OPS = tuple(CUDA_SIZES)
 
 
@@ -347,6 +353,78 @@ class Bench:
                                      note="bf16 weight bytes"))
             del wt
         self.group(rows)
+
+    # -- MX family (NVFP4, MXFP4, MXFP8) -----------------------------------------------------------------
+    def mx_quantize(self, rows_cols) -> None:
+        """bf16 [r, c] -> codes + swizzled scales, each format; bytes = input + codes + scales."""
+        from . import api_mx  # noqa: PLC0415 - only the MX cases need it
+        from .formats import mx  # noqa: PLC0415
+
+        r, c = rows_cols
+        be = self.be
+        u8 = as_dtype("uint8")
+        for fmt in mx.MX_FORMATS:
+            blk = mx.block_size(fmt)
+            if not be.supports("mx_quantize", fmt, "bfloat16", blk):
+                continue
+            sshape = mx.swizzled_shape(r, c // blk)
+            nbytes = 2 * r * c + r * mx.codes_cols(fmt, c) + sshape[0] * sshape[1]
+            xs = [self.rand((r, c), "bfloat16") for _ in range(self.sets(nbytes))]
+            codes = be.empty((r, mx.codes_cols(fmt, c)), u8, like=xs[0])
+            scales = be.empty(sshape, u8, like=xs[0])
+            g = be.from_numpy(np.array([mx.nvfp4_global_scale(6.0)], np.float32), like=xs[0]) \
+                if fmt == "nvfp4" else None
+            mode = None if fmt == "nvfp4" else "floor"
+            kw = {"global_scale": g} if fmt == "nvfp4" else {}
+            self.measure(
+                "mx_quantize", f"{r}x{c} {fmt} bf16 swizzled", "quantcore", nbytes,
+                [lambda x=x, f=fmt, m=mode, g=g, o=codes, s=scales: be.mx_quantize(
+                    x, o, s, rows=r, cols=c, fmt=f, scale_mode=m, swizzled=True, global_scale=g) for x in xs],
+                eager=[lambda x=x, f=fmt, kw=kw: api_mx.quantize_mx(x, f, backend=be, **kw) for x in xs])
+            del xs, codes, scales
+
+    def scaled_fp4_mm(self, mnk) -> None:
+        """D = A @ B^T on packed fp4 operands (nvfp4, mxfp4) against torch bf16 matmul of the same
+        shape; the TFLOPS are in the note, the speedup column compares times."""
+        from . import api_mx  # noqa: PLC0415
+        from .formats import mx  # noqa: PLC0415
+
+        m, n, k = mnk
+        be = self.be
+        flops = 2.0 * m * n * k
+        rows = []
+        for fmt in mx.FP4_FORMATS:
+            blk = mx.block_size(fmt)
+            if not be.supports("scaled_fp4_mm", fmt, "bfloat16", blk):
+                continue
+            xa, xb = self.rand((m, k), "bfloat16"), self.rand((n, k), "bfloat16")
+            kw = {"global_scale": float(mx.nvfp4_global_scale(6.0))} if fmt == "nvfp4" else {}
+            a, sa = api_mx.quantize_mx(xa, fmt, backend=be, **kw)
+            b, sb = api_mx.quantize_mx(xb, fmt, backend=be, **kw)
+            del xa, xb
+            alpha = be.from_numpy(np.array([1.0], np.float32), like=a)
+            out = be.empty((m, n), as_dtype("bfloat16"), like=a)
+            nbytes = (m + n) * k // 2 + (sa.shape[0] * sa.shape[1] + sb.shape[0] * sb.shape[1]) + 2 * m * n
+            row = self.measure(
+                "scaled_fp4_mm", f"M{m} N{n} K{k}", f"quantcore-{fmt}", nbytes,
+                [lambda a=a, b=b, sa=sa, sb=sb, al=alpha, o=out, f=fmt: be.scaled_fp4_mm(
+                    a, b, sa, sb, al, None, o, m=m, n=n, k=k, fmt=f)],
+                eager=[lambda a=a, b=b, sa=sa, sb=sb, al=alpha, f=fmt: api_mx.scaled_fp4_mm(
+                    a, b, sa, sb, al, fmt=f, backend=be)])
+            if row.kernel_us:
+                row.note = f"{flops / row.kernel_us / 1e6:.0f} TFLOPS" + (f"; {row.note}" if row.note else "")
+            rows.append(row)
+        if self.torch is not None and rows:
+            t = self.torch
+            a16, b16 = self.rand((m, k), "bfloat16"), self.rand((n, k), "bfloat16")
+            row = self.measure("scaled_fp4_mm", f"M{m} N{n} K{k}", "torch-bf16", 2 * (m * k + n * k + m * n),
+                               [lambda: t.matmul(a16, b16.t())])
+            if row.kernel_us:
+                row.note = f"{flops / row.kernel_us / 1e6:.0f} TFLOPS (cuBLAS)"
+            rows.append(row)
+            for q in rows[:-1]:  # group() compares only the impl named "quantcore"
+                if q.kernel_us and row.kernel_us:
+                    q.speedup["torch-bf16"] = row.kernel_us / q.kernel_us
 
     def run(self, ops: tuple[str, ...], sizes: dict[str, list] | None) -> None:
         table = sizes or (

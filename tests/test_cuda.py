@@ -83,7 +83,8 @@ def test_availability_states_a_reason():
 def test_capabilities_cover_the_bnb_and_ggml_catalogue():
     from quantcore import ops
 
-    assert cuda.create().capabilities() == frozenset(ops.bnb_capabilities() + ops.ggml_capabilities())
+    # the MX family (backends/cuda/mx.py) adds its own entries on top
+    assert cuda.create().capabilities() >= frozenset(ops.bnb_capabilities() + ops.ggml_capabilities())
 
 
 # -- GPU part ------------------------------------------------------------------------------------------
@@ -434,9 +435,6 @@ def test_public_api_captures_in_a_cuda_graph(be, rng):
 
 @gpu
 @needs_torch
-@pytest.mark.xfail(strict=True, reason="QuantState.validate() copies the code table to the host on every "
-                   "call (quantcore/state.py), which a CUDA graph capture forbids; the kernels themselves "
-                   "capture (test_every_op_captures_in_a_cuda_graph)")
 def test_public_state_api_captures_in_a_cuda_graph(be, rng):
     packed, state = qc.quantize_4bit(_t(_randn(rng, (256, 512), "bfloat16")), backend="cuda")
     a = _t(_randn(rng, (1, 512), "bfloat16"))

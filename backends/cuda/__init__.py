@@ -48,7 +48,8 @@ _FG = "ggml.cu"
 
 # launch geometry, mirrored from the kernels' constants
 _DEQUANT_THREADS, _DEQUANT_WORDS = 256, 8
-_GEMV_WARPS = 8
+_GEMV_WARPS, _GEMV_U, _GEMV_V = 8, 4, (4, 8)
+_GEMV_SMEM = 4 * (256 * 64 + 256 + _GEMV_WARPS * 16 * 8)  # kGemvSmemBytes
 _TREE_CHUNK = 2048
 _GEMM_WARPS, _GEMM_UB = 16, 8
 
@@ -78,8 +79,12 @@ def _dq4(tag: str, qt: str, nested: bool) -> str:
     return f"qc::dequantize_4bit_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}>"
 
 
-def _gemv(path: str, tag: str, qt: str, nested: bool) -> str:
-    return f"qc::gemv_4bit_{path}_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}>"
+def _gemv(tag: str, qt: str, nested: bool) -> str:
+    return f"qc::gemv_4bit_simple_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}>"
+
+
+def _gemv_mma(tag: str, qt: str, nested: bool, v: int) -> str:
+    return f"qc::gemv_4bit_mma_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {v}>"
 
 
 def _qbw(tag: str) -> str:
@@ -115,9 +120,9 @@ def kernel_instances() -> list[tuple[str, str]]:
             out.append((_F4, _q4(tag, qt)))
             for nested in (False, True):
                 out.append((_F4, _dq4(tag, qt, nested)))
-                out.append((_F4, _gemv("simple", tag, qt, nested)))
+                out.append((_F4, _gemv(tag, qt, nested)))
                 if tag != TYPE_TAG["float32"]:
-                    out.append((_F4, _gemv("mma", tag, qt, nested)))
+                    out += [(_F4, _gemv_mma(tag, qt, nested, v)) for v in _GEMV_V]
     for tag in tags:
         out += [(_F8, _qbw(tag)), (_F8, _dqbw(tag))]
         for fmt in GGML_FMT:
@@ -134,18 +139,24 @@ def _resident(launch: Launcher, ctas: int, threads: int) -> int:
     return max(1, min(ctas, rt.sm_count(launch.device) * (2048 // threads)))
 
 
-def _gemv_ksplit(ntiles: int, npieces: int, sms: int) -> int:
+def _gemv_ksplit(ntiles: int, nsp: int, sms: int) -> int:
     """Warps of a CTA that share one 16-row tile (splitting K), for the tensor-core gemv.
 
-    A CTA has 8 warps; with ``ks`` warps per tile it covers 8 / ks tiles. The smallest split that
-    gives every multiprocessor at least one CTA: measured on the H200 (docs/performance.md), a
-    longer K range per warp beats a more even spread of CTAs (14336 x 4096: ks 2 ran 27.7 us,
-    ks 8 35.0 us). Each warp keeps at least two stages (16 pieces) of K.
+    A CTA has 8 warps; with ``ks`` warps per tile it covers 8 / ks tiles, and two CTAs fit on a
+    multiprocessor. The split whose CTA count fills the resident slots best (the last wave least
+    empty), the smallest on a tie: a longer K range per warp keeps more loads in flight. Each warp
+    keeps at least two iterations (8 super-pieces) of K.
     """
+    slots = 2 * sms
+    best, best_eff = 1, 0.0
     ks = 1
-    while ks < _GEMV_WARPS and _cdiv(ntiles, _GEMV_WARPS // ks) < sms and npieces >= 32 * ks:
+    while ks <= _GEMV_WARPS and (ks == 1 or nsp >= 2 * _GEMV_U * ks):
+        groups = _cdiv(ntiles, _GEMV_WARPS // ks)
+        eff = groups / (_cdiv(groups, slots) * slots)
+        if eff > best_eff + 0.02:
+            best, best_eff = ks, eff
         ks *= 2
-    return ks
+    return best
 
 
 class CudaBackend(Backend):
@@ -293,16 +304,19 @@ class CudaBackend(Backend):
         common = (ptr_arg(a), ptr_arg(packed), ptr_arg(absmax)) + nest + (ptr_arg(out), i32(rows), i64(n), i64(k),
                                                                           i32(_log2(blocksize)))
         sms = rt.sm_count(launch.device)
-        if dt != "float32" and k % 32 == 0 and aligned(a, 16) and aligned(packed, 4):
-            ksplit = rt.tune("gemv_ksplit", 0) or _gemv_ksplit(_cdiv(n, 16), k // 32, sms)
+        # bytes per lane and super-piece: 8 (a super-piece of 64 elements) unless a block or the
+        # row length only allows 32
+        v = 8 if blocksize >= 64 and k % 64 == 0 else 4
+        if dt != "float32" and k % (8 * v) == 0 and aligned(a, 16) and aligned(packed, v):
+            ksplit = rt.tune("gemv_ksplit", 0) or _gemv_ksplit(_cdiv(n, 16), k // (8 * v), sms)
             ngroups = _cdiv(_cdiv(n, 16), _GEMV_WARPS // ksplit)
-            cap = rt.tune("gemv_ctas_per_sm", 0)
-            grid = (min(ngroups, cap * sms) if cap else ngroups, _cdiv(rows, 8))
-            launch(_F4, _gemv("mma", _tag(a), quant_type, nested is not None), grid, 32 * _GEMV_WARPS,
-                   common + (i32(ksplit),))
+            cap = rt.tune("gemv_ctas_per_sm", 0) or 2
+            grid = (min(ngroups, cap * sms), _cdiv(rows, 8))
+            launch(_F4, _gemv_mma(_tag(a), quant_type, nested is not None, v), grid, 32 * _GEMV_WARPS,
+                   common + (i32(ksplit),), shared_mem=_GEMV_SMEM)
         else:
             grid = (min(_cdiv(n, 8), 16 * sms), _cdiv(rows, 8))
-            launch(_F4, _gemv("simple", _tag(a), quant_type, nested is not None), grid, 256, common)
+            launch(_F4, _gemv(_tag(a), quant_type, nested is not None), grid, 256, common)
 
     def double_quantize(self, absmax, qabsmax, absmax2, offset):
         nb = rt.numel(absmax)
