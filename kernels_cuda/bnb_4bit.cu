@@ -75,21 +75,6 @@ __device__ __forceinline__ u32 round4(const Round4Tables& t, float s) {
     return mag | (s < 0.0f ? (u32)QC_FP4_SIGN_BIT : 0u);  // sign iff s < 0: -0.0 stays positive
 }
 
-// Max of a value over the G consecutive threads of one quantization block (G = blocksize / 8, a
-// power of two from 4 to 512; the CTA holds whole groups). NaN-ignoring like the format's absmax.
-__device__ __forceinline__ float group_absmax(float m, int G, float* red) {
-    const int lanes = G < 32 ? G : 32;
-    for (int off = lanes >> 1; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, off));
-    if (G > 32) {  // uniform over the CTA
-        const int warp = threadIdx.x >> 5, wpg = G >> 5, first = (warp / wpg) * wpg;
-        if (lane_id() == 0) red[warp] = m;
-        __syncthreads();
-        m = red[first];
-        for (int j = 1; j < wpg; ++j) m = fmaxf(m, red[first + j]);
-    }
-    return m;
-}
-
 // One thread per 8 consecutive elements; G threads per block. packed byte i holds element 2i in
 // its high nibble. Elements past n count as 0.0 (the format's padding), so the low nibble of an
 // odd n's last byte is the block's code of 0.0, and a partial block's absmax ignores the padding

@@ -4,20 +4,6 @@
 
 namespace qc {
 
-// Max of |x| over the G consecutive threads of one block (G = blocksize / 8, 8 to 512).
-__device__ __forceinline__ float group_absmax8(float m, int G, float* red) {
-    const int lanes = G < 32 ? G : 32;
-    for (int off = lanes >> 1; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, off));
-    if (G > 32) {
-        const int warp = threadIdx.x >> 5, wpg = G >> 5, first = (warp / wpg) * wpg;
-        if (lane_id() == 0) red[warp] = m;
-        __syncthreads();
-        m = red[first];
-        for (int j = 1; j < wpg; ++j) m = fmaxf(m, red[first + j]);
-    }
-    return m;
-}
-
 // code = number of the 255 ascending thresholds t with s > t (nearest code value, ties to the
 // lower index, NaN to 0): a branch-free binary search.
 __device__ __forceinline__ u32 round8(const float* thr, float s) {
@@ -57,7 +43,7 @@ __global__ void __launch_bounds__(512) quantize_blockwise_kernel(
         float m = nan_value();
 #pragma unroll
         for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(v[i]));
-        m = group_absmax8(m, G, red);
+        m = group_absmax(m, G, red);
         const float r = recip_rn(m);
         if ((threadIdx.x & (G - 1)) == 0 && e0 < n) absmax[e0 >> log2bs] = m;
         u32 lo = 0, hi = 0;

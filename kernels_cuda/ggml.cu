@@ -165,6 +165,8 @@ __global__ void __launch_bounds__(256) dequantize_ggml_kernel(
 // ==================================================================================================
 // W4A8 GEMM: out[m, n] = sum_b d4[m,b] * (d8[n,b] * sumi(m,n,b) - 8 * s8[n,b])
 // ==================================================================================================
+// This tensor-core kernel serves gemm_q4_0_q8_1 and the gemm_w4a8 shapes that
+// gemm_w4a8_small_kernel (below: N <= 8, K % 256 == 0, K <= 16384, sm_90) does not take.
 // int8 tensor cores (mma.m16n8k32.s8): a warp multiplies 16 weight rows by 8 activation rows, one
 // Q4_0 block (32 k) per mma, so each mma result is one block's sumi. The Q4_0 nibbles are the A
 // operand as they are (0..15 as int8; the -8 is the s8 term), the Q8_1 quants the B operand. The
@@ -227,9 +229,54 @@ __device__ __forceinline__ void gemm_copy_weights(u8* slot, const u8* wq, i64 ti
     }
 }
 
-// Activation K-tile [kb0, kb0 + kt) of rows n0 .. n0+nn-1 into buf. 8 lanes per block, each with
-// 4 elements (the reductions over the block are NaN-ignoring max and an integer sum, so they are
-// exact in any order: the bytes equal quantize_q8_1's).
+// 4 consecutive activation elements as fp32 (vec: 16-byte aligned fp32 / 8-byte aligned halves).
+template <typename T>
+__device__ __forceinline__ void load4_act(const typename T::S* x, int vec, float (&v)[4]) {
+    if (T::kBytes == 4 && vec) {
+        u32 w0, w1, w2, w3;
+        ldg_v4(x, w0, w1, w2, w3);
+        v[0] = __uint_as_float(w0);
+        v[1] = __uint_as_float(w1);
+        v[2] = __uint_as_float(w2);
+        v[3] = __uint_as_float(w3);
+    } else if (T::kBytes == 2 && vec) {
+        const u64 w = ldg_u64(x);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[j] = T::to_f((typename T::S)(w >> (16 * j)));
+    } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[j] = T::to_f(x[j]);
+    }
+}
+
+// Q8_1 of one block spread over 8 consecutive lanes (4 elements each; every lane of the warp calls
+// it: shuffles). The reductions are a NaN-ignoring max and an integer sum, exact in any order, so
+// the values equal quantize_q8_1's bytes. Returns the lane's 4 quants packed little-endian; d is
+// the stored fp16 d as fp32, s8x8 = 8 * the stored fp16 s.
+__device__ __forceinline__ u32 q8_1_lanes8(const float (&v)[4], float& d, float& s8x8) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fabsf(v[j]));
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
+    const float dq = __fdiv_rn(amax, (float)QC_Q8_MAX);
+    const float id = dq != 0.0f ? recip_rn(dq) : 0.0f;
+    int sum = 0;
+    u32 qw = 0u;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int q = q8_from_rounded(roundf(__fmul_rn(v[j], id)));
+        sum += q;
+        qw |= ((u32)q & 255u) << (8 * j);
+    }
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(kFullMask, sum, o);
+    d = f16_to_f32(f32_to_f16(dq));
+    s8x8 = 8.0f * f16_to_f32(q8_1_s(sum, dq));
+    return qw;
+}
+
+// Activation K-tile [kb0, kb0 + kt) of rows n0 .. n0+nn-1 into buf, 8 lanes per block.
 template <typename T, bool QUANTIZE>
 __device__ __forceinline__ void gemm_produce(u8* buf, int kt, const void* act, int nn, int n0, i64 K, i64 kb0,
                                              int vec, int aligned4) {
@@ -247,42 +294,10 @@ __device__ __forceinline__ void gemm_produce(u8* buf, int kt, const void* act, i
         float d = 0.0f, s8x8 = 0.0f;
         if (QUANTIZE) {
             float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            if (valid) {
-                const typename T::S* x = reinterpret_cast<const typename T::S*>(act) + (i64)(n0 + n) * K + kb * kQK + 4 * li;
-                if (T::kBytes == 4 && vec) {
-                    u32 w0, w1, w2, w3;
-                    ldg_v4(x, w0, w1, w2, w3);
-                    v[0] = __uint_as_float(w0);
-                    v[1] = __uint_as_float(w1);
-                    v[2] = __uint_as_float(w2);
-                    v[3] = __uint_as_float(w3);
-                } else if (T::kBytes == 2 && vec) {
-                    const u64 w = ldg_u64(x);
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) v[j] = T::to_f((typename T::S)(w >> (16 * j)));
-                } else {
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) v[j] = T::to_f(x[j]);
-                }
-            }
-            float amax = 0.0f;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fabsf(v[j]));
-#pragma unroll
-            for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
-            const float dq = __fdiv_rn(amax, (float)QC_Q8_MAX);
-            const float id = dq != 0.0f ? recip_rn(dq) : 0.0f;
-            int sum = 0;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int q = q8_from_rounded(roundf(__fmul_rn(v[j], id)));
-                sum += q;
-                qw |= ((u32)q & 255u) << (8 * j);
-            }
-#pragma unroll
-            for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(kFullMask, sum, o);
-            d = f16_to_f32(f32_to_f16(dq));
-            s8x8 = 8.0f * f16_to_f32(q8_1_s(sum, dq));
+            if (valid)
+                load4_act<T>(reinterpret_cast<const typename T::S*>(act) + (i64)(n0 + n) * K + kb * kQK + 4 * li,
+                             vec, v);
+            qw = q8_1_lanes8(v, d, s8x8);
         } else if (valid) {
             const u8* blk = reinterpret_cast<const u8*>(act) + ((i64)(n0 + n) * nbk + kb) * QC_Q8_1_BLOCK_BYTES;
             d = f16_to_f32((u16)(ldg_u8(blk) | (ldg_u8(blk + 1) << 8)));
@@ -403,6 +418,245 @@ __global__ void __launch_bounds__(kGemmWarps * 32, 1) gemm_q4_0_kernel(
             out[r * N + n0 + col] = sum;
         }
     }
+}
+
+// ==================================================================================================
+// W4A8 for N <= 8 (sm_90): weights streamed once, activation quantized into shared memory
+// ==================================================================================================
+// A cluster of kW4Cluster CTAs owns kW4Warps * rpw consecutive rows; CTA `rank` of the cluster
+// owns the K slice [rank * kbs, (rank + 1) * kbs) blocks of them, so each CTA quantizes only
+// N x kbs blocks of the activation (into shared memory: quants as two 16-byte halves per block,
+// then (d8, 8 * s8)). The partial sums of the cluster are added in rank order through distributed
+// shared memory (deterministic) and written once: no workspace, no atomics.
+//
+// Weights: each warp streams its own rows, rs rows x the slice per stage (one bulk copy per row,
+// completing on the stage's mbarrier), two stages per warp; both are issued before the activation
+// is quantized, so the copy engine works during the prologue. A lane takes one Q4_0 block of 4
+// rows at a time: its activation registers (N x 8 words) serve the 4 rows. The 18-byte block is
+// read as 5 aligned words (a block starts at a 4-byte or a 2-byte boundary) and realigned with one
+// byte_perm per quant word; sumi by dp4a (nibbles 0..15 as they are, the -8 is the s8 term).
+constexpr int kW4Warps = 8;
+constexpr int kW4Cluster = 4;
+constexpr int kW4Rows = 4;  // rows per lane step
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ int dp4a(u32 a, u32 b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ float ld_cluster_f32(const float* p, u32 rank) {
+    u32 remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+#endif
+
+// Sum of each of V values over the 32 lanes by halving exchanges (V - 1 + 5 - log2 V shuffles
+// instead of 5 V): at the step with H values left, the lanes with bit OFF set keep the upper H.
+// The total of value i ends in the lanes with lane >> (5 - log2 V) == i, in v[0].
+template <int H, int OFF, int V>
+__device__ __forceinline__ void warp_reduce_scatter(float (&v)[V], int lane) {
+    if constexpr (H >= 1) {
+        const bool upper = (lane & OFF) != 0;
+#pragma unroll
+        for (int i = 0; i < H; ++i) {
+            const float send = upper ? v[i] : v[i + H];
+            v[i] = (upper ? v[i + H] : v[i]) + __shfl_xor_sync(kFullMask, send, OFF);
+        }
+        warp_reduce_scatter<H / 2, OFF / 2>(v, lane);
+    } else {
+#pragma unroll
+        for (int off = OFF; off >= 1; off >>= 1) v[0] += __shfl_xor_sync(kFullMask, v[0], off);
+    }
+}
+
+// out [M, N] fp32; N <= NB (1, 2, 4 or 8); nbk % 8 == 0, kbs % 8 == 0, wq 16-byte aligned; rpw and
+// rs multiples of 4, rs <= 32. Shared memory: kW4Warps x 2 stages x rs x kbs x 18 bytes of
+// weights, NB x kbs x 40 of activation, kW4Warps x rpw x NB x 4 of partial sums, 2 x kW4Warps
+// mbarriers (the launcher computes the same sum).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define QC_W4_CLUSTER  // the kernel body is empty below sm_90; the launcher never picks it there
+#else
+#define QC_W4_CLUSTER __cluster_dims__(kW4Cluster, 1, 1)
+#endif
+template <typename T, int NB>
+__global__ void QC_W4_CLUSTER __launch_bounds__(kW4Warps * 32, 1) gemm_w4a8_small_kernel(
+    const u8* __restrict__ wq, const void* __restrict__ act, float* __restrict__ out, i64 M, int N, i64 K,
+    int kbs, int rpw, int rs, int vec) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    extern __shared__ __attribute__((aligned(16))) u8 smem[];
+    const int warp = threadIdx.x >> 5, lane = lane_id();
+    const u32 rank = cluster_rank();
+    const i64 nbk = K / kQK;
+    const i64 kb0 = (i64)rank * kbs;
+    const int nbl = (int)max((i64)0, min((i64)kbs, nbk - kb0));  // blocks of this CTA's slice
+    const int rstride = kbs * QC_Q4_0_BLOCK_BYTES;
+    const int stage_bytes = rs * rstride;
+    u8* wbuf = smem + warp * 2 * stage_bytes;
+    uint4* alo = reinterpret_cast<uint4*>(smem + kW4Warps * 2 * stage_bytes);
+    uint4* ahi = alo + NB * kbs;
+    Pair* ds = reinterpret_cast<Pair*>(ahi + NB * kbs);
+    float* red = reinterpret_cast<float*>(ds + NB * kbs);
+    u64* bars = reinterpret_cast<u64*>(red + kW4Warps * rpw * NB) + 2 * warp;
+    const i64 cbase = (i64)(blockIdx.x / kW4Cluster) * kW4Warps * rpw;
+    const i64 row0 = cbase + (i64)warp * rpw;
+    const int nrows = (int)max((i64)0, min((i64)rpw, M - row0));
+    const int nstages = (nrows + rs - 1) / rs;
+
+    auto issue = [&](int j) {  // stage j of this warp's rows into buffer j & 1
+        const int nr = min(rs, nrows - j * rs);
+        if (lane == 0) mbar_expect_tx(bars + (j & 1), (u32)(nr * nbl * QC_Q4_0_BLOCK_BYTES));
+        __syncwarp();
+        if (lane < nr)
+            bulk_copy(wbuf + (j & 1) * stage_bytes + lane * rstride,
+                      wq + ((row0 + j * rs + lane) * nbk + kb0) * QC_Q4_0_BLOCK_BYTES,
+                      (u32)(nbl * QC_Q4_0_BLOCK_BYTES), bars + (j & 1));
+    };
+    const bool stream = nbl > 0 && nstages > 0;  // warp-uniform
+    if (stream) {
+        if (lane == 0) {
+            mbar_init(bars, 1);
+            mbar_init(bars + 1, 1);
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        __syncwarp();
+        issue(0);
+        if (nstages > 1) issue(1);
+    }
+
+    // prologue: the activation slice as Q8_1, 8 lanes per block, 4 blocks per thread in flight;
+    // columns n >= N and blocks past the slice are zeros
+    {
+        const int li = threadIdx.x & 7, units = NB * kbs, per_pass = kW4Warps * 32 / 8;
+        for (int base = 0; base < units; base += 4 * per_pass) {
+            float v[4][4];
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                const int u = base + p * per_pass + (threadIdx.x >> 3), n = u / kbs, bl = u - n * kbs;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) v[p][j] = 0.0f;
+                if (u < units && n < N && bl < nbl)
+                    load4_act<T>(reinterpret_cast<const typename T::S*>(act) + (i64)n * K + (kb0 + bl) * kQK + 4 * li,
+                                 vec, v[p]);
+            }
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                const int u = base + p * per_pass + (threadIdx.x >> 3);
+                float d, s8x8;
+                const u32 qw = q8_1_lanes8(v[p], d, s8x8);
+                if (u < units) {
+                    reinterpret_cast<u32*>(li < 4 ? alo + u : ahi + u)[li & 3] = qw;
+                    if (li == 0) ds[u] = Pair{d, s8x8};
+                }
+            }
+        }
+    }
+    __syncthreads();
+
+    const int nsteps = (nbl + 31) / 32;
+    for (int j = 0; j < nstages; ++j) {
+        if (stream) mbar_wait(bars + (j & 1), (u32)(j >> 1) & 1u);
+        const u8* st = wbuf + (j & 1) * stage_bytes;
+        const int srows = min(rs, nrows - j * rs);
+        for (int g = 0; g < srows; g += kW4Rows) {
+            float acc[kW4Rows * NB];
+#pragma unroll
+            for (int i = 0; i < kW4Rows * NB; ++i) acc[i] = 0.0f;
+            for (int s = 0; s < nsteps; ++s) {
+                const int bl = s * 32 + lane;
+                if (bl < nbl) {
+                    uint4 a[NB][2];
+                    Pair dn[NB];
+#pragma unroll
+                    for (int n = 0; n < NB; ++n) {
+                        a[n][0] = alo[n * kbs + bl];
+                        a[n][1] = ahi[n * kbs + bl];
+                        dn[n] = ds[n * kbs + bl];
+                    }
+#pragma unroll
+                    for (int r = 0; r < kW4Rows; ++r) {  // rows past srows read stale bytes, never stored
+                        const int o = (g + r) * rstride + bl * QC_Q4_0_BLOCK_BYTES;
+                        const u32* w = reinterpret_cast<const u32*>(st + (o & ~3));
+                        const u32 odd = (u32)o & 2u, sel = odd ? 0x7654u : 0x5432u;
+                        u32 wv[5];
+#pragma unroll
+                        for (int i = 0; i < 5; ++i) wv[i] = w[i];
+                        const float d4 = f16_to_f32((u16)__byte_perm(wv[0], 0u, odd ? 0x4432u : 0x4410u));
+                        int si[NB];
+#pragma unroll
+                        for (int n = 0; n < NB; ++n) si[n] = 0;
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const u32 qs = __byte_perm(wv[i], wv[i + 1], sel);
+                            const u32 lo = qs & 0x0f0f0f0fu, hi = (qs >> 4) & 0x0f0f0f0fu;
+#pragma unroll
+                            for (int n = 0; n < NB; ++n) {
+                                const u32 alo_i = i == 0 ? a[n][0].x : i == 1 ? a[n][0].y : i == 2 ? a[n][0].z : a[n][0].w;
+                                const u32 ahi_i = i == 0 ? a[n][1].x : i == 1 ? a[n][1].y : i == 2 ? a[n][1].z : a[n][1].w;
+                                si[n] = dp4a(hi, ahi_i, dp4a(lo, alo_i, si[n]));
+                            }
+                        }
+#pragma unroll
+                        for (int n = 0; n < NB; ++n)
+                            acc[r * NB + n] = fmaf(d4, fmaf(dn[n].x, (float)si[n], -dn[n].y), acc[r * NB + n]);
+                    }
+                }
+            }
+            warp_reduce_scatter<kW4Rows * NB / 2, 16>(acc, lane);
+            constexpr int kShift = 5 - (NB == 1 ? 2 : NB == 2 ? 3 : NB == 4 ? 4 : 5);
+            if ((lane & ((1 << kShift) - 1)) == 0) red[(warp * rpw + j * rs + g) * NB + (lane >> kShift)] = acc[0];
+        }
+        __syncwarp();
+        if (stream && j + 2 < nstages) issue(j + 2);
+    }
+
+    // the cluster's partial sums, added in rank order; CTA `rank` writes its share of the rows
+    cluster_sync();
+    const int per = kW4Warps * rpw / kW4Cluster;
+    for (int idx = threadIdx.x; idx < per * NB; idx += blockDim.x) {
+        const int rr = (int)rank * per + idx / NB, n = idx % NB;
+        const i64 m = cbase + rr;
+        if (m < M && n < N) {
+            float sum = 0.0f;
+#pragma unroll
+            for (u32 p = 0; p < kW4Cluster; ++p) sum += ld_cluster_f32(red + rr * NB + n, p);
+            out[m * N + n] = sum;
+        }
+    }
+    cluster_sync();  // no CTA leaves while another reads its shared memory
+#endif
 }
 
 }  // namespace qc

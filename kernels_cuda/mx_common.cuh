@@ -14,14 +14,19 @@
 // checked bit for bit against the reference by the tests.
 #pragma once
 #include "quantcore_constants.h"
+#include "qc_common.cuh"
 
 namespace qcmx {
 
-typedef unsigned char u8;
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef unsigned long long u64;
-typedef long long i64;
+// integer types and the fp16 / bf16 conversions are the backend's common ones
+using qc::f16_to_f32;
+using qc::f32_to_bf16;
+using qc::f32_to_f16;
+using qc::i64;
+using qc::u16;
+using qc::u32;
+using qc::u64;
+using qc::u8;
 
 __device__ __forceinline__ float f_nan() { return __uint_as_float(0x7fffffffu); }
 
@@ -154,21 +159,6 @@ __device__ __forceinline__ void stg_v2(void* p, u32 a, u32 b) {
 }
 
 // -- input / output element types ---------------------------------------------------------------
-__device__ __forceinline__ float f16_to_f32(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-__device__ __forceinline__ u16 f32_to_f16(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-__device__ __forceinline__ u16 f32_to_bf16(float f) {
-    u16 h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
 
 // Each tag: storage type S, elements per 16 bytes, conversions of one element, and the 16-byte
 // vector unpack / pack used by the hot loops.

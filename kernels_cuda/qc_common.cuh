@@ -208,6 +208,21 @@ __device__ __forceinline__ void store8<BF16>(u16* out, i64 e0, i64 n, bool vec, 
 // -- warp helpers ----------------------------------------------------------------------------------
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 
+// Max of a value over the G consecutive threads of one quantization block (G = blocksize / 8, a
+// power of two from 4 to 512; the CTA holds whole groups). NaN-ignoring like the format's absmax.
+__device__ __forceinline__ float group_absmax(float m, int G, float* red) {
+    const int lanes = G < 32 ? G : 32;
+    for (int off = lanes >> 1; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, off));
+    if (G > 32) {  // uniform over the CTA
+        const int warp = threadIdx.x >> 5, wpg = G >> 5, first = (warp / wpg) * wpg;
+        if (lane_id() == 0) red[warp] = m;
+        __syncthreads();
+        m = red[first];
+        for (int j = 1; j < wpg; ++j) m = fmaxf(m, red[first + j]);
+    }
+    return m;
+}
+
 __device__ __forceinline__ double shfl_xor_f64(double v, int mask) {
     int lo = __double2loint(v), hi = __double2hiint(v);
     lo = __shfl_xor_sync(kFullMask, lo, mask);

@@ -270,6 +270,28 @@ def test_gemm_w4a8_and_q4_0_q8_1_within_bounds(be, rng, dtype):
             _gemm_check(wq, aq, _n(qc.gemm_q4_0_q8_1(_t(wq), _t(aq), m, n, k, backend="cuda")))
 
 
+@gpu
+@needs_torch
+@pytest.mark.parametrize("dtype", list(FLOAT_DTYPES))
+def test_gemm_w4a8_small_n_streaming_kernel(be, rng, dtype):
+    """N = 1..8 with K % 256 == 0 takes the cluster kernel on sm_90: every N, slices that are empty
+    (K = 256: one CTA of the cluster has all of K), rows not a multiple of 4, a partial last row
+    group, the largest K slice (K = 16384) and the first K past it (fallback); every output
+    element written (the output starts as NaN), repeated calls bit-equal (fixed reduction order)."""
+    for m, n, k in ((1, 1, 256), (5, 2, 256), (37, 3, 1024), (130, 5, 4096 + 256), (301, 6, 2048),
+                    (4099, 7, 4096), (261, 8, 16384), (50, 4, 16384 + 256), (1000, 8, 14336)):
+        w = _randn(rng, (m, k), "float32", scale_groups=32)
+        a = _randn(rng, (n, k), dtype, scale_groups=32)
+        wq = ggml.quantize_q4_0(w)
+        out = torch.full((m, n), float("nan"), dtype=torch.float32, device="cuda")
+        wq_t, a_t = _t(wq), _t(a)
+        be.gemm_w4a8(wq_t, a_t, out)
+        got = _n(out)
+        _gemm_check(wq, ggml.quantize_q8_1(a), got)
+        be.gemm_w4a8(wq_t, a_t, out)
+        assert np.array_equal(bits(_n(out)), bits(got)), (m, n, k)
+
+
 # -- array kinds, streams, graphs -------------------------------------------------------------------
 @gpu
 @needs_torch

@@ -34,7 +34,7 @@ from quantcore.formats import kernel_defines, mx
 
 QUANT_SOURCE = "mx_quant.cu"
 GEMM_SOURCE = "mx_gemm.cu"
-HEADERS = ("mx_common.cuh",)
+HEADERS = ("mx_common.cuh", "qc_common.cuh")
 NVRTC_OPTIONS = ("-std=c++17", "-ftz=false", "-fmad=false", "-prec-div=true", "-prec-sqrt=true")
 GEMM_MODE_ENV = "QUANTCORE_CUDA_MX_GEMM"
 GEMM_MODES = ("auto", "wgmma", "mma")
