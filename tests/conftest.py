@@ -20,3 +20,16 @@ def bits(a: np.ndarray) -> np.ndarray:
     """The raw bit patterns of an array (for exact comparisons that see -0.0 and NaN payloads)."""
     a = np.ascontiguousarray(a)
     return a.view(UINT_VIEW[a.dtype.itemsize])
+
+
+def _installed() -> bool:
+    from importlib.metadata import entry_points
+
+    return any(ep.name == "cpu" for ep in entry_points(group="quantcore.backends"))
+
+
+#: Tests of the package's entry points (backends, the pytest plugin) need quantcore installed
+#: (pip install -e .): a bare PYTHONPATH checkout has no metadata to read them from.
+needs_install = pytest.mark.skipif(
+    not _installed(), reason="quantcore is not installed (pip install -e .): no entry-point metadata"
+)

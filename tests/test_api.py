@@ -10,7 +10,7 @@ import pytest
 import quantcore as qc
 from quantcore.formats import bnb, ggml
 
-from .conftest import FLOAT_DTYPES, bits
+from .conftest import FLOAT_DTYPES, bits, needs_install
 
 
 def test_import_pulls_no_vendor_package():
@@ -56,6 +56,7 @@ def test_use_backend_is_scoped_and_unavailable_says_why():
         qc.unregister_backend("broken")
 
 
+@needs_install
 def test_entry_point_registers_cpu():
     from importlib.metadata import entry_points
 

@@ -28,6 +28,8 @@ from quantcore.conformance.runner import NOT_SUPPORTED, PASSED, main
 from quantcore.formats import bnb, ggml
 from quantcore.ops import ALL_CAPABILITIES
 
+from .conftest import needs_install
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -429,6 +431,7 @@ def _pytest(args, env_extra=None, cwd=None):
                           capture_output=True, text=True, env=env, cwd=cwd or REPO, timeout=600)
 
 
+@needs_install
 def test_pytest_entry_point_passes_cpu(tmp_path):
     path = tmp_path / "report.json"
     res = _pytest(["--pyargs", "quantcore.conformance", "--backend", "cpu", "-q", "-k",
@@ -438,6 +441,7 @@ def test_pytest_entry_point_passes_cpu(tmp_path):
     assert json.loads(path.read_text())["verdict"] == "pass"
 
 
+@needs_install
 def test_pytest_entry_point_catches_a_broken_backend(tmp_path):
     (tmp_path / "toy_plugin.py").write_text(textwrap.dedent('''
         import numpy as np
