@@ -80,7 +80,10 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, *, blocksize: int = 64, ba
         _write_gguf(dst, gguf_items, meta)
     else:
         meta = dict(meta)
-        meta.update({"quantcore.format": fmt, "quantcore.blocksize": str(blocksize)})
+        block = {"mxfp4": 32, "nvfp4": 16}.get(fmt, blocksize)
+        meta.update({"quantcore.format": fmt, "quantcore.blocksize": str(block)})
+        if fmt in ("mxfp4", "nvfp4"):
+            meta["quantcore.scale_layout"] = "swizzled 128x4"
         save_safetensors(dst, out, meta)
     print(f"wrote {dst}: {quantized} of {len(names)} tensors quantized to {fmt}", file=sys.stderr)
     return 0

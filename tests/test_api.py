@@ -223,3 +223,27 @@ def test_cli_quantize_q4_0_is_ggml_bytes(tmp_path, rng):
     t = {tt.name: tt for tt in gguf.GGUFReader(tmp_path / "o.gguf").tensors}
     assert t["w"].tensor_type == gguf.GGMLQuantizationType.Q4_0
     assert np.array_equal(np.array(t["w"].data).reshape(-1), ggml.quantize_q4_0(w).reshape(-1))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_cli_quantize_mx_dequantizes_back(tmp_path, rng, fmt):
+    from quantcore.cli import main
+    from quantcore.io import load_safetensors, save_safetensors
+
+    w = (rng.standard_normal((128, 256)) * 0.02).astype(np.float32)
+    save_safetensors(tmp_path / "in.safetensors", {"w": w})
+    assert main(["quantize", str(tmp_path / "in.safetensors"), "-o", str(tmp_path / "o.safetensors"),
+                 "--format", fmt]) == 0
+    t, meta = load_safetensors(tmp_path / "o.safetensors")
+    assert meta["quantcore.blocksize"] == {"mxfp4": "32", "nvfp4": "16"}[fmt]
+    codes, scales = np.array(t["w"]), np.array(t["w.scale"])
+    if fmt == "mxfp4":
+        back = qc.dequantize_mxfp4(codes, scales)
+        ref_codes, ref_scales = qc.scaled_mxfp4_quant(w)
+    else:
+        g = np.array(t["w.global_scale"])
+        back = qc.dequantize_nvfp4(codes, scales, g)
+        ref_codes, ref_scales = qc.scaled_nvfp4_quant(w, g)
+    assert np.array_equal(codes, ref_codes) and np.array_equal(scales, ref_scales)
+    assert back.shape == w.shape
+    assert np.abs(back - w).max() <= 0.25 * np.abs(w).max()
