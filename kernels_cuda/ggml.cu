@@ -60,13 +60,11 @@ __device__ __forceinline__ float quantize_q8_block(const float (&v)[kQK], u32 (&
 }
 
 // Q8_1's s: fp16(f32(sum q) * d), the reference form (not ggml CUDA's sum of x). The product is
-// NaN only for a block holding an infinity (d = inf, every q = 0); the numpy reference then stores
-// the x86 default NaN (0xffc00000 -> fp16 0xfe00), a GPU its canonical 0x7fff: store 0xfe00 so
-// the bytes agree (see the report: the core should fix one NaN encoding for byte outputs).
-constexpr u16 kQ8_1NanS = 0xfe00;
+// NaN only for a block holding an infinity (d = inf, every q = 0); the core pins the bits of that
+// NaN (QC_Q8_1_NAN_S_BITS) because a GPU multiply returns its own canonical NaN.
 __device__ __forceinline__ u16 q8_1_s(int qsum, float d) {
     const float s = __fmul_rn((float)qsum, d);
-    return is_nan(s) ? kQ8_1NanS : f32_to_f16(s);
+    return is_nan(s) ? (u16)QC_Q8_1_NAN_S_BITS : f32_to_f16(s);
 }
 
 __device__ __forceinline__ void store_u16(u8* p, u32 v, bool aligned2) {

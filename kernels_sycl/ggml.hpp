@@ -64,7 +64,16 @@ void quantize_q8_block(const T *x, uint8_t *dst, bool with_sum) {
   const int sum = q8_block([&](int j) { return Elem<T>::load(x, j); }, d, q);
   store_half_le(dst, d);
   const int qs = with_sum ? kQ81QsOffset : kQ80QsOffset;
-  if (with_sum) store_half_le(dst + kQ81SumOffset, q8_1_sum(sum, d));
+  if (with_sum) {
+    // s is NaN only for a block holding an infinity: the core pins that NaN's fp16 bits
+    const float s = q8_1_sum(sum, d);
+    if (sycl::isnan(s)) {
+      dst[kQ81SumOffset] = static_cast<uint8_t>(QC_Q8_1_NAN_S_BITS & 0xff);
+      dst[kQ81SumOffset + 1] = static_cast<uint8_t>(QC_Q8_1_NAN_S_BITS >> 8);
+    } else {
+      store_half_le(dst + kQ81SumOffset, s);
+    }
+  }
   for (int j = 0; j < kQK; ++j) dst[qs + j] = sycl::bit_cast<uint8_t>(q[j]);
 }
 

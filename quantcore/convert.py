@@ -23,6 +23,7 @@ import numpy as np
 from . import api
 from .arrays import FLOAT_DTYPES
 from .errors import ParameterError, UnsupportedError
+from .formats import ggml, mx
 from .io import load_safetensors, save_safetensors
 
 
@@ -44,7 +45,7 @@ def _progress(items: list[str], desc: str) -> Iterable[str]:
 def _eligible(a: np.ndarray, fmt: str, min_numel: int) -> bool:
     if a.ndim != 2 or a.dtype not in FLOAT_DTYPES or a.size < min_numel:
         return False
-    block = {"q4_0": 32, "mxfp4": 32, "nvfp4": 16}.get(fmt, 1)
+    block = ggml.QK if fmt == "q4_0" else mx.BLOCK_SIZE.get(fmt, 1)
     return a.shape[1] % block == 0
 
 
@@ -80,7 +81,7 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, *, blocksize: int = 64, ba
         _write_gguf(dst, gguf_items, meta)
     else:
         meta = dict(meta)
-        block = {"mxfp4": 32, "nvfp4": 16}.get(fmt, blocksize)
+        block = mx.BLOCK_SIZE.get(fmt, blocksize)
         meta.update({"quantcore.format": fmt, "quantcore.blocksize": str(block)})
         if fmt in ("mxfp4", "nvfp4"):
             meta["quantcore.scale_layout"] = "swizzled 128x4"
@@ -98,7 +99,7 @@ def _quantize_mx(name: str, a: np.ndarray, fmt: str, backend: Any) -> dict[str, 
         codes, scales = api_mx.scaled_mxfp4_quant(a, backend=backend)
         return {name: np.asarray(codes), f"{name}.scale": np.asarray(scales)}
     amax = float(np.abs(a.astype(np.float32)).max())
-    g = np.array([2688.0 / amax if amax > 0 else 1.0], dtype=np.float32)
+    g = np.array([mx.nvfp4_global_scale(amax) if amax > 0 else 1.0], dtype=np.float32)
     codes, scales = api_mx.scaled_nvfp4_quant(a, g, backend=backend)
     return {name: np.asarray(codes), f"{name}.scale": np.asarray(scales), f"{name}.global_scale": g}
 

@@ -16,6 +16,11 @@ from . import bnb, ggml
 HEADER_NAME = "quantcore_constants.h"
 
 
+#: Integer codes the launchers receive for dtypes and 4-bit types (one definition for all).
+DTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2}
+QUANT_TYPE_CODE = {"nf4": 0, "fp4": 1}
+
+
 def _f32_list(values) -> str:
     vals = np.asarray(values, dtype=np.float32)
     items = []
@@ -41,8 +46,8 @@ def _entries() -> list[tuple[str, str]]:
         ("QC_FP4_NTHRESHOLDS", str(bnb.FP4_THRESHOLDS.size)),
         ("QC_FP4_STEP_CODES_INIT", _int_list(bnb.FP4_STEP_CODES)),
         ("QC_FP4_SIGN_BIT", str(bnb.FP4_SIGN_BIT)),
-        ("QC_QUANT_NF4", "0"),
-        ("QC_QUANT_FP4", "1"),
+        ("QC_QUANT_NF4", str(QUANT_TYPE_CODE["nf4"])),
+        ("QC_QUANT_FP4", str(QUANT_TYPE_CODE["fp4"])),
         ("QC_NESTED_BLOCKSIZE", str(bnb.NESTED_BLOCKSIZE)),
         ("QC_DYNAMIC_MAP_INIT", _f32_list(bnb.DYNAMIC_MAP)),
         ("QC_DYNAMIC_THRESHOLDS_INIT", _f32_list(bnb.DYNAMIC_THRESHOLDS)),
@@ -54,9 +59,9 @@ def _entries() -> list[tuple[str, str]]:
         ("QC_Q4_0_ROUND_BIAS", f"{ggml.Q4_0_ROUND_BIAS}f"),
         ("QC_Q8_MAX", str(ggml.Q8_MAX)),
         ("QC_Q8_1_NAN_S_BITS", hex(ggml.Q8_1_NAN_S_BITS)),
-        ("QC_DTYPE_F32", "0"),
-        ("QC_DTYPE_F16", "1"),
-        ("QC_DTYPE_BF16", "2"),
+        ("QC_DTYPE_F32", str(DTYPE_CODE["float32"])),
+        ("QC_DTYPE_F16", str(DTYPE_CODE["float16"])),
+        ("QC_DTYPE_BF16", str(DTYPE_CODE["bfloat16"])),
     ]
     try:  # the MX family adds its constants when present
         from . import mx
@@ -67,9 +72,6 @@ def _entries() -> list[tuple[str, str]]:
     return e
 
 
-#: Integer codes the launchers receive for dtypes and 4-bit types (one definition for all).
-DTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2}
-QUANT_TYPE_CODE = {"nf4": 0, "fp4": 1}
 
 
 def constants_header() -> str:

@@ -72,7 +72,7 @@ E8M0_NAN = 0xFF
 #: Largest exponent of each element format (``floor(log2(max_elem))``), the OCP spec's emax.
 EMAX_ELEM = {"e2m1": 2, "e2m3": 2, "e3m2": 4, "e4m3": 8, "e5m2": 15}
 #: Largest finite value of each element format.
-MAX_ELEM = {"e2m1": 6.0, "e2m3": 7.5, "e3m2": 28.0, "e4m3": 448.0, "e5m2": 57344.0}
+MAX_ELEM = {"e2m1": E2M1_MAX, "e2m3": 7.5, "e3m2": 28.0, "e4m3": E4M3_MAX, "e5m2": 57344.0}
 #: fp32 mantissa field (23 bits) of each format's largest value: rceil adds one to floor's
 #: exponent exactly when amax's mantissa field is larger than this.
 MAX_MANTISSA_BITS = {"e2m1": 0x400000, "e2m3": 0x700000, "e3m2": 0x600000, "e4m3": 0x600000,
@@ -96,7 +96,7 @@ BLOCK_SIZE = {fmt: spec[1] for fmt, spec in FORMATS.items()}
 #: amax gets the largest E4M3 scale).
 NVFP4_GLOBAL_NUMERATOR = E2M1_MAX * E4M3_MAX
 #: f32(1/6), the multiplier of NVFP4's block amax (a multiplication, not a division).
-NVFP4_INV_E2M1_MAX = F32(1.0) / F32(6.0)
+NVFP4_INV_E2M1_MAX = F32(1.0) / F32(E2M1_MAX)
 
 # -- swizzled scale layout ---------------------------------------------------------------------
 SWIZZLE_ROWS = 128

@@ -141,7 +141,7 @@ def quantize_input(kind: str, fmt: str, rng: np.random.Generator, dtype: str) ->
     if kind == "sensitive":
         return cast(_sensitive_nvfp4(rng, T), T)
     if kind == "scale-boundaries":
-        top = 6.0 if mx.element_format(fmt) == "e2m1" else 448.0
+        top = mx.MAX_ELEM[mx.element_format(fmt)]
         lo, hi = np.log2(float(info.tiny)) + 12, np.log2(float(info.max) / top) - 1
         amax = neighbours(top * np.exp2(np.round(np.linspace(lo, hi, 8))), T).astype(np.float64)
         x = rng.uniform(-1, 1, (amax.size, blk)) * amax[:, None]
@@ -179,7 +179,7 @@ def _ties(fmt: str, rng: np.random.Generator, T: np.dtype) -> np.ndarray:
     them; for nvfp4, also blocks whose scale value sits on an E4M3 midpoint."""
     blk = _blk(fmt)
     mids = _elem_midpoints(fmt)
-    top = 6.0 if mx.element_format(fmt) == "e2m1" else 448.0
+    top = mx.MAX_ELEM[mx.element_format(fmt)]
     rows = []
     if fmt != "nvfp4":
         for e in (-3, 0, 2):  # block amax top * 2^e gives the block exponent e in both modes
