@@ -657,4 +657,290 @@ __global__ void QC_W4_CLUSTER __launch_bounds__(kW4Warps * 32, 1) gemm_w4a8_smal
 #endif
 }
 
+// ==================================================================================================
+// W4A8 for N <= 8 (sm_90), version 2: one weight ring per CTA, int8 tensor cores
+// ==================================================================================================
+// gemm_w4a8_stream_kernel<T, NB, CL>. A cluster of CL CTAs (1, 2 or 4) owns `tpc` tiles of 16
+// consecutive rows; CTA `rank` owns the K slice [rank * kbs, rank * kbs + nbl) blocks of them, so
+// it quantizes N x nbl blocks of the activation once (one lane per block). A CTA has one
+// producer warp and kWsWarps consumer warps sharing a ring of `nstage` stages: a stage is one
+// tile's 16 rows x one chunk of kc blocks (one 1-D bulk copy per row, rows at a padded stride),
+// with a full mbarrier (the copies' bytes) and an empty one (one arrival per consumer warp). The
+// producer runs up to nstage stages ahead, also during the activation prologue; the bytes in
+// flight do not cost registers and every warp of the CTA works on every stage.
+//
+// A consumer warp takes block pairs p = warp, warp + kWsWarps, ... of each tile (two Q4_0 blocks
+// are 36 bytes, so a pair starts on a 4-byte boundary): per block one mma.m16n8k32 s8 over the 16
+// rows and 8 activation columns, the nibbles 0..15 as A (the -8 is the s8 term), the Q8_1 quants
+// as B, the accumulator started at the bits of 1.5 * 2^23 so that the result read as a float is
+// 1.5 * 2^23 + sumi exactly (one FADD instead of an int->float conversion, which issues at a
+// quarter of the FP32 rate). The per-warp partial sums of a tile are added in warp order after a
+// barrier of the consumer warps, the CL partial sums of a row in rank order through distributed
+// shared memory: deterministic, no workspace, no atomics.
+//
+// Measured (H200, docs/performance.md version 13): the time grows with the number of bulk copies
+// per SM (about 40-50 ns each at 1-2 KiB, ring depth 4 or 8 alike), so stages take the longest row
+// pieces (kc) that fit; fewer, larger copies (2-D tensor copies of 16 rows) are the next step.
+constexpr int kWsWarps = 16;       // consumer warps; + 1 producer warp
+constexpr int kWsRows = 16;        // rows per tile (the mma's M)
+constexpr int kWsMagic = 0x4B400000;  // bits of 1.5 * 2^23
+
+// Bytes between the rows of a stage: kc blocks rounded up to 16 bytes, an odd number of 16-byte
+// units, so the 8 rows the lanes of a quad group read fall in 8 different groups of 4 banks.
+__host__ __device__ constexpr int ws_stride(int kc) {
+    return ((kc * QC_Q4_0_BLOCK_BYTES + 15) / 16) % 2 ? (kc * QC_Q4_0_BLOCK_BYTES + 15) / 16 * 16
+                                                      : (kc * QC_Q4_0_BLOCK_BYTES + 15) / 16 * 16 + 16;
+}
+
+// Q8_1 of one block held by one lane, the reference's bytes. Where d is a normal float (or 0, or
+// inf) |x * id| <= 127.0001, and there roundf's half-away-from-zero equals
+// trunc(y + copysign(0.5 - 2^-25, y)) in fp32 (checked exhaustively over |y| <= 128); NaN -> 0
+// through the conversion. Blocks whose d is subnormal take the reference's general form.
+__device__ __forceinline__ void ws_q8_1_block(const float (&v)[kQK], u32 (&qw)[8], float& d8, float& s8x8) {
+    float amax = 0.0f;  // fmaxf skips NaN
+#pragma unroll
+    for (int j = 0; j < kQK; ++j) amax = fmaxf(amax, fabsf(v[j]));
+    const float d = __fdiv_rn(amax, (float)QC_Q8_MAX);
+    const float id = d != 0.0f ? recip_rn(d) : 0.0f;
+    int sum = 0;
+    if (d == 0.0f || d >= 1.17549435e-38f) {
+        const float half = 0.49999997f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) {
+            u32 q[4];
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                const float y = __fmul_rn(v[4 * w + b], id);
+                q[b] = (u32)__float2int_rz(__fadd_rn(y, copysignf(half, y)));
+            }
+            const u32 word = __byte_perm(__byte_perm(q[0], q[1], 0x0040u), __byte_perm(q[2], q[3], 0x0040u), 0x5410u);
+            sum = dp4a(word, 0x01010101u, sum);
+            qw[w] = word;
+        }
+    } else {
+#pragma unroll
+        for (int w = 0; w < 8; ++w) {
+            u32 word = 0;
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                const int q = q8_from_rounded(roundf(__fmul_rn(v[4 * w + b], id)));
+                sum += q;
+                word |= ((u32)q & 255u) << (8 * b);
+            }
+            qw[w] = word;
+        }
+    }
+    d8 = f16_to_f32(f32_to_f16(d));
+    s8x8 = 8.0f * f16_to_f32(q8_1_s(sum, d));
+}
+
+__device__ __forceinline__ void mma_s8_16832_magic(int (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(kWsMagic));
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void consumers_sync() {
+    asm volatile("bar.sync 1, %0;" :: "r"(kWsWarps * 32) : "memory");
+}
+#endif
+
+// One block's contribution to the 4 accumulators of a lane: rows g, g + 8 (d4 of each), columns
+// 2c, 2c + 1. bq: the lane's B fragment words of the block (column g mod NB), ds: (d8, 8 * s8) of
+// columns 2c mod NB and the next. Lanes whose columns are past NB read another column's values (no
+// predicate, no zeroing); their results are never stored.
+template <int NB>
+__device__ __forceinline__ void ws_block(float (&acc)[4], u32 qg, u32 qg8, float d4g, float d4g8, const u32* bq,
+                                         const Pair* ds) {
+    const u32 a[4] = {qg & 0x0f0f0f0fu, qg8 & 0x0f0f0f0fu, (qg >> 4) & 0x0f0f0f0fu, (qg8 >> 4) & 0x0f0f0f0fu};
+    const uint2 bv = *reinterpret_cast<const uint2*>(bq);
+    float da, sa, db = 0.0f, sb = 0.0f;
+    if (NB >= 2) {
+        const float4 v = *reinterpret_cast<const float4*>(ds);
+        da = v.x;
+        sa = v.y;
+        db = v.z;
+        sb = v.w;
+    } else {
+        const Pair v = *ds;
+        da = v.x;
+        sa = v.y;
+    }
+    int d[4];
+    mma_s8_16832_magic(d, a, bv.x, bv.y);
+    const float s0 = __fsub_rn(__int_as_float(d[0]), 12582912.0f);
+    const float s2 = __fsub_rn(__int_as_float(d[2]), 12582912.0f);
+    acc[0] = fmaf(d4g, fmaf(da, s0, -sa), acc[0]);
+    acc[2] = fmaf(d4g8, fmaf(da, s2, -sa), acc[2]);
+    if (NB >= 2) {
+        const float s1 = __fsub_rn(__int_as_float(d[1]), 12582912.0f);
+        const float s3 = __fsub_rn(__int_as_float(d[3]), 12582912.0f);
+        acc[1] = fmaf(d4g, fmaf(db, s1, -sb), acc[1]);
+        acc[3] = fmaf(d4g8, fmaf(db, s3, -sb), acc[3]);
+    }
+}
+
+// out [M, N] fp32; N <= NB; nbk % 8 == 0, kbs and kc multiples of 8, wq 16-byte aligned.
+// Shared memory (the launcher computes the same sum): nstage x 16 x ws_stride(kc) ring,
+// kbs x NB x 32 quants, kbs x NB x 8 (d8, 8 s8), 2 x kWsWarps x 16 x NB + tpc x 16 x NB floats,
+// 2 x nstage mbarriers.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define QC_WS_CLUSTER(CL)  // the kernel body is empty below sm_90; the launcher never picks it there
+#else
+#define QC_WS_CLUSTER(CL) __cluster_dims__(CL, 1, 1)
+#endif
+template <typename T, int NB, int CL>
+__global__ void QC_WS_CLUSTER(CL) __launch_bounds__((kWsWarps + 1) * 32, 1) gemm_w4a8_stream_kernel(
+    const u8* __restrict__ wq, const void* __restrict__ act, float* __restrict__ out, i64 M, int N, i64 K,
+    int kbs, int kc, int nstage, int tpc, int vec) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    extern __shared__ __attribute__((aligned(16))) u8 smem[];
+    const int warp = threadIdx.x >> 5, lane = lane_id();
+    const u32 rank = CL > 1 ? cluster_rank() : 0u;
+    const i64 nbk = K / kQK;
+    const i64 kb0 = (i64)rank * kbs;
+    const int nbl = (int)max((i64)0, min((i64)kbs, nbk - kb0));  // blocks of this CTA's slice
+    const int nch = (nbl + kc - 1) / kc;
+    const int stride = ws_stride(kc), stage_bytes = kWsRows * stride;
+    const i64 tile0 = (i64)(blockIdx.x / CL) * tpc;
+    const int ntl = (int)max((i64)0, min((i64)tpc, (M + kWsRows - 1) / kWsRows - tile0));
+    u8* ring = smem;
+    u32* aq = reinterpret_cast<u32*>(smem + nstage * stage_bytes);
+    Pair* ads = reinterpret_cast<Pair*>(aq + kbs * NB * 8);
+    float* red = reinterpret_cast<float*>(ads + kbs * NB);  // [2][kWsWarps][16][NB]
+    float* part = red + 2 * kWsWarps * kWsRows * NB;         // [tpc][16][NB]
+    u64* full = reinterpret_cast<u64*>(part + tpc * kWsRows * NB);
+    u64* empty = full + nstage;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < nstage; ++s) {
+            mbar_init(full + s, 1);
+            mbar_init(empty + s, kWsWarps);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == kWsWarps) {  // producer: stage s = (tile s / nch, chunk s % nch) into slot s % nstage
+        const int nst = ntl * nch;
+        for (int s = 0; s < nst; ++s) {
+            const int slot = s % nstage;
+            if (s >= nstage) mbar_wait(empty + slot, (u32)(s / nstage - 1) & 1u);
+            const int t = s / nch, ch = s - t * nch;
+            const i64 r0 = (tile0 + t) * kWsRows;
+            const int nr = (int)min((i64)kWsRows, M - r0);
+            const u32 bytes = (u32)min(kc, nbl - ch * kc) * QC_Q4_0_BLOCK_BYTES;
+            if (lane == 0) mbar_expect_tx(full + slot, (u32)nr * bytes);
+            __syncwarp();
+            if (lane < nr)
+                bulk_copy(ring + slot * stage_bytes + lane * stride,
+                          wq + ((r0 + lane) * nbk + kb0 + (i64)ch * kc) * QC_Q4_0_BLOCK_BYTES, bytes, full + slot);
+        }
+    } else {
+        // prologue: the activation slice as Q8_1, one lane per block; columns n >= N are zeros
+        for (int u = threadIdx.x; u < NB * nbl; u += kWsWarps * 32) {
+            const int n = u / nbl, bl = u - n * nbl;
+            u32 qw[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+            float d8 = 0.0f, s8x8 = 0.0f;
+            if (n < N) {
+                float v[kQK];
+                load_block<T>(reinterpret_cast<const typename T::S*>(act) + (i64)n * K + (kb0 + bl) * kQK, vec != 0, v);
+                ws_q8_1_block(v, qw, d8, s8x8);
+            }
+            // B fragment order: (k 4c..4c+3, k 16+4c..16+4c+3) adjacent for c = 0..3
+            uint4* dst = reinterpret_cast<uint4*>(aq + (bl * NB + n) * 8);
+            uint4 lo, hi;
+            lo.x = qw[0], lo.y = qw[4], lo.z = qw[1], lo.w = qw[5];
+            hi.x = qw[2], hi.y = qw[6], hi.z = qw[3], hi.w = qw[7];
+            dst[0] = lo;
+            dst[1] = hi;
+            ads[bl * NB + n] = Pair{d8, s8x8};
+        }
+        consumers_sync();
+
+        const int g = lane >> 2, c = lane & 3;
+        const int kcp = kc / 2, npairs = nbl / 2;
+        int s = 0;
+        for (int t = 0; t < ntl; ++t) {
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int ch = 0; ch < nch; ++ch, ++s) {
+                const int slot = s % nstage;
+                mbar_wait(full + slot, (u32)(s / nstage) & 1u);
+                const u8* st = ring + slot * stage_bytes;
+                const int pbeg = ch * kcp, pend = min(pbeg + kcp, npairs);
+                const int p0 = pbeg + ((warp - pbeg % kWsWarps) + kWsWarps) % kWsWarps;
+                // per pair p: row bytes at 36 (p - pbeg), activation of blocks 2p and 2p + 1
+                const u8* rg = st + g * stride + 36 * (p0 - pbeg);
+                const u32* bq = aq + (2 * p0 * NB + (g & (NB - 1))) * 8 + 2 * c;
+                const Pair* dsp = ads + 2 * p0 * NB + ((2 * c) & (NB - 1));
+                for (int p = p0; p < pend; p += kWsWarps) {
+                    const u8* rg8 = rg + 8 * stride;
+                    const u32 x0 = *reinterpret_cast<const u32*>(rg + 4 * c);
+                    const u32 x1 = *reinterpret_cast<const u32*>(rg + 4 * c + 4);
+                    const u32 x2 = *reinterpret_cast<const u32*>(rg + 4 * c + 20);
+                    const u32 y0 = *reinterpret_cast<const u32*>(rg8 + 4 * c);
+                    const u32 y1 = *reinterpret_cast<const u32*>(rg8 + 4 * c + 4);
+                    const u32 y2 = *reinterpret_cast<const u32*>(rg8 + 4 * c + 20);
+                    const u32 xh = *reinterpret_cast<const u32*>(rg), xh1 = *reinterpret_cast<const u32*>(rg + 16);
+                    const u32 yh = *reinterpret_cast<const u32*>(rg8), yh1 = *reinterpret_cast<const u32*>(rg8 + 16);
+                    // block 2p: d in bytes 0-1, quants from byte 2 (realigned); block 2p + 1: d in
+                    // bytes 18-19, quants from byte 20 (aligned)
+                    ws_block<NB>(acc, __byte_perm(x0, x1, 0x5432u), __byte_perm(y0, y1, 0x5432u),
+                                 f16_to_f32((u16)(xh & 0xffffu)), f16_to_f32((u16)(yh & 0xffffu)), bq, dsp);
+                    ws_block<NB>(acc, x2, y2, f16_to_f32((u16)(xh1 >> 16)), f16_to_f32((u16)(yh1 >> 16)), bq + NB * 8,
+                                 dsp + NB);
+                    rg += 36 * kWsWarps;
+                    bq += 2 * kWsWarps * NB * 8;
+                    dsp += 2 * kWsWarps * NB;
+                }
+                __syncwarp();
+                if (lane == 0) mbar_arrive(empty + slot);
+            }
+            // the tile's partial sums of the consumer warps, added in warp order
+            float* rw = red + ((t & 1) * kWsWarps + warp) * kWsRows * NB;
+            if (2 * c < NB) {
+                rw[g * NB + 2 * c] = acc[0];
+                rw[(g + 8) * NB + 2 * c] = acc[2];
+                if (2 * c + 1 < NB) {
+                    rw[g * NB + 2 * c + 1] = acc[1];
+                    rw[(g + 8) * NB + 2 * c + 1] = acc[3];
+                }
+            }
+            consumers_sync();
+            for (int i = threadIdx.x; i < kWsRows * NB; i += kWsWarps * 32) {
+                const float* r = red + (t & 1) * kWsWarps * kWsRows * NB + i;
+                float sum = 0.0f;
+#pragma unroll
+                for (int w = 0; w < kWsWarps; ++w) sum += r[w * kWsRows * NB];
+                part[t * kWsRows * NB + i] = sum;
+            }
+        }
+    }
+
+    // the partial sums of the cluster, added in rank order; CTA `rank` writes its share of rows
+    if (CL > 1) cluster_sync(); else __syncthreads();
+    const int per = tpc * kWsRows / CL;
+    for (int idx = threadIdx.x; idx < per * NB; idx += blockDim.x) {
+        const int rr = (int)rank * per + idx / NB, n = idx % NB;
+        const i64 m = tile0 * kWsRows + rr;
+        if (m < M && n < N) {
+            float sum = 0.0f;
+            if (CL > 1) {
+#pragma unroll
+                for (u32 q = 0; q < (u32)CL; ++q) sum += ld_cluster_f32(part + rr * NB + n, q);
+            } else {
+                sum = part[rr * NB + n];
+            }
+            out[m * N + n] = sum;
+        }
+    }
+    if (CL > 1) cluster_sync();  // no CTA leaves while another reads its shared memory
+#endif
+}
+
 }  // namespace qc

@@ -244,6 +244,26 @@ def test_gemv_4bit_within_bounds(be, rng, dtype, nested):
         assert nmse <= bound.nmse, (batch, n, k, bs, nmse, bound.nmse)
 
 
+@gpu
+@needs_torch
+@pytest.mark.parametrize("kernel_tune", ["gemv_kernel=1", "gemv_ksplit=1", "gemv_ksplit=2", "gemv_ksplit=4",
+                                         "gemv_ksplit=8"])
+def test_gemv_4bit_kernels_and_k_splits(be, rng, monkeypatch, kernel_tune):
+    """The register-fed mma kernel (gemv_kernel=1) and the bulk-copy kernel (sm_90) at every K split:
+    uneven slices (37 super-pieces), partial stages and groups, rows off the 16-row tiles, batches
+    over 8 (a second grid row), 4-byte lanes (blocksize 32)."""
+    monkeypatch.setenv("QUANTCORE_CUDA_TUNE", kernel_tune)
+    for batch, n, k, bs, dtype in [(1, 1000, 64 * 37, 64, "bfloat16"), (3, 257, 4096 + 64, 32, "float16"),
+                                   (11, 70, 512 * 3 + 128, 128, "bfloat16"), (8, 16, 64 * 9, 64, "float16")]:
+        packed, st, a, w_eff = _gemv_case(rng, n, k, bs, "nf4", dtype, batch, False)
+        state = qc.QuantState(absmax=_t(st["absmax"]), shape=(n, k), code=_t(bnb.NF4_CODE), blocksize=bs,
+                              quant_type="nf4", dtype=dtype)
+        out = _n(qc.gemv_4bit(_t(a), _t(packed), state, backend="cuda"))
+        ref, bound = bounds.gemv_4bit(a.astype(np.float64), w_eff, dtype)
+        err = np.abs(out.astype(np.float64).reshape(ref.shape) - ref)
+        assert (err <= bound.max_abs).all(), (kernel_tune, batch, n, k, bs, float((err / bound.max_abs).max()))
+
+
 def _gemm_check(wq, aq, got):
     d4, q4 = ggml.unpack_q4_0(wq)
     d8, q8, s8 = ggml.unpack_q8(aq, "q8_1")
@@ -274,9 +294,9 @@ def test_gemm_w4a8_and_q4_0_q8_1_within_bounds(be, rng, dtype):
 @needs_torch
 @pytest.mark.parametrize("dtype", list(FLOAT_DTYPES))
 def test_gemm_w4a8_small_n_streaming_kernel(be, rng, dtype):
-    """N = 1..8 with K % 256 == 0 takes the cluster kernel on sm_90: every N, slices that are empty
+    """N = 1..8 with K % 256 == 0 takes the streaming kernel on sm_90: every N, slices that are empty
     (K = 256: one CTA of the cluster has all of K), rows not a multiple of 4, a partial last row
-    group, the largest K slice (K = 16384) and the first K past it (fallback); every output
+    group, K = 16384 and K = 16640 (slices past 256 blocks); every output
     element written (the output starts as NaN), repeated calls bit-equal (fixed reduction order)."""
     for m, n, k in ((1, 1, 256), (5, 2, 256), (37, 3, 1024), (130, 5, 4096 + 256), (301, 6, 2048),
                     (4099, 7, 4096), (261, 8, 16384), (50, 4, 16384 + 256), (1000, 8, 14336)):

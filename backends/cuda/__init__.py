@@ -45,15 +45,33 @@ GGML_FMT = {"q4_0": 0, "q8_0": 1, "q8_1": 2}
 _F4 = "bnb_4bit.cu"
 _F8 = "bnb_8bit.cu"
 _FG = "ggml.cu"
+_FV = "bnb_gemv.cu"
 
 # launch geometry, mirrored from the kernels' constants
 _DEQUANT_THREADS, _DEQUANT_WORDS = 256, 8
 _GEMV_WARPS, _GEMV_U, _GEMV_V = 8, 4, (4, 8)
 _GEMV_SMEM = 4 * (256 * 64 + 256 + _GEMV_WARPS * 16 * 8)  # kGemvSmemBytes
+# bnb_gemv.cu (sm_90): warps, stages per warp, elements per stage, shared memory (GvGeo<V>::kSmem)
+_GV_WARPS, _GV_STAGES, _GV_KC = 16, 2, 512
+
+
+def _gv_smem(v: int, device: int) -> int:
+    """Dynamic shared memory of the bulk-copy gemv: its table must start on a 64 KiB boundary of
+    the shared window, so the layout depends on where the dynamic region starts; the kernel places
+    everything around that boundary and checks the fit. Grant the device's maximum when it is more
+    than the sizes sum, which is enough for a region starting at 0 or after the 1 KiB that sm_90
+    reserves."""
+    pitch = _GV_KC // 2 + (32 if v == 8 else 16)
+    need = 4 * 256 * 64 + 4 * 256 + 4 * _GV_WARPS * 128 + 8 * _GV_WARPS * _GV_STAGES + _GV_WARPS * _GV_STAGES * 16 * pitch
+    return max(need, int(rt.device_props(device).get("sharedMemPerBlockOptin", 0)))
 _TREE_CHUNK = 2048
 _GEMM_WARPS, _GEMM_UB = 16, 8
-_W4_WARPS, _W4_CLUSTER, _W4_NB = 8, 4, (1, 2, 4, 8)  # gemm_w4a8_small_kernel
+_W4_WARPS, _W4_CLUSTER = 8, 4  # gemm_w4a8_small_kernel (version 12, QUANTCORE_CUDA_TUNE=w4a8_small=1)
 _W4_MAX_KBS = 128  # blocks of K per CTA: bounds the shared memory (204 KB at N = 8)
+_W4_STREAM_THREADS, _W4_STREAM_ROWS = 17 * 32, 16  # gemm_w4a8_stream_kernel: kWsWarps + 1 warps, kWsRows
+_W4_SMEM_MAX = 227 * 1024  # dynamic shared memory per CTA on sm_90
+#: the N <= 8 kernels as (NB, CL) keys: CL = 0 the version-12 kernel, else the stream kernel's cluster
+_W4_NB = tuple((nb, cl) for cl in (0, 1, 2, 4) for nb in (1, 2, 4, 8))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -89,6 +107,10 @@ def _gemv_mma(tag: str, qt: str, nested: bool, v: int) -> str:
     return f"qc::gemv_4bit_mma_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {v}>"
 
 
+def _gemv_stream(tag: str, qt: str, nested: bool, v: int) -> str:
+    return f"qc::gemv_4bit_stream_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {v}>"
+
+
 def _qbw(tag: str) -> str:
     return f"qc::quantize_blockwise_kernel<{tag}>"
 
@@ -113,8 +135,11 @@ def _gemm(tag: str, quantize: bool) -> str:
     return f"qc::gemm_q4_0_kernel<{tag}, {_b(quantize)}>"
 
 
-def _gemm_small(tag: str, nb: int) -> str:
-    return f"qc::gemm_w4a8_small_kernel<{tag}, {nb}>"
+def _gemm_small(tag: str, key: tuple[int, int]) -> str:
+    nb, cl = key
+    if cl == 0:
+        return f"qc::gemm_w4a8_small_kernel<{tag}, {nb}>"
+    return f"qc::gemm_w4a8_stream_kernel<{tag}, {nb}, {cl}>"
 
 
 def kernel_instances() -> list[tuple[str, str]]:
@@ -129,6 +154,7 @@ def kernel_instances() -> list[tuple[str, str]]:
                 out.append((_F4, _gemv(tag, qt, nested)))
                 if tag != TYPE_TAG["float32"]:
                     out += [(_F4, _gemv_mma(tag, qt, nested, v)) for v in _GEMV_V]
+                    out += [(_FV, _gemv_stream(tag, qt, nested, v)) for v in _GEMV_V]
     for tag in tags:
         out += [(_F8, _qbw(tag)), (_F8, _dqbw(tag))]
         for fmt in GGML_FMT:
@@ -163,6 +189,21 @@ def _gemv_ksplit(ntiles: int, nsp: int, sms: int) -> int:
         if eff > best_eff + 0.02:
             best, best_eff = ks, eff
         ks *= 2
+    return best
+
+
+def _gemv_stream_ksplit(ntiles: int, nsp: int, sps: int, sms: int) -> int:
+    """Warps of a CTA that share one 16-row tile (splitting K) in the bulk-copy gemv: one CTA of
+    16 warps per multiprocessor, so the split whose group count fills the multiprocessors best (the
+    last wave least empty), the smallest on a tie; every slice keeps at least one full stage."""
+    best, best_eff = 1, 0.0
+    for ks in (1, 2, 4, 8, 16):
+        if ks > 1 and nsp // ks < sps:
+            break
+        groups = _cdiv(ntiles, _GV_WARPS // ks)
+        eff = groups / (_cdiv(groups, sms) * sms)
+        if eff > best_eff + 0.02:
+            best, best_eff = ks, eff
     return best
 
 
@@ -284,10 +325,13 @@ class CudaBackend(Backend):
         n = rt.numel(x)
         if n == 0:
             return
-        threads = max(256, blocksize // 8)
-        vec = aligned(x, 16) and aligned(packed, 4)
         launch = Launcher(x)
-        launch(_F4, _q4(_tag(x), quant_type), (_resident(launch, _cdiv(_cdiv(n, 8), threads), threads),), threads,
+        # kQuantThreads, kQuantElems, kQuantCtasPerSm: a persistent grid of what is resident (the
+        # kernel's __launch_bounds__), so every CTA is in the one wave
+        threads, elems, per_sm = 256, 16, 4
+        vec = aligned(x, 16) and aligned(packed, 8)
+        grid = max(1, min(_cdiv(_cdiv(n, elems), threads), per_sm * rt.sm_count(launch.device)))
+        launch(_F4, _q4(_tag(x), quant_type), (grid,), threads,
                (ptr_arg(x), ptr_arg(packed), ptr_arg(absmax), i64(n), i32(_log2(blocksize)), i32(vec)))
 
     def dequantize_4bit(self, packed, absmax, out, *, blocksize, quant_type, nested: Nested | None):
@@ -314,7 +358,18 @@ class CudaBackend(Backend):
         # bytes per lane and super-piece: 8 (a super-piece of 64 elements) unless a block or the
         # row length only allows 32
         v = 8 if blocksize >= 64 and k % 64 == 0 else 4
-        if dt != "float32" and k % (8 * v) == 0 and aligned(a, 16) and aligned(packed, v):
+        kernel = rt.tune("gemv_kernel", 0)  # 0: the best that applies, 1: the register-fed mma kernel
+        if (kernel == 0 and dt != "float32" and k % (8 * v) == 0 and aligned(a, 16) and aligned(packed, 16)
+                and rt.device_arch(launch.device) >= 90):
+            nsp, sps = k // (8 * v), _GV_KC // (8 * v)
+            ntiles = _cdiv(n, 16)
+            ksplit = rt.tune("gemv_ksplit", 0) or _gemv_stream_ksplit(ntiles, nsp, sps, sms)
+            while ksplit > 1 and nsp < ksplit:  # every warp needs a non-empty slice (CTA barriers)
+                ksplit //= 2
+            grid = (min(_cdiv(ntiles, _GV_WARPS // ksplit), sms), _cdiv(rows, 8))
+            launch(_FV, _gemv_stream(_tag(a), quant_type, nested is not None, v), grid, 32 * _GV_WARPS,
+                   common + (i32(ksplit),), shared_mem=_gv_smem(v, launch.device))
+        elif dt != "float32" and k % (8 * v) == 0 and aligned(a, 16) and aligned(packed, v):
             ksplit = rt.tune("gemv_ksplit", 0) or _gemv_ksplit(_cdiv(n, 16), k // (8 * v), sms)
             ngroups = _cdiv(_cdiv(n, 16), _GEMV_WARPS // ksplit)
             cap = rt.tune("gemv_ctas_per_sm", 0) or 2
@@ -418,26 +473,62 @@ class CudaBackend(Backend):
             self._gemm(wq, a, out, True, _tag(a), n, False)
 
     def _gemm_w4a8_small(self, wq, a, out, n: int, k: int) -> bool:
-        """N <= 8 on sm_90: the streaming kernel (clusters of 4 CTAs splitting K); False where it
-        does not apply (then the tensor-core kernel runs)."""
+        """N <= 8 on sm_90: a streaming kernel; False where none applies (then the tensor-core
+        kernel runs). QUANTCORE_CUDA_TUNE: w4a8_small=2 (default) gemm_w4a8_stream_kernel, 1 the
+        version-12 gemm_w4a8_small_kernel, 0 neither; w4s_cl (cluster 1/2/4), w4s_kc (blocks per
+        stage row), w4s_stages (ring depth) override the stream kernel's geometry."""
         m, nbk = int(wq.shape[0]), k // ggml.QK
-        kbs = _cdiv(_cdiv(nbk, _W4_CLUSTER), 8) * 8
-        if not (1 <= n <= 8 and m > 0 and nbk % 8 == 0 and kbs <= _W4_MAX_KBS and aligned(wq, 16)):
+        if not (1 <= n <= 8 and m > 0 and nbk % 8 == 0 and aligned(wq, 16)):
             return False
         launch = Launcher(wq)
-        if rt.device_arch(launch.device) < 90:
+        version = rt.tune("w4a8_small", 2)
+        if version == 0 or rt.device_arch(launch.device) < 90:
             return False
         nb = 1 << (n - 1).bit_length()
+        sms = rt.sm_count(launch.device)
+        if version == 2:
+            # Cluster: the smallest that keeps the activation quantized per CTA (NB x K / CL
+            # blocks, one lane each) at most 2048 blocks, so the prologue hides under the ring's fill.
+            cl = rt.tune("w4s_cl", 0)
+            if cl not in (1, 2, 4):
+                cl = next((c for c in (1, 2, 4) if nb * _cdiv(nbk, c) <= 2048), 4)
+            kbs = _cdiv(_cdiv(nbk, cl), 8) * 8
+            # Clusters of one wave: a cluster lives in one GPC; 2 SMs always pair up there, 4 not
+            # always (ncu, H200: 30 clusters of 4 on 132 SMs).
+            waves = {1: sms, 2: sms // 2, 4: sms * 7 // 32}[cl]
+            ntiles = _cdiv(m, _W4_STREAM_ROWS)
+            tpc = _cdiv(ntiles, max(1, waves))
+            fixed = kbs * nb * 40 + (2 * 16 + tpc) * _W4_STREAM_ROWS * nb * 4
+            # Blocks per stage row: each costs one bulk copy per row, and the time grew with the
+            # number of copies (H200, 4096x14336 N=1: kc 32 / 64 / 128 = 30.9 / 19.9 / 16.1 us;
+            # 4 or 8 stages made no difference), so the largest measured that leaves 2 stages.
+            kc = min(kbs, _cdiv(rt.tune("w4s_kc", 128), 8) * 8)
+            while True:
+                units = _cdiv(kc * ggml.Q4_0_BLOCK_BYTES, 16)
+                stage = _W4_STREAM_ROWS * 16 * (units if units % 2 else units + 1) + 16  # ws_stride
+                nstage = min(rt.tune("w4s_stages", 8), (_W4_SMEM_MAX - fixed) // stage)
+                if nstage >= 2 or kc <= 8:
+                    break
+                kc = _cdiv(kc // 2, 8) * 8
+            if nstage >= 2:
+                smem = fixed + nstage * stage
+                launch(_FG, _gemm_small(_tag(a), (nb, cl)), (cl * _cdiv(ntiles, tpc),), _W4_STREAM_THREADS,
+                       (ptr_arg(wq), ptr_arg(a), ptr_arg(out), i64(m), i32(n), i64(k), i32(kbs), i32(kc),
+                        i32(nstage), i32(tpc), i32(aligned(a, 16))), shared_mem=smem)
+                return True
+        kbs = _cdiv(_cdiv(nbk, _W4_CLUSTER), 8) * 8
+        if kbs > _W4_MAX_KBS:
+            return False
         rs = 4 * max(1, min(4, 64 // kbs))  # rows per stage: 4-8 KiB of weights per warp stage
         # One wave of clusters: a cluster must fit in one GPC, so fewer than sms / 4 clusters of 4
         # are resident at once (ncu on the H200, 132 SMs: 30). A second wave for a few clusters
         # doubles the time (measured: 32 clusters 27 us, 16 clusters 21 us at 4096x14336 N=1).
-        clusters_per_wave = max(1, rt.sm_count(launch.device) * 7 // (8 * _W4_CLUSTER))
+        clusters_per_wave = max(1, sms * 7 // (8 * _W4_CLUSTER))
         rpw = min(64, 4 * _cdiv(m, 4 * _W4_WARPS * clusters_per_wave))  # rows per warp
         smem = (_W4_WARPS * 2 * rs * kbs * ggml.Q4_0_BLOCK_BYTES + nb * kbs * 40 + _W4_WARPS * rpw * nb * 4
                 + 2 * _W4_WARPS * 8)
         grid = _W4_CLUSTER * _cdiv(m, _W4_WARPS * rpw)
-        launch(_FG, _gemm_small(_tag(a), nb), (grid,), 32 * _W4_WARPS,
+        launch(_FG, _gemm_small(_tag(a), (nb, 0)), (grid,), 32 * _W4_WARPS,
                (ptr_arg(wq), ptr_arg(a), ptr_arg(out), i64(m), i32(n), i64(k), i32(kbs), i32(rpw), i32(rs),
                 i32(aligned(a, 16))), shared_mem=smem)
         return True

@@ -1,0 +1,111 @@
+"""Kernel times of quantize_4bit (with and without double_quantize), double_quantize alone and
+dequantize_4bit on the cuda backend, with the copy and write-only bandwidths of the same device.
+
+Run on the GPU machine: python3 tools/dev/bnb4_time.py [--ncu-one]. CUDA events around one call
+queued behind a 1 ms sleep kernel, median of --reps, two rounds so the spread between rounds shows
+the noise. 16384 x 16384 bf16, NF4, blocksize 64, nested (double-quant) statistics, as in
+quantcore bench. QUANTCORE_CUDA_TUNE entries "q4_v=V,dq4_v=V" select kernel versions where the
+backend has more than one (it had two of each during the quantize_4bit rework of 2026-11-22;
+now one each, so both rounds of V = 1 and 2 time the same kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import numpy as np
+import torch
+
+import quantcore as qc
+from quantcore.backend import Nested
+from quantcore.formats import bnb
+
+TUNE = "QUANTCORE_CUDA_TUNE"
+
+
+def timed(fn, reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        torch.cuda._sleep(2_000_000)  # about 1 ms: the launch is queued before the timed region
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) * 1e3)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--ncu-one", action="store_true", help="one launch of each version-2 kernel (for ncu)")
+    args = p.parse_args()
+    be = qc.get_backend("cuda")
+    r = c = 16384
+    n, bs = r * c, 64
+    nb = bnb.nblocks(n, bs)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn((r, c), device="cuda", generator=g, dtype=torch.float32).to(torch.bfloat16)
+    packed = torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, device="cuda")
+    absmax = torch.empty((nb,), dtype=torch.float32, device="cuda")
+    q = torch.empty((nb,), dtype=torch.uint8, device="cuda")
+    a2 = torch.empty((bnb.nblocks(nb, 256),), dtype=torch.float32, device="cuda")
+    off = torch.empty((1,), dtype=torch.float32, device="cuda")
+    code2 = torch.from_numpy(bnb.DYNAMIC_MAP.astype(np.float32)).cuda()
+    out = torch.empty((r, c), dtype=torch.bfloat16, device="cuda")
+    os.environ[TUNE] = "q4_v=1"
+    be.quantize_4bit(x, packed, absmax, blocksize=bs, quant_type="nf4")
+    be.double_quantize(absmax, q, a2, off)
+    nest = Nested(a2, code2, off)
+    torch.cuda.synchronize()
+
+    q4 = lambda: be.quantize_4bit(x, packed, absmax, blocksize=bs, quant_type="nf4")  # noqa: E731
+    dq = lambda: be.double_quantize(absmax, q, a2, off)  # noqa: E731
+    q4dq = lambda: (q4(), dq())  # noqa: E731
+    dq4 = lambda: be.dequantize_4bit(packed, q, out, blocksize=bs, quant_type="nf4", nested=nest)  # noqa: E731
+    if args.ncu_one:
+        for v in (1, 2):
+            os.environ[TUNE] = f"q4_v={v},dq4_v={v}"
+            q4()
+            dq4()
+        torch.cuda.synchronize()
+        return
+
+    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    big2 = torch.empty_like(big)
+    wr = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    for v in (1, 2):  # warm-up: compile and load both versions
+        os.environ[TUNE] = f"q4_v={v},dq4_v={v}"
+        q4dq()
+        dq4()
+    torch.cuda.synchronize()
+    res: dict[str, list[float]] = {}
+    for _ in range(2):
+        res.setdefault("copy 2 GiB d2d", []).append(statistics.median(timed(lambda: big2.copy_(big), args.reps)))
+        res.setdefault("fill 512 MiB bf16 (write only)", []).append(
+            statistics.median(timed(lambda: wr.fill_(1.0), args.reps)))
+        for v in (1, 2):
+            os.environ[TUNE] = f"q4_v={v},dq4_v={v}"
+            res.setdefault(f"dequantize_4bit v{v}", []).append(statistics.median(timed(dq4, args.reps)))
+            res.setdefault(f"quantize_4bit v{v} (kernel only)", []).append(statistics.median(timed(q4, args.reps)))
+            res.setdefault(f"quantize_4bit v{v} + double_quantize", []).append(
+                statistics.median(timed(q4dq, args.reps)))
+        res.setdefault("double_quantize alone", []).append(statistics.median(timed(dq, args.reps)))
+    copy_gbps = 2 * (1 << 30) / (min(res["copy 2 GiB d2d"]) * 1e-6) / 1e9
+    dq_bytes = n // 2 + nb + 2 * bnb.nblocks(nb, 256) + 2 * 256 + 2 * n
+    q_bytes = 2 * n + n // 2 + nb + 4 * bnb.nblocks(nb, 256) + 4 * 256 + 4
+    print(f"device: {torch.cuda.get_device_name()}; copy {copy_gbps:.0f} GB/s; median of {args.reps}, 2 rounds")
+    for k, vals in res.items():
+        nbytes = (2 << 30) if k.startswith("copy") else 2 * n if k.startswith("fill") else \
+            dq_bytes if k.startswith("dequantize") else q_bytes if "quantize_4bit" in k else 0
+        best = min(vals)
+        extra = f"{nbytes / (best * 1e-6) / 1e9:7.0f} GB/s {100 * nbytes / (best * 1e-6) / 1e9 / copy_gbps:5.1f}% copy" \
+            if nbytes else ""
+        print(f"{k:40s} " + " ".join(f"{v:8.1f}" for v in vals) + f" us  {extra}")
+
+
+if __name__ == "__main__":
+    main()
