@@ -1,4 +1,4 @@
-// gemv_4bit on sm_90: the 4-bit weights streamed through shared memory by the bulk-copy engine,
+// gemv_4bit on sm_90: the 4-bit weights streamed through shared memory by asynchronous copies,
 // decoded by table lookups into tensor-core fragments. Semantics: quantcore/formats/bnb.py
 // (gemv_4bit); numerics as the mma kernel of bnb_4bit.cu: T(code) is the only rounding before the
 // fp32 products, the absmax scale multiplies each super-piece's fp32 mma result.
@@ -6,12 +6,12 @@
 
 namespace qc {
 
-// Why this kernel (docs/performance.md, versions 10-13): the register-fed mma kernel of
-// bnb_4bit.cu decodes in ~3 instructions per weight byte but stays at ~40% of the copy bandwidth:
-// with loads landing in registers, the bytes in flight per SM are bounded by the register file.
-// Here each warp owns a ring of kGvStages shared-memory slots of 16 rows x kGvKC elements; lanes
-// 0..15 each issue one 1-D bulk copy (its row's piece) per slot, completing on the slot's mbarrier,
-// so up to kGvStages x 4 KiB per warp (128 KiB per SM) are in flight without a register.
+// Why this kernel (docs/performance.md, gemv versions 13-16): the register-fed mma kernel of
+// bnb_4bit.cu stays at ~40% of the copy bandwidth, with the bytes in flight bounded by its
+// registers. Here each of 16 warps owns a ring of kGvStages shared-memory slots of 16 rows x kGvKC
+// elements, filled by 16-byte cp.async copies (8 per lane and slot, no registers held while in
+// flight). 1-D bulk copies (TMA), one per row and slot, were slower: a warp issues them one lane at
+// a time (about ten instructions each) and the copy engine takes tens of ns per small copy.
 //
 // Work: a unit is (row group, stage). A CTA of kGvWarps warps owns groups blockIdx.x,
 // blockIdx.x + gridDim.x, ...; in a group, warp w takes 16-row tile w / ksplit and K slice
@@ -22,6 +22,8 @@ namespace qc {
 // Layout of a slot: row i of the tile at i * PITCH (PITCH = kGvKC / 2 plus 32 bytes for 8-byte
 // lane reads, 16 for 4-byte ones: the 8 rows read by one instruction then fall on distinct banks).
 // The lane mapping of a super-piece is the one of the bnb_4bit.cu mma kernel (its comment).
+// Shared memory: the 64 KiB pair table, the rings (147 KiB) and 9 KiB of small arrays: one CTA
+// per multiprocessor, 16 warps, 128 registers each (so the mma groups are not unrolled).
 constexpr int kGvWarps = 16;
 constexpr int kGvStages = 2;
 constexpr int kGvKC = 512;  // elements of a row per stage
@@ -36,9 +38,8 @@ struct GvGeo {
     static constexpr int kRounds = kSps / kGvSc;
     static constexpr int kPitch = kGvKC / 2 + (V == 8 ? 32 : 16);
     static constexpr int kSlot = 16 * kPitch;
-    // LUT, code2 table, reduction tiles, mbarriers, slots (the launcher computes the same sum)
-    static constexpr int kSmem = 4 * kGvLutWords + 4 * 256 + 4 * kGvWarps * 128 + 8 * kGvWarps * kGvStages +
-                                 kGvWarps * kGvStages * kSlot;
+    // LUT, code2 table, reduction tiles, slots (the launcher computes the same sum)
+    static constexpr int kSmem = 4 * kGvLutWords + 4 * 256 + 4 * kGvWarps * 128 + kGvWarps * kGvStages * kSlot;
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

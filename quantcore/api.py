@@ -5,6 +5,7 @@ caller's array kind on the caller's device.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -61,7 +62,7 @@ def quantize_4bit(
     v.blocksize_4bit(blocksize)
     be.require("quantize_4bit", quant_type, dt, blocksize)
     xn = be.prepare(x)
-    n = int(np.prod(shape))
+    n = math.prod(shape)
     nb = bnb.nblocks(n, blocksize)
     packed = be.empty(((n + 1) // 2, 1), U8, like=xn)
     absmax = be.empty((nb,), F32, like=xn)
@@ -90,8 +91,8 @@ def _check_packed(packed: Any, state: QuantState) -> None:
     if state.quant_type is None:
         raise StateError("this state has no 4-bit quant_type (is it an 8-bit blockwise state?)")
     shape = v.uint8_array(packed, "packed")
-    if int(np.prod(shape)) != (state.n + 1) // 2:
-        raise ShapeError(f"packed holds {int(np.prod(shape))} bytes; the state describes {state.n} "
+    if math.prod(shape) != (state.n + 1) // 2:
+        raise ShapeError(f"packed holds {math.prod(shape)} bytes; the state describes {state.n} "
                          f"elements, which pack into {(state.n + 1) // 2}")
 
 
@@ -133,7 +134,7 @@ def gemv_4bit(A: Any, packed: Any, state: QuantState, *, backend: str | Backend 
     if shape[-1] != k:
         raise ShapeError(f"A has {shape[-1]} elements in its last dimension; the weight has K = {k}")
     be.require("gemv_4bit", state.quant_type, dt, state.blocksize)
-    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
     an = be.prepare(A)
     pn = be.prepare(packed)
     out = be.empty((rows, n), as_dtype(dt), like=an)
@@ -153,7 +154,7 @@ def quantize_blockwise(
     v.blocksize_8bit(blocksize)
     be.require("quantize_blockwise", "dynamic8", dt, blocksize)
     xn = be.prepare(x)
-    n = int(np.prod(shape))
+    n = math.prod(shape)
     codes = be.empty(shape, U8, like=xn)
     absmax = be.empty((bnb.nblocks(n, blocksize),), F32, like=xn)
     thresholds = be.prepare(_const(be, "dynamic_thresholds", bnb.DYNAMIC_THRESHOLDS, x))
@@ -172,8 +173,8 @@ def dequantize_blockwise(
         raise StateError(f"expected a quantcore.QuantState, got {type(state).__name__}")
     state.validate()
     shape = v.uint8_array(codes, "codes")
-    if int(np.prod(shape)) != state.n:
-        raise ShapeError(f"codes hold {int(np.prod(shape))} values, the state describes {state.n}")
+    if math.prod(shape) != state.n:
+        raise ShapeError(f"codes hold {math.prod(shape)} values, the state describes {state.n}")
     if state.code is None or meta(state.code) != ((256,), F32):
         raise StateError("an 8-bit state needs a float32 [256] code")
     dt = v.out_dtype(out_dtype if out_dtype is not None else state.dtype)

@@ -47,9 +47,23 @@ def as_dtype(d: Any) -> np.dtype:
     return _BY_NAME[name]
 
 
+_NAMES: dict[Any, str] = {}
+
+
 def dtype_name(d: Any) -> str:
-    d = as_dtype(d)
-    return "bfloat16" if d == BF16 else d.name
+    """Canonical name ("float32", "bfloat16", ...) of a numpy / torch / cupy dtype (cached: the
+    public API asks on every call)."""
+    try:
+        return _NAMES[d]
+    except (KeyError, TypeError):  # TypeError: an unhashable dtype-like
+        pass
+    dt = as_dtype(d)
+    name = "bfloat16" if dt == BF16 else dt.name
+    try:
+        _NAMES[d] = name
+    except TypeError:
+        pass
+    return name
 
 
 def is_torch(x: Any) -> bool:

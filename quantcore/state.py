@@ -10,6 +10,7 @@ Arrays stay in whatever kind they were made in (numpy, torch, cupy ...).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +52,7 @@ class QuantState:
 
     @property
     def n(self) -> int:
-        return int(np.prod(self.shape)) if self.shape is not None else 0
+        return math.prod(self.shape) if self.shape is not None else 0
 
     # -- validation ------------------------------------------------------------------------
     def validate(self) -> QuantState:
@@ -82,7 +83,7 @@ class QuantState:
                                  f"got {dt2} {shape2}")
             if s2.code is None or meta(s2.code) != ((256,), np.dtype(np.float32)):
                 raise StateError("nested code must be float32 [256]")
-            if self.offset is None or int(np.prod(meta(self.offset)[0])) != 1:
+            if self.offset is None or math.prod(meta(self.offset)[0]) != 1:
                 raise StateError("a nested state needs a scalar offset")
         elif dt != np.float32:
             raise StateError(f"absmax must be float32 (or uint8 when nested), got {dt}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ def float_array(x: Any, what: str) -> tuple[tuple[int, ...], str]:
     shape, dt = meta(x)
     if dt not in FLOAT_DTYPES:
         raise DTypeError(f"{what} must be float32, float16 or bfloat16, got {dtype_name(dt)}")
-    if int(np.prod(shape)) == 0:
+    if math.prod(shape) == 0:
         raise ShapeError(f"{what} is empty (shape {shape}); quantization needs at least one element")
     return shape, dtype_name(dt)
 
@@ -110,7 +111,7 @@ def mx_input(x: Any, fmt: str, what: str = "x") -> tuple[tuple[int, ...], int, i
     if k % blk:
         raise ShapeError(f"{what}: the last dimension K = {k} is not a multiple of {blk} "
                          f"(the {fmt} block size); pad K to a multiple of {blk}")
-    return shape, int(np.prod(shape[:-1])) if len(shape) > 1 else 1, k, dt
+    return shape, math.prod(shape[:-1]) if len(shape) > 1 else 1, k, dt
 
 
 def mx_codes(codes: Any, fmt: str, what: str = "codes") -> tuple[tuple[int, ...], int, int]:
@@ -118,7 +119,7 @@ def mx_codes(codes: Any, fmt: str, what: str = "codes") -> tuple[tuple[int, ...]
     from .formats import mx
 
     shape = uint8_array(codes, what)
-    if len(shape) == 0 or int(np.prod(shape)) == 0:
+    if len(shape) == 0 or math.prod(shape) == 0:
         raise ShapeError(f"{what} must be a non-empty array [..., K/2] or [..., K], got shape {shape}")
     per_byte = 2 if mx.element_format(fmt) == "e2m1" else 1
     k = shape[-1] * per_byte
@@ -126,7 +127,7 @@ def mx_codes(codes: Any, fmt: str, what: str = "codes") -> tuple[tuple[int, ...]
     if k % blk:
         raise ShapeError(f"{what}: {shape[-1]} bytes per row hold K = {k} elements, not a multiple "
                          f"of the {fmt} block size {blk}")
-    return shape, int(np.prod(shape[:-1])) if len(shape) > 1 else 1, k
+    return shape, math.prod(shape[:-1]) if len(shape) > 1 else 1, k
 
 
 def mx_scales(scales: Any, lead: tuple[int, ...], rows: int, ncols: int, swizzled: bool,
@@ -153,7 +154,7 @@ def f32_scalar(v: Any, what: str, *, positive: bool = False) -> float | None:
         shape, dt = meta(v)
         if dt != np.float32:
             raise DTypeError(f"{what} must be a float32 array of one element, got {dtype_name(dt)}")
-        if int(np.prod(shape)) != 1:
+        if math.prod(shape) != 1:
             raise ShapeError(f"{what} must hold exactly one element, got shape {shape}")
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):

@@ -51,7 +51,7 @@ _FV = "bnb_gemv.cu"
 _DEQUANT_THREADS, _DEQUANT_WORDS = 256, 8
 _GEMV_WARPS, _GEMV_U, _GEMV_V = 8, 4, (4, 8)
 _GEMV_SMEM = 4 * (256 * 64 + 256 + _GEMV_WARPS * 16 * 8)  # kGemvSmemBytes
-# bnb_gemv.cu (sm_90): warps, stages per warp, elements per stage, shared memory (GvGeo<V>::kSmem)
+# bnb_gemv.cu (sm_90): warps, stages per warp, elements per stage; shared memory: _gv_smem
 _GV_WARPS, _GV_STAGES, _GV_KC = 16, 2, 512
 
 
@@ -62,7 +62,7 @@ def _gv_smem(v: int, device: int) -> int:
     than the sizes sum, which is enough for a region starting at 0 or after the 1 KiB that sm_90
     reserves."""
     pitch = _GV_KC // 2 + (32 if v == 8 else 16)
-    need = 4 * 256 * 64 + 4 * 256 + 4 * _GV_WARPS * 128 + 8 * _GV_WARPS * _GV_STAGES + _GV_WARPS * _GV_STAGES * 16 * pitch
+    need = 4 * 256 * 64 + 4 * 256 + 4 * _GV_WARPS * 128 + _GV_WARPS * _GV_STAGES * 16 * pitch
     return max(need, int(rt.device_props(device).get("sharedMemPerBlockOptin", 0)))
 _TREE_CHUNK = 2048
 _GEMM_WARPS, _GEMM_UB = 16, 8
@@ -359,8 +359,9 @@ class CudaBackend(Backend):
         # row length only allows 32
         v = 8 if blocksize >= 64 and k % 64 == 0 else 4
         kernel = rt.tune("gemv_kernel", 0)  # 0: the best that applies, 1: the register-fed mma kernel
+        # the streaming kernel packs a nested block's second-level index in 24 bits: n k / bs < 2^32
         if (kernel == 0 and dt != "float32" and k % (8 * v) == 0 and aligned(a, 16) and aligned(packed, 16)
-                and rt.device_arch(launch.device) >= 90):
+                and (n * k) >> _log2(blocksize) < 1 << 32 and rt.device_arch(launch.device) >= 90):
             nsp, sps = k // (8 * v), _GV_KC // (8 * v)
             ntiles = _cdiv(n, 16)
             ksplit = rt.tune("gemv_ksplit", 0) or _gemv_stream_ksplit(ntiles, nsp, sps, sms)
