@@ -71,10 +71,11 @@ __device__ __forceinline__ u32 quantize_block(const float (&v)[Fmt<FMT>::kBlk], 
     u32 sbyte;
     float mul;
     if (FMT == QC_FMT_NVFP4) {
-        // s8 = e4m3(g * (amax * f32(1/6))); os = g * f32(1/s) (0 for a zero scale). amax >= 0 or
-        // NaN, so s8 is in [0, 0x7f] and f32(1/s) comes from the table (correctly rounded).
+        // s8 = e4m3(g * (amax * f32(1/6))); os = g * f32(1/s) (0 for a zero scale, +0 or -0:
+        // a negative global scale gives negative scale bytes); f32(1/s) comes from the table of
+        // all 256 bytes (correctly rounded).
         sbyte = e4m3x2_code(__fmul_rn(g, __fmul_rn(amax, QC_NVFP4_INV_E2M1_MAX)), 0.0f) & 0xffu;
-        mul = sbyte != 0u ? __fmul_rn(g, rcp_tab[sbyte & 0x7fu]) : 0.0f;
+        mul = (sbyte & 0x7fu) != 0u ? __fmul_rn(g, rcp_tab[sbyte]) : 0.0f;
     } else if (FMT == QC_FMT_MXFP4) {
         sbyte = e8m0_scale(amax, QC_EMAX_E2M1, QC_MAX_MANTISSA_BITS_E2M1, rceil);
         mul = e8m0_multiplier(sbyte);
@@ -108,10 +109,10 @@ __device__ __forceinline__ void mx_quantize_impl(const typename T::S* __restrict
                                                  int rceil, int vec) {
     using F = Fmt<FMT>;
     constexpr int BLK = F::kBlk;
-    __shared__ float rcp_tab[FMT == QC_FMT_NVFP4 ? 128 : 1];
+    __shared__ float rcp_tab[FMT == QC_FMT_NVFP4 ? 256 : 1];
     if (FMT == QC_FMT_NVFP4) {
-        const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-        if (tid < 128) rcp_tab[tid] = __frcp_rn(e4m3_value((u32)tid));  // 0x7f: NaN
+        const int tid = threadIdx.y * blockDim.x + threadIdx.x;  // 256 threads per CTA
+        if (tid < 256) rcp_tab[tid] = __frcp_rn(e4m3_value((u32)tid));  // 0x7f / 0xff: NaN
         __syncthreads();
     }
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
@@ -134,6 +135,396 @@ __device__ __forceinline__ void mx_quantize_impl(const typename T::S* __restrict
             scales[r * ncols + c] = (u8)sbyte;
         }
     }
+}
+
+// ==================================================================================================
+// quantize, version 2 (default; version 1 above stays selectable: QUANTCORE_CUDA_TUNE=mx_quant_v=1)
+// ==================================================================================================
+// Why a second kernel: version 1 gives each thread one scale block straight from global memory,
+// so a thread loads, then computes a few hundred instructions, then stores, and nothing of its
+// own is in flight while it computes; at 16384^2 bf16 it reached 46-74% of copy bandwidth with
+// the issue slots only about a third used (latency-bound, not instruction-bound).
+//
+// Version 2: a "unit" is 32 consecutive elements of the flat tensor (one MX block, two NVFP4
+// blocks; blocks never straddle rows because K % block == 0, so units need no row arithmetic
+// except for the scale address). A CTA of 256 threads owns tiles of 256 units; a persistent
+// grid walks the tiles, and each warp brings its 32 units of a tile into shared memory by
+// coalesced 16-byte cp.async (L2::128B), kStages - 1 tiles ahead of the one it computes (bytes
+// in flight without registers; warps never wait for each other). Thread t then computes unit t of the tile from shared memory (the 16-byte
+// chunks of a unit are XOR-swizzled so the per-thread reads are bank-conflict free), writes 16
+// (fp4) or 32 (fp8) contiguous bytes of codes (a warp writes 512 contiguous bytes) and its scale
+// byte(s). Zero padding of the swizzled scales is written by a separate grid-stride loop.
+// Element work: amax on the raw 16-bit (or 32-bit) patterns with an integer max of |x| (NaN,
+// whose pattern exceeds Inf's, propagates exactly as the reference's max does); E2M1 by one
+// fp32 addition whose magic constant comes from the exponent of max(|y|, 1) (3 instructions
+// instead of 2 compares + 2 selects); NVFP4's per-block multiplier from a 256-entry table
+// os[s8] = (s != 0) ? f32(g * f32(1/s)) : 0 built once per CTA (every s8 byte, so a negative or
+// NaN global scale follows the reference too).
+//
+// Measured on an H200 at 16384^2 bf16 (swizzled scales; docs/performance.md, MX log): version 2
+// is faster for mxfp4 (179 us, 89% of copy, 3 CTAs per SM; fewer CTAs per SM is faster still) and
+// nvfp4 (245 us vs 273 us), slower for mxfp8, whose two 16-byte code stores per thread land on
+// alternate halves of 32-byte sectors (ncu: L2 92% busy at 69% DRAM); the launcher picks the
+// faster version per format and input type.
+#define QCMX_V2_THREADS 256
+
+__device__ __forceinline__ void cp_async16(u32 smem_addr, const void* gptr) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(smem_addr), "l"(gptr) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void lds_v4(u32 addr, u32& a, u32& b, u32& c, u32& d) {
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(addr));
+}
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// max of two packed pairs of unsigned 16-bit integers
+__device__ __forceinline__ u32 vmax_u16x2(u32 a, u32 b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    u32 r;
+    asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+#else
+    const u32 lo = max(a & 0xffffu, b & 0xffffu), hi = max(a >> 16, b >> 16);
+    return lo | (hi << 16);
+#endif
+}
+
+// fp32 -> E2M1 code with its sign (bits 0-3), the same function as e2m1_code in mx_common.cuh:
+// |y| clamped to 6 (NaN -> 6: code 7), then ONE IEEE addition of M = 2^22, 2^23 + 2 or 2^24 + 8
+// for |y| < 2, [2, 4), [4, 6] leaves the code in the low three bits. M is computed from the
+// exponent field E of max(|y|, 1) (127, 128 or 129): bits(M) = 0x4A800000 + (E - 127) * 0x800002.
+// e2m1_mag_bits returns the bits of that sum: code in bits 0-2, bits 3-22 zero (so byte 0 is the
+// magnitude code), the exponent above.
+__device__ __forceinline__ u32 e2m1_mag_bits(float y) {
+    const float a = fminf(fabsf(y), QC_E2M1_MAX);
+    const u32 e = __float_as_uint(fmaxf(a, 1.0f)) >> 23;
+    const float m = __uint_as_float(e * 0x800002u + (0x4A800000u - 127u * 0x800002u));
+    return __float_as_uint(__fadd_rn(a, m));
+}
+__device__ __forceinline__ u32 lop3_sel(u32 a, u32 b, u32 mask) {  // (a & mask) | (b & ~mask)
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(r) : "r"(a), "r"(b), "r"(mask));
+    return r;
+}
+__device__ __forceinline__ u32 e2m1_code_v2(float y) {
+    static_assert(QC_E2M1_SIGN_BIT == 8, "the sign of an E2M1 code is bit 3");
+    // bits 0-2 from the sum, bit 3 = y's sign (y >> 28 has nothing above bit 3)
+    return lop3_sel(e2m1_mag_bits(y), __float_as_uint(y) >> 28, 7u);
+}
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+// Eight codes from 16-bit inputs whose scaled values carry the inputs' signs (a positive finite
+// multiplier; no NaN among them): magnitudes from e2m1_mag_bits, two per byte by one LEA
+// (byte 0 of t0 + (t1 << 4)), four bytes by three PRMT; the eight sign bits straight from the
+// input words (bits 15 and 31) by four sign-replicating PRMT and two LOP3 (0.75 instead of
+// 2 instructions per element).
+__device__ __forceinline__ u32 fp4_signs16(u32 w0, u32 w1, u32 w2, u32 w3);
+__device__ __forceinline__ u32 fp4_pack8_signed16(const u32 (&t)[8], u32 w0, u32 w1, u32 w2, u32 w3) {
+    const u32 p0 = t[0] + (t[1] << 4), p1 = t[2] + (t[3] << 4), p2 = t[4] + (t[5] << 4), p3 = t[6] + (t[7] << 4);
+    const u32 mag = prmt(prmt(p0, p1, 0x3340u), prmt(p2, p3, 0x3340u), 0x5410u);
+    return mag | fp4_signs16(w0, w1, w2, w3);
+}
+
+// Sign bits of eight 16-bit inputs (words w0..w3, bits 15 / 31) placed at bit 3 of each nibble.
+__device__ __forceinline__ u32 fp4_signs16(u32 w0, u32 w1, u32 w2, u32 w3) {
+    const u32 x = prmt(w0, w1, 0xFBD9u), y = prmt(w2, w3, 0xFBD9u);  // sign bytes s0 s2 s1 s3 | s4 s6 s5 s7
+    const u32 lo = prmt(x, y, 0x5410u), hi = prmt(x, y, 0x7632u);     // s0 s2 s4 s6 | s1 s3 s5 s7
+    return (lo & 0x08080808u) | (hi & 0x80808080u);
+}
+
+// MXFP4 from bf16 two elements per instruction (sm_90: add.rn.bf16x2). For a block of scale
+// exponent e (byte sb = e + 127), x * 2^-e is exact, and rounding commutes with the power-of-two
+// scaling, so instead of scaling x the magic constants are scaled: with a = min(|x|, 6 * 2^e)
+// and E the exponent field of max(a, 2^e) (127 + e + L, L = 0, 1, 2 for a / 2^e in [0, 2),
+// [2, 4), [4, 6]), the bf16 sum a + M(L) * 2^e, M = 64, 130, 264 (ulp 0.5, 1, 2 times 2^e),
+// is exactly rounded to the E2M1 grid and leaves the code in its low three mantissa bits.
+// bits(M(L) * 2^e) = (E + 6) << 7 | 2L = (E << 7) + (E << 1) + 768 - 254 - 2e, computed on both
+// halves at once from h = bits(max(a, 2^e)) & 0x7f807f80 as h + (h >> 6) + K (no carry or
+// borrow crosses the halves). Valid while every constant is a normal bf16 and no input that can
+// round to a nonzero code is subnormal: sb in [8, 245] (the caller's fallback covers the rest).
+__device__ __forceinline__ bool mxfp4_bf16x2_ok(u32 sb) { return sb - 8u <= 237u; }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define QCMX_HAVE_BF16X2_ADD 1
+__device__ __forceinline__ u32 bf16x2_min(u32 a, u32 b) {
+    u32 r;
+    asm("min.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+__device__ __forceinline__ u32 bf16x2_max(u32 a, u32 b) {
+    u32 r;
+    asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+__device__ __forceinline__ u32 bf16x2_add(u32 a, u32 b) {
+    u32 r;
+    asm("add.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+// Eight MXFP4 codes (one packed word) from four bf16x2 input words of a block with byte sb.
+__device__ __forceinline__ u32 mxfp4_pack8_bf16x2(u32 w0, u32 w1, u32 w2, u32 w3, u32 c6, u32 p1, u32 kk) {
+    const u32 wv[4] = {w0, w1, w2, w3};
+    u32 t[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const u32 a = bf16x2_min(wv[i] & 0x7fff7fffu, c6);
+        const u32 h = bf16x2_max(a, p1) & 0x7f807f80u;
+        t[i] = bf16x2_add(a, h + (h >> 6) + kk);
+    }
+    // codes at bits 0-2 of bytes 0 and 2 of each t: gather c0 c1 c2 c3, mask, fold nibbles
+    const u32 v01 = prmt(t[0], t[1], 0x6420u) & 0x07070707u, v23 = prmt(t[2], t[3], 0x6420u) & 0x07070707u;
+    const u32 mag = prmt(v01 + (v01 >> 4), v23 + (v23 >> 4), 0x6420u);
+    return mag | fp4_signs16(w0, w1, w2, w3);
+}
+#endif
+
+// Raw-pattern element access of a unit held as 32-bit words.
+template <typename T>
+struct Raw;
+template <>
+struct Raw<TF32> {
+    static constexpr int kWords = 32;
+    static __device__ __forceinline__ float elem(const u32 (&w)[32], int i) { return __uint_as_float(w[i]); }
+    // |x| patterns max over elements [i0, i0 + n): an integer max (NaN > Inf > finite)
+    static __device__ __forceinline__ float absmax(const u32 (&w)[32], int i0, int n) {
+        u32 m = 0;
+#pragma unroll
+        for (int i = 0; i < n; ++i) m = max(m, w[i0 + i] & 0x7fffffffu);
+        return __uint_as_float(m);
+    }
+};
+template <typename T>
+struct Raw16 {
+    static constexpr int kWords = 16;
+    static __device__ __forceinline__ float elem(const u32 (&w)[16], int i) {
+        return T::to_f((u16)(i & 1 ? w[i / 2] >> 16 : w[i / 2] & 0xffffu));
+    }
+    static __device__ __forceinline__ float absmax(const u32 (&w)[16], int i0, int n) {
+        u32 m = 0;
+#pragma unroll
+        for (int i = 0; i < n / 2; ++i) m = vmax_u16x2(m, w[i0 / 2 + i] & 0x7fff7fffu);
+        return T::to_f((u16)max(m & 0xffffu, m >> 16));
+    }
+};
+template <>
+struct Raw<TF16> : Raw16<TF16> {};
+template <>
+struct Raw<TBF16> : Raw16<TBF16> {
+    // the bf16 -> fp32 widening is a shift / mask
+    static __device__ __forceinline__ float elem(const u32 (&w)[16], int i) {
+        return __uint_as_float(i & 1 ? w[i / 2] & 0xffff0000u : w[i / 2] << 16);
+    }
+};
+
+template <typename T>
+struct IsBf16 {
+    static constexpr bool value = false;
+};
+template <>
+struct IsBf16<TBF16> {
+    static constexpr bool value = true;
+};
+
+// mode: bit 0 rceil scales, bit 1 no packed bf16x2 MXFP4 path (timing comparisons)
+template <typename T, int FMT>
+__device__ __forceinline__ void mx_quantize_v2_impl(const typename T::S* __restrict__ x, u8* __restrict__ codes,
+                                                    u8* __restrict__ scales, const float* __restrict__ gscale,
+                                                    u32 nunits, u32 rows, u32 ncols, int ncols_shift, u32 prow,
+                                                    u32 pcols, int swizzled, int mode) {
+    using F = Fmt<FMT>;
+    using R = Raw<T>;
+    constexpr int BLK = F::kBlk;
+    constexpr int BPU = 32 / BLK;                   // blocks per unit
+    constexpr int ES = (int)sizeof(typename T::S);  // bytes per element
+    constexpr int UB = 32 * ES;                     // input bytes per unit
+    constexpr int CPU = UB / 16;                    // 16-byte chunks per unit (4 or 8)
+    constexpr int kStages = ES == 2 ? 4 : 2;
+    constexpr int kTileUnits = QCMX_V2_THREADS;
+    constexpr int kTileBytes = kTileUnits * UB;
+    constexpr int kSwzShift = CPU == 4 ? 1 : 0;  // chunk j of unit u sits at slot j ^ ((u >> s) % CPU)
+    // MXFP4 from bf16 by packed bf16x2 arithmetic (QUANTCORE_CUDA_TUNE=mx_quant_bf16x2=0: the
+    // fp32 path, for a side-by-side timing)
+    constexpr bool kBf16x2 = IsBf16<T>::value;
+    const bool bf16x2 = kBf16x2 && !(mode & 2);
+    const bool rceil = (mode & 1) != 0;
+    extern __shared__ __align__(128) u8 qcmx_v2_smem[];
+    __shared__ float os_tab[FMT == QC_FMT_NVFP4 ? 256 : 1];
+    const int tid = threadIdx.x;
+
+    if (FMT == QC_FMT_NVFP4) {
+        const float g = *gscale;
+        const float s = e4m3_value((u32)tid);  // 256 threads: every E4M3 byte
+        os_tab[tid] = s != 0.0f ? __fmul_rn(g, __frcp_rn(s)) : 0.0f;
+        __syncthreads();
+    }
+    if (swizzled) {  // zero padding: columns [ncols, pcols) of real rows, then rows [rows, prow)
+        const u64 dc = pcols - ncols;
+        const u64 na = (u64)rows * dc, nall = na + (u64)(prow - rows) * pcols;
+        for (u64 i = (u64)blockIdx.x * blockDim.x + tid; i < nall; i += (u64)gridDim.x * blockDim.x) {
+            u32 r, c;
+            if (i < na) {
+                r = (u32)(i / dc);
+                c = ncols + (u32)(i - (u64)r * dc);
+            } else {
+                const u64 j = i - na;
+                r = rows + (u32)(j / pcols);
+                c = (u32)(j - (u64)(r - rows) * pcols);
+            }
+            scales[swizzle_offset(r, c, pcols)] = 0;
+        }
+    }
+
+    const u32 ntiles = (nunits + kTileUnits - 1) / kTileUnits;
+    // Each warp streams its own 32 units of every tile (no CTA barrier in the loop: a warp waits
+    // for its own copies and syncs with __syncwarp). Lane l's copy i is warp-local chunk
+    // c = l + 32 i: unit 32 w + c / CPU, chunk j = c % CPU = l % CPU, stored at slot
+    // j ^ ((unit >> s) % CPU); for CPU = 4 that slot does not depend on i, so copy i sits at
+    // dst0 + 512 i (immediate offsets); the global address is always src + 512 i.
+    const int lane = tid & 31, warp = tid >> 5;
+    auto dst_off = [&](int i) -> u32 {
+        const u32 c = lane + 32 * i, u = warp * 32 + c / CPU, j = c % CPU;
+        return u * UB + 16 * (j ^ ((u >> kSwzShift) % CPU));
+    };
+    const u32 dst0 = smem_u32(qcmx_v2_smem) + dst_off(0);
+    const u8* xsrc = reinterpret_cast<const u8*>(x) + warp * 32 * UB + 16 * lane;
+    auto issue = [&](u32 tile, int slot) {
+        if (tile < ntiles) {
+            const u8* src = xsrc + (u64)tile * kTileBytes;
+            const u32 left = nunits - tile * kTileUnits;
+#pragma unroll
+            for (int i = 0; i < CPU; ++i) {
+                const u32 dst = CPU == 4 ? dst0 + slot * kTileBytes + 512 * i
+                                         : smem_u32(qcmx_v2_smem) + slot * kTileBytes + dst_off(i);
+                if (left >= (u32)kTileUnits || warp * 32 + (lane + 32 * i) / CPU < left) cp_async16(dst, src + 512 * i);
+            }
+        }
+        cp_async_commit();  // an empty group keeps the wait count uniform
+    };
+
+    u32 tile = blockIdx.x;
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) issue(tile + s * gridDim.x, s);
+
+    const float g = FMT == QC_FMT_NVFP4 ? *gscale : 0.0f;
+    for (int k = 0; tile < ntiles; ++k, tile += gridDim.x) {
+        cp_async_wait<kStages - 2>();
+        __syncwarp();  // the warp's part of tile k is in; every lane is done with the slot refilled next
+        issue(tile + (kStages - 1) * gridDim.x, (k + kStages - 1) % kStages);
+        const u32 unit = tile * kTileUnits + tid;
+        if (unit >= nunits) continue;
+
+        u32 w[R::kWords];
+        const u32 ubase = smem_u32(qcmx_v2_smem) + (k % kStages) * kTileBytes + tid * UB;
+#pragma unroll
+        for (int i = 0; i < CPU; ++i)
+            lds_v4(ubase + 16 * (i ^ ((tid >> kSwzShift) % CPU)), w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
+
+        u32 sb[BPU];
+        u32 out[F::kFp4 ? 4 : 8];
+#pragma unroll
+        for (int b = 0; b < BPU; ++b) {
+            const float amax = R::absmax(w, b * BLK, BLK);
+            float mul;
+            if (FMT == QC_FMT_NVFP4) {
+                sb[b] = e4m3x2_code(__fmul_rn(g, __fmul_rn(amax, QC_NVFP4_INV_E2M1_MAX)), 0.0f) & 0xffu;
+                mul = os_tab[sb[b]];
+            } else if (FMT == QC_FMT_MXFP4) {
+                sb[b] = e8m0_scale(amax, QC_EMAX_E2M1, QC_MAX_MANTISSA_BITS_E2M1, rceil);
+                mul = e8m0_multiplier(sb[b]);
+            } else {
+                sb[b] = e8m0_scale(amax, QC_EMAX_E4M3, QC_MAX_MANTISSA_BITS_E4M3, rceil);
+                mul = e8m0_multiplier(sb[b]);
+            }
+            if (F::kFp4) {
+                // fast: the scaled values keep the inputs' signs and no NaN arises (NVFP4: os
+                // positive finite or +0; MX: a finite scale). Otherwise MX has a NaN scale
+                // (every code 0x7) and NVFP4 takes the per-element path (NaN / Inf / negative os).
+                const bool fast = ES == 2 && (FMT == QC_FMT_NVFP4 ? __float_as_uint(mul) < 0x7f800000u
+                                                                  : sb[b] != (u32)QC_E8M0_NAN);
+#ifdef QCMX_HAVE_BF16X2_ADD
+                if (FMT == QC_FMT_MXFP4 && bf16x2 && mxfp4_bf16x2_ok(sb[b])) {
+                    const u32 c6 = (((sb[b] + 2u) << 7) | 0x40u) * 0x10001u;  // 6 * 2^e
+                    const u32 p1 = (sb[b] << 7) * 0x10001u;                   // 2^e
+                    const u32 kk = (768u - 2u * sb[b]) * 0x10001u;
+#pragma unroll
+                    for (int q = 0; q < BLK / 8; ++q) {
+                        const int wi = (b * BLK + 8 * q) / 2 % R::kWords;
+                        out[b * (BLK / 8) + q] =
+                            mxfp4_pack8_bf16x2(w[wi], w[(wi + 1) % R::kWords], w[(wi + 2) % R::kWords],
+                                               w[(wi + 3) % R::kWords], c6, p1, kk);
+                    }
+                } else
+#endif
+                if (fast) {
+#pragma unroll
+                    for (int q = 0; q < BLK / 8; ++q) {
+                        const int e0 = b * BLK + 8 * q;
+                        u32 t[8];
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) t[j] = e2m1_mag_bits(__fmul_rn(R::elem(w, e0 + j), mul));
+                        const int wi = (e0 / 2) % R::kWords;  // (ES == 2 here; the modulo keeps fp32 in range)
+                        out[b * (BLK / 8) + q] = fp4_pack8_signed16(t, w[wi], w[(wi + 1) % R::kWords],
+                                                                    w[(wi + 2) % R::kWords], w[(wi + 3) % R::kWords]);
+                    }
+                } else if (FMT != QC_FMT_NVFP4 && ES == 2) {
+#pragma unroll
+                    for (int q = 0; q < BLK / 8; ++q) out[b * (BLK / 8) + q] = 0x77777777u;
+                } else {
+#pragma unroll
+                    for (int q = 0; q < BLK / 8; ++q) {
+                        u32 word = 0;
+#pragma unroll
+                        for (int j = 0; j < 8; ++j)
+                            word |= e2m1_code_v2(__fmul_rn(R::elem(w, b * BLK + 8 * q + j), mul)) << (4 * j);
+                        out[b * (BLK / 8) + q] = word;
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int q = 0; q < BLK / 4; ++q) {
+                    const int e0 = b * BLK + 4 * q;
+                    const u32 lo = e4m3x2_code(__fmul_rn(R::elem(w, e0), mul), __fmul_rn(R::elem(w, e0 + 1), mul));
+                    const u32 hi =
+                        e4m3x2_code(__fmul_rn(R::elem(w, e0 + 2), mul), __fmul_rn(R::elem(w, e0 + 3), mul));
+                    out[q] = lo | (hi << 16);
+                }
+            }
+        }
+        u8* cp = codes + (u64)unit * (F::kFp4 ? 16 : 32);
+        stg_v4(cp, out[0], out[1], out[2], out[3]);
+        if (!F::kFp4) stg_v4(cp + 16, out[4 % (F::kFp4 ? 4 : 8)], out[5 % (F::kFp4 ? 4 : 8)],
+                             out[6 % (F::kFp4 ? 4 : 8)], out[7 % (F::kFp4 ? 4 : 8)]);
+
+        const u32 b0 = unit * BPU;
+        if (swizzled) {
+            u32 r = ncols_shift >= 0 ? b0 >> ncols_shift : b0 / ncols;
+            u32 c = b0 - r * ncols;
+#pragma unroll
+            for (int b = 0; b < BPU; ++b) {
+                if (b > 0 && ++c == ncols) {
+                    c = 0;
+                    ++r;
+                }
+                const u32 tile_i = (r / QC_SWIZZLE_ROWS) * (pcols / QC_SWIZZLE_COLS) + c / QC_SWIZZLE_COLS;
+                scales[(u64)tile_i * QC_SWIZZLE_TILE_BYTES + (r % QC_SWIZZLE_ROW_GROUP) * 16 +
+                       ((r % QC_SWIZZLE_ROWS) / QC_SWIZZLE_ROW_GROUP) * 4 + (c % QC_SWIZZLE_COLS)] = (u8)sb[b];
+            }
+        } else {
+#pragma unroll
+            for (int b = 0; b < BPU; ++b) scales[b0 + b] = (u8)sb[b];
+        }
+    }
+    cp_async_wait<0>();
 }
 
 // ==================================================================================================
@@ -254,6 +645,13 @@ __device__ __forceinline__ void unswizzle_impl(const u8* __restrict__ swz, u8* _
         int ncols, long long prow, int pcols, int swizzled, int rceil, int vec) {                      \
         qcmx::mx_quantize_impl<qcmx::T, FMT>(x, codes, scales, gscale, rows, ncols, prow, pcols,       \
                                              swizzled, rceil, vec);                                    \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(QCMX_V2_THREADS) qc_mx_quantize2_##FMTNAME##_##DTNAME(   \
+        const qcmx::T::S* x, qcmx::u8* codes, qcmx::u8* scales, const float* gscale, unsigned nunits,  \
+        unsigned rows, unsigned ncols, int ncols_shift, unsigned prow, unsigned pcols, int swizzled,      \
+        int mode) {                                                                                    \
+        qcmx::mx_quantize_v2_impl<qcmx::T, FMT>(x, codes, scales, gscale, nunits, rows, ncols,         \
+                                                ncols_shift, prow, pcols, swizzled, mode);             \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) qc_mx_dequantize_##FMTNAME##_##DTNAME(           \
         const qcmx::u8* codes, const qcmx::u8* scales, qcmx::T::S* out, const float* gscale,           \

@@ -272,18 +272,79 @@ def _u64(v: int) -> np.uint64:
 
 
 # -- ops -------------------------------------------------------------------------------------------------
+#: Kernel version of mx_quantize per (format, input dtype): 2 (cp.async-staged tiles, persistent
+#: grid) or 1 (one thread per block straight from global memory), whichever was faster in the
+#: side-by-side timing on an H200 (docs/performance.md, MX log: version 2 wins for mxfp4 and for
+#: 16-bit nvfp4, version 1 for 16-bit mxfp8 and fp32 nvfp4). ``QUANTCORE_CUDA_TUNE=mx_quant_v=N``
+#: forces one version for every format.
+QUANT_VERSION_DEFAULT = {
+    ("mxfp4", "bfloat16"): 2, ("mxfp4", "float16"): 2, ("mxfp4", "float32"): 2,
+    ("nvfp4", "bfloat16"): 2, ("nvfp4", "float16"): 2, ("nvfp4", "float32"): 1,
+    ("mxfp8", "bfloat16"): 1, ("mxfp8", "float16"): 1, ("mxfp8", "float32"): 2,
+}
+#: CTAs per SM of version 2 where the sweep (16384^2 bf16: 1, 2 or 3 CTAs per SM) found fewer
+#: than fit better; elsewhere as many as fit (3: 64 KiB of shared memory each).
+#: ``QUANTCORE_CUDA_TUNE=mx_quant_ctas=N`` overrides it.
+QUANT2_CTAS_DEFAULT = {("mxfp4", "bfloat16"): 1, ("nvfp4", "bfloat16"): 2}
+#: Threads and dynamic shared memory of version 2 (kStages * 256 units * 32 elements * bytes per
+#: element in mx_quant.cu: 4 stages of 16-bit input, 2 of fp32 = 64 KiB either way).
+QUANT2_THREADS = 256
+QUANT2_SMEM = {"float32": 2 * 256 * 32 * 4, "float16": 4 * 256 * 32 * 2, "bfloat16": 4 * 256 * 32 * 2}
+_sm_count: dict[int, int] = {}
+_occupancy: dict[tuple[int, str], int] = {}
+
+
+def _quant2_grid(dev: int, fn, name: str, smem: int, ntiles: int, ctas: int) -> int:
+    """Persistent grid of version 2: ``ctas`` per SM (0: as many as fit), at most one per tile;
+    ``QUANTCORE_CUDA_TUNE=mx_quant_ctas=N`` forces N CTAs per SM."""
+    from quantcore.backends.cuda import runtime as rt
+
+    sms = _sm_count.get(dev)
+    if sms is None:
+        sms = _sm_count[dev] = int(_cupy().cuda.Device(dev).attributes["MultiProcessorCount"])
+    per_sm = rt.tune("mx_quant_ctas", ctas)
+    if per_sm <= 0:
+        per_sm = _occupancy.get((dev, name), 0)
+        if per_sm <= 0:
+            try:
+                with _cupy().cuda.Device(dev):
+                    per_sm = int(_cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                        fn.ptr, QUANT2_THREADS, smem))
+            except Exception:  # noqa: BLE001 - an older CuPy without the query: 3 fit by shared memory
+                per_sm = 3
+            per_sm = _occupancy[(dev, name)] = max(per_sm, 1)
+    return max(1, min(ntiles, sms * per_sm))
+
+
 def mx_quantize(be, x, codes, scales, *, rows: int, cols: int, fmt: str, scale_mode: str | None,
                 swizzled: bool, global_scale=None) -> None:
     """x [rows, cols] (fp32 / fp16 / bf16) -> codes, scales (row-major or swizzled, padding zeroed)."""
+    from quantcore.backends.cuda import runtime as rt
+
     dev = _check(x, codes, scales, global_scale)
     blk = mx.block_size(fmt)
     ncols = cols // blk
     prow, pcols = mx.swizzled_shape(rows, ncols) if swizzled else (rows, ncols)
     dt = _dtype(x)
-    fn = function(dev, QUANT_SOURCE, quant_arch(dev), f"qc_mx_quantize_{fmt}_{dt}")
-    vec = int(ptr(x) % 16 == 0 and ptr(codes) % 16 == 0)
-    grid, block = _grid2(pcols, prow)
     rceil = int(scale_mode == "rceil")
+    vec = int(ptr(x) % 16 == 0 and ptr(codes) % 16 == 0)
+    nelem = rows * cols
+    version = rt.tune("mx_quant_v", QUANT_VERSION_DEFAULT.get((fmt, dt), 2))
+    if version == 2 and vec and nelem % 32 == 0 and nelem > 0 and rows * ncols < 2**31 and prow * pcols < 2**31:
+        name = f"qc_mx_quantize2_{fmt}_{dt}"
+        smem = QUANT2_SMEM[dt]
+        fn = function(dev, QUANT_SOURCE, quant_arch(dev), name, smem)
+        nunits = nelem // 32
+        grid = _quant2_grid(dev, fn, name, smem, -(-nunits // QUANT2_THREADS),
+                            QUANT2_CTAS_DEFAULT.get((fmt, dt), 0))
+        shift = ncols.bit_length() - 1 if ncols & (ncols - 1) == 0 else -1
+        args = (_u64(ptr(x)), _u64(ptr(codes)), _u64(ptr(scales)), _u64(ptr(global_scale)), np.uint32(nunits),
+                np.uint32(rows), np.uint32(ncols), np.int32(shift), np.uint32(prow), np.uint32(pcols),
+                np.int32(bool(swizzled)), np.int32(rceil | (2 if rt.tune("mx_quant_bf16x2", 1) == 0 else 0)))
+        _launch(fn, (grid, 1, 1), (QUANT2_THREADS, 1, 1), args, stream_for(x), dev, smem)
+        return
+    fn = function(dev, QUANT_SOURCE, quant_arch(dev), f"qc_mx_quantize_{fmt}_{dt}")
+    grid, block = _grid2(pcols, prow)
     args = (_u64(ptr(x)), _u64(ptr(codes)), _u64(ptr(scales)), _u64(ptr(global_scale)), np.int64(rows),
             np.int32(ncols), np.int64(prow), np.int32(pcols), np.int32(bool(swizzled)), np.int32(rceil),
             np.int32(vec))
