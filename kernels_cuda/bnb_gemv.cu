@@ -13,8 +13,9 @@ namespace qc {
 // flight). 1-D bulk copies (TMA), one per row and slot, were slower: a warp issues them one lane at
 // a time (about ten instructions each) and the copy engine takes tens of ns per small copy.
 //
-// Work: a unit is (row group, stage). A CTA of kGvWarps warps owns groups blockIdx.x,
-// blockIdx.x + gridDim.x, ...; in a group, warp w takes 16-row tile w / ksplit and K slice
+// Work: CTA b owns the 16-row tiles [ntiles b / G, ntiles (b + 1) / G) (G = gridDim.x, at most the
+// multiprocessor count: the tiles of any shape spread evenly), taken in groups of
+// kGvWarps / ksplit; a unit is (group, stage). In a group, warp w takes tile w / ksplit and K slice
 // w % ksplit (super-pieces [nsp * ks / ksplit, nsp * (ks + 1) / ksplit)), cut into stages. Each
 // warp's ring runs across group boundaries; at the end of a group the K slices of a tile are added
 // in a fixed order through shared memory (deterministic, no workspace).
@@ -134,19 +135,22 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
 
     const int tpc = kGvWarps / ksplit, tslot = warp / ksplit, ks = warp % ksplit;
     const int b0 = blockIdx.y * 8, nb = min(8, batch - b0);
-    const i64 ntiles = (N + 15) >> 4, ngroups = (ntiles + tpc - 1) / tpc;
+    const i64 ntiles = (N + 15) >> 4;
+    const i64 t0 = ntiles * blockIdx.x / gridDim.x, t1 = ntiles * (blockIdx.x + 1) / gridDim.x;  // this CTA's tiles
     const i64 nsp = K / (8 * V);
     const i64 sp_begin = nsp * ks / ksplit, sp_end = nsp * (ks + 1) / ksplit;
     const int nsl = (int)(sp_end - sp_begin);       // super-pieces of this warp's slice
     const int nst = (nsl + SPS - 1) / SPS;          // its stages (>= 1: the launcher's split)
-    const int my_groups = blockIdx.x < ngroups ? (int)((ngroups - blockIdx.x + gridDim.x - 1) / gridDim.x) : 0;
+    const int my_groups = (int)((t1 - t0 + tpc - 1) / tpc);
     const int nunits = my_groups * nst;  // unit = (group, stage)
     const i64 row_bytes = K >> 1;
-    // lanes past the batch read row b0: finite data in output columns that are dropped
+    // B fragment column g is batch row b0 + g; lanes past the batch read row b0 too (the same
+    // addresses as lane g = 0: no extra memory traffic, and a predicated load costs a divergent
+    // branch around the asm), which reaches only output columns that are not written
     const u16* arow = a + (i64)(b0 + (g < nb ? g : 0)) * K + sp_begin * (8 * V) + 2 * c * V;
 
     auto tile_row = [&](int q, int r) {  // row r of this warp's tile in its q-th group (clamped)
-        return min(((i64)blockIdx.x + (i64)q * gridDim.x) * (tpc * 16) + tslot * 16 + r, N - 1);
+        return min((t0 + (i64)q * tpc + tslot) * 16 + r, N - 1);
     };
     // producer side: unit (qi, ji), S units ahead of the consumer. A stage is 16 rows x 256 bytes,
     // 256 chunks of 16 bytes: lane l copies chunk l & 15 of rows 2m + (l >> 4), m = 0..7. Rows past
@@ -154,11 +158,12 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
     int qi = 0, ji = 0;
     const int crow = lane >> 4, ccol = lane & 15;
     auto irow_of = [&](int qq) {
-        return packed + ((i64)blockIdx.x + (i64)qq * gridDim.x) * (tpc * 16) * row_bytes + (i64)(tslot * 16 + crow) * row_bytes +
+        return packed + (t0 + (i64)qq * tpc + tslot) * 16 * row_bytes + (i64)crow * row_bytes +
                sp_begin * (4 * V) + ccol * 16;
     };
     auto nrows_of = [&](int qq) {  // rows of the tile that exist
-        return (int)min((i64)16, N - (((i64)blockIdx.x + (i64)qq * gridDim.x) * (tpc * 16) + tslot * 16));
+        const i64 t = t0 + (i64)qq * tpc + tslot;  // a tile past t1 (the next CTA's) is not read
+        return t < t1 ? (int)min((i64)16, N - t * 16) : 0;
     };
     const u8* irow = irow_of(0);
     int inrows = nrows_of(0);
@@ -229,6 +234,11 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
     set_erow(0);
     if (nunits > 0) load_raw(raw, 0);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    u32 x[kGvU][V];  // the activation fragments of the current mma group
+#pragma unroll
+    for (int u = 0; u < kGvU; ++u)
+#pragma unroll
+        for (int v = 0; v < V; ++v) x[u][v] = 0u;
 
     int q = 0, j = 0;  // consumer: unit (q, j)
     for (int i = 0; i < nunits; ++i) {
@@ -256,7 +266,6 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
         // the first lim super-pieces exist (a short last stage): the others get zero activations
         // and are left out of the accumulation (their scale may be anything)
         auto run_group = [&](int gi, int lim, bool full) {
-            u32 x[kGvU][V];
             load_x(x, j, gi, full ? kGvU : lim);
             u32 w[kGvU][2][V / 4];
 #pragma unroll
@@ -332,7 +341,7 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
         gv_cp_commit();
 
         if (j + 1 == nst) {  // last stage of this group: add the K slices of each tile
-            const i64 grp = (i64)blockIdx.x + (i64)q * gridDim.x;
+            const i64 tq = t0 + (i64)q * tpc;  // first tile of this group
             // C fragment: (row g, col 2c), (row g, col 2c+1), (row g+8, col 2c), (row g+8, col 2c+1)
             float* rw = red + warp * 128;
             rw[g * 8 + 2 * c] = acc[0];
@@ -343,8 +352,8 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
             __syncthreads();
             for (int idx = threadIdx.x; idx < tpc * 128; idx += blockDim.x) {
                 const int t = idx >> 7, col = (idx >> 4) & 7, row = idx & 15;
-                const i64 r = (grp * tpc + t) * 16 + row;
-                if (r < N && col < nb) {
+                const i64 r = (tq + t) * 16 + row;
+                if (tq + t < t1 && r < N && col < nb) {  // tiles past t1 are the next CTA's
                     float sum = red[(t * ksplit) * 128 + row * 8 + col];
                     for (int jj = 1; jj < ksplit; ++jj) sum += red[(t * ksplit + jj) * 128 + row * 8 + col];
                     out[(i64)(b0 + col) * N + r] = T::from_f(sum);

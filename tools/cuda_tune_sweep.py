@@ -9,14 +9,14 @@ import os
 from quantcore import bench
 
 CASES = [
-    ("gemv_4bit", (1, 16384, 16384), ["gemv_ksplit=1", "gemv_ksplit=2", "gemv_ksplit=4", "gemv_ksplit=8",
-                                      "gemv_ksplit=4,gemv_ctas_per_sm=2", "gemv_ksplit=8,gemv_ctas_per_sm=2"]),
-    ("gemv_4bit", (1, 14336, 4096), ["gemv_ksplit=2", "gemv_ksplit=4", "gemv_ksplit=8",
-                                     "gemv_ksplit=8,gemv_ctas_per_sm=2"]),
-    ("gemm_w4a8", (1, 4096, 14336), ["gemm_tpc=1", "gemm_tpc=2", "gemm_tpc=4"]),
-    ("gemm_w4a8", (8, 4096, 14336), ["gemm_tpc=1", "gemm_tpc=2", "gemm_tpc=4"]),
-    ("gemm_w4a8", (1, 14336, 4096), ["gemm_tpc=4", "gemm_tpc=7", "gemm_tpc=8"]),
+    ("gemv_4bit", (1, 16384, 16384), ["gemv_kernel=1", "gemv_ksplit=1", "gemv_ksplit=2", "gemv_ksplit=4",
+                                      "gemv_ksplit=8"]),
+    ("gemv_4bit", (1, 14336, 4096), ["gemv_kernel=1", "gemv_ksplit=1", "gemv_ksplit=2", "gemv_ksplit=4",
+                                     "gemv_ksplit=8"]),
 ]
+if os.environ.get("SWEEP_W4A8"):
+    CASES += [("gemm_w4a8", (1, 4096, 14336), ["w4a8_small=1", "w4s_kc=64", "w4s_kc=128", "w4s_kc=224"]),
+              ("gemm_w4a8", (8, 4096, 14336), ["w4a8_small=1", "w4s_kc=128", "w4s_kc=224", "w4s_cl=2,w4s_kc=224"])]
 
 for op, size, configs in CASES:
     for cfg in configs:

@@ -65,6 +65,9 @@ def _gv_smem(v: int, device: int) -> int:
     need = 4 * 256 * 64 + 4 * 256 + 4 * _GV_WARPS * 128 + _GV_WARPS * _GV_STAGES * 16 * pitch
     return max(need, int(rt.device_props(device).get("sharedMemPerBlockOptin", 0)))
 _TREE_CHUNK = 2048
+# double_quantize version 2: absmax values per chunk sum (kSumChunk) and the most chunk sums the
+# quantize launch reduces (256 threads x 16)
+_SUM_CHUNK, _SUM_MAX_PARTS = 8192, 4096
 _GEMM_WARPS, _GEMM_UB = 16, 8
 _W4_WARPS, _W4_CLUSTER = 8, 4  # gemm_w4a8_small_kernel (version 12, QUANTCORE_CUDA_TUNE=w4a8_small=1)
 _W4_MAX_KBS = 128  # blocks of K per CTA: bounds the shared memory (204 KB at N = 8)
@@ -111,7 +114,9 @@ def _gemv_stream(tag: str, qt: str, nested: bool, v: int) -> str:
     return f"qc::gemv_4bit_stream_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {v}>"
 
 
-def _qbw(tag: str) -> str:
+def _qbw(tag: str, version: int = 1) -> str:
+    if version == 2:
+        return f"qc::quantize_blockwise_v2_kernel<{tag}>"
     return f"qc::quantize_blockwise_kernel<{tag}>"
 
 
@@ -119,7 +124,10 @@ def _dqbw(tag: str) -> str:
     return f"qc::dequantize_blockwise_kernel<{tag}>"
 
 
-def _tree(from_f32: bool) -> str:
+def _tree(from_f32: bool | None) -> str:
+    """The version-1 tree level kernels (fp32 or fp64 input); None: version 2's chunk sums."""
+    if from_f32 is None:
+        return "qc::absmax_chunk_sum_kernel"
     return f"qc::absmax_tree_sum_kernel<{_b(from_f32)}>"
 
 
@@ -193,17 +201,18 @@ def _gemv_ksplit(ntiles: int, nsp: int, sms: int) -> int:
 
 
 def _gemv_stream_ksplit(ntiles: int, nsp: int, sps: int, sms: int) -> int:
-    """Warps of a CTA that share one 16-row tile (splitting K) in the bulk-copy gemv: one CTA of
-    16 warps per multiprocessor, so the split whose group count fills the multiprocessors best (the
-    last wave least empty), the smallest on a tie; every slice keeps at least one full stage."""
-    best, best_eff = 1, 0.0
+    """Warps that share one 16-row tile (splitting K) in the streaming gemv. Each of the (at most
+    ``sms``) CTAs takes an even share of the tiles, ``16 / ks`` at a time, so its time goes as
+    passes x (K / ks) = ceil(tiles_per_cta * ks / 16) / ks: the split that minimizes that, the
+    smallest on a tie; every slice keeps at least one full stage."""
+    most = _cdiv(ntiles, min(ntiles, sms))  # tiles of the busiest CTA
+    best, best_t = 1, float("inf")
     for ks in (1, 2, 4, 8, 16):
         if ks > 1 and nsp // ks < sps:
             break
-        groups = _cdiv(ntiles, _GV_WARPS // ks)
-        eff = groups / (_cdiv(groups, sms) * sms)
-        if eff > best_eff + 0.02:
-            best, best_eff = ks, eff
+        t = _cdiv(most * ks, _GV_WARPS) / ks
+        if t < best_t - 1e-9:
+            best, best_t = ks, t
     return best
 
 
@@ -367,7 +376,7 @@ class CudaBackend(Backend):
             ksplit = rt.tune("gemv_ksplit", 0) or _gemv_stream_ksplit(ntiles, nsp, sps, sms)
             while ksplit > 1 and nsp < ksplit:  # every warp needs a non-empty slice (CTA barriers)
                 ksplit //= 2
-            grid = (min(_cdiv(ntiles, _GV_WARPS // ksplit), sms), _cdiv(rows, 8))
+            grid = (min(ntiles, sms), _cdiv(rows, 8))
             launch(_FV, _gemv_stream(_tag(a), quant_type, nested is not None, v), grid, 32 * _GV_WARPS,
                    common + (i32(ksplit),), shared_mem=_gv_smem(v, launch.device))
         elif dt != "float32" and k % (8 * v) == 0 and aligned(a, 16) and aligned(packed, v):
@@ -386,7 +395,23 @@ class CudaBackend(Backend):
         if nb == 0:
             return
         launch = Launcher(absmax)
-        # fp64 partial sums of the tree, kept in qabsmax's bytes until the codes overwrite them
+        size = 1 << (nb - 1).bit_length()  # the tree's padded leaf count
+        # version 2 (QUANTCORE_CUDA_TUNE=dq_v=1: version 1): two launches, the chunk sums (and a
+        # counter) in qabsmax's first bytes; from two chunks up, and up to _SUM_MAX_PARTS of them
+        if rt.tune("dq_v", 2) == 2 and _SUM_CHUNK < nb and size // _SUM_CHUNK <= _SUM_MAX_PARTS:
+            base = rt.pointer(qabsmax)
+            parts = (base + 7) // 8 * 8
+            nchunks = _cdiv(nb, _SUM_CHUNK)
+            counter = parts + 8 * nchunks
+            ndefer = _cdiv(counter + 4 - base, bnb.NESTED_BLOCKSIZE)  # blocks whose codes overlap them
+            launch(_F8, _tree(None), (nchunks,), 256,
+                   (ptr_arg(absmax), i64(nb), i32(aligned(absmax, 16)), np.uint64(parts), np.uint64(counter)))
+            self._quantize_blockwise(launch, absmax, NULL, qabsmax, absmax2, NULL, nb, bnb.NESTED_BLOCKSIZE,
+                                     tree=(np.uint64(parts), i32(size // _SUM_CHUNK), i32(nchunks),
+                                           np.uint64(counter), ptr_arg(offset), i64(nb), i32(ndefer)))
+            return
+        # version 1: tree levels of fp64 partial sums kept in qabsmax's bytes until the codes
+        # overwrite them, a one-CTA last level writing the offset, then the quantization
         base = rt.pointer(qabsmax)
         region = (base + 7) // 8 * 8
         src, count, from_f32 = ptr_arg(absmax), nb, True
@@ -401,12 +426,24 @@ class CudaBackend(Backend):
             src, count, from_f32 = np.uint64(region), chunks, False
             region += 8 * chunks
         self._quantize_blockwise(launch, absmax, NULL, qabsmax, absmax2, ptr_arg(offset), nb,
-                                 bnb.NESTED_BLOCKSIZE)
+                                 bnb.NESTED_BLOCKSIZE, version=1)
 
     # -- blockwise 8-bit -----------------------------------------------------------------------------
-    def _quantize_blockwise(self, launch, x, thresholds, codes, absmax, center, n, blocksize):
-        threads = max(256, blocksize // 8)
+    def _quantize_blockwise(self, launch, x, thresholds, codes, absmax, center, n, blocksize, *,
+                            version=None, tree=None):
+        """Version 2 (default; QUANTCORE_CUDA_TUNE=qbw_v=1: version 1) rounds by cells and, with
+        ``tree`` (double_quantize version 2's chunk sums), computes and subtracts the offset itself;
+        version 1 subtracts ``*center``."""
         vec = aligned(x, 16) and aligned(codes, 8)
+        if tree is not None or (version or rt.tune("qbw_v", 2)) == 2:
+            threads = 512  # kernel bounds: 512 threads, 2 CTAs per multiprocessor
+            grid = max(1, min(_cdiv(_cdiv(n, 8), threads), 2 * rt.sm_count(launch.device)))
+            extra = tree if tree is not None else (NULL, i32(0), i32(0), NULL, NULL, i64(0), i32(0))
+            launch(_F8, _qbw(_tag(x), 2), (grid,), threads,
+                   (ptr_arg(x), thresholds, ptr_arg(codes), ptr_arg(absmax), i64(n), i32(_log2(blocksize)),
+                    i32(vec)) + extra)
+            return
+        threads = max(256, blocksize // 8)
         launch(_F8, _qbw(_tag(x)), (_resident(launch, _cdiv(_cdiv(n, 8), threads), threads),), threads,
                (ptr_arg(x), thresholds, ptr_arg(codes), ptr_arg(absmax), center, i64(n),
                 i32(_log2(blocksize)), i32(vec)))
