@@ -140,4 +140,299 @@ __global__ void __launch_bounds__(256) absmax_tree_sum_kernel(
     }
 }
 
+
+// ==================================================================================================
+// Version 2 (double_quantize in two launches; quantize_blockwise by cells)
+// ==================================================================================================
+// Rounding by cells: the count of thresholds below s (the code) is read from a per-cell table and
+// finished with one comparison, instead of the 8 dependent shared-memory steps of round8 (whose
+// deeper steps also conflict on banks). A cell is a range of |s| with the same exponent and top 6
+// mantissa bits (|s| bits >> 17), exponents clamped to [105, 127) - everything below 2^-22 is one
+// cell, everything from 1.0 up (inf, NaN) another - on each side of zero: 2 * 1410 cells in value
+// order. Cell u holds 4 * (number of thresholds in cells before u); the next threshold thr[count]
+// is then either in cell u itself or above every s of the cell, so "count + (s > thr[count])" is
+// exact for every fp32 s as long as no cell holds two thresholds. The table is built from the
+// thresholds given (the dynamic map's are 2^-6 of their own magnitude apart or more, one per cell
+// at the most) and checked; a table that fails the check makes the CTA use round8.
+// The side is "s >= 0": -0.0 joins +0.0, and NaN lands in the lowest cell of the negative side
+// (count 0, and NaN > thr[0] is false): code 0, as the format says.
+constexpr u32 kC8Lo = 105u * 64u - 1u;  // |s| < 2^-22
+constexpr u32 kC8Hi = 127u * 64u;       // |s| >= 1
+constexpr int kC8Half = (int)(kC8Hi - kC8Lo) + 1;  // 1410 cells per side
+constexpr int kC8Cells = 2 * kC8Half;
+
+__device__ __forceinline__ u32 cell8(float s) {
+    const u32 a = __float_as_uint(s) & 0x7fffffffu;
+    const u32 k = min(max(a >> 17, kC8Lo), kC8Hi) - kC8Lo;
+    return s >= 0.0f ? (u32)kC8Half + k : (u32)kC8Half - 1u - k;
+}
+
+struct Cells8 {
+    float thr[256];          // thresholds, thr[255] = +inf
+    int tc[256];             // cell of each threshold (build only), tc[255] past every cell
+    u16 off4[kC8Cells];      // 4 * (thresholds in earlier cells): the byte offset of the next one
+    int bad;
+};
+
+// Every thread of the CTA takes part (barriers inside).
+__device__ void build_cells8(Cells8& t, const float* __restrict__ thresholds) {
+    const int i = threadIdx.x;
+    if (i == 0) t.bad = 0;
+    for (int j = i; j < 256; j += blockDim.x) {
+        const float th = j < 255 ? (thresholds ? ldg_f32(thresholds + j) : kDynamicThresholds[j])
+                                 : __int_as_float(0x7f800000);
+        t.thr[j] = th;
+        t.tc[j] = j < 255 ? (int)cell8(th) : (1 << 30);
+    }
+    __syncthreads();
+    for (int j = i; j < 254; j += blockDim.x)
+        if (t.tc[j] >= t.tc[j + 1]) t.bad = 1;  // two in one cell (or not ascending)
+    for (int u = i; u < kC8Cells; u += blockDim.x) {
+        int idx = 0;  // number of tc[] below u: tc is ascending (else bad)
+#pragma unroll
+        for (int step = 128; step > 0; step >>= 1)
+            if (t.tc[idx + step - 1] < u) idx += step;
+        t.off4[u] = (u16)(4 * idx);
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ u32 round8_cells(const Cells8& t, float s) {
+    const u32 o4 = t.off4[cell8(s)];
+    const float th = *reinterpret_cast<const float*>(reinterpret_cast<const u8*>(t.thr) + o4);
+    return (o4 >> 2) + (s > th ? 1u : 0u);
+}
+
+// 8 consecutive elements as raw 32-bit words
+template <typename T>
+struct Raw8 {
+    static constexpr int kWords = 8 * T::kBytes / 4;
+    u32 w[kWords];
+};
+
+template <typename T>
+__device__ __forceinline__ void raw8_load(const typename T::S* p, Raw8<T>& r) {
+#pragma unroll
+    for (int q = 0; q < Raw8<T>::kWords / 4; ++q)
+        ldg_v4(reinterpret_cast<const u8*>(p) + 16 * q, r.w[4 * q], r.w[4 * q + 1], r.w[4 * q + 2], r.w[4 * q + 3]);
+}
+
+template <typename T>
+__device__ __forceinline__ void raw8_to_f(const Raw8<T>& r, float (&v)[8]) {
+    if constexpr (T::kBytes == 4) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = __uint_as_float(r.w[i]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            v[2 * i] = T::lo(r.w[i]);
+            v[2 * i + 1] = T::hi(r.w[i]);
+        }
+    }
+}
+
+// The double-quantization offset from the chunk sums of absmax_chunk_sum_kernel: the top of the
+// perfect binary tree over npart (a power of two, <= 256 * 16) leaves, of which those from nchunks
+// on are zero chunks. Each thread sums K = npart / 256 contiguous leaves (or holds one leaf), the
+// butterfly pairs neighbouring threads level by level, then the warp sums. Every thread calls it;
+// the result is valid in thread 0.
+__device__ double chunk_tree_top(const double* partials, int npart, int nchunks, double* ws) {
+    double p;
+    int q;  // leaves held by threads 0 .. q-1
+    if (npart >= 256) {
+        const int k = npart >> 8;
+        double v[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const int idx = threadIdx.x * k + i;
+            v[i] = (i < k && idx < nchunks) ? partials[idx] : 0.0;
+        }
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {  // widths 16 -> 8 -> 4 -> 2 -> 1, the last log2(k) of them
+            const int h = 8 >> l;
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (i < h && h < k) v[i] = v[2 * i] + v[2 * i + 1];
+        }
+        p = v[0];
+        q = 256;
+    } else {
+        p = (int)threadIdx.x < nchunks ? partials[threadIdx.x] : 0.0;
+        q = npart;
+    }
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const double other = shfl_xor_f64(p, o);
+        if (o < q) p = p + other;
+    }
+    if (q > 32) {
+        if (lane_id() == 0 && (int)threadIdx.x < q) ws[threadIdx.x >> 5] = p;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int h = q >> 6; h >= 1; h >>= 1)
+                for (int i = 0; i < h; ++i) ws[i] = ws[2 * i] + ws[2 * i + 1];
+            p = ws[0];
+        }
+    }
+    return p;
+}
+
+// quantize_blockwise, version 2: one thread per 8 elements, G = blocksize / 8 threads per block, a
+// persistent grid whose next chunk's loads are issued before this chunk's rounding (and the first
+// chunk's before the cell table is built). Double quantization (partials != null): x is absmax
+// (fp32), centered by the offset every CTA computes from the chunk sums; CTA 0 writes it. The
+// chunk sums and a counter (zeroed by the sum launch) lie in the first bytes of ``codes``, the
+// blocks below ``ndefer``: every CTA counts itself in after reading the sums, and the last one to
+// do so - when no CTA still needs them - writes those blocks. No CTA waits for another.
+template <typename T>
+__global__ void __launch_bounds__(512, 2) quantize_blockwise_v2_kernel(
+    const typename T::S* __restrict__ x, const float* __restrict__ thresholds, u8* codes,
+    float* __restrict__ absmax, i64 n, int log2bs, int vec, const double* partials, int npart,
+    int nchunks, u32* counter, float* __restrict__ offset, i64 nb, int ndefer) {
+    __shared__ Cells8 tab;
+    __shared__ float red[16];
+    __shared__ double ws[8];
+    __shared__ float s_off;
+    __shared__ int s_last;
+
+    const int G = (1 << log2bs) >> 3;
+    const i64 nthreads = (n + 7) >> 3;
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    Raw8<T> raw;
+    if (vec && (t + 1) * 8 <= n) raw8_load<T>(x + t * 8, raw);
+
+    float off = 0.0f;
+    const bool dq = partials != nullptr;
+    if (dq) {
+        const double total = chunk_tree_top(partials, npart, nchunks, ws);
+        if (threadIdx.x == 0) {
+            s_off = __double2float_rn(__ddiv_rn(total, (double)nb));
+            if (blockIdx.x == 0) offset[0] = s_off;
+            __threadfence();
+            s_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+        }
+    }
+    build_cells8(tab, thresholds);  // barriers: s_off and s_last are visible after it
+    if (dq) off = s_off;
+    const bool cells = !tab.bad;
+
+    auto process = [&](i64 tt, float (&v)[8]) {
+        const i64 e0 = tt * 8;
+        if (dq) {  // elements past n stay 0.0: the reference pads the centered array
+            const int valid = e0 + 8 <= n ? 8 : (int)(n - e0);
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (i < valid) v[i] = __fsub_rn(v[i], off);
+        }
+        float m = fabsf(v[0]);
+#pragma unroll
+        for (int i = 1; i < 8; ++i) m = fmaxf(m, fabsf(v[i]));
+        if (G == 32) {  // double quantization's 256: one warp per block, no loop
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, o));
+        } else {
+            m = group_absmax(m, G, red);
+        }
+        const float r = recip_rn(m);
+        if ((threadIdx.x & (G - 1)) == 0 && e0 < n) absmax[e0 >> log2bs] = m;
+        u32 lo = 0, hi = 0;
+        if (cells) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                lo |= round8_cells(tab, __fmul_rn(v[i], r)) << (8 * i);
+                hi |= round8_cells(tab, __fmul_rn(v[i + 4], r)) << (8 * i);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                lo |= round8(tab.thr, __fmul_rn(v[i], r)) << (8 * i);
+                hi |= round8(tab.thr, __fmul_rn(v[i + 4], r)) << (8 * i);
+            }
+        }
+        if (vec && e0 + 8 <= n) {
+            *reinterpret_cast<u64*>(codes + e0) = ((u64)hi << 32) | lo;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (e0 + i < n) codes[e0 + i] = (u8)((i < 4 ? lo : hi) >> (8 * (i & 3)));
+        }
+    };
+
+    const i64 tdefer = (i64)ndefer << (log2bs - 3);  // the deferred blocks' threads (G = 32 there)
+    for (; t - threadIdx.x < nthreads; t += stride) {  // uniform over the CTA (barriers inside)
+        const i64 e0 = t * 8;
+        float v[8];
+        if (vec && e0 + 8 <= n) {
+            raw8_to_f<T>(raw, v);
+        } else {
+            load8<T>(x, e0, n, false, v);
+        }
+        const i64 e1 = e0 + stride * 8;
+        if (vec && e1 + 8 <= n) raw8_load<T>(x + e1, raw);
+        if (t - (threadIdx.x & 31) < tdefer) continue;  // whole warps (one block each)
+        process(t, v);
+        if (G > 32) __syncthreads();  // red[] is rewritten by the next iteration
+    }
+    if (dq && s_last) {  // up to 2 tasks per thread, their loads first (this CTA is the tail)
+        const i64 lane = threadIdx.x & 31;
+        for (i64 t0 = threadIdx.x; t0 - lane < tdefer; t0 += 2 * (i64)blockDim.x) {
+            float v[2][8];
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const i64 tt = t0 + j * (i64)blockDim.x;
+                if (tt - lane < tdefer) load8<T>(x, tt * 8, n, false, v[j]);
+            }
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const i64 tt = t0 + j * (i64)blockDim.x;
+                if (tt - lane < tdefer) process(tt, v[j]);
+            }
+        }
+    }
+}
+
+// Chunk sums of the double-quantization tree: CTA c sums absmax[c * 8192, (c + 1) * 8192) (zeros
+// past nb) over the perfect binary tree - 32 contiguous values per thread in registers, the
+// butterfly over the warp, the 8 warp sums - and writes partials[c]; CTA 0 zeroes the counter
+// quantize_blockwise_v2_kernel counts its CTAs with (stream order: before any of them runs).
+constexpr int kSumPerThread = 32;
+constexpr int kSumChunk = 256 * kSumPerThread;
+
+__global__ void __launch_bounds__(256) absmax_chunk_sum_kernel(
+    const float* __restrict__ in, i64 nb, int vec, double* partials, u32* counter) {
+    __shared__ double ws[8];
+    const i64 base = (i64)blockIdx.x * kSumChunk + (i64)threadIdx.x * kSumPerThread;
+    float f[kSumPerThread];
+    if (vec && base + kSumPerThread <= nb) {
+        u32 w[kSumPerThread];
+#pragma unroll
+        for (int q = 0; q < kSumPerThread / 4; ++q)
+            ldg_v4(in + base + 4 * q, w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
+#pragma unroll
+        for (int i = 0; i < kSumPerThread; ++i) f[i] = __uint_as_float(w[i]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < kSumPerThread; ++i) f[i] = base + i < nb ? ldg_f32(in + base + i) : 0.0f;
+    }
+    double v[kSumPerThread / 2];
+#pragma unroll
+    for (int i = 0; i < kSumPerThread / 2; ++i) v[i] = (double)f[2 * i] + (double)f[2 * i + 1];
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {  // widths 16 -> 8 -> 4 -> 2 -> 1
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (i < (8 >> l)) v[i] = v[2 * i] + v[2 * i + 1];
+    }
+    double t = v[0];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) t = t + shfl_xor_f64(t, o);
+    if (lane_id() == 0) ws[threadIdx.x >> 5] = t;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        partials[blockIdx.x] = ((ws[0] + ws[1]) + (ws[2] + ws[3])) + ((ws[4] + ws[5]) + (ws[6] + ws[7]));
+        if (blockIdx.x == 0) *counter = 0u;
+    }
+}
+
 }  // namespace qc

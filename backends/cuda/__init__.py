@@ -164,13 +164,13 @@ def kernel_instances() -> list[tuple[str, str]]:
                     out += [(_F4, _gemv_mma(tag, qt, nested, v)) for v in _GEMV_V]
                     out += [(_FV, _gemv_stream(tag, qt, nested, v)) for v in _GEMV_V]
     for tag in tags:
-        out += [(_F8, _qbw(tag)), (_F8, _dqbw(tag))]
+        out += [(_F8, _qbw(tag)), (_F8, _qbw(tag, 2)), (_F8, _dqbw(tag))]
         for fmt in GGML_FMT:
             out += [(_FG, _qg(tag, fmt)), (_FG, _dqg(tag, fmt))]
         out.append((_FG, _gemm(tag, True)))
         out += [(_FG, _gemm_small(tag, nb)) for nb in _W4_NB]
     out.append((_FG, _gemm(TYPE_TAG["float32"], False)))
-    out += [(_F8, _tree(True)), (_F8, _tree(False))]
+    out += [(_F8, _tree(True)), (_F8, _tree(False)), (_F8, _tree(None))]
     return out
 
 

@@ -1,0 +1,197 @@
+"""double_quantize and quantize_blockwise of the cuda backend, both kernel versions, at the
+kernel-level op: bit-exact against quantcore.formats.bnb.
+
+Version 2 (the default) rounds by a cell table and reduces the offset's chunk sums inside the
+quantize launch, with the sums in qabsmax's first bytes; these tests aim at what that can get
+wrong: every cell edge and threshold neighbour of the rounding, NaN / inf / -0.0 / constant blocks
+(1/absmax2 = inf), thresholds the cell table cannot hold (the round8 fallback), unaligned pointers
+(element paths, the sums' 8-byte alignment inside qabsmax), one chunk more than the minimum, and
+the largest tree the quantize launch reduces (4096 chunk sums). QUANTCORE_CUDA_TUNE=dq_v=1 and
+qbw_v=1 select version 1, compared on the same inputs. Timing: tools/dev/dq_device.sh.
+
+GPU tests: skipped with the reason where the cuda backend is unavailable.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import quantcore as qc
+from quantcore.formats import bnb
+
+from .conftest import FLOAT_DTYPES, bits
+
+_avail = qc.available_backends()["cuda"]
+pytestmark = pytest.mark.skipif(not _avail, reason=f"cuda backend unavailable: {_avail.reason}")
+torch = pytest.importorskip("torch") if _avail else None
+
+TUNE = "QUANTCORE_CUDA_TUNE"
+
+
+@pytest.fixture(scope="module")
+def be():
+    return qc.get_backend("cuda")
+
+
+@pytest.fixture(params=[1, 2], ids=["v1", "v2"])
+def version(request, monkeypatch):
+    monkeypatch.setenv(TUNE, f"dq_v={request.param},qbw_v={request.param}")
+    return request.param
+
+
+def _t(a: np.ndarray, offset: int = 0):
+    """numpy -> torch CUDA tensor starting ``offset`` elements into a larger buffer."""
+    flat = np.ascontiguousarray(a).reshape(-1)
+    view = {1: np.uint8, 2: np.int16, 4: np.int32}[flat.dtype.itemsize]
+    tdt = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
+           np.dtype(np.uint8): torch.uint8}.get(flat.dtype, torch.bfloat16)
+    buf = torch.empty(flat.size + offset, dtype=tdt, device="cuda")
+    buf[offset:].view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[flat.dtype.itemsize]).copy_(
+        torch.from_numpy(flat.view(view).copy()).cuda())
+    return buf[offset:]
+
+
+def _n(t) -> np.ndarray:
+    return qc.get_backend("cuda").to_numpy(t)
+
+
+def _empty(n: int, dtype, offset: int = 0):
+    tdt = {np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.float32}[np.dtype(dtype)]
+    return torch.full((n + offset,), 0x5A if tdt == torch.uint8 else float("nan"), dtype=tdt,
+                      device="cuda")[offset:]
+
+
+def _same(got: np.ndarray, ref: np.ndarray) -> bool:
+    """Bit-equal, except that a NaN reference needs a NaN of any payload (the GPU's canonical NaN
+    is not numpy's)."""
+    got, ref = np.asarray(got, np.float32).reshape(-1), np.asarray(ref, np.float32).reshape(-1)
+    rnan, gnan = np.isnan(ref), np.isnan(got)
+    return bool(np.array_equal(rnan, gnan) and np.array_equal(bits(got)[~rnan], bits(ref)[~rnan]))
+
+
+def _check_dq(be, absmax: np.ndarray, a_off: int = 0, q_off: int = 0) -> None:
+    nb = absmax.size
+    q, a2, off = _empty(nb, np.uint8, q_off), _empty(bnb.nblocks(nb, 256), np.float32), _empty(1, np.float32)
+    be.double_quantize(_t(absmax, a_off), q, a2, off)
+    torch.cuda.synchronize()
+    rq, ra2, roff = bnb.double_quantize(absmax)
+    assert _same(_n(off), np.array([roff], np.float32)), (nb, _n(off), roff)
+    got = _n(q)
+    bad = np.flatnonzero(got != rq)
+    assert bad.size == 0, (nb, bad[:10], got[bad[:10]], rq[bad[:10]])
+    assert _same(_n(a2), ra2), nb
+
+
+@pytest.mark.parametrize("nb", [8192, 8193, 3 * 8192 + 1, 100_003, 1 << 22, (1 << 22) + 5])
+def test_double_quantize_sizes(be, rng, version, nb):
+    absmax = np.exp2(rng.uniform(-8, 4, nb)).astype(np.float32)
+    _check_dq(be, absmax)
+
+
+def test_double_quantize_largest_tree(be, rng, version):
+    """2^24 + 1 values: a tree of 2^25 leaves, 4096 chunk sums (16 per thread of the top)."""
+    absmax = rng.uniform(0.5, 4.0, (1 << 24) + 1).astype(np.float32)
+    _check_dq(be, absmax)
+
+
+@pytest.mark.parametrize("a_off,q_off", [(1, 0), (0, 1), (3, 5), (2, 7)])
+def test_double_quantize_unaligned(be, rng, version, a_off, q_off):
+    absmax = np.exp2(rng.uniform(-3, 3, 200_001)).astype(np.float32)
+    _check_dq(be, absmax, a_off, q_off)
+
+
+def test_double_quantize_special_blocks(be, rng, version):
+    nb = 256 * 400 + 77
+    absmax = rng.uniform(1.0, 3.0, nb).astype(np.float32)
+    absmax[:256 * 2] = 0.0  # the blocks over the chunk sums, and a zero chunk start
+    absmax[256 * 5: 256 * 6] = np.float32(2.0)
+    absmax[256 * 7: 256 * 8] = -0.0
+    absmax[-5:] = 1e-30
+    _check_dq(be, absmax)
+    # a block equal to the offset: centered zeros, absmax2 = 0, 1/0 = inf and 0 * inf = NaN -> 0
+    _check_dq(be, np.full(nb, np.float32(1.5), np.float32))
+    # a NaN or an infinity makes the offset NaN or inf: every block's absmax2 NaN, codes 0
+    for bad in (np.nan, np.inf):
+        one = absmax.copy()
+        one[256 * 9 + 3] = bad
+        _check_dq(be, one)
+
+
+def _cell_edge_values(rng) -> np.ndarray:
+    """Every version-2 cell edge (|s| bits k * 2^17 and one below) on both sides, each dynamic
+    threshold and its fp32 neighbours, signed zeros, infinities, NaN, random fp32 in [-1, 1]."""
+    k = np.arange(104 * 64, 128 * 64 + 2, dtype=np.uint32)
+    edges = np.concatenate([k << 17, (k << 17) - 1]).view(np.float32)
+    t = bnb.DYNAMIC_THRESHOLDS.astype(np.float32)
+    near = np.concatenate([t, np.nextafter(t, np.float32(np.inf)), np.nextafter(t, np.float32(-np.inf))])
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -1.0, 2.0, -2.0, 1e-38, -1e-45],
+                       np.float32)
+    rand = rng.uniform(-1, 1, 20000).astype(np.float32)
+    tiny = (rng.uniform(-1, 1, 4000) * np.exp2(rng.uniform(-40, 0, 4000))).astype(np.float32)
+    return np.concatenate([edges, -edges, near, special, rand, tiny])
+
+
+def test_blockwise_rounding_every_cell_edge(be, rng, version):
+    """Blocks of 64 whose first element is 1.0 (absmax 1, 1/absmax = 1): s is the value itself."""
+    vals = _cell_edge_values(rng)
+    vals = vals[(np.abs(vals) <= 1) | np.isnan(vals)]  # absmax stays 1.0 (NaN is ignored)
+    blocks = -(-vals.size // 63)
+    body = np.zeros(blocks * 63, np.float32)
+    body[: vals.size] = vals
+    x = np.concatenate([np.ones((blocks, 1), np.float32), body.reshape(blocks, 63)], axis=1).reshape(-1)
+    for bs in (64, 256):
+        codes, absmax = _empty(x.size, np.uint8), _empty(bnb.nblocks(x.size, bs), np.float32)
+        thr = _t(bnb.DYNAMIC_THRESHOLDS.astype(np.float32))
+        be.quantize_blockwise(_t(x), thr, codes, absmax, blocksize=bs)
+        rc, ra = bnb.quantize_blockwise(x, bs)
+        got = _n(codes)
+        bad = np.flatnonzero(got != rc)
+        assert bad.size == 0, (bs, x[bad[:8]], got[bad[:8]], rc[bad[:8]])
+        assert np.array_equal(bits(_n(absmax)), bits(ra))
+
+
+@pytest.mark.parametrize("dtype", list(FLOAT_DTYPES))
+def test_blockwise_dtypes_blocksizes(be, rng, version, dtype):
+    for bs in bnb.BLOCKSIZES_8BIT:
+        n = 7 * bs + 13 if bs < 4096 else 3 * bs + 5
+        x = (rng.standard_normal(n) * np.exp2(rng.uniform(-6, 6, n))).astype(FLOAT_DTYPES[dtype])
+        x[rng.integers(0, n, 5)] = 0
+        x[3] = np.nan
+        for off in (0, 1):
+            codes, absmax = _empty(n, np.uint8, off), _empty(bnb.nblocks(n, bs), np.float32)
+            be.quantize_blockwise(_t(x, off), _t(bnb.DYNAMIC_THRESHOLDS.astype(np.float32)), codes, absmax,
+                                  blocksize=bs)
+            rc, ra = bnb.quantize_blockwise(x, bs)
+            assert np.array_equal(_n(codes), rc), (bs, off)
+            assert np.array_equal(bits(_n(absmax)), bits(ra)), (bs, off)
+
+
+def test_blockwise_large_persistent(be, rng, version):
+    """More elements than the persistent grid covers in one pass (several chunks per thread)."""
+    n = (1 << 23) + 1000
+    x = rng.standard_normal(n).astype(np.float32)
+    codes, absmax = _empty(n, np.uint8), _empty(bnb.nblocks(n, 256), np.float32)
+    be.quantize_blockwise(_t(x), _t(bnb.DYNAMIC_THRESHOLDS.astype(np.float32)), codes, absmax, blocksize=256)
+    rc, ra = bnb.quantize_blockwise(x, 256)
+    assert np.array_equal(_n(codes), rc)
+    assert np.array_equal(bits(_n(absmax)), bits(ra))
+
+
+@pytest.mark.parametrize("kind", ["dense", "uniform"])
+def test_blockwise_other_thresholds(be, rng, version, kind):
+    """Thresholds two to a cell (dense near 0: the round8 fallback) or one per cell (a uniform
+    map): both exact."""
+    if kind == "dense":
+        code = np.sort(np.concatenate([np.linspace(-1e-3, 1e-3, 255), [1.0]])).astype(np.float32)
+    else:
+        code = np.linspace(-1, 1, 256).astype(np.float32)
+    thr = bnb.code_thresholds(code)
+    n = 64 * 500
+    x = (rng.standard_normal(n) * (1e-3 if kind == "dense" else 1.0)).astype(np.float32)
+    x[::64] = 1.0 if kind == "uniform" else 1e-3
+    codes, absmax = _empty(n, np.uint8), _empty(bnb.nblocks(n, 64), np.float32)
+    be.quantize_blockwise(_t(x), _t(thr), codes, absmax, blocksize=64)
+    rc, ra = bnb.quantize_blockwise(x, 64, thr)
+    assert np.array_equal(_n(codes), rc)
+    assert np.array_equal(bits(_n(absmax)), bits(ra))
