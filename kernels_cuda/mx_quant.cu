@@ -165,7 +165,11 @@ __device__ __forceinline__ void mx_quantize_impl(const typename T::S* __restrict
 // is faster for mxfp4 (179 us, 89% of copy, 3 CTAs per SM; fewer CTAs per SM is faster still) and
 // nvfp4 (245 us vs 273 us), slower for mxfp8, whose two 16-byte code stores per thread land on
 // alternate halves of 32-byte sectors (ncu: L2 92% busy at 69% DRAM); the launcher picks the
-// faster version per format and input type.
+// faster version per format and input type. NVFP4's scale stores were the rest of its gap: the
+// band layout (below; whole 32-byte sectors of swizzled scales) runs 16384^2 bf16 in 173 us
+// (quantcore.bench, 93% of copy; ncu 170 us, DRAM 83%, L2 88%) against 245 us for the flat one.
+// The MXFP8 pair layout (512 contiguous bytes per code store) measured 215 us under ncu, not
+// faster than version 1's 194 us, so it is opt-in (QUANTCORE_CUDA_TUNE=mx_quant_layout=2).
 #define QCMX_V2_THREADS 256
 
 __device__ __forceinline__ void cp_async16(u32 smem_addr, const void* gptr) {
@@ -335,8 +339,125 @@ struct IsBf16<TBF16> {
     static constexpr bool value = true;
 };
 
-// mode: bit 0 rceil scales, bit 1 no packed bf16x2 MXFP4 path (timing comparisons)
+// One unit of version 2 (32 elements = BPU blocks, raw words w) -> its codes (out) and scale
+// bytes (sb).
 template <typename T, int FMT>
+__device__ __forceinline__ void quantize_unit_v2(const u32 (&w)[Raw<T>::kWords], float g, const float* os_tab,
+                                                 bool rceil, bool bf16x2,
+                                                 u32 (&out)[Fmt<FMT>::kFp4 ? 4 : 8], u32 (&sb)[32 / Fmt<FMT>::kBlk]) {
+    using F = Fmt<FMT>;
+    using R = Raw<T>;
+    constexpr int BLK = F::kBlk;
+    constexpr int BPU = 32 / BLK;
+    constexpr int ES = (int)sizeof(typename T::S);
+#pragma unroll
+    for (int b = 0; b < BPU; ++b) {
+        const float amax = R::absmax(w, b * BLK, BLK);
+        float mul;
+        if (FMT == QC_FMT_NVFP4) {
+            sb[b] = e4m3x2_code(__fmul_rn(g, __fmul_rn(amax, QC_NVFP4_INV_E2M1_MAX)), 0.0f) & 0xffu;
+            mul = os_tab[sb[b]];
+        } else if (FMT == QC_FMT_MXFP4) {
+            sb[b] = e8m0_scale(amax, QC_EMAX_E2M1, QC_MAX_MANTISSA_BITS_E2M1, rceil);
+            mul = e8m0_multiplier(sb[b]);
+        } else {
+            sb[b] = e8m0_scale(amax, QC_EMAX_E4M3, QC_MAX_MANTISSA_BITS_E4M3, rceil);
+            mul = e8m0_multiplier(sb[b]);
+        }
+        if (F::kFp4) {
+            // fast: the scaled values keep the inputs' signs and no NaN arises (NVFP4: os
+            // positive finite or +0; MX: a finite scale). Otherwise MX has a NaN scale
+            // (every code 0x7) and NVFP4 takes the per-element path (NaN / Inf / negative os).
+            const bool fast = ES == 2 && (FMT == QC_FMT_NVFP4 ? __float_as_uint(mul) < 0x7f800000u
+                                                              : sb[b] != (u32)QC_E8M0_NAN);
+#ifdef QCMX_HAVE_BF16X2_ADD
+            if (FMT == QC_FMT_MXFP4 && bf16x2 && mxfp4_bf16x2_ok(sb[b])) {
+                const u32 c6 = (((sb[b] + 2u) << 7) | 0x40u) * 0x10001u;  // 6 * 2^e
+                const u32 p1 = (sb[b] << 7) * 0x10001u;                   // 2^e
+                const u32 kk = (768u - 2u * sb[b]) * 0x10001u;
+#pragma unroll
+                for (int q = 0; q < BLK / 8; ++q) {
+                    const int wi = (b * BLK + 8 * q) / 2 % R::kWords;
+                    out[b * (BLK / 8) + q] =
+                        mxfp4_pack8_bf16x2(w[wi], w[(wi + 1) % R::kWords], w[(wi + 2) % R::kWords],
+                                           w[(wi + 3) % R::kWords], c6, p1, kk);
+                }
+            } else
+#endif
+            if (fast) {
+#pragma unroll
+                for (int q = 0; q < BLK / 8; ++q) {
+                    const int e0 = b * BLK + 8 * q;
+                    u32 t[8];
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) t[j] = e2m1_mag_bits(__fmul_rn(R::elem(w, e0 + j), mul));
+                    const int wi = (e0 / 2) % R::kWords;  // (ES == 2 here; the modulo keeps fp32 in range)
+                    out[b * (BLK / 8) + q] = fp4_pack8_signed16(t, w[wi], w[(wi + 1) % R::kWords],
+                                                                w[(wi + 2) % R::kWords], w[(wi + 3) % R::kWords]);
+                }
+            } else if (FMT != QC_FMT_NVFP4 && ES == 2) {
+#pragma unroll
+                for (int q = 0; q < BLK / 8; ++q) out[b * (BLK / 8) + q] = 0x77777777u;
+            } else {
+#pragma unroll
+                for (int q = 0; q < BLK / 8; ++q) {
+                    u32 word = 0;
+#pragma unroll
+                    for (int j = 0; j < 8; ++j)
+                        word |= e2m1_code_v2(__fmul_rn(R::elem(w, b * BLK + 8 * q + j), mul)) << (4 * j);
+                    out[b * (BLK / 8) + q] = word;
+                }
+            }
+        } else {
+#pragma unroll
+            for (int q = 0; q < BLK / 4; ++q) {
+                const int e0 = b * BLK + 4 * q;
+                const u32 lo = e4m3x2_code(__fmul_rn(R::elem(w, e0), mul), __fmul_rn(R::elem(w, e0 + 1), mul));
+                const u32 hi = e4m3x2_code(__fmul_rn(R::elem(w, e0 + 2), mul), __fmul_rn(R::elem(w, e0 + 3), mul));
+                out[q] = lo | (hi << 16);
+            }
+        }
+    }
+}
+
+// Half of an MXFP8 unit: 16 elements in w[0 .. kWords / 2), the other 16 in lane ^ 1 (which calls
+// this for the same unit at the same time) -> 16 code bytes (out) and the block's scale byte.
+// The two partial maxima are nonnegative or NaN with the sign clear, so the integer max of their
+// bits is the block's max with NaN winning, as in the one-thread version.
+template <typename T>
+__device__ __forceinline__ u32 quantize_half_mxfp8(const u32 (&w)[Raw<T>::kWords], bool rceil, u32 (&out)[4]) {
+    using R = Raw<T>;
+    const u32 m = __float_as_uint(R::absmax(w, 0, 16));
+    const float amax = __uint_as_float(max(m, __shfl_xor_sync(0xffffffffu, m, 1)));
+    const u32 sb = e8m0_scale(amax, QC_EMAX_E4M3, QC_MAX_MANTISSA_BITS_E4M3, rceil);
+    const float mul = e8m0_multiplier(sb);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const u32 lo = e4m3x2_code(__fmul_rn(R::elem(w, 4 * q), mul), __fmul_rn(R::elem(w, 4 * q + 1), mul));
+        const u32 hi = e4m3x2_code(__fmul_rn(R::elem(w, 4 * q + 2), mul), __fmul_rn(R::elem(w, 4 * q + 3), mul));
+        out[q] = lo | (hi << 16);
+    }
+    return sb;
+}
+
+// Unit-to-thread layouts of version 2 (the kernel name's letter after "quantize2"):
+//  QCMX_FLAT (""): a tile is 256 consecutive units of the flat tensor; thread t computes unit t.
+//  QCMX_BAND ("b", NVFP4, swizzled scales, blocks per row a multiple of 4): a tile is one
+//    128-row band of 2 units (64 elements, 4 blocks) per row, so its scales are exactly one
+//    512-byte swizzle tile. Warp w takes rows 4w + {0..3} + {0, 32, 64, 96} of the band, two
+//    lanes per row; its 2-byte scale stores fill two whole 32-byte sectors (the flat layout's
+//    byte stores touch 32 sectors per warp and tile). Codes: two lanes write one whole sector.
+//  QCMX_PAIR ("p", MXFP8): flat tiles, but lanes 2i and 2i + 1 split unit 16 q + i (q = 0, 1) of
+//    the warp's 32 in halves, so each 16-byte code store of the warp writes 512 contiguous bytes
+//    (one thread per unit writes two 16-byte halves of 32-byte sectors per instruction).
+#define QCMX_FLAT 0
+#define QCMX_BAND 1
+#define QCMX_PAIR 2
+
+// mode: bit 0 rceil scales, bit 1 no packed bf16x2 MXFP4 path (timing comparisons), bit 2 NVFP4's
+// two scale bytes of a unit as one 2-byte store (the launcher checks the alignment: scales base
+// even, and an even block count per row when swizzled).
+template <typename T, int FMT, int LAYOUT>
 __device__ __forceinline__ void mx_quantize_v2_impl(const typename T::S* __restrict__ x, u8* __restrict__ codes,
                                                     u8* __restrict__ scales, const float* __restrict__ gscale,
                                                     u32 nunits, u32 rows, u32 ncols, int ncols_shift, u32 prow,
@@ -352,11 +473,16 @@ __device__ __forceinline__ void mx_quantize_v2_impl(const typename T::S* __restr
     constexpr int kTileUnits = QCMX_V2_THREADS;
     constexpr int kTileBytes = kTileUnits * UB;
     constexpr int kSwzShift = CPU == 4 ? 1 : 0;  // chunk j of unit u sits at slot j ^ ((u >> s) % CPU)
+    static_assert(LAYOUT != QCMX_BAND || (BPU == 2 && QC_SWIZZLE_ROWS == 128 && QC_SWIZZLE_COLS == 4 &&
+                                          QC_SWIZZLE_ROW_GROUP == 32 && QC_SWIZZLE_TILE_BYTES == 512),
+                  "the band layout is NVFP4's: one 512-byte swizzle tile of 128 rows x 4 blocks per tile");
+    static_assert(LAYOUT != QCMX_PAIR || FMT == QC_FMT_MXFP8, "the pair layout splits MXFP8 units");
     // MXFP4 from bf16 by packed bf16x2 arithmetic (QUANTCORE_CUDA_TUNE=mx_quant_bf16x2=0: the
     // fp32 path, for a side-by-side timing)
     constexpr bool kBf16x2 = IsBf16<T>::value;
     const bool bf16x2 = kBf16x2 && !(mode & 2);
     const bool rceil = (mode & 1) != 0;
+    const bool sst16 = (mode & 4) != 0;
     extern __shared__ __align__(128) u8 qcmx_v2_smem[];
     __shared__ float os_tab[FMT == QC_FMT_NVFP4 ? 256 : 1];
     const int tid = threadIdx.x;
@@ -384,31 +510,79 @@ __device__ __forceinline__ void mx_quantize_v2_impl(const typename T::S* __restr
         }
     }
 
-    const u32 ntiles = (nunits + kTileUnits - 1) / kTileUnits;
+    // band layout: tile = band * cgroups + p (p: the 4-block column group); units per row upr
+    const u32 cgroups = ncols / 4, upr = ncols / 2;
+    auto band_split = [&](u32 tile, u32& band, u32& p) {
+        band = ncols_shift >= 2 ? tile >> (ncols_shift - 2) : tile / cgroups;
+        p = tile - band * cgroups;
+    };
+    const u32 ntiles = LAYOUT == QCMX_BAND ? (prow / 128) * cgroups : (nunits + kTileUnits - 1) / kTileUnits;
     // Each warp streams its own 32 units of every tile (no CTA barrier in the loop: a warp waits
-    // for its own copies and syncs with __syncwarp). Lane l's copy i is warp-local chunk
+    // for its own copies and syncs with __syncwarp). Flat: lane l's copy i is warp-local chunk
     // c = l + 32 i: unit 32 w + c / CPU, chunk j = c % CPU = l % CPU, stored at slot
     // j ^ ((unit >> s) % CPU); for CPU = 4 that slot does not depend on i, so copy i sits at
     // dst0 + 512 i (immediate offsets); the global address is always src + 512 i.
     const int lane = tid & 31, warp = tid >> 5;
+    const u32 sbase = smem_u32(qcmx_v2_smem);
     auto dst_off = [&](int i) -> u32 {
         const u32 c = lane + 32 * i, u = warp * 32 + c / CPU, j = c % CPU;
         return u * UB + 16 * (j ^ ((u >> kSwzShift) % CPU));
     };
-    const u32 dst0 = smem_u32(qcmx_v2_smem) + dst_off(0);
+    const u32 dst0 = sbase + dst_off(0);
     const u8* xsrc = reinterpret_cast<const u8*>(x) + warp * 32 * UB + 16 * lane;
+    // band: lane l's copy 0 is row j0 = l / (2 CPU) (band row 4 w + j0), unit bh, chunk bjj; the
+    // copies of a lane differ only in the row (see issue)
+    const u32 bj0 = lane / (2 * CPU), bh = lane % (2 * CPU) / CPU, bjj = lane % CPU;
+    const u64 rowbytes = (u64)upr * UB;
+    const u64 bsrc0 = (4 * warp + bj0) * rowbytes + bh * UB + 16 * bjj;
+    auto bdst_off = [&](int i) -> u32 {
+        const u32 u = warp * 32 + 2 * (bj0 + i * (16 / CPU)) + bh;
+        return u * UB + 16 * (bjj ^ ((u >> kSwzShift) % CPU));
+    };
+    const u32 bdst0 = sbase + bdst_off(0);
+    // Band: warp-local chunk c = l + 32 i is row j = c / (2 CPU) of the warp's 16 (band row
+    // 32 (j / 4) + 4 w + j % 4), unit h = c % (2 CPU) / CPU of the row's two, chunk c % CPU;
+    // eight (fp32: sixteen) lanes read one row's 128 (256) contiguous bytes. It lands where the
+    // flat layout puts unit 32 w + 2 j + h, which thread 32 w + 2 j + h computes.
     auto issue = [&](u32 tile, int slot) {
         if (tile < ntiles) {
-            const u8* src = xsrc + (u64)tile * kTileBytes;
-            const u32 left = nunits - tile * kTileUnits;
+            if (LAYOUT == QCMX_BAND) {
+                u32 band, p;
+                band_split(tile, band, p);
+                const u8* base = reinterpret_cast<const u8*>(x) + (u64)band * 128u * rowbytes + 2u * p * UB + bsrc0;
+                const int left = (int)(rows - band * 128u) - (int)(4 * warp + bj0);  // rows of the band from copy 0's
 #pragma unroll
-            for (int i = 0; i < CPU; ++i) {
-                const u32 dst = CPU == 4 ? dst0 + slot * kTileBytes + 512 * i
-                                         : smem_u32(qcmx_v2_smem) + slot * kTileBytes + dst_off(i);
-                if (left >= (u32)kTileUnits || warp * 32 + (lane + 32 * i) / CPU < left) cp_async16(dst, src + 512 * i);
+                for (int i = 0; i < CPU; ++i) {
+                    // copy i is row j0 + i k (k = 16 / CPU rows per copy, j0 < k): band row
+                    // 32 (i k / 4) + (i k) % 4 further down than copy 0's
+                    constexpr int k = 16 / CPU;
+                    const int drl = 32 * ((i * k) / 4) + (i * k) % 4;
+                    const u32 dst = CPU == 4 ? bdst0 + slot * kTileBytes + 512 * i
+                                             : sbase + slot * kTileBytes + bdst_off(i);
+                    if (drl < left) cp_async16(dst, base + (u64)drl * rowbytes);
+                }
+            } else {
+                const u8* src = xsrc + (u64)tile * kTileBytes;
+                const u32 left = nunits - tile * kTileUnits;
+#pragma unroll
+                for (int i = 0; i < CPU; ++i) {
+                    const u32 dst = CPU == 4 ? dst0 + slot * kTileBytes + 512 * i
+                                             : sbase + slot * kTileBytes + dst_off(i);
+                    if (left >= (u32)kTileUnits || warp * 32 + (lane + 32 * i) / CPU < left)
+                        cp_async16(dst, src + 512 * i);
+                }
             }
         }
         cp_async_commit();  // an empty group keeps the wait count uniform
+    };
+    // flat scale address of block b (row-major, or swizzled through its row and column)
+    auto scale_at = [&](u32 b) -> u8* {
+        if (!swizzled) return scales + b;
+        const u32 r = ncols_shift >= 0 ? b >> ncols_shift : b / ncols;
+        const u32 c = b - r * ncols;
+        const u32 tile_i = (r / QC_SWIZZLE_ROWS) * (pcols / QC_SWIZZLE_COLS) + c / QC_SWIZZLE_COLS;
+        return scales + (u64)tile_i * QC_SWIZZLE_TILE_BYTES + (r % QC_SWIZZLE_ROW_GROUP) * 16 +
+               ((r % QC_SWIZZLE_ROWS) / QC_SWIZZLE_ROW_GROUP) * 4 + (c % QC_SWIZZLE_COLS);
     };
 
     u32 tile = blockIdx.x;
@@ -420,93 +594,66 @@ __device__ __forceinline__ void mx_quantize_v2_impl(const typename T::S* __restr
         cp_async_wait<kStages - 2>();
         __syncwarp();  // the warp's part of tile k is in; every lane is done with the slot refilled next
         issue(tile + (kStages - 1) * gridDim.x, (k + kStages - 1) % kStages);
-        const u32 unit = tile * kTileUnits + tid;
-        if (unit >= nunits) continue;
+        const u32 slot_base = sbase + (k % kStages) * kTileBytes;
+
+        if (LAYOUT == QCMX_PAIR) {
+            // every lane runs both halves (the shuffle needs its partner), stores only real units
+            const int h = lane & 1;
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const u32 su = warp * 32 + 16 * q + (lane >> 1), unit = tile * kTileUnits + su;
+                u32 w[R::kWords];
+#pragma unroll
+                for (int i = 0; i < CPU / 2; ++i) {
+                    const u32 jj = h * (CPU / 2) + i;
+                    lds_v4(slot_base + su * UB + 16 * (jj ^ ((su >> kSwzShift) % CPU)), w[4 * i], w[4 * i + 1],
+                           w[4 * i + 2], w[4 * i + 3]);
+                }
+                u32 out[4];
+                const u32 sb = quantize_half_mxfp8<T>(w, rceil, out);
+                if (unit < nunits) {
+                    stg_v4(codes + (u64)unit * 32 + 16 * h, out[0], out[1], out[2], out[3]);
+                    if (h == 0) *scale_at(unit) = (u8)sb;
+                }
+            }
+            continue;
+        }
+
+        u32 unit, band = 0, p = 0;
+        if (LAYOUT == QCMX_BAND) {
+            band_split(tile, band, p);
+            const u32 j = lane >> 1, row = band * 128u + 32 * (j / 4) + 4 * warp + j % 4;
+            if (row >= rows) continue;
+            unit = row * upr + 2 * p + (lane & 1);
+        } else {
+            unit = tile * kTileUnits + tid;
+            if (unit >= nunits) continue;
+        }
 
         u32 w[R::kWords];
-        const u32 ubase = smem_u32(qcmx_v2_smem) + (k % kStages) * kTileBytes + tid * UB;
+        const u32 ubase = slot_base + tid * UB;
 #pragma unroll
         for (int i = 0; i < CPU; ++i)
             lds_v4(ubase + 16 * (i ^ ((tid >> kSwzShift) % CPU)), w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
 
         u32 sb[BPU];
         u32 out[F::kFp4 ? 4 : 8];
-#pragma unroll
-        for (int b = 0; b < BPU; ++b) {
-            const float amax = R::absmax(w, b * BLK, BLK);
-            float mul;
-            if (FMT == QC_FMT_NVFP4) {
-                sb[b] = e4m3x2_code(__fmul_rn(g, __fmul_rn(amax, QC_NVFP4_INV_E2M1_MAX)), 0.0f) & 0xffu;
-                mul = os_tab[sb[b]];
-            } else if (FMT == QC_FMT_MXFP4) {
-                sb[b] = e8m0_scale(amax, QC_EMAX_E2M1, QC_MAX_MANTISSA_BITS_E2M1, rceil);
-                mul = e8m0_multiplier(sb[b]);
-            } else {
-                sb[b] = e8m0_scale(amax, QC_EMAX_E4M3, QC_MAX_MANTISSA_BITS_E4M3, rceil);
-                mul = e8m0_multiplier(sb[b]);
-            }
-            if (F::kFp4) {
-                // fast: the scaled values keep the inputs' signs and no NaN arises (NVFP4: os
-                // positive finite or +0; MX: a finite scale). Otherwise MX has a NaN scale
-                // (every code 0x7) and NVFP4 takes the per-element path (NaN / Inf / negative os).
-                const bool fast = ES == 2 && (FMT == QC_FMT_NVFP4 ? __float_as_uint(mul) < 0x7f800000u
-                                                                  : sb[b] != (u32)QC_E8M0_NAN);
-#ifdef QCMX_HAVE_BF16X2_ADD
-                if (FMT == QC_FMT_MXFP4 && bf16x2 && mxfp4_bf16x2_ok(sb[b])) {
-                    const u32 c6 = (((sb[b] + 2u) << 7) | 0x40u) * 0x10001u;  // 6 * 2^e
-                    const u32 p1 = (sb[b] << 7) * 0x10001u;                   // 2^e
-                    const u32 kk = (768u - 2u * sb[b]) * 0x10001u;
-#pragma unroll
-                    for (int q = 0; q < BLK / 8; ++q) {
-                        const int wi = (b * BLK + 8 * q) / 2 % R::kWords;
-                        out[b * (BLK / 8) + q] =
-                            mxfp4_pack8_bf16x2(w[wi], w[(wi + 1) % R::kWords], w[(wi + 2) % R::kWords],
-                                               w[(wi + 3) % R::kWords], c6, p1, kk);
-                    }
-                } else
-#endif
-                if (fast) {
-#pragma unroll
-                    for (int q = 0; q < BLK / 8; ++q) {
-                        const int e0 = b * BLK + 8 * q;
-                        u32 t[8];
-#pragma unroll
-                        for (int j = 0; j < 8; ++j) t[j] = e2m1_mag_bits(__fmul_rn(R::elem(w, e0 + j), mul));
-                        const int wi = (e0 / 2) % R::kWords;  // (ES == 2 here; the modulo keeps fp32 in range)
-                        out[b * (BLK / 8) + q] = fp4_pack8_signed16(t, w[wi], w[(wi + 1) % R::kWords],
-                                                                    w[(wi + 2) % R::kWords], w[(wi + 3) % R::kWords]);
-                    }
-                } else if (FMT != QC_FMT_NVFP4 && ES == 2) {
-#pragma unroll
-                    for (int q = 0; q < BLK / 8; ++q) out[b * (BLK / 8) + q] = 0x77777777u;
-                } else {
-#pragma unroll
-                    for (int q = 0; q < BLK / 8; ++q) {
-                        u32 word = 0;
-#pragma unroll
-                        for (int j = 0; j < 8; ++j)
-                            word |= e2m1_code_v2(__fmul_rn(R::elem(w, b * BLK + 8 * q + j), mul)) << (4 * j);
-                        out[b * (BLK / 8) + q] = word;
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int q = 0; q < BLK / 4; ++q) {
-                    const int e0 = b * BLK + 4 * q;
-                    const u32 lo = e4m3x2_code(__fmul_rn(R::elem(w, e0), mul), __fmul_rn(R::elem(w, e0 + 1), mul));
-                    const u32 hi =
-                        e4m3x2_code(__fmul_rn(R::elem(w, e0 + 2), mul), __fmul_rn(R::elem(w, e0 + 3), mul));
-                    out[q] = lo | (hi << 16);
-                }
-            }
-        }
+        quantize_unit_v2<T, FMT>(w, g, os_tab, rceil, bf16x2, out, sb);
         u8* cp = codes + (u64)unit * (F::kFp4 ? 16 : 32);
         stg_v4(cp, out[0], out[1], out[2], out[3]);
         if (!F::kFp4) stg_v4(cp + 16, out[4 % (F::kFp4 ? 4 : 8)], out[5 % (F::kFp4 ? 4 : 8)],
                              out[6 % (F::kFp4 ? 4 : 8)], out[7 % (F::kFp4 ? 4 : 8)]);
 
-        const u32 b0 = unit * BPU;
-        if (swizzled) {
+        if (LAYOUT == QCMX_BAND) {
+            // swizzle tile band * cgroups + p; row r: (r % 32) * 16 + (r % 128 / 32) * 4; block 2h
+            const u32 j = lane >> 1;
+            const u32 off = (band * (pcols / 4) + p) * 512u + (4 * warp + j % 4) * 16 + (j / 4) * 4 + 2 * (lane & 1);
+            *reinterpret_cast<u16*>(scales + off) = (u16)(sb[0] | (sb[BPU - 1] << 8));
+        } else if (BPU == 2 && sst16) {
+            // blocks 2 unit and 2 unit + 1: adjacent bytes of one row in either layout
+            *reinterpret_cast<u16*>(scale_at(unit * BPU)) = (u16)(sb[0] | (sb[BPU - 1] << 8));
+        } else if (swizzled) {
+            const u32 b0 = unit * BPU;
             u32 r = ncols_shift >= 0 ? b0 >> ncols_shift : b0 / ncols;
             u32 c = b0 - r * ncols;
 #pragma unroll
@@ -521,7 +668,7 @@ __device__ __forceinline__ void mx_quantize_v2_impl(const typename T::S* __restr
             }
         } else {
 #pragma unroll
-            for (int b = 0; b < BPU; ++b) scales[b0 + b] = (u8)sb[b];
+            for (int b = 0; b < BPU; ++b) scales[unit * BPU + b] = (u8)sb[b];
         }
     }
     cp_async_wait<0>();
@@ -650,8 +797,8 @@ __device__ __forceinline__ void unswizzle_impl(const u8* __restrict__ swz, u8* _
         const qcmx::T::S* x, qcmx::u8* codes, qcmx::u8* scales, const float* gscale, unsigned nunits,  \
         unsigned rows, unsigned ncols, int ncols_shift, unsigned prow, unsigned pcols, int swizzled,      \
         int mode) {                                                                                    \
-        qcmx::mx_quantize_v2_impl<qcmx::T, FMT>(x, codes, scales, gscale, nunits, rows, ncols,         \
-                                                ncols_shift, prow, pcols, swizzled, mode);             \
+        qcmx::mx_quantize_v2_impl<qcmx::T, FMT, QCMX_FLAT>(x, codes, scales, gscale, nunits, rows,     \
+                                                           ncols, ncols_shift, prow, pcols, swizzled, mode); \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) qc_mx_dequantize_##FMTNAME##_##DTNAME(           \
         const qcmx::u8* codes, const qcmx::u8* scales, qcmx::T::S* out, const float* gscale,           \
@@ -668,6 +815,24 @@ __device__ __forceinline__ void unswizzle_impl(const u8* __restrict__ swz, u8* _
 QCMX_QUANT_DTYPES(mxfp4, QC_FMT_MXFP4)
 QCMX_QUANT_DTYPES(mxfp8, QC_FMT_MXFP8)
 QCMX_QUANT_DTYPES(nvfp4, QC_FMT_NVFP4)
+
+// version 2 in the band (NVFP4) and pair (MXFP8) layouts: qc_mx_quantize2b_nvfp4_<dtype>,
+// qc_mx_quantize2p_mxfp8_<dtype>; the same arguments as qc_mx_quantize2_*
+#define QCMX_QUANT2L(TAG, FMTNAME, FMT, LAYOUT, DTNAME, T)                                             \
+    extern "C" __global__ void __launch_bounds__(QCMX_V2_THREADS) qc_mx_quantize2##TAG##_##FMTNAME##_##DTNAME( \
+        const qcmx::T::S* x, qcmx::u8* codes, qcmx::u8* scales, const float* gscale, unsigned nunits,  \
+        unsigned rows, unsigned ncols, int ncols_shift, unsigned prow, unsigned pcols, int swizzled,      \
+        int mode) {                                                                                    \
+        qcmx::mx_quantize_v2_impl<qcmx::T, FMT, LAYOUT>(x, codes, scales, gscale, nunits, rows, ncols, \
+                                                        ncols_shift, prow, pcols, swizzled, mode);     \
+    }
+#define QCMX_QUANT2L_DTYPES(TAG, FMTNAME, FMT, LAYOUT)          \
+    QCMX_QUANT2L(TAG, FMTNAME, FMT, LAYOUT, float32, TF32)      \
+    QCMX_QUANT2L(TAG, FMTNAME, FMT, LAYOUT, float16, TF16)      \
+    QCMX_QUANT2L(TAG, FMTNAME, FMT, LAYOUT, bfloat16, TBF16)
+
+QCMX_QUANT2L_DTYPES(b, nvfp4, QC_FMT_NVFP4, QCMX_BAND)
+QCMX_QUANT2L_DTYPES(p, mxfp8, QC_FMT_MXFP8, QCMX_PAIR)
 
 extern "C" __global__ void __launch_bounds__(256) qc_mx_swizzle(const qcmx::u8* s, qcmx::u8* out,
                                                                 long long rows, int cols, long long prow,

@@ -1,9 +1,10 @@
 """Both mx_quantize kernels of kernels_cuda/mx_quant.cu, bit for bit against quantcore.formats.mx.
 
-Version 2 (the default: cp.async-staged tiles, persistent grid, packed bf16x2 MXFP4 path) and
-version 1 (one thread per block) stay selectable through ``QUANTCORE_CUDA_TUNE``
-(``mx_quant_v``, ``mx_quant_bf16x2``, ``mx_quant_ctas``: the third variant also runs a grid
-of one CTA per SM, so each CTA walks many tiles); each variant runs the conformance
+Version 2 (cp.async-staged tiles, persistent grid, packed bf16x2 MXFP4 path; its band layout
+for NVFP4 and pair layout for MXFP8) and version 1 (one thread per block) stay selectable through
+``QUANTCORE_CUDA_TUNE`` (``mx_quant_v``, ``mx_quant_layout``, ``mx_quant_sst``, ``mx_quant_bf16x2``,
+``mx_quant_ctas``: the last variant also runs a grid of one CTA per SM, so each CTA walks many
+tiles, and stores NVFP4 scales a byte at a time); each variant runs the conformance
 family's adversarial inputs plus shapes that reach every branch of the launcher and kernel:
 partial last tiles, a block count per row that is not a power of two (the division path), an odd
 NVFP4 block count (falls back to version 1), swizzled padding, wide-range blocks outside the
@@ -25,9 +26,13 @@ needs_gpu = pytest.mark.skipif(GPU_REASON is not None, reason=f"needs an NVIDIA 
 
 VARIANTS = {
     "v1": "mx_quant_v=1",
-    "v2": "mx_quant_v=2",
-    "v2-fp32-path": "mx_quant_v=2,mx_quant_bf16x2=0,mx_quant_ctas=1",
+    "v2": "mx_quant_v=2",  # band layout for NVFP4 (swizzled, 4k blocks per row), 2-byte NVFP4 scale stores
+    "v2-flat": "mx_quant_v=2,mx_quant_layout=0",
+    "v2-pair": "mx_quant_v=2,mx_quant_layout=2",  # MXFP8 pair layout (opt-in)
+    "v2-fp32-path": "mx_quant_v=2,mx_quant_layout=0,mx_quant_bf16x2=0,mx_quant_ctas=1,mx_quant_sst=0",
 }
+#: kernel the variant must have launched at least once (layouts chosen by the launcher)
+WANT = {("v2", "nvfp4"): "qc_mx_quantize2b_", ("v2-pair", "mxfp8"): "qc_mx_quantize2p_"}
 FMTS = ("mxfp4", "mxfp8", "nvfp4")
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -79,6 +84,10 @@ def _extra_inputs(fmt: str, rng: np.random.Generator) -> list[np.ndarray]:
     xs.append(x)
     # an odd number of NVFP4 blocks in total (version 2 needs whole 32-element units)
     xs.append(rng.standard_normal((3, blk)))
+    # NVFP4 band layout: 20 blocks per row (a multiple of 4, not a power of two), a partial band
+    # of 200 rows; 16 blocks per row (the shift path) with 130 rows and wide-range rows
+    xs.append(rng.standard_normal((200, 20 * 16)) * np.exp2(rng.uniform(-20, 20, (200, 1))))
+    xs.append(rng.standard_normal((130, 16 * 16)) * np.exp2(rng.uniform(-20, 20, (130, 1))))
     return xs
 
 
@@ -119,5 +128,5 @@ def test_quantize_versions_bit_exact(variant, fmt, dtype, rng, monkeypatch):
             for mode in modes:
                 for swz in (False, True):
                     _run(x, fmt, mode, swz, g, names)
-    want = "qc_mx_quantize_" if variant == "v1" else "qc_mx_quantize2_"
+    want = "qc_mx_quantize_" if variant == "v1" else WANT.get((variant, fmt), "qc_mx_quantize2_")
     assert any(n.startswith(want) for n in names), names

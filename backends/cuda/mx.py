@@ -37,12 +37,20 @@ GEMM_SOURCE = "mx_gemm.cu"
 HEADERS = ("mx_common.cuh", "qc_common.cuh")
 NVRTC_OPTIONS = ("-std=c++17", "-ftz=false", "-fmad=false", "-prec-div=true", "-prec-sqrt=true")
 GEMM_MODE_ENV = "QUANTCORE_CUDA_MX_GEMM"
-GEMM_MODES = ("auto", "wgmma", "mma")
+GEMM_MODES = ("auto", "ws", "wgmma", "mma")
+#: The back end "auto" picks on compute capability 9.0: "ws" (warp-specialized persistent wgmma
+#: kernel) or "wgmma" (the first wgmma kernel, one CTA barrier per step).
+GEMM_AUTO_SM90 = "wgmma"
 THREADS = 256
 #: Dynamic shared memory of the GEMM kernels (kSmemBytes in mx_gemm.cu; the tests check the
 #: kernel reports the same number).
 GEMM_SMEM_BYTES = 1024 + 3 * 128 * 128 + 4 * (256 * 64 + 128 * 64 + 4 * 512 + 2 * 512) + 1024
 GEMM_BM, GEMM_BN, GEMM_GROUP_M = 256, 128, 8
+#: The warp-specialized back end (GemmWS in mx_gemm.cu): 384 threads (a producer warpgroup and two
+#: consumer warpgroups), 4 bf16 B tiles, 5 packed stages, the table and 13 mbarriers; one CTA per
+#: SM walking the tiles (``QUANTCORE_CUDA_TUNE=mx_gemm_ctas=N`` caps the grid at N CTAs).
+GEMM_WS_THREADS = 384
+GEMM_WS_SMEM_BYTES = 1024 + 4 * 128 * 128 + 5 * (256 * 64 + 128 * 64 + 4 * 512 + 2 * 512) + 1024 + 128
 
 
 _lock = threading.Lock()
@@ -142,8 +150,8 @@ def gemm_arch(device: int, mode: str | None = None) -> tuple[str, bool]:
                                f"this GPU has {major}.{minor}")
     if (major, minor) == (9, 0) and mode != "mma":
         return "sm_90a", True
-    if mode == "wgmma":
-        raise UnsupportedError(f"the wgmma back end needs compute capability 9.0, not {major}.{minor}")
+    if mode in ("wgmma", "ws"):
+        raise UnsupportedError(f"the {mode} back end needs compute capability 9.0, not {major}.{minor}")
     return f"sm_{major}{minor}", False
 
 
@@ -286,6 +294,14 @@ QUANT_VERSION_DEFAULT = {
 #: than fit better; elsewhere as many as fit (3: 64 KiB of shared memory each).
 #: ``QUANTCORE_CUDA_TUNE=mx_quant_ctas=N`` overrides it.
 QUANT2_CTAS_DEFAULT = {("mxfp4", "bfloat16"): 1, ("nvfp4", "bfloat16"): 2}
+#: Unit layout of version 2 per format (mx_quant.cu, QCMX_FLAT / QCMX_BAND / QCMX_PAIR): 0 flat
+#: tiles of 256 consecutive units; 1 band (NVFP4 with swizzled scales and a multiple of 4 blocks per
+#: row: 128 rows x 4 blocks per tile, whole 32-byte sectors of scales); 2 pair (MXFP8: two lanes per
+#: unit, 512 contiguous bytes per code store). H200, 16384^2 bf16: NVFP4 band 173 us (bench,
+#: 93% of copy; ncu 170 us) against 245 us flat; MXFP8 pair 215 us (ncu) is not faster than
+#: version 1 (194 us), so it stays opt-in. ``QUANTCORE_CUDA_TUNE=mx_quant_layout=N`` picks a
+#: layout; ``mx_quant_sst=0`` stores NVFP4's scales a byte at a time (timing comparisons).
+QUANT2_LAYOUT_DEFAULT = {"nvfp4": 1}
 #: Threads and dynamic shared memory of version 2 (kStages * 256 units * 32 elements * bytes per
 #: element in mx_quant.cu: 4 stages of 16-bit input, 2 of fp32 = 64 KiB either way).
 QUANT2_THREADS = 256
@@ -331,16 +347,27 @@ def mx_quantize(be, x, codes, scales, *, rows: int, cols: int, fmt: str, scale_m
     nelem = rows * cols
     version = rt.tune("mx_quant_v", QUANT_VERSION_DEFAULT.get((fmt, dt), 2))
     if version == 2 and vec and nelem % 32 == 0 and nelem > 0 and rows * ncols < 2**31 and prow * pcols < 2**31:
-        name = f"qc_mx_quantize2_{fmt}_{dt}"
+        mode = rceil | (2 if rt.tune("mx_quant_bf16x2", 1) == 0 else 0)
+        layout = rt.tune("mx_quant_layout", QUANT2_LAYOUT_DEFAULT.get(fmt, 0))
+        tag = ""
+        if fmt == "nvfp4":
+            even = ptr(scales) % 2 == 0  # the 2-byte scale stores
+            if layout == 1 and even and swizzled and ncols % 4 == 0:
+                tag = "b"
+            if even and (not swizzled or ncols % 2 == 0) and rt.tune("mx_quant_sst", 1):
+                mode |= 4
+        elif fmt == "mxfp8" and layout == 2:
+            tag = "p"
+        name = f"qc_mx_quantize2{tag}_{fmt}_{dt}"
         smem = QUANT2_SMEM[dt]
         fn = function(dev, QUANT_SOURCE, quant_arch(dev), name, smem)
         nunits = nelem // 32
-        grid = _quant2_grid(dev, fn, name, smem, -(-nunits // QUANT2_THREADS),
-                            QUANT2_CTAS_DEFAULT.get((fmt, dt), 0))
+        ntiles = prow // 128 * (ncols // 4) if tag == "b" else -(-nunits // QUANT2_THREADS)
+        grid = _quant2_grid(dev, fn, name, smem, ntiles, QUANT2_CTAS_DEFAULT.get((fmt, dt), 0))
         shift = ncols.bit_length() - 1 if ncols & (ncols - 1) == 0 else -1
         args = (_u64(ptr(x)), _u64(ptr(codes)), _u64(ptr(scales)), _u64(ptr(global_scale)), np.uint32(nunits),
                 np.uint32(rows), np.uint32(ncols), np.int32(shift), np.uint32(prow), np.uint32(pcols),
-                np.int32(bool(swizzled)), np.int32(rceil | (2 if rt.tune("mx_quant_bf16x2", 1) == 0 else 0)))
+                np.int32(bool(swizzled)), np.int32(mode))
         _launch(fn, (grid, 1, 1), (QUANT2_THREADS, 1, 1), args, stream_for(x), dev, smem)
         return
     fn = function(dev, QUANT_SOURCE, quant_arch(dev), f"qc_mx_quantize_{fmt}_{dt}")
@@ -387,7 +414,10 @@ def unswizzle_scales(be, swz, out, *, rows: int, cols: int) -> None:
     _launch(fn, grid, block, args, stream_for(out), dev)
 
 
-def gemm_kernel_name(fmt: str, wgmma: bool, cpw: int) -> str:
+def gemm_kernel_name(fmt: str, wgmma: bool, cpw: int, ws: bool = False) -> str:
+    """Entry point of mx_gemm.cu: ``ws`` the warp-specialized kernel (wgmma only)."""
+    if ws:
+        return f"qc_mx_gemm_ws_{fmt}_cp{cpw}"
     return f"qc_mx_gemm_{'wgmma' if wgmma else 'mma'}_{fmt}_cp{cpw}"
 
 
@@ -395,12 +425,17 @@ def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: in
                   mode: str | None = None, variant: str = "") -> None:
     """out bf16 [m, n] = alpha * A @ B^T + bias, A / B packed E2M1 with swizzled scales.
 
-    ``mode`` ("auto", "wgmma", "mma") overrides ``QUANTCORE_CUDA_MX_GEMM`` (tests, benchmarks);
+    ``mode`` ("auto", "ws", "wgmma", "mma") overrides ``QUANTCORE_CUDA_MX_GEMM`` (tests,
+    benchmarks); "auto" is :data:`GEMM_AUTO_SM90` on compute capability 9.0, else "mma".
     ``variant`` "_nodq" / "_nomma" selects a timing experiment (nvfp4, wgmma, 16-byte copies only;
     wrong results by design).
     """
+    from quantcore.backends.cuda import runtime as rt
+
     dev = _check(a, b, scale_a, scale_b, alpha, bias, out)
+    mode = mode or gemm_mode()
     arch, wgmma = gemm_arch(dev, mode)
+    ws = wgmma and (mode == "ws" or (mode == "auto" and GEMM_AUTO_SM90 == "ws")) and not variant
     ptrs = (ptr(a), ptr(b), ptr(scale_a), ptr(scale_b))
     if (k // 2) % 16 == 0 and all(p % 16 == 0 for p in ptrs):
         cpw = 16
@@ -409,12 +444,21 @@ def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: in
     else:
         raise KernelError("scaled_fp4_mm needs its operands and scales 4-byte aligned (got a view at an odd "
                           "offset); pass contiguous arrays that start at an aligned address")
-    fn = function(dev, GEMM_SOURCE, arch, gemm_kernel_name(fmt, wgmma, cpw) + variant, GEMM_SMEM_BYTES)
-    grid = (-(-m // GEMM_BM) * -(-n // GEMM_BN), 1, 1)
+    ntiles = -(-m // GEMM_BM) * -(-n // GEMM_BN)
     out_vec = int(n % 2 == 0 and ptr(out) % 4 == 0)
     args = (_u64(ptrs[0]), _u64(ptrs[1]), _u64(ptrs[2]), _u64(ptrs[3]), _u64(ptr(alpha)), _u64(ptr(bias)),
             _u64(ptr(out)), np.int32(m), np.int32(n), np.int32(k), np.int32(out_vec))
-    _launch(fn, grid, (THREADS, 1, 1), args, stream_for(out), dev, GEMM_SMEM_BYTES)
+    if ws:  # persistent: one CTA per SM (at most one per tile)
+        fn = function(dev, GEMM_SOURCE, arch, gemm_kernel_name(fmt, True, cpw, ws=True), GEMM_WS_SMEM_BYTES)
+        sms = _sm_count.get(dev)
+        if sms is None:
+            sms = _sm_count[dev] = int(_cupy().cuda.Device(dev).attributes["MultiProcessorCount"])
+        ctas = rt.tune("mx_gemm_ctas", 0)
+        grid = max(1, min(ntiles, ctas if ctas > 0 else sms))
+        _launch(fn, (grid, 1, 1), (GEMM_WS_THREADS, 1, 1), args, stream_for(out), dev, GEMM_WS_SMEM_BYTES)
+        return
+    fn = function(dev, GEMM_SOURCE, arch, gemm_kernel_name(fmt, wgmma, cpw) + variant, GEMM_SMEM_BYTES)
+    _launch(fn, (ntiles, 1, 1), (THREADS, 1, 1), args, stream_for(out), dev, GEMM_SMEM_BYTES)
 
 
 def quant_arch(device: int) -> str:
