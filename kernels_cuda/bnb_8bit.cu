@@ -435,4 +435,316 @@ __global__ void __launch_bounds__(256) absmax_chunk_sum_kernel(
     }
 }
 
+
+// ==================================================================================================
+// Version 3 (double_quantize: the same two launches and chunk-sum layout as version 2, without the
+// serial prologue)
+// ==================================================================================================
+// What version 2's quantize prologue spent its time on, and what replaces it here:
+// - the cell table: built at compile time from QC_DYNAMIC_THRESHOLDS_INIT (below) and copied to
+//   shared memory; built at run time (build_cells8) only when the thresholds passed differ from
+//   the dynamic map's in some bit, which the CTA finds with one comparison per thread;
+// - the counter: a non-blocking release atomic whose result is read after the first tasks, not a
+//   __threadfence plus a blocking atomic; it lives in the offset's 4 bytes (the CTA that counts
+//   itself in last writes the offset over it), so only the chunk sums lie in ``codes``: 16 blocks
+//   to defer at 4 M values, one task per thread of that CTA;
+// - the tree top: 512 threads, one to eight chunk sums each.
+// The main loop keeps two tasks' loads (16 elements) in flight per thread instead of one.
+
+// The cell key of cell8 computed without bit casts (so the compiler can evaluate it): |th| in
+// [2^-22, 1) is p * (1 + m / 2^23) with p = 2^(e - 127), and (|th| bits) >> 17 = e * 64 + the top 6
+// bits of m. Every step is exact: halving p, |th| / p in [1, 2), minus 1, times 64.
+__host__ __device__ constexpr u32 c8_key_const(float th) {
+    const float a = th < 0.0f ? -th : th;
+    if (!(a >= 0x1p-22f)) return kC8Lo;  // zero and everything below (NaN is not a threshold)
+    if (a >= 1.0f) return kC8Hi;
+    u32 e = 126;
+    float p = 0.5f;
+    while (a < p) {
+        p *= 0.5f;
+        --e;
+    }
+    return e * 64u + (u32)((a / p - 1.0f) * 64.0f);
+}
+__host__ __device__ constexpr int c8_cell_const(float th) {
+    const int k = (int)(c8_key_const(th) - kC8Lo);
+    return th >= 0.0f ? kC8Half + k : kC8Half - 1 - k;
+}
+
+constexpr float kDynThrConst[255] = QC_DYNAMIC_THRESHOLDS_INIT;
+
+// The dynamic map's thresholds lie in 255 distinct, ascending cells: the table below is exact.
+__host__ __device__ constexpr bool dyn_cells8_one_per_cell() {
+    for (int j = 0; j + 1 < 255; ++j)
+        if (c8_cell_const(kDynThrConst[j]) >= c8_cell_const(kDynThrConst[j + 1])) return false;
+    return true;
+}
+static_assert(dyn_cells8_one_per_cell(), "two dynamic thresholds in one cell: the table cannot hold them");
+
+struct alignas(16) DynCells8 {
+    u16 off4[kC8Cells];  // as Cells8::off4 built from the dynamic thresholds
+};
+static_assert(kC8Cells % 2 == 0, "the table is copied as 32-bit words");
+
+__host__ __device__ constexpr DynCells8 make_dyn_cells8() {
+    DynCells8 t{};
+    int j = 0;  // thresholds in the cells below u (they ascend)
+    for (int u = 0; u < kC8Cells; ++u) {
+        while (j < 255 && c8_cell_const(kDynThrConst[j]) < u) ++j;
+        t.off4[u] = (u16)(4 * j);
+    }
+    return t;
+}
+__device__ const DynCells8 kDynCells8 = make_dyn_cells8();
+
+// Adds 1 to *p with release semantics at gpu scope, without waiting for the result: the returned
+// register is read later, when the atomic has long come back (an acquire atomic would wait for it).
+// The CTA that reads the last count makes it an acquire pattern with fence_acq_rel_gpu. An inc
+// (wrapping past 2^31 - 1, never reached here), not an add: ptxas aggregates an add (and an inc
+// wrapping at 2^32 - 1, the same thing) over the warp, and the shuffle handing out the result
+// waits for the atomic at once.
+__device__ __forceinline__ u32 atom_inc_release_gpu(u32* p) {
+    u32 old;
+    asm volatile("atom.release.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(0x7fffffffu) : "memory");
+    return old;
+}
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+constexpr int kQ3Threads = 512;
+
+// quantize_blockwise, version 3: as version 2 (one thread per 8 elements, G = blocksize / 8 threads
+// per block, persistent grid), with the prologue above and two tasks' loads ahead: task t + 2 * stride
+// is loaded when task t's registers are freed. Double quantization (partials != null): the offset
+// from the chunk sums, ``offset`` holding the counter (zeroed by the sum launch) until the CTA that
+// counts itself in last writes the offset over it; that CTA also writes the blocks below
+// ``ndefer`` - whose codes overlap the chunk sums in ``codes`` - right after its first two tasks.
+template <typename T>
+__global__ void __launch_bounds__(kQ3Threads, 2) quantize_blockwise_v3_kernel(
+    const typename T::S* __restrict__ x, const float* __restrict__ thresholds, u8* codes,
+    float* __restrict__ absmax, i64 n, int log2bs, int vec, const double* partials, int npart,
+    int nchunks, float* offset, i64 nb, int ndefer) {
+    __shared__ Cells8 tab;
+    __shared__ float red[16];
+    __shared__ double ws[16];
+    __shared__ float s_off;
+    __shared__ int s_last;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int G = (1 << log2bs) >> 3;
+    const i64 nthreads = (n + 7) >> 3;
+    const i64 stride = (i64)gridDim.x * kQ3Threads;
+    const i64 t0 = (i64)blockIdx.x * kQ3Threads + tid;
+    const bool dq = partials != nullptr;
+
+    // 1. the first two tasks' loads
+    Raw8<T> raw0, raw1;
+    if (vec && (t0 + 1) * 8 <= n) raw8_load<T>(x + t0 * 8, raw0);
+    if (vec && (t0 + stride + 1) * 8 <= n) raw8_load<T>(x + (t0 + stride) * 8, raw1);
+
+    // 2. every other load of the prologue before any use (one latency, under the first tasks'):
+    // the chunk sums - thread i holds leaves [i k, (i + 1) k) of the top tree's npart (a power of
+    // two, <= 4096; leaves from nchunks on are zero chunks), k = npart / 512, or leaf i alone - the
+    // thresholds given and the dynamic map's, and the compile-time cell table as 32-bit words
+    const int k = npart >= kQ3Threads ? npart / kQ3Threads : 1;
+    const int q = npart >= kQ3Threads ? kQ3Threads : npart;  // threads holding leaves: 0 .. q-1
+    double v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int idx = tid * k + i;
+        v[i] = (dq && i < k && idx < nchunks) ? partials[idx] : 0.0;
+    }
+    const int tj = tid < 255 ? tid : 254;
+    const float dyn = kDynamicThresholds[tj];
+    const float given = thresholds ? ldg_f32(thresholds + tj) : dyn;
+    const u32* csrc = reinterpret_cast<const u32*>(kDynCells8.off4);
+    constexpr int kWords = kC8Cells / 2;
+    static_assert(kWords <= 3 * kQ3Threads, "three words per thread");
+    const u32 cw0 = csrc[tid], cw1 = csrc[tid + kQ3Threads];
+    const u32 cw2 = tid + 2 * kQ3Threads < kWords ? csrc[tid + 2 * kQ3Threads] : 0u;
+
+    // 3. the leaves' levels in registers (widths 8 -> 4 -> 2 -> 1, the last log2(k) of them), the
+    // butterfly over the warp (xor o pairs neighbours level by level), the warp sums in ws; the
+    // thresholds (thr[255] = +inf) and the table in shared memory
+#pragma unroll
+    for (int l = 0; l < 3; ++l) {
+        const int h = 4 >> l;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            if (i < h && h < k) v[i] = v[2 * i] + v[2 * i + 1];
+    }
+    double p = v[0];
+    if (dq) {
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const double other = shfl_xor_f64(p, o);
+            if (o < q) p = p + other;
+        }
+        if (lane == 0 && tid < q) ws[warp] = p;
+    }
+    int differ = 0;
+    if (tid < 256) {
+        tab.thr[tid] = tid < 255 ? given : __int_as_float(0x7f800000);
+        differ = tid < 255 && __float_as_uint(given) != __float_as_uint(dyn);
+    }
+    {
+        u32* dst = reinterpret_cast<u32*>(tab.off4);
+        dst[tid] = cw0;
+        dst[tid + kQ3Threads] = cw1;
+        if (tid + 2 * kQ3Threads < kWords) dst[tid + 2 * kQ3Threads] = cw2;
+    }
+    if (tid == 0) tab.bad = 0;
+    differ = __syncthreads_or(differ);  // also: ws, thr and off4 complete; every chunk sum read
+    u32 ticket = 0;
+    if (dq && warp == 0) {
+        const int nw = q >> 5;  // warp sums (q > 32), combined by a butterfly over lanes 0 .. nw-1
+        if (nw > 1) {
+            p = lane < nw ? ws[lane] : 0.0;
+#pragma unroll
+            for (int o = 1; o < 16; o <<= 1) {
+                const double other = shfl_xor_f64(p, o);
+                if (o < nw) p = p + other;
+            }
+        }
+        if (lane == 0) {
+            s_off = __double2float_rn(__ddiv_rn(p, (double)nb));
+            // every thread's reads of the chunk sums precede the barrier above; the release makes
+            // them precede the last CTA's overwriting of the chunk sums (after its acquire fence)
+            ticket = atom_inc_release_gpu(reinterpret_cast<u32*>(offset));
+        }
+    }
+    if (differ) {
+        build_cells8(tab, thresholds);  // barriers inside; rare (thresholds of another map)
+    } else {
+        __syncthreads();
+    }
+    const float off = dq ? s_off : 0.0f;
+    const bool cells = !tab.bad;
+
+    auto process = [&](i64 tt, float (&v)[8]) {
+        const i64 e0 = tt * 8;
+        if (dq) {  // elements past n stay 0.0: the reference pads the centered array
+            const int valid = e0 + 8 <= n ? 8 : (int)(n - e0);
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (i < valid) v[i] = __fsub_rn(v[i], off);
+        }
+        float m = fabsf(v[0]);
+#pragma unroll
+        for (int i = 1; i < 8; ++i) m = fmaxf(m, fabsf(v[i]));
+        if (G == 32) {
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, o));
+        } else {
+            m = group_absmax(m, G, red);
+        }
+        const float r = recip_rn(m);
+        if ((tid & (G - 1)) == 0 && e0 < n) absmax[e0 >> log2bs] = m;
+        u32 lo = 0, hi = 0;
+        if (cells) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                lo |= round8_cells(tab, __fmul_rn(v[i], r)) << (8 * i);
+                hi |= round8_cells(tab, __fmul_rn(v[i + 4], r)) << (8 * i);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                lo |= round8(tab.thr, __fmul_rn(v[i], r)) << (8 * i);
+                hi |= round8(tab.thr, __fmul_rn(v[i + 4], r)) << (8 * i);
+            }
+        }
+        if (vec && e0 + 8 <= n) {
+            *reinterpret_cast<u64*>(codes + e0) = ((u64)hi << 32) | lo;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (e0 + i < n) codes[e0 + i] = (u8)((i < 4 ? lo : hi) >> (8 * (i & 3)));
+        }
+    };
+
+    // one task: its values from ``raw`` (loaded ahead) or element loads, then the task two strides
+    // on into ``raw``, then the rounding; tasks of the deferred blocks are skipped (whole warps:
+    // G = 32 there). Uniform over the CTA when G > 32 (barriers).
+    const i64 tdefer = (i64)ndefer << (log2bs - 3);
+    auto task = [&](i64 tt, Raw8<T>& raw) {
+        const i64 e0 = tt * 8;
+        float v[8];
+        if (vec && e0 + 8 <= n) {
+            raw8_to_f<T>(raw, v);
+        } else {
+            load8<T>(x, e0, n, false, v);
+        }
+        const i64 e2 = e0 + 2 * stride * 8;
+        if (vec && e2 + 8 <= n) raw8_load<T>(x + e2, raw);
+        if (tt - lane >= tdefer) process(tt, v);
+        if (G > 32) __syncthreads();  // red[] is rewritten by the next task
+    };
+    // the deferred blocks, by the CTA that counted itself in last (one task per thread and round:
+    // 16 blocks or fewer are one round); every CTA arrives here once, with a barrier: uniform
+    auto deferred = [&]() {
+        if (tid == 0) {
+            s_last = ticket == gridDim.x - 1;
+            if (s_last) fence_acq_rel_gpu();  // with the atomic: acquire (the others' releases)
+        }
+        __syncthreads();
+        if (!s_last) return;
+        if (tid == 0) offset[0] = off;  // over the counter: all counted
+        for (i64 d0 = tid; d0 - lane < tdefer; d0 += kQ3Threads) {
+            float v[8];
+            load8<T>(x, d0 * 8, n, false, v);
+            process(d0, v);
+        }
+    };
+
+    bool pending = dq;
+    for (i64 t = t0; t - tid < nthreads; t += 2 * stride) {  // uniform over the CTA
+        task(t, raw0);
+        if (t + stride - tid < nthreads) task(t + stride, raw1);
+        if (pending) {
+            pending = false;
+            deferred();
+        }
+    }
+    if (pending) deferred();
+}
+
+// Version 3's chunk sums: the same chunks of kSumChunk values and partials as
+// absmax_chunk_sum_kernel (``counter``: the offset's word for version 3), read coalesced - 1024 threads, 8 contiguous values each (two 16-byte
+// loads, lanes 32 bytes apart) - three levels in registers, the butterfly over the warp, then the
+// 32 warp sums' butterfly in warp 0. At most 32 registers: two CTAs per multiprocessor.
+constexpr int kSum3Threads = 1024;
+static_assert(kSum3Threads * 8 == kSumChunk, "version 3's chunks are version 2's");
+
+__global__ void __launch_bounds__(kSum3Threads, 2) absmax_chunk_sum_v3_kernel(
+    const float* __restrict__ in, i64 nb, int vec, double* partials, u32* counter) {
+    __shared__ double ws[32];
+    const i64 base = (i64)blockIdx.x * kSumChunk + (i64)threadIdx.x * 8;
+    u32 w[8];
+    if (vec && base + 8 <= nb) {
+        ldg_v4(in + base, w[0], w[1], w[2], w[3]);
+        ldg_v4(in + base + 4, w[4], w[5], w[6], w[7]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = base + i < nb ? __float_as_uint(ldg_f32(in + base + i)) : 0u;
+    }
+    double d[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        d[i] = (double)__uint_as_float(w[2 * i]) + (double)__uint_as_float(w[2 * i + 1]);
+    double t = (d[0] + d[1]) + (d[2] + d[3]);
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) t = t + shfl_xor_f64(t, o);
+    if (lane_id() == 0) ws[threadIdx.x >> 5] = t;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        t = ws[threadIdx.x];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) t = t + shfl_xor_f64(t, o);
+        if (threadIdx.x == 0) {
+            partials[blockIdx.x] = t;
+            if (blockIdx.x == 0) *counter = 0u;
+        }
+    }
+}
+
 }  // namespace qc

@@ -502,6 +502,428 @@ struct Gemm {
     }
 };
 
+
+// -- warp-specialized persistent back end (sm_90a) ------------------------------------------------
+// Same tile (256 x 128), stages, layouts, fragment trick and epilogue as Gemm<FMT, true>, but the
+// two phases that the per-step CTA barrier serialized there run on different warps and overlap:
+//   * warpgroup 0 (producer, setmaxnreg.dec to kWsProdRegs): warp 0 issues every cp.async stage
+//     (kWsStages deep) and nothing else; warps 1-3 dequantize B into the swizzled bf16 tiles
+//     (256 half-rows per step over 96 threads), kWsBBufs tiles deep. The split matters: the proxy
+//     fence each B writer needs per step is MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S in SASS, and a
+//     first version whose 128 producer threads both loaded and dequantized ran slower than Gemm
+//     (see docs/performance.md), consistent with that MEMBAR waiting for the thread's in-flight
+//     cp.asyncs every step;
+//   * warpgroups 1 and 2 (consumers, setmaxnreg.inc to kWsConsRegs, 128 rows each) dequantize A
+//     into their fragment registers and issue the wgmmas, the next step's A dequantization under
+//     the current step's MMAs.
+// mbarriers replace the CTA barrier: loaded[s] (32 loader lanes, each after its own
+// cp.async.wait_group: packed stage s landed), full[b] (96 B writers: tile b written and fenced
+// for the async proxy; they acquired loaded[s] first, so full also publishes the packed A of the
+// step), bempty[b] (8 consumer warps: the wgmmas that read tile b retired), sempty[s] (8 consumer
+// warps) and bfree[s] (96 B writers): the codes and scales of stage s read, so the loader may
+// refill it. The grid is persistent: CTA c walks tiles c, c + gridDim.x, ... in the grouped raster
+// of Gemm; step / stage counters run on across tiles, so the next tile's stages load while the
+// consumers run the epilogue.
+#if defined(QCMX_HAS_WGMMA)
+constexpr int kWsThreads = 384;
+constexpr int kWsStages = 4;   // packed stages of 128 K (kStageBytes each; powers of two keep the ring arithmetic cheap)
+constexpr int kWsBBufs = 4;    // bf16 B tiles of 64 K (kBsBytes each)
+constexpr int kWsProdRegs = 56, kWsConsRegs = 224;  // 128 * 56 + 256 * 224 = 384 * 168
+constexpr int kWsBarBytes = 256;
+constexpr int kWsBdqThreads = 96;  // producer warps 1..3 dequantize B; warp 0 only loads
+constexpr int kWsSmemBytes = 1024 + kWsBBufs * kBsBytes + kWsStages * kStageBytes + kLutBytes + kWsBarBytes;
+static_assert((2 * kWsBBufs + 3 * kWsStages) * 8 <= kWsBarBytes, "mbarrier area too small");
+static_assert(kWsSmemBytes <= 227 * 1024, "over the sm_90 shared-memory limit");
+#ifdef QCMX_EXPECT_WS_SMEM
+static_assert(kWsSmemBytes == QCMX_EXPECT_WS_SMEM, "backends/cuda/mx.py GEMM_WS_SMEM_BYTES is stale");
+#endif
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// release (the default semantics of arrive) at CTA scope
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(bar) : "memory");
+}
+// acquire: returns once the phase with this parity has completed
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nQCMX_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra QCMX_WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+
+// DBG (timing experiments only): 1 leaves the consumers' A dequantization out, 2 the producer's B
+// dequantization, 3 both (the MMAs then run on stale registers / tiles; all waits and arrivals stay).
+template <int FMT, int CPW, int DBG = 0>
+struct GemmWS {
+    using G = Gemm<FMT, true>;
+    using F = GemmFmt<FMT>;
+    static constexpr bool kNv = FMT == QC_FMT_NVFP4;
+    static constexpr u32 kTwo126 = 0x7e807e80u;
+
+    struct P {
+        const u8* A;
+        const u8* B;
+        const u8* SA;
+        const u8* SB;
+        int M, N, KB, nkb, nkt, nmt, num_m, num_n, nsub, nstage;
+    };
+
+    static __device__ __forceinline__ void origin(const P& p, int tile, int& m0, int& n0) {
+        const int per_group = kGroupM * p.num_n;
+        const int first_m = (tile / per_group) * kGroupM, gsz = min(p.num_m - first_m, kGroupM);
+        m0 = (first_m + (tile % per_group) % gsz) * kBM;
+        n0 = ((tile % per_group) / gsz) * kBN;
+    }
+
+    // stage st (128 K) of the tile at (m0, n0) into buf, by the 32 lanes of the loader warp
+    static __device__ __forceinline__ void load_stage(const P& p, int pt, u32 buf, int st, int m0, int n0) {
+        const int kb0 = st * kRowBytes;
+#pragma unroll 4
+        for (int i = 0; i < kBM * 4 / 32; ++i) {
+            const int id = pt + 32 * i, row = id >> 2, c = id & 3;
+            const int gr = m0 + row, off = kb0 + c * 16;
+            const int valid = gr < p.M ? min(max(p.KB - off, 0), 16) : 0;
+            const u8* src = valid > 0 ? p.A + (i64)gr * p.KB + off : p.A;
+            copy16<CPW>(buf + row * kRowBytes + ((c ^ ((row >> 1) & 3)) << 4), src, valid);
+        }
+#pragma unroll 4
+        for (int i = 0; i < kBN * 4 / 32; ++i) {
+            const int id = pt + 32 * i, row = id >> 2, c = id & 3;
+            const int gr = n0 + row, off = kb0 + c * 16;
+            const int valid = gr < p.N ? min(max(p.KB - off, 0), 16) : 0;
+            const u8* src = valid > 0 ? p.B + (i64)gr * p.KB + off : p.B;
+            copy16<CPW>(buf + kAStageBytes + row * kRowBytes + ((c ^ ((row >> 1) & 3)) << 4), src, valid);
+        }
+        constexpr int KT = F::kKTiles;
+        constexpr int kSaChunks = 2 * KT * 32, kSbChunks = KT * 32;
+#pragma unroll 2
+        for (int id = pt; id < kSaChunks + kSbChunks; id += 32) {
+            if (id < kSaChunks) {
+                const int tile = id >> 5, ch = id & 31, mt = tile / KT, kt = tile % KT;
+                const int gm = (m0 >> 7) + mt, gk = st * KT + kt;
+                const bool ok = gm < p.nmt && gk < p.nkt;
+                const u8* src = ok ? p.SA + ((i64)gm * p.nkt + gk) * QC_SWIZZLE_TILE_BYTES + ch * 16 : p.SA;
+                copy16<CPW>(buf + kAStageBytes + kBStageBytes + tile * QC_SWIZZLE_TILE_BYTES + ch * 16, src,
+                            ok ? 16 : 0);
+            } else {
+                const int tile = (id - kSaChunks) >> 5, ch = id & 31;
+                const int gn = n0 >> 7, gk = st * KT + tile;
+                const bool ok = gk < p.nkt;
+                const u8* src = ok ? p.SB + ((i64)gn * p.nkt + gk) * QC_SWIZZLE_TILE_BYTES + ch * 16 : p.SB;
+                copy16<CPW>(buf + kAStageBytes + kBStageBytes + kSAStageBytes + tile * QC_SWIZZLE_TILE_BYTES +
+                                ch * 16,
+                            src, ok ? 16 : 0);
+            }
+        }
+    }
+
+    // Global stage gs of this CTA (tile iteration gs / nstage) -> its slot, if that tile exists.
+    static __device__ __forceinline__ void load_global_stage(const P& p, int pt, u32 s_stage, int gs, int ntiles) {
+        const int it = gs / p.nstage, st = gs - it * p.nstage;
+        const int tile = blockIdx.x + it * gridDim.x;
+        if (tile >= ntiles) return;
+        int m0, n0;
+        origin(p, tile, m0, n0);
+        load_stage(p, pt, s_stage + (gs % kWsStages) * kStageBytes, st, m0, n0);
+    }
+
+    // Per-thread offsets of the A reads, the same for every step: the four rows a thread reads
+    // (g, g + 8 of each 64-row half) share (row / 2) % 4, so their code offsets differ by
+    // immediates (512, 4096) and so do their scale offsets (128, 8).
+    struct AOff {
+        u32 q[4];  // row0 * kRowBytes + 4t + chunk (c ^ sw4) * 16, c = 0..3
+        u32 s;     // scale word of row0 in its stage's scale tiles
+    };
+    static __device__ __forceinline__ AOff a_offsets(int cw, int lane) {
+        const int g = lane >> 2, t = lane & 3;
+        const int row0 = G::row_base(cw, 0) + g;
+        const int sw4 = (row0 >> 1) & 3;
+        AOff o;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) o.q[c] = row0 * kRowBytes + 4 * t + ((c ^ sw4) << 4);
+        const int r128 = row0 & 127;
+        o.s = kAStageBytes + kBStageBytes + (row0 >> 7) * (kNv ? 2 : 1) * QC_SWIZZLE_TILE_BYTES + (r128 & 31) * 16 +
+              (r128 >> 5) * 4;
+        return o;
+    }
+
+    // A fragments of step j (half H of its stage; see Gemm::dequant_a) from the packed stage at buf.
+    template <int H>
+    static __device__ __forceinline__ void dequant_a(int j, u32 buf, u32 s_lut, int nkb, int lane, const AOff& o,
+                                                     u32 (&af)[2][4][4]) {
+        const int t = lane & 3;
+        const int nval = nkb - j * F::kBlocksPerStep;
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                const u32 rb = buf + (mt * 64 + rr * 8) * kRowBytes;
+                const u32 q[2] = {lds32(rb + o.q[2 * H]), lds32(rb + o.q[2 * H + 1])};
+                const u32 sa = buf + o.s + rr * 128 + mt * 8;
+                u32 S[2];
+                if (kNv) {  // group t + 4hh lies in block 2hh + t/2 of the step
+                    const u32 sw = G::mask_blocks(lds32(sa + H * QC_SWIZZLE_TILE_BYTES), nval);
+                    S[0] = G::lut(s_lut, (sw >> (8 * (t >> 1))) & 0xffu);
+                    S[1] = G::lut(s_lut, (sw >> (8 * (2 + (t >> 1)))) & 0xffu);
+                } else {  // group t + 4hh lies in block hh of the step
+                    const u32 sw = G::mask_blocks(lds32(sa) >> (16 * H), nval);
+                    S[0] = G::lut(s_lut, sw & 0xffu);
+                    S[1] = G::lut(s_lut, (sw >> 8) & 0xffu);
+                }
+#pragma unroll
+                for (int s4 = 0; s4 < 4; ++s4) {
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        u32 w = fp4_pair(q[hh], 12 - 4 * s4);
+                        if (!kNv) w = bmul2(w, kTwo126);
+                        af[mt][s4][hh * 2 + rr] = bmul2(w, S[hh]);
+                    }
+                }
+            }
+        }
+    }
+
+    // Half `part` (32 K-elements) of row n of the B tile of step j (see Gemm::dequant_b).
+    static __device__ __forceinline__ void dequant_b(int j, u32 buf, u32 s_lut, int nkb, int n, int part, u32 bs) {
+        const int h = j & 1;
+        const int nval = nkb - j * F::kBlocksPerStep;
+        const u32 soff = (n & 31) * 16 + (n >> 5) * 4;
+        const int ch = 2 * h + part;
+        u32 q[4];
+        lds128(buf + kAStageBytes + n * kRowBytes + ((ch ^ ((n >> 1) & 3)) << 4), q[0], q[1], q[2], q[3]);
+        u32 S[2];
+        if (kNv) {
+            const u32 sw = G::mask_blocks(lds32(buf + kAStageBytes + kBStageBytes + kSAStageBytes +
+                                                h * QC_SWIZZLE_TILE_BYTES + soff),
+                                          nval);
+            S[0] = G::lut(s_lut, (sw >> (16 * part)) & 0xffu);
+            S[1] = G::lut(s_lut, (sw >> (16 * part + 8)) & 0xffu);
+        } else {
+            const u32 sw = G::mask_blocks(lds32(buf + kAStageBytes + kBStageBytes + kSAStageBytes + soff) >> (16 * h),
+                                          nval);
+            S[0] = S[1] = G::lut(s_lut, (sw >> (8 * part)) & 0xffu);
+        }
+#pragma unroll
+        for (int s4 = 0; s4 < 4; ++s4) {
+            u32 w[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                u32 x = fp4_pair(q[i], 12 - 4 * s4);
+                if (!kNv) x = bmul2(x, kTwo126);
+                w[i] = bmul2(x, S[i >> 1]);
+            }
+            const int c = 2 * s4 + part;
+            sts128(bs + n * 128 + ((c ^ (n & 7)) << 4), w[0], w[1], w[2], w[3]);
+        }
+    }
+
+    // Step j's A fragments into af: wait for the step's data, dequantize, and hand the packed
+    // stage back after its last read.
+    template <int H>
+    static __device__ __forceinline__ void consumer_fetch(const P& p, int j, int gbase, int sbase, u32 s_stage,
+                                                          u32 s_lut, u32 s_bar, int lane, const AOff& o,
+                                                          u32 (&af)[2][4][4]) {
+        const int gj = gbase + j;
+        mbar_wait(s_bar + 8 * (gj % kWsBBufs), (gj / kWsBBufs) & 1);
+        G::fence_af(af);
+        const int gs = sbase + (j >> 1);
+        if (DBG != 1 && DBG != 3) dequant_a<H>(j, s_stage + (gs % kWsStages) * kStageBytes, s_lut, p.nkb, lane, o, af);
+        if (H == 1 || j == p.nsub - 1) {  // the last read of this packed stage
+            __syncwarp();
+            if (lane == 0) mbar_arrive(s_bar + 8 * (2 * kWsBBufs + gs % kWsStages));
+        }
+    }
+
+    // One consumer step (as Gemm's): issue step j's MMAs from af[Q], retire step j - 1's and hand
+    // its B tile back, then dequantize step j + 1 into af[1 - Q] under the MMAs in flight.
+    template <int Q>
+    static __device__ __forceinline__ void consumer_step(const P& p, int j, int gbase, int sbase, u32 s_stage,
+                                                         u32 s_bs, u32 s_lut, u32 s_bar, int lane, const AOff& o,
+                                                         u32 (&af)[2][2][4][4], float (&acc)[2][64]) {
+        const int gj = gbase + j;
+        G::mma_step(af[Q], s_bs + (gj % kWsBBufs) * kBsBytes, acc);
+        wgmma_wait<1>();
+        fence_acc(acc[0]);
+        fence_acc(acc[1]);
+        if (j > 0) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(s_bar + 8 * (kWsBBufs + (gj - 1) % kWsBBufs));
+        }
+        if (j + 1 < p.nsub) consumer_fetch<1 - Q>(p, j + 1, gbase, sbase, s_stage, s_lut, s_bar, lane, o, af[1 - Q]);
+    }
+
+    static __device__ __forceinline__ void run(const u8* __restrict__ A, const u8* __restrict__ B,
+                                               const u8* __restrict__ SA, const u8* __restrict__ SB,
+                                               const float* __restrict__ alpha, const u16* __restrict__ bias,
+                                               u16* __restrict__ out, int M, int N, int K, int out_vec) {
+        extern __shared__ u8 smem_raw[];
+        const u32 sbase_ = (smem_u32(smem_raw) + 1023u) & ~1023u;
+        const u32 s_bs = sbase_;
+        const u32 s_stage = s_bs + kWsBBufs * kBsBytes;
+        const u32 s_lut = s_stage + kWsStages * kStageBytes;
+        // mbarriers: full[kWsBBufs], bempty[kWsBBufs], sempty[kWsStages], loaded[kWsStages], bfree[kWsStages]
+        const u32 s_bar = s_lut + kLutBytes;
+        const u32 s_loaded = s_bar + 8 * (2 * kWsBBufs + kWsStages), s_bfree = s_loaded + 8 * kWsStages;
+        const int tid = threadIdx.x, lane = tid & 31;
+
+        P p;
+        p.A = A;
+        p.B = B;
+        p.SA = SA;
+        p.SB = SB;
+        p.M = M;
+        p.N = N;
+        p.KB = K / 2;
+        p.nkb = K / F::kBlk;
+        p.nkt = (p.nkb + QC_SWIZZLE_COLS - 1) / QC_SWIZZLE_COLS;
+        p.nmt = (M + QC_SWIZZLE_ROWS - 1) / QC_SWIZZLE_ROWS;
+        p.num_m = (M + kBM - 1) / kBM;
+        p.num_n = (N + kBN - 1) / kBN;
+        p.nsub = (K + 63) / 64;
+        p.nstage = (K + kStageK - 1) / kStageK;
+        const int ntiles = p.num_m * p.num_n;
+        const int my_tiles = blockIdx.x < ntiles ? (ntiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+
+        if (tid < 256) {  // scale byte -> bf16x2 multiplier (see the file comment)
+            const float v = kNv ? __fmul_rn(e4m3_value(tid), __uint_as_float((117u + 127u) << 23)) : e8m0_value(tid);
+            const u32 hb = __float_as_uint(v) >> 16;
+            sts32(s_lut + tid * 4, hb | (hb << 16));
+        }
+        if (tid == 0) {
+            for (int i = 0; i < kWsBBufs; ++i) {
+                mbar_init(s_bar + 8 * i, kWsBdqThreads);
+                mbar_init(s_bar + 8 * (kWsBBufs + i), 8);
+            }
+            for (int i = 0; i < kWsStages; ++i) {
+                mbar_init(s_bar + 8 * (2 * kWsBBufs + i), 8);
+                mbar_init(s_loaded + 8 * i, 32);
+                mbar_init(s_bfree + 8 * i, kWsBdqThreads);
+            }
+        }
+        __syncthreads();
+
+        if (tid < 128) {
+            // ---- producer warpgroup
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kWsProdRegs));
+            const int total = my_tiles * p.nstage;
+            if (tid < 32) {
+                // loader warp: the only thread group with cp.asyncs in flight, so the proxy fences of
+                // the B dequantizers (MEMBAR.ALL.CTA in SASS) never wait for global loads
+#pragma unroll 1
+                for (int s = 0; s < kWsStages - 1; ++s) {
+                    if (s < total) load_global_stage(p, lane, s_stage, s, ntiles);
+                    cp_commit();
+                }
+#pragma unroll 1
+                for (int gs = 0; gs < total; ++gs) {
+                    cp_wait<kWsStages - 2>();  // stage gs landed (this lane's copies)
+                    mbar_arrive(s_loaded + 8 * (gs % kWsStages));
+                    const int nx = gs + kWsStages - 1;
+                    if (nx < total) {
+                        if (nx >= kWsStages) {  // stage nx - kWsStages read by the consumers and the B dequantizers
+                            const u32 par = ((nx / kWsStages) - 1) & 1;
+                            mbar_wait(s_bar + 8 * (2 * kWsBBufs + nx % kWsStages), par);
+                            mbar_wait(s_bfree + 8 * (nx % kWsStages), par);
+                        }
+                        load_global_stage(p, lane, s_stage, nx, ntiles);
+                    }
+                    cp_commit();
+                }
+                cp_wait<0>();
+            } else {
+                // B dequantizers: 96 threads, 256 half-rows per step
+                const int bt = tid - 32;
+                int g = 0;
+#pragma unroll 1
+                for (int it = 0; it < my_tiles; ++it) {
+#pragma unroll 1
+                    for (int j = 0; j < p.nsub; ++j, ++g) {
+                        const int gs = it * p.nstage + (j >> 1);
+                        if ((j & 1) == 0) mbar_wait(s_loaded + 8 * (gs % kWsStages), (gs / kWsStages) & 1);
+                        const int b = g % kWsBBufs;
+                        if (g >= kWsBBufs) mbar_wait(s_bar + 8 * (kWsBBufs + b), ((g / kWsBBufs) - 1) & 1);
+                        if (DBG != 2 && DBG != 3) {
+                            const u32 buf = s_stage + (gs % kWsStages) * kStageBytes, bs = s_bs + b * kBsBytes;
+#pragma unroll
+                            for (int u = bt; u < 2 * kBN; u += kWsBdqThreads)
+                                dequant_b(j, buf, s_lut, p.nkb, u >> 1, u & 1, bs);
+                        }
+                        fence_proxy_async();  // the generic-proxy stores, seen by wgmma (async proxy)
+                        mbar_arrive(s_bar + 8 * b);
+                        if ((j & 1) || j == p.nsub - 1) mbar_arrive(s_bfree + 8 * (gs % kWsStages));
+                    }
+                }
+            }
+        } else {
+            // ---- consumer warpgroups
+            asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kWsConsRegs));
+            const int cw = (tid - 128) >> 5, g = lane >> 2, t = lane & 3;
+            const AOff ao = a_offsets(cw, lane);
+            const float a = *alpha;
+            const float fac = kNv ? 262144.0f : 1.0f;
+            float acc[2][64];
+            u32 af[2][2][4][4];
+#pragma unroll 1
+            for (int it = 0; it < my_tiles; ++it) {
+                int m0, n0;
+                origin(p, blockIdx.x + it * gridDim.x, m0, n0);
+                const int gbase = it * p.nsub, sbase = it * p.nstage;
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) acc[mt][i] = 0.0f;
+                if (p.nsub > 0) consumer_fetch<0>(p, 0, gbase, sbase, s_stage, s_lut, s_bar, lane, ao, af[0]);
+#pragma unroll 1
+                for (int j = 0; j < p.nsub; j += 2) {
+                    consumer_step<0>(p, j, gbase, sbase, s_stage, s_bs, s_lut, s_bar, lane, ao, af, acc);
+                    if (j + 1 < p.nsub)
+                        consumer_step<1>(p, j + 1, gbase, sbase, s_stage, s_bs, s_lut, s_bar, lane, ao, af, acc);
+                }
+                wgmma_wait<0>();
+                fence_acc(acc[0]);
+                fence_acc(acc[1]);
+                __syncwarp();
+                if (lane == 0 && p.nsub > 0) mbar_arrive(s_bar + 8 * (kWsBBufs + (gbase + p.nsub - 1) % kWsBBufs));
+
+                // epilogue (as Gemm::run): out = bf16(alpha * acc (+ bias))
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+                    for (int rr = 0; rr < 2; ++rr) {
+                        const int row = m0 + G::row_base(cw, mt) + g + 8 * rr;
+                        if (row >= M) continue;
+                        u16* orow = out + (i64)row * N;
+#pragma unroll
+                        for (int jn = 0; jn < 16; ++jn) {
+                            const int col = n0 + 8 * jn + 2 * t;
+                            if (col >= N) continue;
+                            float v0 = __fmul_rn(__fmul_rn(acc[mt][4 * jn + 2 * rr], fac), a);
+                            float v1 = __fmul_rn(__fmul_rn(acc[mt][4 * jn + 2 * rr + 1], fac), a);
+                            const bool two = col + 1 < N;
+                            if (bias != nullptr) {
+                                v0 = __fadd_rn(v0, __uint_as_float((u32)bias[col] << 16));
+                                if (two) v1 = __fadd_rn(v1, __uint_as_float((u32)bias[col + 1] << 16));
+                            }
+                            if (two && out_vec) {
+                                u32 pk;
+                                asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pk) : "f"(v1), "f"(v0));
+                                *reinterpret_cast<u32*>(orow + col) = pk;
+                            } else {
+                                orow[col] = f32_to_bf16(v0);
+                                if (two) orow[col + 1] = f32_to_bf16(v1);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+};
+#endif
 }  // namespace qcmx
 
 // -- entry points ---------------------------------------------------------------------------------
@@ -530,6 +952,27 @@ QCMX_GEMM_WG(nvfp4, QC_FMT_NVFP4, 16)
 QCMX_GEMM_WG(nvfp4, QC_FMT_NVFP4, 4)
 QCMX_GEMM_WG(mxfp4, QC_FMT_MXFP4, 16)
 QCMX_GEMM_WG(mxfp4, QC_FMT_MXFP4, 4)
+// warp-specialized persistent back end: 384 threads, grid <= number of tiles, kWsSmemBytes
+#define QCMX_GEMM_WS(FMTNAME, FMT, CPW)                                                                    \
+    extern "C" __global__ void __launch_bounds__(qcmx::kWsThreads, 1)                                      \
+        qc_mx_gemm_ws_##FMTNAME##_cp##CPW(QCMX_GEMM_ARGS) {                                                \
+        qcmx::GemmWS<FMT, CPW>::run(QCMX_GEMM_PASS);                                                       \
+    }
+QCMX_GEMM_WS(nvfp4, QC_FMT_NVFP4, 16)
+QCMX_GEMM_WS(nvfp4, QC_FMT_NVFP4, 4)
+QCMX_GEMM_WS(mxfp4, QC_FMT_MXFP4, 16)
+QCMX_GEMM_WS(mxfp4, QC_FMT_MXFP4, 4)
+extern "C" __global__ void qc_mx_gemm_ws_smem_bytes(int* out) { *out = qcmx::kWsSmemBytes; }
+// timing experiments: no A dequantization (consumers) / no B dequantization (producer)
+extern "C" __global__ void __launch_bounds__(qcmx::kWsThreads, 1) qc_mx_gemm_ws_nvfp4_cp16_noadq(QCMX_GEMM_ARGS) {
+    qcmx::GemmWS<QC_FMT_NVFP4, 16, 1>::run(QCMX_GEMM_PASS);
+}
+extern "C" __global__ void __launch_bounds__(qcmx::kWsThreads, 1) qc_mx_gemm_ws_nvfp4_cp16_nobdq(QCMX_GEMM_ARGS) {
+    qcmx::GemmWS<QC_FMT_NVFP4, 16, 2>::run(QCMX_GEMM_PASS);
+}
+extern "C" __global__ void __launch_bounds__(qcmx::kWsThreads, 1) qc_mx_gemm_ws_nvfp4_cp16_nodq(QCMX_GEMM_ARGS) {
+    qcmx::GemmWS<QC_FMT_NVFP4, 16, 3>::run(QCMX_GEMM_PASS);
+}
 // timing experiments (tools/cuda_mx_bench.py --experiments): no dequantization / no MMA in the loop
 extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_nvfp4_cp16_nodq(QCMX_GEMM_ARGS) {
     qcmx::Gemm<QC_FMT_NVFP4, true, 1>::run<16>(QCMX_GEMM_PASS);

@@ -1,13 +1,15 @@
-"""double_quantize and quantize_blockwise of the cuda backend, both kernel versions, at the
+"""double_quantize and quantize_blockwise of the cuda backend, all three kernel versions, at the
 kernel-level op: bit-exact against quantcore.formats.bnb.
 
-Version 2 (the default) rounds by a cell table and reduces the offset's chunk sums inside the
-quantize launch, with the sums in qabsmax's first bytes; these tests aim at what that can get
-wrong: every cell edge and threshold neighbour of the rounding, NaN / inf / -0.0 / constant blocks
+Versions 2 and 3 (3 the default) round by a cell table and reduce the offset's chunk sums inside
+the quantize launch, with the sums in qabsmax's first bytes; version 3 takes the table built at
+compile time when the thresholds passed are the dynamic map's bit for bit (else it builds it), and
+counts its CTAs in the offset's 4 bytes. These tests aim at what that can get wrong: every cell edge and threshold neighbour of the rounding, NaN / inf / -0.0 / constant blocks
 (1/absmax2 = inf), thresholds the cell table cannot hold (the round8 fallback), unaligned pointers
 (element paths, the sums' 8-byte alignment inside qabsmax), one chunk more than the minimum, and
-the largest tree the quantize launch reduces (4096 chunk sums). QUANTCORE_CUDA_TUNE=dq_v=1 and
-qbw_v=1 select version 1, compared on the same inputs. Timing: tools/dev/dq_device.sh.
+the largest tree the quantize launch reduces (4096 chunk sums, 65 deferred blocks), thresholds one
+ulp off the dynamic map's, repeated calls on the same buffers (the counter is re-zeroed).
+QUANTCORE_CUDA_TUNE=dq_v=V,qbw_v=V selects version V. Timing: tools/dev/dq_device.sh.
 
 GPU tests: skipped with the reason where the cuda backend is unavailable.
 """
@@ -34,7 +36,7 @@ def be():
     return qc.get_backend("cuda")
 
 
-@pytest.fixture(params=[1, 2], ids=["v1", "v2"])
+@pytest.fixture(params=[1, 2, 3], ids=["v1", "v2", "v3"])
 def version(request, monkeypatch):
     monkeypatch.setenv(TUNE, f"dq_v={request.param},qbw_v={request.param}")
     return request.param
@@ -195,3 +197,36 @@ def test_blockwise_other_thresholds(be, rng, version, kind):
     rc, ra = bnb.quantize_blockwise(x, 64, thr)
     assert np.array_equal(_n(codes), rc)
     assert np.array_equal(bits(_n(absmax)), bits(ra))
+
+
+def test_double_quantize_repeated_same_buffers(be, rng, version):
+    """The same outputs twice (the counter lives in them), then other values into the same buffers."""
+    nb = 5 * 8192 + 3
+    q, a2, off = _empty(nb, np.uint8), _empty(bnb.nblocks(nb, 256), np.float32), _empty(1, np.float32)
+    for scale in (1.0, 1.0, 3.0):
+        absmax = (np.exp2(rng.uniform(-4, 2, nb)) * scale).astype(np.float32)
+        be.double_quantize(_t(absmax), q, a2, off)
+        torch.cuda.synchronize()
+        rq, ra2, roff = bnb.double_quantize(absmax)
+        assert _same(_n(off), np.array([roff], np.float32))
+        assert np.array_equal(_n(q), rq)
+        assert _same(_n(a2), ra2)
+
+
+def test_blockwise_thresholds_one_ulp_off(be, rng, version):
+    """The dynamic map's thresholds with one of them one ulp up: not the compile-time table's
+    (version 3 builds its own), and values at that threshold round by the thresholds passed."""
+    thr = bnb.DYNAMIC_THRESHOLDS.astype(np.float32).copy()
+    j = 200
+    thr[j] = np.nextafter(thr[j], np.float32(np.inf))
+    n = 64 * 300
+    x = rng.uniform(-1, 1, n).astype(np.float32)
+    x[::64] = 1.0
+    x[1:64 * 50:64] = bnb.DYNAMIC_THRESHOLDS[j]  # between the old and the new threshold
+    x[2:64 * 50:64] = thr[j]
+    for bs in (64, 4096):
+        codes, absmax = _empty(n, np.uint8), _empty(bnb.nblocks(n, bs), np.float32)
+        be.quantize_blockwise(_t(x), _t(thr), codes, absmax, blocksize=bs)
+        rc, ra = bnb.quantize_blockwise(x, bs, thr)
+        assert np.array_equal(_n(codes), rc), bs
+        assert np.array_equal(bits(_n(absmax)), bits(ra)), bs

@@ -65,9 +65,10 @@ def _gv_smem(v: int, device: int) -> int:
     need = 4 * 256 * 64 + 4 * 256 + 4 * _GV_WARPS * 128 + _GV_WARPS * _GV_STAGES * 16 * pitch
     return max(need, int(rt.device_props(device).get("sharedMemPerBlockOptin", 0)))
 _TREE_CHUNK = 2048
-# double_quantize version 2: absmax values per chunk sum (kSumChunk) and the most chunk sums the
-# quantize launch reduces (256 threads x 16)
+# double_quantize versions 2 and 3: absmax values per chunk sum (kSumChunk) and the most chunk sums
+# the quantize launch reduces (256 threads x 16; version 3: 512 x 8); version 3's sum threads
 _SUM_CHUNK, _SUM_MAX_PARTS = 8192, 4096
+_SUM3_THREADS = 1024  # kSum3Threads
 _GEMM_WARPS, _GEMM_UB = 16, 8
 _W4_WARPS, _W4_CLUSTER = 8, 4  # gemm_w4a8_small_kernel (version 12, QUANTCORE_CUDA_TUNE=w4a8_small=1)
 _W4_MAX_KBS = 128  # blocks of K per CTA: bounds the shared memory (204 KB at N = 8)
@@ -115,8 +116,8 @@ def _gemv_stream(tag: str, qt: str, nested: bool, v: int) -> str:
 
 
 def _qbw(tag: str, version: int = 1) -> str:
-    if version == 2:
-        return f"qc::quantize_blockwise_v2_kernel<{tag}>"
+    if version in (2, 3):
+        return f"qc::quantize_blockwise_v{version}_kernel<{tag}>"
     return f"qc::quantize_blockwise_kernel<{tag}>"
 
 
@@ -124,10 +125,11 @@ def _dqbw(tag: str) -> str:
     return f"qc::dequantize_blockwise_kernel<{tag}>"
 
 
-def _tree(from_f32: bool | None) -> str:
-    """The version-1 tree level kernels (fp32 or fp64 input); None: version 2's chunk sums."""
+def _tree(from_f32: bool | None, version: int = 2) -> str:
+    """The version-1 tree level kernels (fp32 or fp64 input); None: the chunk sums of version 2
+    (or 3)."""
     if from_f32 is None:
-        return "qc::absmax_chunk_sum_kernel"
+        return "qc::absmax_chunk_sum_v3_kernel" if version == 3 else "qc::absmax_chunk_sum_kernel"
     return f"qc::absmax_tree_sum_kernel<{_b(from_f32)}>"
 
 
@@ -164,13 +166,13 @@ def kernel_instances() -> list[tuple[str, str]]:
                     out += [(_F4, _gemv_mma(tag, qt, nested, v)) for v in _GEMV_V]
                     out += [(_FV, _gemv_stream(tag, qt, nested, v)) for v in _GEMV_V]
     for tag in tags:
-        out += [(_F8, _qbw(tag)), (_F8, _qbw(tag, 2)), (_F8, _dqbw(tag))]
+        out += [(_F8, _qbw(tag)), (_F8, _qbw(tag, 2)), (_F8, _qbw(tag, 3)), (_F8, _dqbw(tag))]
         for fmt in GGML_FMT:
             out += [(_FG, _qg(tag, fmt)), (_FG, _dqg(tag, fmt))]
         out.append((_FG, _gemm(tag, True)))
         out += [(_FG, _gemm_small(tag, nb)) for nb in _W4_NB]
     out.append((_FG, _gemm(TYPE_TAG["float32"], False)))
-    out += [(_F8, _tree(True)), (_F8, _tree(False)), (_F8, _tree(None))]
+    out += [(_F8, _tree(True)), (_F8, _tree(False)), (_F8, _tree(None)), (_F8, _tree(None, 3))]
     return out
 
 
@@ -396,19 +398,29 @@ class CudaBackend(Backend):
             return
         launch = Launcher(absmax)
         size = 1 << (nb - 1).bit_length()  # the tree's padded leaf count
-        # version 2 (QUANTCORE_CUDA_TUNE=dq_v=1: version 1): two launches, the chunk sums (and a
-        # counter) in qabsmax's first bytes; from two chunks up, and up to _SUM_MAX_PARTS of them
-        if rt.tune("dq_v", 2) == 2 and _SUM_CHUNK < nb and size // _SUM_CHUNK <= _SUM_MAX_PARTS:
+        # versions 3 (default) and 2 (QUANTCORE_CUDA_TUNE=dq_v=2; dq_v=1: version 1): two launches,
+        # the chunk sums in qabsmax's first bytes; from two chunks up, and up to _SUM_MAX_PARTS of
+        # them. Version 3 counts the quantize CTAs in offset's 4 bytes, version 2 after the sums.
+        dq_v = rt.tune("dq_v", 3)
+        if dq_v in (2, 3) and _SUM_CHUNK < nb and size // _SUM_CHUNK <= _SUM_MAX_PARTS:
             base = rt.pointer(qabsmax)
             parts = (base + 7) // 8 * 8
             nchunks = _cdiv(nb, _SUM_CHUNK)
+            if dq_v == 3:
+                ndefer = _cdiv(parts + 8 * nchunks - base, bnb.NESTED_BLOCKSIZE)  # codes over the sums
+                launch(_F8, _tree(None, 3), (nchunks,), _SUM3_THREADS,
+                       (ptr_arg(absmax), i64(nb), i32(aligned(absmax, 16)), np.uint64(parts), ptr_arg(offset)))
+                self._quantize_blockwise(launch, absmax, NULL, qabsmax, absmax2, NULL, nb, bnb.NESTED_BLOCKSIZE,
+                                         version=3, tree=(np.uint64(parts), i32(size // _SUM_CHUNK), i32(nchunks),
+                                                          ptr_arg(offset), i64(nb), i32(ndefer)))
+                return
             counter = parts + 8 * nchunks
             ndefer = _cdiv(counter + 4 - base, bnb.NESTED_BLOCKSIZE)  # blocks whose codes overlap them
             launch(_F8, _tree(None), (nchunks,), 256,
                    (ptr_arg(absmax), i64(nb), i32(aligned(absmax, 16)), np.uint64(parts), np.uint64(counter)))
             self._quantize_blockwise(launch, absmax, NULL, qabsmax, absmax2, NULL, nb, bnb.NESTED_BLOCKSIZE,
-                                     tree=(np.uint64(parts), i32(size // _SUM_CHUNK), i32(nchunks),
-                                           np.uint64(counter), ptr_arg(offset), i64(nb), i32(ndefer)))
+                                     version=2, tree=(np.uint64(parts), i32(size // _SUM_CHUNK), i32(nchunks),
+                                                      np.uint64(counter), ptr_arg(offset), i64(nb), i32(ndefer)))
             return
         # version 1: tree levels of fp64 partial sums kept in qabsmax's bytes until the codes
         # overwrite them, a one-CTA last level writing the offset, then the quantization
@@ -431,15 +443,17 @@ class CudaBackend(Backend):
     # -- blockwise 8-bit -----------------------------------------------------------------------------
     def _quantize_blockwise(self, launch, x, thresholds, codes, absmax, center, n, blocksize, *,
                             version=None, tree=None):
-        """Version 2 (default; QUANTCORE_CUDA_TUNE=qbw_v=1: version 1) rounds by cells and, with
-        ``tree`` (double_quantize version 2's chunk sums), computes and subtracts the offset itself;
-        version 1 subtracts ``*center``."""
+        """Versions 3 (default; QUANTCORE_CUDA_TUNE=qbw_v=2 or 1 for the others) and 2 round by
+        cells and, with ``tree`` (double_quantize's chunk sums), compute and subtract the offset
+        themselves; version 1 subtracts ``*center``."""
         vec = aligned(x, 16) and aligned(codes, 8)
-        if tree is not None or (version or rt.tune("qbw_v", 2)) == 2:
+        version = version or rt.tune("qbw_v", 3)
+        if version in (2, 3):
             threads = 512  # kernel bounds: 512 threads, 2 CTAs per multiprocessor
             grid = max(1, min(_cdiv(_cdiv(n, 8), threads), 2 * rt.sm_count(launch.device)))
-            extra = tree if tree is not None else (NULL, i32(0), i32(0), NULL, NULL, i64(0), i32(0))
-            launch(_F8, _qbw(_tag(x), 2), (grid,), threads,
+            none = (NULL, i32(0), i32(0)) + ((NULL,) if version == 2 else ()) + (NULL, i64(0), i32(0))
+            extra = tree if tree is not None else none
+            launch(_F8, _qbw(_tag(x), version), (grid,), threads,
                    (ptr_arg(x), thresholds, ptr_arg(codes), ptr_arg(absmax), i64(n), i32(_log2(blocksize)),
                     i32(vec)) + extra)
             return

@@ -47,10 +47,10 @@ THREADS = 256
 GEMM_SMEM_BYTES = 1024 + 3 * 128 * 128 + 4 * (256 * 64 + 128 * 64 + 4 * 512 + 2 * 512) + 1024
 GEMM_BM, GEMM_BN, GEMM_GROUP_M = 256, 128, 8
 #: The warp-specialized back end (GemmWS in mx_gemm.cu): 384 threads (a producer warpgroup and two
-#: consumer warpgroups), 4 bf16 B tiles, 5 packed stages, the table and 13 mbarriers; one CTA per
-#: SM walking the tiles (``QUANTCORE_CUDA_TUNE=mx_gemm_ctas=N`` caps the grid at N CTAs).
+#: consumer warpgroups), 4 bf16 B tiles, 4 packed stages, the table and 256 bytes of mbarriers;
+#: one CTA per SM walking the tiles (``QUANTCORE_CUDA_TUNE=mx_gemm_ctas=N`` caps the grid at N).
 GEMM_WS_THREADS = 384
-GEMM_WS_SMEM_BYTES = 1024 + 4 * 128 * 128 + 5 * (256 * 64 + 128 * 64 + 4 * 512 + 2 * 512) + 1024 + 128
+GEMM_WS_SMEM_BYTES = 1024 + 4 * 128 * 128 + 4 * (256 * 64 + 128 * 64 + 4 * 512 + 2 * 512) + 1024 + 256
 
 
 _lock = threading.Lock()
@@ -427,15 +427,15 @@ def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: in
 
     ``mode`` ("auto", "ws", "wgmma", "mma") overrides ``QUANTCORE_CUDA_MX_GEMM`` (tests,
     benchmarks); "auto" is :data:`GEMM_AUTO_SM90` on compute capability 9.0, else "mma".
-    ``variant`` "_nodq" / "_nomma" selects a timing experiment (nvfp4, wgmma, 16-byte copies only;
-    wrong results by design).
+    ``variant`` selects a timing experiment (nvfp4, 16-byte copies only; wrong results by design):
+    "_nodq" / "_nomma" of the wgmma kernel, "_noadq" / "_nobdq" / "_nodq" of the ws kernel.
     """
     from quantcore.backends.cuda import runtime as rt
 
     dev = _check(a, b, scale_a, scale_b, alpha, bias, out)
     mode = mode or gemm_mode()
     arch, wgmma = gemm_arch(dev, mode)
-    ws = wgmma and (mode == "ws" or (mode == "auto" and GEMM_AUTO_SM90 == "ws")) and not variant
+    ws = wgmma and (mode == "ws" or (mode == "auto" and GEMM_AUTO_SM90 == "ws"))
     ptrs = (ptr(a), ptr(b), ptr(scale_a), ptr(scale_b))
     if (k // 2) % 16 == 0 and all(p % 16 == 0 for p in ptrs):
         cpw = 16
@@ -449,7 +449,7 @@ def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: in
     args = (_u64(ptrs[0]), _u64(ptrs[1]), _u64(ptrs[2]), _u64(ptrs[3]), _u64(ptr(alpha)), _u64(ptr(bias)),
             _u64(ptr(out)), np.int32(m), np.int32(n), np.int32(k), np.int32(out_vec))
     if ws:  # persistent: one CTA per SM (at most one per tile)
-        fn = function(dev, GEMM_SOURCE, arch, gemm_kernel_name(fmt, True, cpw, ws=True), GEMM_WS_SMEM_BYTES)
+        fn = function(dev, GEMM_SOURCE, arch, gemm_kernel_name(fmt, True, cpw, ws=True) + variant, GEMM_WS_SMEM_BYTES)
         sms = _sm_count.get(dev)
         if sms is None:
             sms = _sm_count[dev] = int(_cupy().cuda.Device(dev).attributes["MultiProcessorCount"])

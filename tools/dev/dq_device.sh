@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call for double_quantize / quantize_blockwise (versions 1 and 2, QUANTCORE_CUDA_TUNE
-# "dq_v=V,qbw_v=V"): GPU tests, the conformance suite for the ops, kernel times side by side
+# One device call for double_quantize / quantize_blockwise (versions 1, 2 and 3, QUANTCORE_CUDA_TUNE
+# "dq_v=V,qbw_v=V"; 3 the default): GPU tests, the conformance suite for the ops, kernel times side by side
 # (CUDA events behind a sleep kernel, as tools/dev/bnb4_time.py), the bench rows of quantize_4bit
 # and an ncu profile of one launch of each kernel. Every step has a timeout inside one overall
 # budget (BUDGET seconds, default 225). Run from the repository root; logs under $OUT.
@@ -17,7 +17,7 @@ step() { local name=$1 lim=$2; shift 2; local s=$(date +%s); timeout "$(left "$l
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$S"
 
 cat > /tmp/dq_time.py <<'PY'
-"""double_quantize / quantize_blockwise kernel times, versions 1 and 2, on the bench's shapes."""
+"""double_quantize / quantize_blockwise kernel times, versions 1, 2 and 3, on the bench's shapes."""
 import os
 import statistics
 import sys
@@ -66,6 +66,8 @@ cf8 = torch.empty(nb, dtype=torch.uint8, device="cuda")
 mf8 = torch.empty(nb // 4096, dtype=torch.float32, device="cuda")
 be.quantize_4bit(x, packed, absmax, blocksize=bs, quant_type="nf4")
 parts = torch.empty(nb // 8192 + 2, dtype=torch.float64, device="cuda")
+scratch = torch.empty(4, dtype=torch.int32, device="cuda")
+VERSIONS = (1, 2, 3)
 launch = rt.Launcher(absmax)
 
 q4 = lambda: be.quantize_4bit(x, packed, absmax, blocksize=bs, quant_type="nf4")  # noqa: E731
@@ -75,9 +77,11 @@ qbw = lambda: be.quantize_blockwise(x8, thr, c8, m8, blocksize=256)  # noqa: E73
 qbwf = lambda: be.quantize_blockwise(f8, thr, cf8, mf8, blocksize=4096)  # noqa: E731
 sums = lambda: launch(cuda._F8, cuda._tree(None), (nb // 8192,), 256, (  # noqa: E731
     rt.ptr_arg(absmax), rt.i64(nb), rt.i32(1), np.uint64(parts.data_ptr()), np.uint64(parts.data_ptr() + 8 * (nb // 8192))))
+sums3 = lambda: launch(cuda._F8, cuda._tree(None, 3), (nb // 8192,), 1024, (  # noqa: E731
+    rt.ptr_arg(absmax), rt.i64(nb), rt.i32(1), np.uint64(parts.data_ptr()), np.uint64(scratch.data_ptr())))
 
 if "--ncu-one" in sys.argv:
-    for v in (1, 2):
+    for v in VERSIONS:
         os.environ[TUNE] = f"dq_v={v},qbw_v={v}"
         dq()
         qbw()
@@ -85,7 +89,7 @@ if "--ncu-one" in sys.argv:
     sys.exit(0)
 
 outs = {}
-for v in (1, 2):  # warm-up (compile) and the two versions' outputs on the bench's data
+for v in VERSIONS:  # warm-up (compile) and the versions' outputs on the bench's data
     os.environ[TUNE] = f"dq_v={v},qbw_v={v}"
     q4dq()
     qbw()
@@ -93,19 +97,22 @@ for v in (1, 2):  # warm-up (compile) and the two versions' outputs on the bench
     torch.cuda.synchronize()
     outs[v] = [t.clone() for t in (q, a2, off, c8, m8, cf8, mf8)]
 sums()
-same = [bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8))) for a, b in zip(outs[1], outs[2])]
-print("v1 == v2 bitwise (q, absmax2, offset, codes8, absmax8, codes8 f32, absmax8 f32):", same)
+sums3()
+for v in VERSIONS[1:]:
+    same = [bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8))) for a, b in zip(outs[1], outs[v])]
+    print(f"v1 == v{v} bitwise (q, absmax2, offset, codes8, absmax8, codes8 f32, absmax8 f32):", same)
 rq, ra2, roff = bnb.double_quantize(absmax.cpu().numpy())
-print("v2 == numpy reference:", np.array_equal(outs[2][0].cpu().numpy(), rq),
-      np.array_equal(outs[2][1].cpu().numpy().view(np.uint32), ra2.view(np.uint32)),
-      outs[2][2].cpu().numpy().view(np.uint32)[0] == np.float32(roff).view(np.uint32))
+for v in VERSIONS:
+    print(f"v{v} == numpy reference:", np.array_equal(outs[v][0].cpu().numpy(), rq),
+          np.array_equal(outs[v][1].cpu().numpy().view(np.uint32), ra2.view(np.uint32)),
+          outs[v][2].cpu().numpy().view(np.uint32)[0] == np.float32(roff).view(np.uint32))
 
 big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
 big2 = torch.empty_like(big)
 res = {}
 for _ in range(2):
     res.setdefault("copy 2 GiB d2d", []).append(statistics.median(timed(lambda: big2.copy_(big))))
-    for v in (1, 2):
+    for v in VERSIONS:
         os.environ[TUNE] = f"dq_v={v},qbw_v={v}"
         res.setdefault(f"double_quantize nb=4M v{v}", []).append(statistics.median(timed(dq)))
         res.setdefault(f"quantize_4bit + double_quantize v{v}", []).append(statistics.median(timed(q4dq)))
@@ -113,9 +120,10 @@ for _ in range(2):
         res.setdefault(f"quantize_blockwise f32 4M bs4096 v{v}", []).append(statistics.median(timed(qbwf)))
     res.setdefault("quantize_4bit kernel alone", []).append(statistics.median(timed(q4)))
     res.setdefault("v2 chunk-sum kernel alone (nb=4M)", []).append(statistics.median(timed(sums)))
+    res.setdefault("v3 chunk-sum kernel alone (nb=4M)", []).append(statistics.median(timed(sums3)))
 copy = 2 * (1 << 30) / (min(res["copy 2 GiB d2d"]) * 1e-6) / 1e9
 nbytes = {"double_quantize": 4 * nb + nb + 4 * (nb // 256), "quantize_blockwise bf16": 3 * x8.numel(),
-          "quantize_blockwise f32": 5 * nb, "v2 chunk": 4 * nb}
+          "quantize_blockwise f32": 5 * nb, "v2 chunk": 4 * nb, "v3 chunk": 4 * nb}
 print(f"device {torch.cuda.get_device_name()}; copy {copy:.0f} GB/s; median of 40, 2 rounds (us)")
 for k, vals in res.items():
     nbb = next((b for p, b in nbytes.items() if k.startswith(p)), 0)
@@ -123,8 +131,8 @@ for k, vals in res.items():
     print(f"{k:42s}" + " ".join(f"{t:8.1f}" for t in vals) + extra)
 PY
 
-step timing 45 python3 /tmp/dq_time.py > "$OUT/timing.log" 2>&1
-cat "$OUT/timing.log" | tail -20 | tee -a "$S"
+step timing 75 python3 /tmp/dq_time.py > "$OUT/timing.log" 2>&1
+cat "$OUT/timing.log" | tail -28 | tee -a "$S"
 step tests_dq 80 python3 -m pytest tests/test_cuda_double_quant.py -q -rs --tb=short > "$OUT/pytest_dq.log" 2>&1
 say "  $(tail -1 "$OUT/pytest_dq.log")"
 step conformance_dq_bw 35 python3 -m quantcore.conformance --backend cuda --full -k double -k blockwise \
