@@ -343,26 +343,6 @@ constexpr int kGemvU = 4;                       // super-pieces per iteration (o
 constexpr int kGemvLutWords = 256 * 64;         // table rows of 256 bytes
 constexpr int kGemvSmemBytes = 4 * (kGemvLutWords + 256 + kGemvWarps * 16 * 8);
 
-template <typename T>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
-
-template <>
-__device__ __forceinline__ void mma_16816<F16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <>
-__device__ __forceinline__ void mma_16816<BF16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Byte j of word w looked up in the lane's copy of the pair table (lane4 = lane * 4).
 template <int J>
 __device__ __forceinline__ u32 lut_pair(const u8* lut, u32 w, u32 lane4) {

@@ -54,24 +54,6 @@ template <int N>
 __device__ __forceinline__ void gv_cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 #endif
 
-template <typename T>
-__device__ __forceinline__ void gv_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
-
-template <>
-__device__ __forceinline__ void gv_mma<F16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <>
-__device__ __forceinline__ void gv_mma<BF16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Byte J of word w looked up in the lane's copy of the pair table: lutx is the table's shared
 // address (a multiple of 64 KiB) plus lane * 4, so one byte_perm forms the whole address
 // (table + byte * 256 + lane * 4) and one 32-bit shared load reads the T pair.
@@ -303,7 +285,7 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
                             af[2] = gv_pair<1>(q0, lutx);
                             af[3] = gv_pair<1>(q1, lutx);
                         }
-                        gv_mma<T>(d[u], af, x[u][2 * jj], x[u][2 * jj + 1]);
+                        mma_16816<T>(d[u], af, x[u][2 * jj], x[u][2 * jj + 1]);
                     }
                 }
             }

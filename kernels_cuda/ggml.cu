@@ -35,14 +35,9 @@ __device__ __forceinline__ int q8_from_rounded(float r) {
     return (int)fminf(fmaxf(r, -128.0f), 127.0f);
 }
 
-// Q8 quantization of one block: d = amax / 127, id = 1/d (0 if d == 0), q = roundf(x * id) (half
-// away from zero); sum of q for Q8_1. Returns d; q packed 4 per word, little-endian.
-__device__ __forceinline__ float quantize_q8_block(const float (&v)[kQK], u32 (&qw)[8], int& qsum) {
-    float amax = 0.0f;  // fmaxf skips NaN; an all-NaN block gives 0, as the reference
-#pragma unroll
-    for (int j = 0; j < kQK; ++j) amax = fmaxf(amax, fabsf(v[j]));
-    const float d = __fdiv_rn(amax, (float)QC_Q8_MAX);
-    const float id = d != 0.0f ? recip_rn(d) : 0.0f;
+// The reference's rounding of one block's 32 values times id to Q8 (roundf: half away from zero),
+// packed 4 per word; returns the sum of the codes.
+__device__ __forceinline__ int q8_words_ref(const float (&v)[kQK], float id, u32 (&qw)[8]) {
     int sum = 0;
 #pragma unroll
     for (int w = 0; w < 8; ++w) {
@@ -55,7 +50,18 @@ __device__ __forceinline__ float quantize_q8_block(const float (&v)[kQK], u32 (&
         }
         qw[w] = word;
     }
-    qsum = sum;
+    return sum;
+}
+
+// Q8 quantization of one block: d = amax / 127, id = 1/d (0 if d == 0), q = roundf(x * id) (half
+// away from zero); sum of q for Q8_1. Returns d; q packed 4 per word, little-endian.
+__device__ __forceinline__ float quantize_q8_block(const float (&v)[kQK], u32 (&qw)[8], int& qsum) {
+    float amax = 0.0f;  // fmaxf skips NaN; an all-NaN block gives 0, as the reference
+#pragma unroll
+    for (int j = 0; j < kQK; ++j) amax = fmaxf(amax, fabsf(v[j]));
+    const float d = __fdiv_rn(amax, (float)QC_Q8_MAX);
+    const float id = d != 0.0f ? recip_rn(d) : 0.0f;
+    qsum = q8_words_ref(v, id, qw);
     return d;
 }
 
@@ -718,17 +724,7 @@ __device__ __forceinline__ void ws_q8_1_block(const float (&v)[kQK], u32 (&qw)[8
             qw[w] = word;
         }
     } else {
-#pragma unroll
-        for (int w = 0; w < 8; ++w) {
-            u32 word = 0;
-#pragma unroll
-            for (int b = 0; b < 4; ++b) {
-                const int q = q8_from_rounded(roundf(__fmul_rn(v[4 * w + b], id)));
-                sum += q;
-                word |= ((u32)q & 255u) << (8 * b);
-            }
-            qw[w] = word;
-        }
+        sum = q8_words_ref(v, id, qw);
     }
     d8 = f16_to_f32(f32_to_f16(d));
     s8x8 = 8.0f * f16_to_f32(q8_1_s(sum, d));

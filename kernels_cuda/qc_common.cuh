@@ -255,4 +255,26 @@ __device__ __forceinline__ float nan_value() { return __uint_as_float(0x7fffffff
 __device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u; }
 __device__ __forceinline__ float pos_inf() { return __uint_as_float(0x7f800000u); }
 
+// -- tensor cores ------------------------------------------------------------------------------------
+// D += A (16 x 16, row) x B (16 x 8, col), fp16 or bf16 operands, fp32 accumulators (sm_80+).
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
+
+template <>
+__device__ __forceinline__ void mma_16816<F16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma_16816<BF16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 }  // namespace qc
