@@ -32,8 +32,26 @@ _BY_NAME = {
 }
 
 
+_DTYPES: dict[Any, np.dtype] = {}
+
+
 def as_dtype(d: Any) -> np.dtype:
     """numpy dtype of a dtype-like: numpy, ml_dtypes, a torch dtype or a name ("bfloat16")."""
+    if isinstance(d, np.dtype):
+        return d
+    try:
+        return _DTYPES[d]  # torch dtypes and names: cached (the public API asks on every call)
+    except (KeyError, TypeError):
+        pass
+    dt = _as_dtype(d)
+    try:
+        _DTYPES[d] = dt
+    except TypeError:
+        pass
+    return dt
+
+
+def _as_dtype(d: Any) -> np.dtype:
     if isinstance(d, str):
         name = d
     elif isinstance(d, np.dtype):

@@ -303,15 +303,25 @@ def device_name(device: int) -> str:
 
 
 # -- arrays ------------------------------------------------------------------------------------------
+_KINDS: dict[type, str] = {}
+
+
 def kind(x: Any) -> str:
-    mod = type(x).__module__.split(".")[0]
-    if mod == "torch" and hasattr(x, "data_ptr"):
-        return "torch"
-    if mod == "cupy":
-        return "cupy"
-    if isinstance(x, np.ndarray):
-        return "numpy"
-    return "other"
+    """'torch', 'cupy', 'numpy' or 'other' (a property of the type: cached, asked ~30 times a call)."""
+    t = type(x)
+    k = _KINDS.get(t)
+    if k is None:
+        mod = t.__module__.split(".")[0]
+        if mod == "torch" and hasattr(t, "data_ptr"):
+            k = "torch"
+        elif mod == "cupy":
+            k = "cupy"
+        elif issubclass(t, np.ndarray):
+            k = "numpy"
+        else:
+            k = "other"
+        _KINDS[t] = k
+    return k
 
 
 def pointer(x: Any) -> int:
