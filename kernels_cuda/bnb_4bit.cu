@@ -198,18 +198,8 @@ __global__ void __launch_bounds__(kQuantThreads, kQuantCtasPerSm) quantize_4bit_
         float m = fabsf(v[0]);
 #pragma unroll
         for (int i = 1; i < kQuantElems; ++i) m = fmaxf(m, fabsf(v[i]));
-        // every step runs (no branch, no divergence check); a step past the group shuffles with
-        // lane ^ 0, itself (off & (G - 1) is off below G, else 0)
-#pragma unroll
-        for (int off = 1; off < 32; off <<= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, off & (G - 1)));
-        if (G > 32) {  // uniform over the CTA
-            const int warp = threadIdx.x >> 5, wpg = G >> 5, first = (warp / wpg) * wpg;
-            if (lane_id() == 0) red[warp] = m;
-            __syncthreads();
-            m = red[first];
-            for (int j = 1; j < wpg; ++j) m = fmaxf(m, red[first + j]);
-            __syncthreads();  // red[] is rewritten by the next iteration
-        }
+        m = group_absmax(m, G, red);
+        if (G > 32) __syncthreads();  // red[] is rewritten by the next iteration
         const float r = recip_rn(m);  // correctly rounded; 1/0 = inf and 0*inf = NaN -> code 0
         if ((threadIdx.x & (G - 1)) == 0 && e0 < n) absmax[e0 >> log2bs] = m;
 
@@ -239,6 +229,17 @@ __device__ __forceinline__ float block_scale(const void* absmax, const float* ab
     return __fadd_rn(__fmul_rn(c2[q], ldg_f32(absmax2 + (b >> 8))), offset);
 }
 
+// The format's 16 codes and (nested) the 256 second-level codes into shared memory; returns the
+// nested offset (0 when not nested). Contains a CTA barrier.
+template <int QT, bool NESTED>
+__device__ __forceinline__ float load_decode_tables(float* lut, float* c2, const float* code2, const float* offset) {
+    if (threadIdx.x < 16) lut[threadIdx.x] = code_4bit<QT>(threadIdx.x);
+    if (NESTED)
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) c2[i] = ldg_f32(code2 + i);
+    __syncthreads();
+    return NESTED ? ldg_f32(offset) : 0.0f;
+}
+
 constexpr int kDequantThreads = 256;
 constexpr int kDequantWords = 8;  // packed 32-bit words (8 elements each) per thread
 
@@ -255,11 +256,7 @@ __global__ void __launch_bounds__(kDequantThreads, 4) dequantize_4bit_kernel(
     i64 n, int log2bs, int vec) {
     __shared__ float lut[16];
     __shared__ float c2[NESTED ? 256 : 1];
-    if (threadIdx.x < 16) lut[threadIdx.x] = code_4bit<QT>(threadIdx.x);
-    if (NESTED)
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) c2[i] = ldg_f32(code2 + i);
-    __syncthreads();
-    const float off = NESTED ? ldg_f32(offset) : 0.0f;
+    const float off = load_decode_tables<QT, NESTED>(lut, c2, code2, offset);
 
     const i64 nwords = (n + 7) >> 3;
     for (i64 chunk = blockIdx.x; chunk * (kDequantThreads * kDequantWords) < nwords; chunk += gridDim.x) {
@@ -535,11 +532,7 @@ __global__ void __launch_bounds__(256) gemv_4bit_simple_kernel(
     typename T::S* __restrict__ out, int batch, i64 N, i64 K, int log2bs) {
     __shared__ float lut[16];
     __shared__ float c2[NESTED ? 256 : 1];
-    if (threadIdx.x < 16) lut[threadIdx.x] = code_4bit<QT>(threadIdx.x);
-    if (NESTED)
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) c2[i] = ldg_f32(code2 + i);
-    __syncthreads();
-    const float off = NESTED ? ldg_f32(offset) : 0.0f;
+    const float off = load_decode_tables<QT, NESTED>(lut, c2, code2, offset);
     const int lane = lane_id();
     const int b0 = blockIdx.y * 8, nb = min(8, batch - b0);
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);

@@ -4,9 +4,10 @@
 
 namespace qc {
 
-// code = number of the 255 ascending thresholds t with s > t (nearest code value, ties to the
-// lower index, NaN to 0): a branch-free binary search.
+// code = number of the kDynNThr (255) ascending thresholds t with s > t (nearest code value, ties
+// to the lower index, NaN to 0): a branch-free binary search.
 __device__ __forceinline__ u32 round8(const float* thr, float s) {
+    static_assert(kDynNThr == 255, "an 8-step search covers 2^8 - 1 thresholds");
     u32 idx = 0;
 #pragma unroll
     for (u32 step = 128; step > 0; step >>= 1)
@@ -21,9 +22,9 @@ template <typename T>
 __global__ void __launch_bounds__(512) quantize_blockwise_kernel(
     const typename T::S* __restrict__ x, const float* __restrict__ thresholds, u8* __restrict__ codes,
     float* __restrict__ absmax, const float* __restrict__ center, i64 n, int log2bs, int vec) {
-    __shared__ float thr[256];
+    __shared__ float thr[kDynNThr + 1];
     __shared__ float red[16];
-    for (int i = threadIdx.x; i < 255; i += blockDim.x)
+    for (int i = threadIdx.x; i < kDynNThr; i += blockDim.x)
         thr[i] = thresholds ? ldg_f32(thresholds + i) : kDynamicThresholds[i];
     __syncthreads();
 
@@ -69,8 +70,8 @@ template <typename T>
 __global__ void __launch_bounds__(256) dequantize_blockwise_kernel(
     const u8* __restrict__ codes, const float* __restrict__ absmax, const float* __restrict__ code,
     typename T::S* __restrict__ out, i64 n, int log2bs, int vec) {
-    __shared__ float table[256];
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) table[i] = ldg_f32(code + i);
+    __shared__ float table[kDynNThr + 1];
+    for (int i = threadIdx.x; i <= kDynNThr; i += blockDim.x) table[i] = ldg_f32(code + i);
     __syncthreads();
     const i64 first = (i64)blockIdx.x * blockDim.x * 2 + threadIdx.x;
     u64 q[2];
@@ -168,8 +169,8 @@ __device__ __forceinline__ u32 cell8(float s) {
 }
 
 struct Cells8 {
-    float thr[256];          // thresholds, thr[255] = +inf
-    int tc[256];             // cell of each threshold (build only), tc[255] past every cell
+    float thr[kDynNThr + 1];  // thresholds, thr[kDynNThr] = +inf
+    int tc[kDynNThr + 1];     // cell of each threshold (build only), tc[kDynNThr] past every cell
     u16 off4[kC8Cells];      // 4 * (thresholds in earlier cells): the byte offset of the next one
     int bad;
 };
@@ -178,14 +179,14 @@ struct Cells8 {
 __device__ void build_cells8(Cells8& t, const float* __restrict__ thresholds) {
     const int i = threadIdx.x;
     if (i == 0) t.bad = 0;
-    for (int j = i; j < 256; j += blockDim.x) {
-        const float th = j < 255 ? (thresholds ? ldg_f32(thresholds + j) : kDynamicThresholds[j])
-                                 : __int_as_float(0x7f800000);
+    for (int j = i; j <= kDynNThr; j += blockDim.x) {
+        const float th = j < kDynNThr ? (thresholds ? ldg_f32(thresholds + j) : kDynamicThresholds[j])
+                                      : pos_inf();
         t.thr[j] = th;
-        t.tc[j] = j < 255 ? (int)cell8(th) : (1 << 30);
+        t.tc[j] = j < kDynNThr ? (int)cell8(th) : (1 << 30);
     }
     __syncthreads();
-    for (int j = i; j < 254; j += blockDim.x)
+    for (int j = i; j < kDynNThr - 1; j += blockDim.x)
         if (t.tc[j] >= t.tc[j + 1]) t.bad = 1;  // two in one cell (or not ascending)
     for (int u = i; u < kC8Cells; u += blockDim.x) {
         int idx = 0;  // number of tc[] below u: tc is ascending (else bad)
@@ -201,6 +202,48 @@ __device__ __forceinline__ u32 round8_cells(const Cells8& t, float s) {
     const u32 o4 = t.off4[cell8(s)];
     const float th = *reinterpret_cast<const float*>(reinterpret_cast<const u8*>(t.thr) + o4);
     return (o4 >> 2) + (s > th ? 1u : 0u);
+}
+
+// One thread's 8 values of a version-2/3 blockwise task: centred by off for double quantization
+// (elements past n stay 0.0: the reference pads the centred array), the group's NaN-ignoring
+// absmax, the codes (by cells when the table is usable, else the threshold search), stored 8 at a
+// time. For G > 32 the caller puts a barrier before the next task (red[]).
+__device__ __forceinline__ void blockwise8_task(float (&v)[8], i64 e0, i64 n, bool dq, float off, int G, float* red,
+                                                int tid, const Cells8& tab, bool cells, float* absmax, int log2bs,
+                                                u8* codes, bool vec) {
+    if (dq) {
+        const int valid = e0 + 8 <= n ? 8 : (int)(n - e0);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (i < valid) v[i] = __fsub_rn(v[i], off);
+    }
+    float m = fabsf(v[0]);
+#pragma unroll
+    for (int i = 1; i < 8; ++i) m = fmaxf(m, fabsf(v[i]));
+    m = group_absmax(m, G, red);
+    const float r = recip_rn(m);
+    if ((tid & (G - 1)) == 0 && e0 < n) absmax[e0 >> log2bs] = m;
+    u32 lo = 0, hi = 0;
+    if (cells) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            lo |= round8_cells(tab, __fmul_rn(v[i], r)) << (8 * i);
+            hi |= round8_cells(tab, __fmul_rn(v[i + 4], r)) << (8 * i);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            lo |= round8(tab.thr, __fmul_rn(v[i], r)) << (8 * i);
+            hi |= round8(tab.thr, __fmul_rn(v[i + 4], r)) << (8 * i);
+        }
+    }
+    if (vec && e0 + 8 <= n) {
+        *reinterpret_cast<u64*>(codes + e0) = ((u64)hi << 32) | lo;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (e0 + i < n) codes[e0 + i] = (u8)((i < 4 ? lo : hi) >> (8 * (i & 3)));
+    }
 }
 
 // 8 consecutive elements as raw 32-bit words
@@ -318,45 +361,7 @@ __global__ void __launch_bounds__(512, 2) quantize_blockwise_v2_kernel(
     const bool cells = !tab.bad;
 
     auto process = [&](i64 tt, float (&v)[8]) {
-        const i64 e0 = tt * 8;
-        if (dq) {  // elements past n stay 0.0: the reference pads the centered array
-            const int valid = e0 + 8 <= n ? 8 : (int)(n - e0);
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-                if (i < valid) v[i] = __fsub_rn(v[i], off);
-        }
-        float m = fabsf(v[0]);
-#pragma unroll
-        for (int i = 1; i < 8; ++i) m = fmaxf(m, fabsf(v[i]));
-        if (G == 32) {  // double quantization's 256: one warp per block, no loop
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, o));
-        } else {
-            m = group_absmax(m, G, red);
-        }
-        const float r = recip_rn(m);
-        if ((threadIdx.x & (G - 1)) == 0 && e0 < n) absmax[e0 >> log2bs] = m;
-        u32 lo = 0, hi = 0;
-        if (cells) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                lo |= round8_cells(tab, __fmul_rn(v[i], r)) << (8 * i);
-                hi |= round8_cells(tab, __fmul_rn(v[i + 4], r)) << (8 * i);
-            }
-        } else {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                lo |= round8(tab.thr, __fmul_rn(v[i], r)) << (8 * i);
-                hi |= round8(tab.thr, __fmul_rn(v[i + 4], r)) << (8 * i);
-            }
-        }
-        if (vec && e0 + 8 <= n) {
-            *reinterpret_cast<u64*>(codes + e0) = ((u64)hi << 32) | lo;
-        } else {
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-                if (e0 + i < n) codes[e0 + i] = (u8)((i < 4 ? lo : hi) >> (8 * (i & 3)));
-        }
+        blockwise8_task(v, tt * 8, n, dq, off, G, red, (int)threadIdx.x, tab, cells, absmax, log2bs, codes, vec);
     };
 
     const i64 tdefer = (i64)ndefer << (log2bs - 3);  // the deferred blocks' threads (G = 32 there)
@@ -471,11 +476,12 @@ __host__ __device__ constexpr int c8_cell_const(float th) {
     return th >= 0.0f ? kC8Half + k : kC8Half - 1 - k;
 }
 
-constexpr float kDynThrConst[255] = QC_DYNAMIC_THRESHOLDS_INIT;
+// the dynamic thresholds again, as a compile-time constant (kDynamicThresholds is device memory)
+constexpr float kDynThrConst[kDynNThr] = QC_DYNAMIC_THRESHOLDS_INIT;
 
-// The dynamic map's thresholds lie in 255 distinct, ascending cells: the table below is exact.
+// The dynamic map's thresholds lie in distinct, ascending cells: the table below is exact.
 __host__ __device__ constexpr bool dyn_cells8_one_per_cell() {
-    for (int j = 0; j + 1 < 255; ++j)
+    for (int j = 0; j + 1 < kDynNThr; ++j)
         if (c8_cell_const(kDynThrConst[j]) >= c8_cell_const(kDynThrConst[j + 1])) return false;
     return true;
 }
@@ -490,7 +496,7 @@ __host__ __device__ constexpr DynCells8 make_dyn_cells8() {
     DynCells8 t{};
     int j = 0;  // thresholds in the cells below u (they ascend)
     for (int u = 0; u < kC8Cells; ++u) {
-        while (j < 255 && c8_cell_const(kDynThrConst[j]) < u) ++j;
+        while (j < kDynNThr && c8_cell_const(kDynThrConst[j]) < u) ++j;
         t.off4[u] = (u16)(4 * j);
     }
     return t;
@@ -553,7 +559,7 @@ __global__ void __launch_bounds__(kQ3Threads, 2) quantize_blockwise_v3_kernel(
         const int idx = tid * k + i;
         v[i] = (dq && i < k && idx < nchunks) ? partials[idx] : 0.0;
     }
-    const int tj = tid < 255 ? tid : 254;
+    const int tj = tid < kDynNThr ? tid : kDynNThr - 1;
     const float dyn = kDynamicThresholds[tj];
     const float given = thresholds ? ldg_f32(thresholds + tj) : dyn;
     const u32* csrc = reinterpret_cast<const u32*>(kDynCells8.off4);
@@ -564,7 +570,7 @@ __global__ void __launch_bounds__(kQ3Threads, 2) quantize_blockwise_v3_kernel(
 
     // 3. the leaves' levels in registers (widths 8 -> 4 -> 2 -> 1, the last log2(k) of them), the
     // butterfly over the warp (xor o pairs neighbours level by level), the warp sums in ws; the
-    // thresholds (thr[255] = +inf) and the table in shared memory
+    // thresholds (thr[kDynNThr] = +inf) and the table in shared memory
 #pragma unroll
     for (int l = 0; l < 3; ++l) {
         const int h = 4 >> l;
@@ -582,9 +588,9 @@ __global__ void __launch_bounds__(kQ3Threads, 2) quantize_blockwise_v3_kernel(
         if (lane == 0 && tid < q) ws[warp] = p;
     }
     int differ = 0;
-    if (tid < 256) {
-        tab.thr[tid] = tid < 255 ? given : __int_as_float(0x7f800000);
-        differ = tid < 255 && __float_as_uint(given) != __float_as_uint(dyn);
+    if (tid <= kDynNThr) {
+        tab.thr[tid] = tid < kDynNThr ? given : pos_inf();
+        differ = tid < kDynNThr && __float_as_uint(given) != __float_as_uint(dyn);
     }
     {
         u32* dst = reinterpret_cast<u32*>(tab.off4);
@@ -621,45 +627,7 @@ __global__ void __launch_bounds__(kQ3Threads, 2) quantize_blockwise_v3_kernel(
     const bool cells = !tab.bad;
 
     auto process = [&](i64 tt, float (&v)[8]) {
-        const i64 e0 = tt * 8;
-        if (dq) {  // elements past n stay 0.0: the reference pads the centered array
-            const int valid = e0 + 8 <= n ? 8 : (int)(n - e0);
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-                if (i < valid) v[i] = __fsub_rn(v[i], off);
-        }
-        float m = fabsf(v[0]);
-#pragma unroll
-        for (int i = 1; i < 8; ++i) m = fmaxf(m, fabsf(v[i]));
-        if (G == 32) {
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, o));
-        } else {
-            m = group_absmax(m, G, red);
-        }
-        const float r = recip_rn(m);
-        if ((tid & (G - 1)) == 0 && e0 < n) absmax[e0 >> log2bs] = m;
-        u32 lo = 0, hi = 0;
-        if (cells) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                lo |= round8_cells(tab, __fmul_rn(v[i], r)) << (8 * i);
-                hi |= round8_cells(tab, __fmul_rn(v[i + 4], r)) << (8 * i);
-            }
-        } else {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                lo |= round8(tab.thr, __fmul_rn(v[i], r)) << (8 * i);
-                hi |= round8(tab.thr, __fmul_rn(v[i + 4], r)) << (8 * i);
-            }
-        }
-        if (vec && e0 + 8 <= n) {
-            *reinterpret_cast<u64*>(codes + e0) = ((u64)hi << 32) | lo;
-        } else {
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-                if (e0 + i < n) codes[e0 + i] = (u8)((i < 4 ? lo : hi) >> (8 * (i & 3)));
-        }
+        blockwise8_task(v, tt * 8, n, dq, off, G, red, tid, tab, cells, absmax, log2bs, codes, vec);
     };
 
     // one task: its values from ``raw`` (loaded ahead) or element loads, then the task two strides

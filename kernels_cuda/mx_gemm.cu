@@ -184,6 +184,45 @@ struct Gemm {
     static constexpr bool kNv = FMT == QC_FMT_NVFP4;
     static constexpr u32 kTwo126 = 0x7e807e80u;  // bf16x2 (2^126, 2^126)
 
+    // NVFP4's operands carry 2^-9 each (its scale table holds e4m3(b) * 2^117 times the decoded
+    // code's 2^-126): the accumulator is scaled back by 2^18, exactly
+    static constexpr float kAccScale = kNv ? 262144.0f : 1.0f;
+
+    // epilogue of one warp's two 16-row slices x 128 columns: out = bf16(alpha * acc (+ bias))
+    static __device__ __forceinline__ void store_acc(const float (&acc)[2][64], int warp, int m0, int n0, int g,
+                                                     int t, float a, const u16* bias, u16* out, int M, int N,
+                                                     int out_vec) {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                const int row = m0 + row_base(warp, mt) + g + 8 * rr;
+                if (row >= M) continue;
+                u16* orow = out + (i64)row * N;
+#pragma unroll
+                for (int jn = 0; jn < 16; ++jn) {
+                    const int col = n0 + 8 * jn + 2 * t;
+                    if (col >= N) continue;
+                    float v0 = __fmul_rn(__fmul_rn(acc[mt][4 * jn + 2 * rr], kAccScale), a);
+                    float v1 = __fmul_rn(__fmul_rn(acc[mt][4 * jn + 2 * rr + 1], kAccScale), a);
+                    const bool two = col + 1 < N;
+                    if (bias != nullptr) {
+                        v0 = __fadd_rn(v0, __uint_as_float((u32)bias[col] << 16));
+                        if (two) v1 = __fadd_rn(v1, __uint_as_float((u32)bias[col + 1] << 16));
+                    }
+                    if (two && out_vec) {
+                        u32 pk;
+                        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pk) : "f"(v1), "f"(v0));
+                        *reinterpret_cast<u32*>(orow + col) = pk;
+                    } else {
+                        orow[col] = f32_to_bf16(v0);
+                        if (two) orow[col + 1] = f32_to_bf16(v1);
+                    }
+                }
+            }
+        }
+    }
+
     // first CTA-local row of the 16-row slice this warp owns in row tile mt (0, 1)
     static __device__ __forceinline__ int row_base(int warp, int mt) {
         return WG ? (warp >> 2) * 128 + mt * 64 + (warp & 3) * 16 : warp * 32 + mt * 16;
@@ -467,38 +506,9 @@ struct Gemm {
         }
 #endif
 
-        // epilogue: out = bf16(alpha * acc (+ bias)); NVFP4's operands carried 2^-9 each
+        // epilogue: out = bf16(alpha * acc (+ bias))
         const float a = *alpha;
-        const float fac = kNv ? 262144.0f : 1.0f;
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-            for (int rr = 0; rr < 2; ++rr) {
-                const int row = m0 + row_base(warp, mt) + g + 8 * rr;
-                if (row >= M) continue;
-                u16* orow = out + (i64)row * N;
-#pragma unroll
-                for (int jn = 0; jn < 16; ++jn) {
-                    const int col = n0 + 8 * jn + 2 * t;
-                    if (col >= N) continue;
-                    float v0 = __fmul_rn(__fmul_rn(acc[mt][4 * jn + 2 * rr], fac), a);
-                    float v1 = __fmul_rn(__fmul_rn(acc[mt][4 * jn + 2 * rr + 1], fac), a);
-                    const bool two = col + 1 < N;
-                    if (bias != nullptr) {
-                        v0 = __fadd_rn(v0, __uint_as_float((u32)bias[col] << 16));
-                        if (two) v1 = __fadd_rn(v1, __uint_as_float((u32)bias[col + 1] << 16));
-                    }
-                    if (two && out_vec) {
-                        u32 pk;
-                        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pk) : "f"(v1), "f"(v0));
-                        *reinterpret_cast<u32*>(orow + col) = pk;
-                    } else {
-                        orow[col] = f32_to_bf16(v0);
-                        if (two) orow[col + 1] = f32_to_bf16(v1);
-                    }
-                }
-            }
-        }
+        store_acc(acc, warp, m0, n0, g, t, a, bias, out, M, N, out_vec);
     }
 };
 
@@ -864,7 +874,6 @@ struct GemmWS {
             const int cw = (tid - 128) >> 5, g = lane >> 2, t = lane & 3;
             const AOff ao = a_offsets(cw, lane);
             const float a = *alpha;
-            const float fac = kNv ? 262144.0f : 1.0f;
             float acc[2][64];
             u32 af[2][2][4][4];
 #pragma unroll 1
@@ -890,35 +899,7 @@ struct GemmWS {
                 if (lane == 0 && p.nsub > 0) mbar_arrive(s_bar + 8 * (kWsBBufs + (gbase + p.nsub - 1) % kWsBBufs));
 
                 // epilogue (as Gemm::run): out = bf16(alpha * acc (+ bias))
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-                    for (int rr = 0; rr < 2; ++rr) {
-                        const int row = m0 + G::row_base(cw, mt) + g + 8 * rr;
-                        if (row >= M) continue;
-                        u16* orow = out + (i64)row * N;
-#pragma unroll
-                        for (int jn = 0; jn < 16; ++jn) {
-                            const int col = n0 + 8 * jn + 2 * t;
-                            if (col >= N) continue;
-                            float v0 = __fmul_rn(__fmul_rn(acc[mt][4 * jn + 2 * rr], fac), a);
-                            float v1 = __fmul_rn(__fmul_rn(acc[mt][4 * jn + 2 * rr + 1], fac), a);
-                            const bool two = col + 1 < N;
-                            if (bias != nullptr) {
-                                v0 = __fadd_rn(v0, __uint_as_float((u32)bias[col] << 16));
-                                if (two) v1 = __fadd_rn(v1, __uint_as_float((u32)bias[col + 1] << 16));
-                            }
-                            if (two && out_vec) {
-                                u32 pk;
-                                asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pk) : "f"(v1), "f"(v0));
-                                *reinterpret_cast<u32*>(orow + col) = pk;
-                            } else {
-                                orow[col] = f32_to_bf16(v0);
-                                if (two) orow[col + 1] = f32_to_bf16(v1);
-                            }
-                        }
-                    }
-                }
+                G::store_acc(acc, cw, m0, n0, g, t, a, bias, out, M, N, out_vec);
             }
         }
     }

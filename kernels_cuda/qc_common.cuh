@@ -208,11 +208,14 @@ __device__ __forceinline__ void store8<BF16>(u16* out, i64 e0, i64 n, bool vec, 
 // -- warp helpers ----------------------------------------------------------------------------------
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 
-// Max of a value over the G consecutive threads of one quantization block (G = blocksize / 8, a
-// power of two from 4 to 512; the CTA holds whole groups). NaN-ignoring like the format's absmax.
+// Max of a value over the G consecutive threads of one quantization block (G a power of two up
+// to 512 - blocksize / elements per thread; the CTA holds whole groups). NaN-ignoring like the
+// format's absmax. Every shuffle step runs (no loop bound, no branch): a step past the group
+// shuffles with lane ^ 0, itself (off & (G - 1) is off below G, else 0). For G > 32 the caller
+// puts a barrier before red[] is written again.
 __device__ __forceinline__ float group_absmax(float m, int G, float* red) {
-    const int lanes = G < 32 ? G : 32;
-    for (int off = lanes >> 1; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, off));
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, off & (G - 1)));
     if (G > 32) {  // uniform over the CTA
         const int warp = threadIdx.x >> 5, wpg = G >> 5, first = (warp / wpg) * wpg;
         if (lane_id() == 0) red[warp] = m;
@@ -236,8 +239,9 @@ __device__ const float kFp4Code[16] = QC_FP4_CODE_INIT;
 __device__ const float kNf4Thresholds[QC_NF4_NTHRESHOLDS] = QC_NF4_THRESHOLDS_INIT;
 __device__ const float kFp4Thresholds[QC_FP4_NTHRESHOLDS] = QC_FP4_THRESHOLDS_INIT;
 __device__ const int kFp4StepCodes[QC_FP4_NTHRESHOLDS + 1] = QC_FP4_STEP_CODES_INIT;
-__device__ const float kDynamicMap[256] = QC_DYNAMIC_MAP_INIT;
-__device__ const float kDynamicThresholds[255] = QC_DYNAMIC_THRESHOLDS_INIT;
+constexpr int kDynNThr = QC_DYNAMIC_NTHRESHOLDS;  // the dynamic map's codes: kDynNThr + 1
+__device__ const float kDynamicMap[kDynNThr + 1] = QC_DYNAMIC_MAP_INIT;
+__device__ const float kDynamicThresholds[kDynNThr] = QC_DYNAMIC_THRESHOLDS_INIT;
 
 template <int QT>
 __device__ __forceinline__ float code_4bit(int q) {

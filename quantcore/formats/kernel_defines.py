@@ -49,6 +49,7 @@ def _entries() -> list[tuple[str, str]]:
         ("QC_QUANT_NF4", str(QUANT_TYPE_CODE["nf4"])),
         ("QC_QUANT_FP4", str(QUANT_TYPE_CODE["fp4"])),
         ("QC_NESTED_BLOCKSIZE", str(bnb.NESTED_BLOCKSIZE)),
+        ("QC_DYNAMIC_NTHRESHOLDS", str(bnb.DYNAMIC_THRESHOLDS.size)),
         ("QC_DYNAMIC_MAP_INIT", _f32_list(bnb.DYNAMIC_MAP)),
         ("QC_DYNAMIC_THRESHOLDS_INIT", _f32_list(bnb.DYNAMIC_THRESHOLDS)),
         ("QC_QK", str(ggml.QK)),
