@@ -37,10 +37,10 @@ inline constexpr float kNF4Thresholds[QC_NF4_NTHRESHOLDS] = QC_NF4_THRESHOLDS_IN
 inline constexpr float kFP4Code[16] = QC_FP4_CODE_INIT;
 inline constexpr float kFP4Thresholds[QC_FP4_NTHRESHOLDS] = QC_FP4_THRESHOLDS_INIT;
 inline constexpr uint8_t kFP4StepCodes[QC_FP4_NTHRESHOLDS + 1] = QC_FP4_STEP_CODES_INIT;
-inline constexpr float kDynamicThresholds[255] = QC_DYNAMIC_THRESHOLDS_INIT;
+inline constexpr float kDynamicThresholds[QC_DYNAMIC_NTHRESHOLDS] = QC_DYNAMIC_THRESHOLDS_INIT;
 
 inline constexpr int kCodes4Bit = 16;
-inline constexpr int kCodes8Bit = 256;
+inline constexpr int kCodes8Bit = QC_DYNAMIC_NTHRESHOLDS + 1;
 inline constexpr int kQuantNF4 = QC_QUANT_NF4;
 inline constexpr int kQuantFP4 = QC_QUANT_FP4;
 inline constexpr int kNestedBlockShift = 8; // log2(QC_NESTED_BLOCKSIZE)
