@@ -245,10 +245,12 @@ constexpr int kDequantWords = 8;  // packed 32-bit words (8 elements each) per t
 
 // Each thread decodes kDequantWords packed words spaced a CTA apart, so each load and each
 // 8-element store of a warp is contiguous; all loads are issued before the first use.
-// Measured bound (H200): the 2 bytes written per element, not the reads. A version that staged the
-// packed words in shared memory by cp.async three tiles ahead (no read latency left, 56
-// registers) took the same time (192 vs 191 us at 16384^2 -> bf16), and a write-only fill of the
-// same 512 MiB output runs at 3339 GB/s (161 us, 78% of the copy bandwidth) on that device.
+// Measured bound (H200): the access mix, not the read latency. A version that staged the packed
+// words in shared memory by cp.async three tiles ahead (no read latency left, 56 registers) took
+// the same time (192 vs 191 us at 16384^2 -> bf16). A kernel that only streams the same bytes
+// (4-byte reads, 16-byte stores, 1 byte read per 4 written: tools/dev/write_ceiling.py) takes
+// 184-187 us (84.6-85.8% of the copy rate), against 101% for writes alone: this kernel runs at
+// ~96% of that ceiling.
 template <typename T, int QT, bool NESTED>
 __global__ void __launch_bounds__(kDequantThreads, 4) dequantize_4bit_kernel(
     const u8* __restrict__ packed, const void* __restrict__ absmax, const float* __restrict__ absmax2,

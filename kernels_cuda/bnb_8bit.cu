@@ -206,9 +206,10 @@ __device__ __forceinline__ u32 round8_cells(const Cells8& t, float s) {
 
 // One thread's 8 values of a version-2/3 blockwise task: centred by off for double quantization
 // (elements past n stay 0.0: the reference pads the centred array), the group's NaN-ignoring
-// absmax, the codes (by cells when the table is usable, else the threshold search), stored 8 at a
-// time. For G > 32 the caller puts a barrier before the next task (red[]).
-__device__ __forceinline__ void blockwise8_task(float (&v)[8], i64 e0, i64 n, bool dq, float off, int G, float* red,
+// absmax (returned; written to absmax[] unless that is null), the codes (by cells when the table
+// is usable, else the threshold search), stored 8 at a time. For G > 32 the caller puts a barrier
+// before the next task (red[]).
+__device__ __forceinline__ float blockwise8_task(float (&v)[8], i64 e0, i64 n, bool dq, float off, int G, float* red,
                                                 int tid, const Cells8& tab, bool cells, float* absmax, int log2bs,
                                                 u8* codes, bool vec) {
     if (dq) {
@@ -222,7 +223,7 @@ __device__ __forceinline__ void blockwise8_task(float (&v)[8], i64 e0, i64 n, bo
     for (int i = 1; i < 8; ++i) m = fmaxf(m, fabsf(v[i]));
     m = group_absmax(m, G, red);
     const float r = recip_rn(m);
-    if ((tid & (G - 1)) == 0 && e0 < n) absmax[e0 >> log2bs] = m;
+    if (absmax && (tid & (G - 1)) == 0 && e0 < n) absmax[e0 >> log2bs] = m;
     u32 lo = 0, hi = 0;
     if (cells) {
 #pragma unroll
@@ -244,6 +245,7 @@ __device__ __forceinline__ void blockwise8_task(float (&v)[8], i64 e0, i64 n, bo
         for (int i = 0; i < 8; ++i)
             if (e0 + i < n) codes[e0 + i] = (u8)((i < 4 ? lo : hi) >> (8 * (i & 3)));
     }
+    return m;
 }
 
 // 8 consecutive elements as raw 32-bit words
@@ -713,6 +715,175 @@ __global__ void __launch_bounds__(kSum3Threads, 2) absmax_chunk_sum_v3_kernel(
             if (blockIdx.x == 0) *counter = 0u;
         }
     }
+}
+
+
+// ==================================================================================================
+// Version 4 (double_quantize in one cooperative launch; opt-in: QUANTCORE_CUDA_TUNE=dq_v=4)
+// ==================================================================================================
+// Versions 2 and 3 read absmax twice (the chunk sums, then the quantization) in two launches. Here
+// every CTA copies its contiguous share of absmax into shared memory once (16-byte cp.async, all in
+// flight together), sums it over the perfect binary tree in leaves of kDq4Unit values (aligned
+// subtrees: the reference's tree), writes the leaf sums over the first bytes of the codes and counts
+// itself in at a grid barrier; the CTA that arrives last sums the leaves' top, writes the offset and
+// releases the others; then every CTA quantizes its blocks from shared memory (a warp per nested
+// block of 256). The launch is cooperative (cuLaunchCooperativeKernel refuses a grid that cannot be
+// resident at once), so spinning on the barrier cannot deadlock.
+// Measured (H200, 4 M values; tools/dev/dq4_trace.py): bit-exact, 19.2 us against version 3's
+// 18.7 us. The phases run one after the other: values in 2.2 us, leaf sums 2.0 us (fp32 -> fp64
+// conversions), the barrier 4.1 us (CTA start spread 1.3 us, then two trips through L2), the
+// rounding 4.4 us, and ~4 us of launch and barrier-word memset around the 14.9 us kernel span.
+// Tried without gain: every CTA summing the top itself (leaves in absmax2's bytes), two blocks per
+// warp at a time. Kept opt-in as the base for fusing double quantization into quantize_4bit.
+//
+// The barrier word is absmax2's last element, zeroed by the host before the launch: G arrivals,
+// + 1 when the offset is out, + 1 per CTA once it has read the offset (2 G + 1 in all). The CTA
+// owning the last block writes that block's absmax2 over the word after the count is complete.
+// The leaf sums in ``codes`` are read by the last arriver only, before any CTA writes a code.
+constexpr int kDq4Threads = 512;
+constexpr int kDq4UnitBlocks = 8;                       // nested blocks (of 256) per leaf
+constexpr int kDq4Unit = kDq4UnitBlocks * 256;          // values per leaf
+constexpr int kDq4MaxUnits = 12;                        // leaves per CTA: 96 KiB of shared memory
+static_assert(kDq4Threads == 512 && kDq4Unit % (4 * kDq4Threads) == 0, "whole 16-byte copies per round");
+
+__device__ __forceinline__ void cp_async16_zfill(void* sdst, const void* gsrc, u32 src_bytes) {
+    const u32 d = (u32)__cvta_generic_to_shared(sdst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(gsrc), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ u32 ld_acquire_gpu(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void red_add_release_gpu(u32* p, u32 v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ u32 atom_add_release_gpu(u32* p, u32 v) {
+    u32 old;
+    asm volatile("atom.release.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+__device__ __forceinline__ void spin_until_at_least(const u32* p, u32 target) {
+    while (ld_acquire_gpu(p) < target) __nanosleep(64);
+}
+__device__ __forceinline__ u64 globaltimer_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+
+// nunits = ceil(nb / kDq4Unit) leaves, CTA c owning leaves [nunits c / G, nunits (c + 1) / G);
+// npart: the tree's padded leaf count (a power of two, <= 4096); leaves: 8-byte aligned scratch in
+// ``codes``; vec: codes 8-byte aligned (absmax must be 16-byte aligned for the copies); trace
+// (development, null otherwise): per CTA the global timer at 6 points (start, values in, leaves
+// out, offset known, codes out, end).
+__global__ void __launch_bounds__(kDq4Threads, 2) double_quantize_v4_kernel(
+    const float* __restrict__ absmax, i64 nb, u8* codes, float* absmax2, float* offset, double* leaves,
+    int npart, int vec, u64* trace) {
+    extern __shared__ float4 s_vals4[];  // the CTA's leaves of absmax, zeros past nb
+    __shared__ Cells8 tab;
+    __shared__ double s_bsum[kDq4MaxUnits * kDq4UnitBlocks];
+    __shared__ double ws[8];
+    __shared__ float s_off, s_lastm;
+    __shared__ int s_last;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const u32 G = gridDim.x;
+    const i64 nunits = (nb + kDq4Unit - 1) / kDq4Unit;
+    const i64 u0 = nunits * blockIdx.x / G, u1 = nunits * (blockIdx.x + 1) / G;
+    const int nu = (int)(u1 - u0);
+    const i64 nbl2 = (nb + 255) >> 8;
+    u32* bar = reinterpret_cast<u32*>(absmax2 + (nbl2 - 1));
+    u64* tr = trace ? trace + 8 * blockIdx.x : nullptr;
+    if (tr && tid == 0) tr[0] = globaltimer_ns();
+
+    // 1. the CTA's values into shared memory (copies past nb read nothing and zero-fill)
+    {
+        const float* src0 = absmax + u0 * kDq4Unit;
+        const i64 left = nb - u0 * kDq4Unit;  // values from src0 on
+        for (int j = tid; j < nu * (kDq4Unit / 4); j += kDq4Threads) {
+            const i64 rem = left - 4 * (i64)j;
+            const u32 bytes = rem >= 4 ? 16u : rem > 0 ? (u32)rem * 4u : 0u;
+            cp_async16_zfill(s_vals4 + j, bytes ? src0 + 4 * (i64)j : absmax, bytes);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+    // 2. meanwhile the cell table: the dynamic map's, from compile time (exact: static_assert above)
+    if (tid <= kDynNThr) tab.thr[tid] = tid < kDynNThr ? kDynamicThresholds[tid] : pos_inf();
+    {
+        const u32* csrc = reinterpret_cast<const u32*>(kDynCells8.off4);
+        u32* dst = reinterpret_cast<u32*>(tab.off4);
+        for (int w = tid; w < kC8Cells / 2; w += kDq4Threads) dst[w] = csrc[w];
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncthreads();
+    if (tr && tid == 0) tr[1] = globaltimer_ns();
+
+    // 3. the tree: a warp per nested block (a lane's 8 contiguous values, then the butterfly),
+    // then the leaves' 8 block sums
+    for (int b = warp; b < nu * kDq4UnitBlocks; b += kDq4Threads / 32) {
+        const float4 x = s_vals4[b * 64 + 2 * lane], y = s_vals4[b * 64 + 2 * lane + 1];
+        double t = (((double)x.x + (double)x.y) + ((double)x.z + (double)x.w)) +
+                   (((double)y.x + (double)y.y) + ((double)y.z + (double)y.w));
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) t = t + shfl_xor_f64(t, o);
+        if (lane == 0) s_bsum[b] = t;
+    }
+    __syncthreads();
+    if (tid < nu) {
+        const double* q = s_bsum + kDq4UnitBlocks * tid;
+        leaves[u0 + tid] = ((q[0] + q[1]) + (q[2] + q[3])) + ((q[4] + q[5]) + (q[6] + q[7]));
+    }
+    __syncthreads();
+    if (tr && tid == 0) tr[2] = globaltimer_ns();
+
+    // 4. the grid barrier and the offset
+    if (tid == 0) {
+        __threadfence();  // the CTA's leaf sums (ordered before by the barrier) before the count
+        const u32 old = atom_add_release_gpu(bar, 1u);
+        s_last = old == G - 1;
+        if (s_last) fence_acq_rel_gpu();  // acquire: every CTA's leaf sums
+    }
+    __syncthreads();
+    if (s_last) {  // uniform over the CTA (barriers inside chunk_tree_top)
+        const double total = chunk_tree_top(leaves, npart, (int)nunits, ws);
+        if (tid == 0) {
+            const float off = __double2float_rn(__ddiv_rn(total, (double)nb));
+            s_off = off;
+            offset[0] = off;
+            red_add_release_gpu(bar, 2u);  // the offset is out (+1), and this CTA has it (+1)
+        }
+    } else if (tid == 0) {
+        spin_until_at_least(bar, G + 1);
+        s_off = __ldcg(offset);  // after the acquire: the last arriver's write
+        red_add_release_gpu(bar, 1u);
+    }
+    __syncthreads();
+    const float off = s_off;
+    if (tr && tid == 0) tr[3] = globaltimer_ns();
+
+    // 5. the codes and absmax2 of the CTA's blocks, a warp per block (whole blocks: G = 32 lanes)
+    const i64 b0 = u0 * kDq4UnitBlocks;
+    for (int b = warp; b < nu * kDq4UnitBlocks && b0 + b < nbl2; b += kDq4Threads / 32) {
+        const i64 gb = b0 + b;
+        const float4 x = s_vals4[b * 64 + 2 * lane], y = s_vals4[b * 64 + 2 * lane + 1];
+        float v[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
+        const bool last = gb == nbl2 - 1;
+        const float m = blockwise8_task(v, gb * 256 + 8 * lane, nb, true, off, 32, nullptr, lane, tab, true,
+                                        last ? nullptr : absmax2, 8, codes, vec != 0);
+        if (last && lane == 0) s_lastm = m;
+    }
+    if (tr && tid == 0) tr[4] = globaltimer_ns();
+
+    // 6. the last block's absmax2 over the barrier word, once every CTA has read the offset
+    if (blockIdx.x == G - 1) {
+        __syncthreads();
+        if (tid == 0) {
+            spin_until_at_least(bar, 2 * G + 1);
+            absmax2[nbl2 - 1] = s_lastm;
+        }
+    }
+    if (tr && tid == 0) tr[5] = globaltimer_ns();
 }
 
 }  // namespace qc

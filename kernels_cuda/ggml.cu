@@ -684,10 +684,24 @@ __global__ void QC_W4_CLUSTER __launch_bounds__(kW4Warps * 32, 1) gemm_w4a8_smal
 // barrier of the consumer warps, the CL partial sums of a row in rank order through distributed
 // shared memory: deterministic, no workspace, no atomics.
 //
-// Measured (H200, docs/performance.md version 13): the time grows with the number of bulk copies
-// per SM (about 40-50 ns each at 1-2 KiB, ring depth 4 or 8 alike), so stages take the longest row
-// pieces (kc) that fit; fewer, larger copies (2-D tensor copies of 16 rows) are the next step.
-constexpr int kWsWarps = 16;       // consumer warps; + 1 producer warp
+// Measured (H200, docs/performance.md versions 13 and W-14): the time grows with the number of
+// stages per CTA, not with the bulk copies: a stage costs each consumer warp ~67 instructions of
+// its own (barrier wait, divisions, pair-loop set-up) besides 52 per block pair, and the 4 warps
+// per scheduler issue at ~0.5, so stages take the longest row pieces (kc) that fit.
+//
+// LD selects who fills the ring. LD = 0 (the default): the producer warp, one 1-D bulk copy per
+// row and stage. LD = 1 (W-14, slower: 19.0 against 15.6 us at 4096x14336 N = 1, kept selectable
+// through QUANTCORE_CUDA_TUNE=w4s_load=1): no producer warp; consumer warp w copies row w of each stage
+// as 16-byte cp.async (lane l takes the units l, l + 32, ...: each warp instruction moves 512
+// contiguous bytes; Q4_0 rows of nbk % 8 == 0 blocks and chunks of multiples of 8 blocks are whole
+// 16-byte units, so no realignment on the way in) and hands them to the full barrier by
+// cp.async.mbarrier.arrive.noinc (512 arrivals per stage). A warp issues stage s + L (L = nstage - 2)
+// before it waits for stage s, after the empty barrier of stage s - 2, whose slot it refills, so
+// the other warps have a stage of slack. Rows past M are not copied (their results are never
+// stored). The consumer code is the same as LD = 0's, so the two give identical bits. The
+// activation prologue of LD = 1 loads block u + 512 before it quantizes block u (one load latency
+// per thread instead of one per block: N = 8 has 3-4 blocks per thread).
+constexpr int kWsWarps = 16;       // consumer warps; + 1 producer warp for LD = 0
 constexpr int kWsRows = 16;        // rows per tile (the mma's M)
 constexpr int kWsMagic = 0x4B400000;  // bits of 1.5 * 2^23
 
@@ -744,7 +758,53 @@ __device__ __forceinline__ void mbar_arrive(u64* bar) {
 __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 1, %0;" :: "r"(kWsWarps * 32) : "memory");
 }
+// 16 bytes global -> shared, L2 only (the weights are read once)
+__device__ __forceinline__ void ws_cp16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
+}
+// one arrival on bar once every cp.async this thread issued before has landed; the barrier's count
+// includes it (noinc)
+__device__ __forceinline__ void ws_cp_arrive(u64* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(smem_addr(bar)) : "memory");
+}
 #endif
+
+// One activation block's raw words (32 elements: 16 words of fp16/bf16, 32 of fp32), loaded as
+// 16-byte vectors from a 16-byte aligned address, and converted to fp32 as load_block does.
+template <typename T>
+struct WsRaw {
+    static constexpr int kWords = T::kBytes * 8;
+    u32 w[kWords];
+    __device__ __forceinline__ void load(const typename T::S* x) {
+#pragma unroll
+        for (int i = 0; i < kWords; i += 4) ldg_v4(reinterpret_cast<const u32*>(x) + i, w[i], w[i + 1], w[i + 2], w[i + 3]);
+    }
+    __device__ __forceinline__ void to_f32(float (&v)[kQK]) const {
+        if constexpr (T::kBytes == 4) {
+#pragma unroll
+            for (int i = 0; i < kQK; ++i) v[i] = __uint_as_float(w[i]);
+        } else {
+#pragma unroll
+            for (int i = 0; i < kQK / 2; ++i) {
+                v[2 * i] = T::lo(w[i]);
+                v[2 * i + 1] = T::hi(w[i]);
+            }
+        }
+    }
+};
+
+// The B fragment words and (d8, 8 s8) of activation block (bl, n) into shared memory.
+__device__ __forceinline__ void ws_store_act(u32* aq, Pair* ads, int NB, int bl, int n, const u32 (&qw)[8], float d8,
+                                             float s8x8) {
+    // B fragment order: (k 4c..4c+3, k 16+4c..16+4c+3) adjacent for c = 0..3
+    uint4* dst = reinterpret_cast<uint4*>(aq + (bl * NB + n) * 8);
+    uint4 lo, hi;
+    lo.x = qw[0], lo.y = qw[4], lo.z = qw[1], lo.w = qw[5];
+    hi.x = qw[2], hi.y = qw[6], hi.z = qw[3], hi.w = qw[7];
+    dst[0] = lo;
+    dst[1] = hi;
+    ads[bl * NB + n] = Pair{d8, s8x8};
+}
 
 // One block's contribution to the 4 accumulators of a lane: rows g, g + 8 (d4 of each), columns
 // 2c, 2c + 1. bq: the lane's B fragment words of the block (column g mod NB), ds: (d8, 8 * s8) of
@@ -781,17 +841,17 @@ __device__ __forceinline__ void ws_block(float (&acc)[4], u32 qg, u32 qg8, float
     }
 }
 
-// out [M, N] fp32; N <= NB; nbk % 8 == 0, kbs and kc multiples of 8, wq 16-byte aligned.
+// out [M, N] fp32; N <= NB; nbk % 8 == 0, kbs and kc multiples of 8, wq 16-byte aligned; nstage >= 2.
 // Shared memory (the launcher computes the same sum): nstage x 16 x ws_stride(kc) ring,
 // kbs x NB x 32 quants, kbs x NB x 8 (d8, 8 s8), 2 x kWsWarps x 16 x NB + tpc x 16 x NB floats,
-// 2 x nstage mbarriers.
+// 2 x nstage mbarriers. Threads: (kWsWarps + 1) x 32 for LD = 0, kWsWarps x 32 for LD = 1.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define QC_WS_CLUSTER(CL)  // the kernel body is empty below sm_90; the launcher never picks it there
 #else
 #define QC_WS_CLUSTER(CL) __cluster_dims__(CL, 1, 1)
 #endif
-template <typename T, int NB, int CL>
-__global__ void QC_WS_CLUSTER(CL) __launch_bounds__((kWsWarps + 1) * 32, 1) gemm_w4a8_stream_kernel(
+template <typename T, int NB, int CL, int LD>
+__global__ void QC_WS_CLUSTER(CL) __launch_bounds__((kWsWarps + (LD == 0 ? 1 : 0)) * 32, 1) gemm_w4a8_stream_kernel(
     const u8* __restrict__ wq, const void* __restrict__ act, float* __restrict__ out, i64 M, int N, i64 K,
     int kbs, int kc, int nstage, int tpc, int vec) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -805,6 +865,7 @@ __global__ void QC_WS_CLUSTER(CL) __launch_bounds__((kWsWarps + 1) * 32, 1) gemm
     const int stride = ws_stride(kc), stage_bytes = kWsRows * stride;
     const i64 tile0 = (i64)(blockIdx.x / CL) * tpc;
     const int ntl = (int)max((i64)0, min((i64)tpc, (M + kWsRows - 1) / kWsRows - tile0));
+    const int nst = ntl * nch;  // stages of this CTA
     u8* ring = smem;
     u32* aq = reinterpret_cast<u32*>(smem + nstage * stage_bytes);
     Pair* ads = reinterpret_cast<Pair*>(aq + kbs * NB * 8);
@@ -815,15 +876,34 @@ __global__ void QC_WS_CLUSTER(CL) __launch_bounds__((kWsWarps + 1) * 32, 1) gemm
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < nstage; ++s) {
-            mbar_init(full + s, 1);
+            mbar_init(full + s, LD == 0 ? 1 : kWsWarps * 32);
             mbar_init(empty + s, kWsWarps);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
 
-    if (warp == kWsWarps) {  // producer: stage s = (tile s / nch, chunk s % nch) into slot s % nstage
-        const int nst = ntl * nch;
+    // LD = 1: the next stage this warp copies (index, slot, use of the slot, tile, chunk)
+    int iq = 0, islot = 0, iuse = 0, it = 0, ich = 0;
+    const u32 ring_s = smem_addr(ring) + warp * stride + 16 * lane;
+    auto issue_next = [&]() {
+        if (iq >= nst) return;
+        if (iuse > 0) mbar_wait(empty + islot, (u32)(iuse - 1) & 1u);  // all warps are done with the slot
+        const i64 r = (tile0 + it) * kWsRows + warp;
+        if (r < M) {
+            const int units = min(kc, nbl - ich * kc) * QC_Q4_0_BLOCK_BYTES / 16;
+            const u8* src = wq + (r * nbk + kb0 + (i64)ich * kc) * QC_Q4_0_BLOCK_BYTES + 16 * lane;
+            u32 dst = ring_s + islot * stage_bytes;
+            for (int u = lane; u < units; u += 32, src += 512, dst += 512) ws_cp16(dst, src);
+        }
+        ws_cp_arrive(full + islot);
+        ++iq;
+        if (++islot == nstage) islot = 0, ++iuse;
+        if (++ich == nch) ich = 0, ++it;
+    };
+    const int ahead = nstage > 2 ? nstage - 2 : 1;  // stages in flight ahead of the one consumed
+
+    if (LD == 0 && warp == kWsWarps) {  // producer: stage s = (tile s / nch, chunk s % nch) into slot s % nstage
         for (int s = 0; s < nst; ++s) {
             const int slot = s % nstage;
             if (s >= nstage) mbar_wait(empty + slot, (u32)(s / nstage - 1) & 1u);
@@ -838,24 +918,44 @@ __global__ void QC_WS_CLUSTER(CL) __launch_bounds__((kWsWarps + 1) * 32, 1) gemm
                           wq + ((r0 + lane) * nbk + kb0 + (i64)ch * kc) * QC_Q4_0_BLOCK_BYTES, bytes, full + slot);
         }
     } else {
+        if (LD == 1)
+            for (int q = 0; q < ahead; ++q) issue_next();
         // prologue: the activation slice as Q8_1, one lane per block; columns n >= N are zeros
-        for (int u = threadIdx.x; u < NB * nbl; u += kWsWarps * 32) {
-            const int n = u / nbl, bl = u - n * nbl;
-            u32 qw[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
-            float d8 = 0.0f, s8x8 = 0.0f;
-            if (n < N) {
-                float v[kQK];
-                load_block<T>(reinterpret_cast<const typename T::S*>(act) + (i64)n * K + (kb0 + bl) * kQK, vec != 0, v);
-                ws_q8_1_block(v, qw, d8, s8x8);
+        const int nu = NB * nbl;
+        if (LD == 1 && vec) {
+            // the next block's raw bytes are loaded before this one is quantized
+            WsRaw<T> cur, nxt;
+            const typename T::S* a = reinterpret_cast<const typename T::S*>(act);
+            int u = threadIdx.x, n = u / max(nbl, 1), bl = u - n * nbl;
+            if (u < nu && n < N) cur.load(a + (i64)n * K + (kb0 + bl) * kQK);
+            for (; u < nu; u += kWsWarps * 32) {
+                const int un = u + kWsWarps * 32, nn = un / nbl, bln = un - nn * nbl;
+                if (un < nu && nn < N) nxt.load(a + (i64)nn * K + (kb0 + bln) * kQK);
+                u32 qw[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+                float d8 = 0.0f, s8x8 = 0.0f;
+                if (n < N) {
+                    float v[kQK];
+                    cur.to_f32(v);
+                    ws_q8_1_block(v, qw, d8, s8x8);
+                }
+                ws_store_act(aq, ads, NB, bl, n, qw, d8, s8x8);
+                cur = nxt;
+                n = nn;
+                bl = bln;
             }
-            // B fragment order: (k 4c..4c+3, k 16+4c..16+4c+3) adjacent for c = 0..3
-            uint4* dst = reinterpret_cast<uint4*>(aq + (bl * NB + n) * 8);
-            uint4 lo, hi;
-            lo.x = qw[0], lo.y = qw[4], lo.z = qw[1], lo.w = qw[5];
-            hi.x = qw[2], hi.y = qw[6], hi.z = qw[3], hi.w = qw[7];
-            dst[0] = lo;
-            dst[1] = hi;
-            ads[bl * NB + n] = Pair{d8, s8x8};
+        } else {
+            for (int u = threadIdx.x; u < nu; u += kWsWarps * 32) {
+                const int n = u / nbl, bl = u - n * nbl;
+                u32 qw[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+                float d8 = 0.0f, s8x8 = 0.0f;
+                if (n < N) {
+                    float v[kQK];
+                    load_block<T>(reinterpret_cast<const typename T::S*>(act) + (i64)n * K + (kb0 + bl) * kQK,
+                                  vec != 0, v);
+                    ws_q8_1_block(v, qw, d8, s8x8);
+                }
+                ws_store_act(aq, ads, NB, bl, n, qw, d8, s8x8);
+            }
         }
         consumers_sync();
 
@@ -865,6 +965,7 @@ __global__ void QC_WS_CLUSTER(CL) __launch_bounds__((kWsWarps + 1) * 32, 1) gemm
         for (int t = 0; t < ntl; ++t) {
             float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             for (int ch = 0; ch < nch; ++ch, ++s) {
+                if (LD == 1) issue_next();  // stage s + ahead
                 const int slot = s % nstage;
                 mbar_wait(full + slot, (u32)(s / nstage) & 1u);
                 const u8* st = ring + slot * stage_bytes;

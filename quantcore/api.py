@@ -6,6 +6,7 @@ caller's array kind on the caller's device.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,49 @@ U8 = np.dtype(np.uint8)
 
 def _backend(backend: str | Backend | None) -> Backend:
     return backend if isinstance(backend, Backend) else get_backend(backend)
+
+
+#: Eager launch plans (on by default; QUANTCORE_EAGER_PLANS=0 at import, or setting this to False,
+#: turns them off). After a call has been validated and run, a backend with a ``plan_<op>``
+#: method may return a plan: a callable ``plan(*args)`` that gives the result of the same call for
+#: arguments it recognises and None for anything else. It is kept on the QuantState
+#: (``state._plans``: dropped when a field of the state is assigned, never copied or pickled), so
+#: a repeated call with the same state and input geometry skips the validation and the launch
+#: set-up. The plan must recognise only arguments for which the core's checks, the backend's
+#: adapters and its kernel choice would all come out the same (geometry, dtypes, strides,
+#: devices, the state's arrays' pointers and shapes, the backend's tuning), so errors and
+#: results are those of the full path.
+EAGER_PLANS = os.environ.get("QUANTCORE_EAGER_PLANS", "1") != "0"
+
+
+def _planned(op: str, be: Backend, state: Any, args: tuple) -> Any:
+    """The result of a plan cached on ``state`` for ``op`` on ``be``, or None (not planned)."""
+    plans = getattr(state, "_plans", None)
+    if plans is None:
+        return None
+    entry = plans.get(op)
+    if entry is None or entry[0] is not be:
+        return None
+    return entry[1](*args)
+
+
+def _keep_plan(op: str, be: Backend, state: Any, args: tuple, **facts: Any) -> None:
+    """Ask ``be`` for a plan of the call just made (validated, run) and keep it on ``state``.
+
+    ``plan_<op>(*args, previous=, **facts)`` gets the caller's arguments, the plan kept so far
+    for this op (which it may extend with another input geometry and return) and the facts the
+    core derived; it returns a plan or None."""
+    planner = getattr(be, "plan_" + op, None)
+    if planner is None or type(state) is not QuantState:  # subclasses may validate differently
+        return
+    plans = state._plans
+    entry = plans.get(op) if plans else None
+    plan = planner(*args, previous=entry[1] if entry is not None and entry[0] is be else None, **facts)
+    if plan is None:
+        return
+    if plans is None:
+        plans = state._plans = {}
+    plans[op] = (be, plan)
 
 
 _CONSTANTS: dict[tuple, Any] = {}
@@ -126,6 +170,10 @@ def gemv_4bit(A: Any, packed: Any, state: QuantState, *, backend: str | Backend 
     the backends read the weight once for batches up to 8.
     """
     be = _backend(backend)
+    if EAGER_PLANS:
+        res = _planned("gemv_4bit", be, state, (A, packed, state))
+        if res is not None:
+            return res
     _check_packed(packed, state)
     if len(state.shape) != 2:
         raise ShapeError(f"gemv_4bit needs a 2-D weight state [N, K], got shape {state.shape}")
@@ -140,8 +188,10 @@ def gemv_4bit(A: Any, packed: Any, state: QuantState, *, backend: str | Backend 
     out = be.empty((rows, n), as_dtype(dt), like=an)
     be.gemv_4bit(an, pn, be.prepare(state.absmax), out, n=n, k=k, blocksize=state.blocksize,
                  quant_type=state.quant_type, nested=_nested(be, state))
-    res = be.finish(out, A)
-    return res.reshape(tuple(shape[:-1]) + (n,))
+    res = be.finish(out, A).reshape(tuple(shape[:-1]) + (n,))
+    if EAGER_PLANS:
+        _keep_plan("gemv_4bit", be, state, (A, packed, state), n=n, k=k)
+    return res
 
 
 # -- bitsandbytes blockwise 8-bit --------------------------------------------------------------

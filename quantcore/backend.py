@@ -72,6 +72,11 @@ class Backend:
     - ``empty(shape, dtype, like=None)``: an uninitialised output on ``like``'s device.
     - ``from_numpy(a, like=None)`` / ``to_numpy(x)``: explicit copies (tests, conformance).
     - ``view(buf, byte_offset, shape, dtype)``: a typed view into a 1-D uint8 native buffer.
+
+    Optional planning hooks ``plan_<op>(*args, previous, **facts)`` (today
+    ``plan_gemv_4bit(A, packed, state, *, previous, n, k)``): asked by the core after a validated
+    call of the public op; returns a callable that gives the same call's result for arguments it
+    recognises (None for any other), or None. See ``quantcore.api.EAGER_PLANS``.
     """
 
     name = "base"

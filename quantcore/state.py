@@ -46,6 +46,21 @@ class QuantState:
     offset: Any = None
     state2: QuantState | None = None
 
+    #: Launch plans of the public API's eager calls (quantcore.api), keyed by (op, backend). Not a
+    #: field: dropped whenever a field is assigned, and never copied or pickled (a plan holds
+    #: device handles and the pointers of this state's arrays).
+    _plans = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name != "_plans" and self.__dict__.get("_plans") is not None:
+            object.__setattr__(self, "_plans", None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d.pop("_plans", None)
+        return d
+
     @property
     def nested(self) -> bool:
         return self.state2 is not None

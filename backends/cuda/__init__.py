@@ -29,7 +29,7 @@ import numpy as np
 from quantcore import ops
 from quantcore.arrays import as_dtype, dtype_name
 from quantcore.backend import Availability, Backend, Nested
-from quantcore.errors import DeviceError, DTypeError
+from quantcore.errors import DeviceError, DTypeError, KernelError
 from quantcore.formats import bnb, ggml
 from quantcore.formats.kernel_defines import QUANT_TYPE_CODE
 
@@ -69,13 +69,20 @@ _TREE_CHUNK = 2048
 # the quantize launch reduces (256 threads x 16; version 3: 512 x 8); version 3's sum threads
 _SUM_CHUNK, _SUM_MAX_PARTS = 8192, 4096
 _SUM3_THREADS = 1024  # kSum3Threads
+# double_quantize version 4 (one cooperative launch): kDq4Threads, kDq4Unit values per leaf,
+# kDq4MaxUnits leaves per CTA (its shared memory)
+_DQ4 = "qc::double_quantize_v4_kernel"
+_DQ4_THREADS, _DQ4_UNIT, _DQ4_MAX_UNITS = 512, 2048, 12
 _GEMM_WARPS, _GEMM_UB = 16, 8
 _W4_WARPS, _W4_CLUSTER = 8, 4  # gemm_w4a8_small_kernel (version 12, QUANTCORE_CUDA_TUNE=w4a8_small=1)
 _W4_MAX_KBS = 128  # blocks of K per CTA: bounds the shared memory (204 KB at N = 8)
-_W4_STREAM_THREADS, _W4_STREAM_ROWS = 17 * 32, 16  # gemm_w4a8_stream_kernel: kWsWarps + 1 warps, kWsRows
+_W4_STREAM_WARPS, _W4_STREAM_ROWS = 16, 16  # gemm_w4a8_stream_kernel: kWsWarps (+ 1 producer for LD 0), kWsRows
 _W4_SMEM_MAX = 227 * 1024  # dynamic shared memory per CTA on sm_90
-#: the N <= 8 kernels as (NB, CL) keys: CL = 0 the version-12 kernel, else the stream kernel's cluster
-_W4_NB = tuple((nb, cl) for cl in (0, 1, 2, 4) for nb in (1, 2, 4, 8))
+_W4_FLY = 64 * 1024  # LD 1: weight bytes in flight per CTA the ring should allow (~4.3 TB/s x ~2 us / 132 SMs)
+#: the N <= 8 kernels as (NB, CL, LD) keys: CL = 0 the version-12 kernel, else the stream kernel's
+#: cluster; LD its ring filler (0 bulk copies by a producer warp, 1 cp.async by every warp)
+_W4_NB = tuple((nb, 0, 0) for nb in (1, 2, 4, 8)) + tuple(
+    (nb, cl, ld) for ld in (0, 1) for cl in (1, 2, 4) for nb in (1, 2, 4, 8))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -145,11 +152,11 @@ def _gemm(tag: str, quantize: bool) -> str:
     return f"qc::gemm_q4_0_kernel<{tag}, {_b(quantize)}>"
 
 
-def _gemm_small(tag: str, key: tuple[int, int]) -> str:
-    nb, cl = key
+def _gemm_small(tag: str, key: tuple[int, int, int]) -> str:
+    nb, cl, ld = key
     if cl == 0:
         return f"qc::gemm_w4a8_small_kernel<{tag}, {nb}>"
-    return f"qc::gemm_w4a8_stream_kernel<{tag}, {nb}, {cl}>"
+    return f"qc::gemm_w4a8_stream_kernel<{tag}, {nb}, {cl}, {ld}>"
 
 
 def kernel_instances() -> list[tuple[str, str]]:
@@ -172,8 +179,41 @@ def kernel_instances() -> list[tuple[str, str]]:
         out.append((_FG, _gemm(tag, True)))
         out += [(_FG, _gemm_small(tag, nb)) for nb in _W4_NB]
     out.append((_FG, _gemm(TYPE_TAG["float32"], False)))
-    out += [(_F8, _tree(True)), (_F8, _tree(False)), (_F8, _tree(None)), (_F8, _tree(None, 3))]
+    out += [(_F8, _tree(True)), (_F8, _tree(False)), (_F8, _tree(None)), (_F8, _tree(None, 3)), (_F8, _DQ4)]
     return out
+
+
+def _launch_cooperative(launch: Launcher, filename: str, expr: str, grid: int, block: int, args: tuple,
+                        shared_mem: int) -> None:
+    """A launch whose CTAs must all be resident at once (a grid barrier inside): through
+    cuLaunchCooperativeKernel, which refuses a grid the device cannot hold instead of hanging."""
+    fn = rt.KERNELS.function(launch.device, filename, expr)
+    if shared_mem > 48 * 1024:
+        rt._raise_smem_limit(fn, launch.device, shared_mem)
+    try:
+        with rt.cupy().cuda.Device(launch.device):
+            fn((grid, 1, 1), (block, 1, 1), args, shared_mem=shared_mem, stream=launch.stream,
+               enable_cooperative_groups=True)
+    except Exception as exc:  # noqa: BLE001 - report which kernel failed and how
+        raise KernelError(f"cooperative launch of {expr} (grid {grid}, block {block}, shared {shared_mem} B) "
+                          f"failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _coop_ctas_per_sm(launch: Launcher, filename: str, expr: str, block: int, shared_mem: int) -> int:
+    """CTAs of ``expr`` one multiprocessor holds with ``shared_mem`` bytes of dynamic shared memory."""
+    key = (launch.device, expr, block, shared_mem)
+    got = _coop_occupancy.get(key)
+    if got is None:
+        fn = rt.KERNELS.function(launch.device, filename, expr)
+        if shared_mem > 48 * 1024:
+            rt._raise_smem_limit(fn, launch.device, shared_mem)
+        with rt.cupy().cuda.Device(launch.device):
+            got = int(rt.cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, block, shared_mem))
+        _coop_occupancy[key] = got
+    return got
+
+
+_coop_occupancy: dict[tuple[int, str, int, int], int] = {}
 
 
 def _resident(launch: Launcher, ctas: int, threads: int) -> int:
@@ -361,36 +401,13 @@ class CudaBackend(Backend):
         if rows == 0 or n == 0:
             return
         launch = Launcher(a)
-        dt = dtype_name(a.dtype)
-        nest = (ptr_arg(nested.absmax2), ptr_arg(nested.code2), ptr_arg(nested.offset)) if nested else (NULL,) * 3
-        common = (ptr_arg(a), ptr_arg(packed), ptr_arg(absmax)) + nest + (ptr_arg(out), i32(rows), i64(n), i64(k),
-                                                                          i32(_log2(blocksize)))
-        sms = rt.sm_count(launch.device)
-        # bytes per lane and super-piece: 8 (a super-piece of 64 elements) unless a block or the
-        # row length only allows 32
-        v = 8 if blocksize >= 64 and k % 64 == 0 else 4
-        kernel = rt.tune("gemv_kernel", 0)  # 0: the best that applies, 1: the register-fed mma kernel
-        # the streaming kernel packs a nested block's second-level index in 24 bits: n k / bs < 2^32
-        if (kernel == 0 and dt != "float32" and k % (8 * v) == 0 and aligned(a, 16) and aligned(packed, 16)
-                and (n * k) >> _log2(blocksize) < 1 << 32 and rt.device_arch(launch.device) >= 90):
-            nsp, sps = k // (8 * v), _GV_KC // (8 * v)
-            ntiles = _cdiv(n, 16)
-            ksplit = rt.tune("gemv_ksplit", 0) or _gemv_stream_ksplit(ntiles, nsp, sps, sms)
-            while ksplit > 1 and nsp < ksplit:  # every warp needs a non-empty slice (CTA barriers)
-                ksplit //= 2
-            grid = (min(ntiles, sms), _cdiv(rows, 8))
-            launch(_FV, _gemv_stream(_tag(a), quant_type, nested is not None, v), grid, 32 * _GV_WARPS,
-                   common + (i32(ksplit),), shared_mem=_gv_smem(v, launch.device))
-        elif dt != "float32" and k % (8 * v) == 0 and aligned(a, 16) and aligned(packed, v):
-            ksplit = rt.tune("gemv_ksplit", 0) or _gemv_ksplit(_cdiv(n, 16), k // (8 * v), sms)
-            ngroups = _cdiv(_cdiv(n, 16), _GEMV_WARPS // ksplit)
-            cap = rt.tune("gemv_ctas_per_sm", 0) or 2
-            grid = (min(ngroups, cap * sms), _cdiv(rows, 8))
-            launch(_F4, _gemv_mma(_tag(a), quant_type, nested is not None, v), grid, 32 * _GEMV_WARPS,
-                   common + (i32(ksplit),), shared_mem=_GEMV_SMEM)
-        else:
-            grid = (min(_cdiv(n, 8), 16 * sms), _cdiv(rows, 8))
-            launch(_F4, _gemv(_tag(a), quant_type, nested is not None), grid, 256, common)
+        launch(*_gemv_launch(launch.device, a, packed, absmax, out, rows=rows, n=n, k=k, blocksize=blocksize,
+                             quant_type=quant_type, nested=nested))
+
+    def plan_gemv_4bit(self, A, packed, state, *, previous, n, k):
+        """A launch plan for repeated public ``gemv_4bit`` calls (see ``quantcore.api.EAGER_PLANS``):
+        torch CUDA tensors only; None where the call is not planned (the full path runs)."""
+        return _plan_gemv_4bit(A, packed, state, previous, n, k)
 
     def double_quantize(self, absmax, qabsmax, absmax2, offset):
         nb = rt.numel(absmax)
@@ -402,11 +419,13 @@ class CudaBackend(Backend):
         # the chunk sums in qabsmax's first bytes; from two chunks up, and up to _SUM_MAX_PARTS of
         # them. Version 3 counts the quantize CTAs in offset's 4 bytes, version 2 after the sums.
         dq_v = rt.tune("dq_v", 3)
-        if dq_v in (2, 3) and _SUM_CHUNK < nb and size // _SUM_CHUNK <= _SUM_MAX_PARTS:
+        if dq_v == 4 and self._double_quantize_v4(launch, absmax, qabsmax, absmax2, offset, nb, size):
+            return
+        if dq_v in (2, 3, 4) and _SUM_CHUNK < nb and size // _SUM_CHUNK <= _SUM_MAX_PARTS:
             base = rt.pointer(qabsmax)
             parts = (base + 7) // 8 * 8
             nchunks = _cdiv(nb, _SUM_CHUNK)
-            if dq_v == 3:
+            if dq_v != 2:
                 ndefer = _cdiv(parts + 8 * nchunks - base, bnb.NESTED_BLOCKSIZE)  # codes over the sums
                 launch(_F8, _tree(None, 3), (nchunks,), _SUM3_THREADS,
                        (ptr_arg(absmax), i64(nb), i32(aligned(absmax, 16)), np.uint64(parts), ptr_arg(offset)))
@@ -439,6 +458,31 @@ class CudaBackend(Backend):
             region += 8 * chunks
         self._quantize_blockwise(launch, absmax, NULL, qabsmax, absmax2, ptr_arg(offset), nb,
                                  bnb.NESTED_BLOCKSIZE, version=1)
+
+    @staticmethod
+    def _double_quantize_v4(launch, absmax, qabsmax, absmax2, offset, nb: int, size: int, trace: int = 0) -> bool:
+        """Version 4 (opt-in, dq_v=4: measured no faster than version 3, see bnb_8bit.cu): one
+        cooperative launch where the CTAs the device holds at once
+        can keep all of absmax in shared memory (up to ~6.5 M values on an H100/H200) and the tree
+        top has at most _SUM_MAX_PARTS leaves; False leaves the call to version 3. The barrier word
+        (absmax2's last element) is zeroed first, in stream order."""
+        if nb <= _SUM_CHUNK or size // _DQ4_UNIT > _SUM_MAX_PARTS or not aligned(absmax, 16):
+            return False
+        nunits = _cdiv(nb, _DQ4_UNIT)
+        per_sm = _coop_ctas_per_sm(launch, _F8, _DQ4, _DQ4_THREADS, _DQ4_MAX_UNITS * _DQ4_UNIT * 4)
+        grid = min(nunits, per_sm * rt.sm_count(launch.device))
+        if grid == 0 or _cdiv(nunits, grid) > _DQ4_MAX_UNITS:
+            return False
+        leaves = (rt.pointer(qabsmax) + 7) // 8 * 8  # 8 nunits + 7 <= nb bytes: the leaf sums fit
+        bar = rt.pointer(absmax2) + 4 * (_cdiv(nb, bnb.NESTED_BLOCKSIZE) - 1)
+        stream = launch.stream.ptr if launch.stream is not None else rt.cupy().cuda.get_current_stream().ptr
+        with rt.cupy().cuda.Device(launch.device):
+            rt.cupy().cuda.runtime.memsetAsync(bar, 0, 4, stream)
+        _launch_cooperative(launch, _F8, _DQ4, grid, _DQ4_THREADS,
+                            (ptr_arg(absmax), i64(nb), ptr_arg(qabsmax), ptr_arg(absmax2), ptr_arg(offset),
+                             np.uint64(leaves), i32(size // _DQ4_UNIT), i32(aligned(qabsmax, 8)), np.uint64(trace)),
+                            shared_mem=_cdiv(nunits, grid) * _DQ4_UNIT * 4)
+        return True
 
     # -- blockwise 8-bit -----------------------------------------------------------------------------
     def _quantize_blockwise(self, launch, x, thresholds, codes, absmax, center, n, blocksize, *,
@@ -527,8 +571,10 @@ class CudaBackend(Backend):
     def _gemm_w4a8_small(self, wq, a, out, n: int, k: int) -> bool:
         """N <= 8 on sm_90: a streaming kernel; False where none applies (then the tensor-core
         kernel runs). QUANTCORE_CUDA_TUNE: w4a8_small=2 (default) gemm_w4a8_stream_kernel, 1 the
-        version-12 gemm_w4a8_small_kernel, 0 neither; w4s_cl (cluster 1/2/4), w4s_kc (blocks per
-        stage row), w4s_stages (ring depth) override the stream kernel's geometry."""
+        version-12 gemm_w4a8_small_kernel, 0 neither; w4s_load=0 (default) fills the stream
+        kernel's ring by bulk copies from a producer warp, 1 by cp.async from every warp (W-14:
+        bit-equal, slower on the H200); w4s_cl (cluster 1/2/4), w4s_kc (blocks per stage row),
+        w4s_stages (ring depth), w4s_fly (KiB in flight, w4s_load=1) override its geometry."""
         m, nbk = int(wq.shape[0]), k // ggml.QK
         if not (1 <= n <= 8 and m > 0 and nbk % 8 == 0 and aligned(wq, 16)):
             return False
@@ -539,6 +585,7 @@ class CudaBackend(Backend):
         nb = 1 << (n - 1).bit_length()
         sms = rt.sm_count(launch.device)
         if version == 2:
+            ld = 1 if rt.tune("w4s_load", 0) else 0
             # Cluster: the smallest that keeps the activation quantized per CTA (NB x K / CL
             # blocks, one lane each) at most 2048 blocks, so the prologue hides under the ring's fill.
             cl = rt.tune("w4s_cl", 0)
@@ -551,20 +598,25 @@ class CudaBackend(Backend):
             ntiles = _cdiv(m, _W4_STREAM_ROWS)
             tpc = _cdiv(ntiles, max(1, waves))
             fixed = kbs * nb * 40 + (2 * 16 + tpc) * _W4_STREAM_ROWS * nb * 4
-            # Blocks per stage row: each costs one bulk copy per row, and the time grew with the
-            # number of copies (H200, 4096x14336 N=1: kc 32 / 64 / 128 = 30.9 / 19.9 / 16.1 us;
-            # 4 or 8 stages made no difference), so the largest measured that leaves 2 stages.
+            # Blocks per stage row. The time grows with the number of stages per CTA (each costs
+            # every consumer warp ~67 instructions; H200, 4096x14336 N=1: kc 32 / 64 / 128 = 30.9
+            # / 19.9 / 16.1 us with bulk copies, 21.5 / 19.0 us at kc 64 / 128 with cp.async), so
+            # LD 0 takes the largest that leaves 2 stages. LD 1 runs nstage - 2 stages ahead, so
+            # kc is halved until those hold w4s_fly bytes (or the ring is at its depth cap, where
+            # halving kc would only shrink them).
+            fly, cap = rt.tune("w4s_fly", _W4_FLY // 1024) * 1024, rt.tune("w4s_stages", 8)
             kc = min(kbs, _cdiv(rt.tune("w4s_kc", 128), 8) * 8)
             while True:
                 units = _cdiv(kc * ggml.Q4_0_BLOCK_BYTES, 16)
                 stage = _W4_STREAM_ROWS * 16 * (units if units % 2 else units + 1) + 16  # ws_stride
-                nstage = min(rt.tune("w4s_stages", 8), (_W4_SMEM_MAX - fixed) // stage)
-                if nstage >= 2 or kc <= 8:
+                nstage = min(cap, (_W4_SMEM_MAX - fixed) // stage)
+                if kc <= 8 or (nstage >= 2 and (ld == 0 or nstage >= cap or (nstage - 2) * (stage - 16) >= fly)):
                     break
                 kc = _cdiv(kc // 2, 8) * 8
             if nstage >= 2:
                 smem = fixed + nstage * stage
-                launch(_FG, _gemm_small(_tag(a), (nb, cl)), (cl * _cdiv(ntiles, tpc),), _W4_STREAM_THREADS,
+                launch(_FG, _gemm_small(_tag(a), (nb, cl, ld)), (cl * _cdiv(ntiles, tpc),),
+                       32 * (_W4_STREAM_WARPS + 1 - ld),
                        (ptr_arg(wq), ptr_arg(a), ptr_arg(out), i64(m), i32(n), i64(k), i32(kbs), i32(kc),
                         i32(nstage), i32(tpc), i32(aligned(a, 16))), shared_mem=smem)
                 return True
@@ -580,7 +632,7 @@ class CudaBackend(Backend):
         smem = (_W4_WARPS * 2 * rs * kbs * ggml.Q4_0_BLOCK_BYTES + nb * kbs * 40 + _W4_WARPS * rpw * nb * 4
                 + 2 * _W4_WARPS * 8)
         grid = _W4_CLUSTER * _cdiv(m, _W4_WARPS * rpw)
-        launch(_FG, _gemm_small(_tag(a), (nb, 0)), (grid,), 32 * _W4_WARPS,
+        launch(_FG, _gemm_small(_tag(a), (nb, 0, 0)), (grid,), 32 * _W4_WARPS,
                (ptr_arg(wq), ptr_arg(a), ptr_arg(out), i64(m), i32(n), i64(k), i32(kbs), i32(rpw), i32(rs),
                 i32(aligned(a, 16))), shared_mem=smem)
         return True
@@ -640,3 +692,142 @@ def _cupy_dtype(dt: np.dtype) -> np.dtype:
 
 def create() -> CudaBackend:
     return CudaBackend()
+
+
+# -- gemv_4bit: the kernel choice (shared by the launcher and the eager launch plans) ----------------
+#: positions of a and out in every gemv kernel's parameter list (the per-call slots of a plan)
+_GEMV_SLOTS = (0, 6)
+
+
+def _gemv_launch(device, a, packed, absmax, out, *, rows, n, k, blocksize, quant_type, nested):
+    """(file, kernel, grid, block, arguments, shared memory) of the gemv for these arrays; ``out``
+    None leaves its pointer 0 (a plan fills it per call)."""
+    dt = dtype_name(a.dtype)
+    nest = (ptr_arg(nested.absmax2), ptr_arg(nested.code2), ptr_arg(nested.offset)) if nested else (NULL,) * 3
+    common = (ptr_arg(a), ptr_arg(packed), ptr_arg(absmax)) + nest + (
+        ptr_arg(out) if out is not None else NULL, i32(rows), i64(n), i64(k), i32(_log2(blocksize)))
+    sms = rt.sm_count(device)
+    # bytes per lane and super-piece: 8 (a super-piece of 64 elements) unless a block or the
+    # row length only allows 32
+    v = 8 if blocksize >= 64 and k % 64 == 0 else 4
+    kernel = rt.tune("gemv_kernel", 0)  # 0: the best that applies, 1: the register-fed mma kernel
+    # the streaming kernel packs a nested block's second-level index in 24 bits: n k / bs < 2^32
+    if (kernel == 0 and dt != "float32" and k % (8 * v) == 0 and aligned(a, 16) and aligned(packed, 16)
+            and (n * k) >> _log2(blocksize) < 1 << 32 and rt.device_arch(device) >= 90):
+        nsp, sps = k // (8 * v), _GV_KC // (8 * v)
+        ntiles = _cdiv(n, 16)
+        ksplit = rt.tune("gemv_ksplit", 0) or _gemv_stream_ksplit(ntiles, nsp, sps, sms)
+        while ksplit > 1 and nsp < ksplit:  # every warp needs a non-empty slice (CTA barriers)
+            ksplit //= 2
+        grid = (min(ntiles, sms), _cdiv(rows, 8))
+        return (_FV, _gemv_stream(_tag(a), quant_type, nested is not None, v), grid, 32 * _GV_WARPS,
+                common + (i32(ksplit),), _gv_smem(v, device))
+    if dt != "float32" and k % (8 * v) == 0 and aligned(a, 16) and aligned(packed, v):
+        ksplit = rt.tune("gemv_ksplit", 0) or _gemv_ksplit(_cdiv(n, 16), k // (8 * v), sms)
+        ngroups = _cdiv(_cdiv(n, 16), _GEMV_WARPS // ksplit)
+        cap = rt.tune("gemv_ctas_per_sm", 0) or 2
+        grid = (min(ngroups, cap * sms), _cdiv(rows, 8))
+        return (_F4, _gemv_mma(_tag(a), quant_type, nested is not None, v), grid, 32 * _GEMV_WARPS,
+                common + (i32(ksplit),), _GEMV_SMEM)
+    grid = (min(_cdiv(n, 8), 16 * sms), _cdiv(rows, 8))
+    return _F4, _gemv(_tag(a), quant_type, nested is not None), grid, 256, common, 0
+
+
+# -- eager launch plans (quantcore.api keeps them on the QuantState) ---------------------------------
+_TENSOR: Any = None  # torch.Tensor, set when the first plan is made (torch is imported by then)
+_MAX_GEOMETRIES = 8  # input geometries one plan keeps
+
+
+def _tfp(t: Any) -> Any:
+    """What the core's checks, the adapters and a launch read from an array: pointer, shape,
+    strides, dtype and device of a torch tensor; None for None; False for anything else (never
+    equal to a tensor's)."""
+    if isinstance(t, _TENSOR):
+        return t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device()
+    return None if t is None else False
+
+
+def _state_fp(s: Any) -> tuple:
+    """The state's arrays and its nested state's fields. The state's own scalar fields are not
+    read: assigning any field drops the state's plans (QuantState.__setattr__), and a plan is
+    made only while they are immutable (a tuple shape)."""
+    s2 = s.state2
+    return (_tfp(s.absmax), _tfp(s.code), _tfp(s.offset),
+            None if s2 is None else (s2.blocksize, _tfp(s2.absmax), _tfp(s2.code)))
+
+
+class _GemvPlan:
+    """gemv_4bit launches for one state and one packed weight on one device under one tuning
+    setting, one per input geometry: (shape, dtype, 16-byte alignment), all that the core's
+    checks and the kernel choice read from the input besides its device and contiguity."""
+
+    __slots__ = ("device", "ctx", "tune", "packed_fp", "state_fp", "entries", "hits", "_stream", "_ctx_now")
+
+    def __init__(self, device: int, ctx: int, packed: Any, state: Any, tune: Any, stream: Any, ctx_now: Any):
+        global _TENSOR
+        _TENSOR = rt.torch_module().Tensor
+        self.device, self.ctx, self.tune = device, ctx, tune
+        self.packed_fp, self.state_fp = _tfp(packed), _state_fp(state)
+        self.entries: dict[tuple, tuple] = {}
+        self.hits = 0
+        self._stream, self._ctx_now = stream, ctx_now
+
+    def same(self, device: int, packed: Any, state: Any, tune: Any) -> bool:
+        return (device == self.device and tune == self.tune and _tfp(packed) == self.packed_fp
+                and _state_fp(state) == self.state_fp)
+
+    def match(self, A: Any, packed: Any, state: Any) -> Any:
+        """The (output shape, launch) for these arguments, or None."""
+        if type(A) is not _TENSOR:
+            return None
+        entry = self.entries.get((A.shape, A.dtype, not A.data_ptr() & 15))
+        if (entry is None or not A.is_contiguous() or A.get_device() != self.device
+                or _tfp(packed) != self.packed_fp or _state_fp(state) != self.state_fp
+                or rt.tune_spec() != self.tune):
+            return None
+        return entry
+
+    def __call__(self, A: Any, packed: Any, state: Any) -> Any:
+        entry = self.match(A, packed, state)
+        if entry is None or self._ctx_now() != self.ctx:  # another device's context: the full path
+            return None
+        out = A.new_empty(entry[0])
+        entry[1](self._stream(self.device), A.data_ptr(), out.data_ptr())
+        self.hits += 1
+        return out
+
+
+def _plan_gemv_4bit(A: Any, packed: Any, state: Any, previous: Any, n: int, k: int) -> _GemvPlan | None:
+    torch = rt.torch_module()
+    if torch is None or type(A) is not torch.Tensor or n == 0:
+        return None
+    tensor = torch.Tensor
+    s2 = state.state2
+    need = (A, packed, state.absmax) + ((state.offset, s2.absmax, s2.code) if s2 is not None else ())
+    # planned only where prepare() hands the arrays through as they are (contiguous CUDA tensors)
+    # and the checks read nothing that can change without a field assignment or a new pointer:
+    # a host code table is compared by value on every call, a list shape can change in place
+    if not all(isinstance(t, tensor) and t.is_cuda and t.is_contiguous() for t in need):
+        return None
+    if state.code is not None and not (isinstance(state.code, tensor) and state.code.is_cuda):
+        return None
+    if type(state.shape) is not tuple or not all(isinstance(d, (int, np.integer)) for d in state.shape):
+        return None
+    rows = A.numel() // k
+    if rows == 0:
+        return None
+    device, tune = A.get_device(), rt.tune_spec()
+    plan = previous if isinstance(previous, _GemvPlan) and previous.same(device, packed, state, tune) else None
+    if plan is None:
+        plan = _GemvPlan(device, rt.device_context(device), packed, state, tune, rt.raw_stream_getter(),
+                         rt.cupy().cuda.driver.ctxGetCurrent)
+    elif (A.shape, A.dtype, not A.data_ptr() & 15) in plan.entries:
+        return plan  # it had this call: the thread's current context was another device's
+    elif len(plan.entries) >= _MAX_GEOMETRIES:
+        plan.entries.clear()
+    nested = Nested(absmax2=s2.absmax, code2=s2.code, offset=state.offset) if s2 is not None else None
+    spec = _gemv_launch(device, A, packed, state.absmax, None, rows=rows, n=n, k=k, blocksize=state.blocksize,
+                        quant_type=state.quant_type, nested=nested)
+    launch = rt.PlannedLaunch(device, *spec[:5], shared_mem=spec[5], slots=_GEMV_SLOTS)
+    plan.entries[(A.shape, A.dtype, not A.data_ptr() & 15)] = (tuple(A.shape[:-1]) + (n,), launch)
+    return plan

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call for double_quantize / quantize_blockwise (versions 1, 2 and 3, QUANTCORE_CUDA_TUNE
-# "dq_v=V,qbw_v=V"; 3 the default): GPU tests, the conformance suite for the ops, kernel times side by side
+# One device call for double_quantize / quantize_blockwise (versions 1-4 and 1-3, QUANTCORE_CUDA_TUNE
+# "dq_v=V,qbw_v=V"; 4 and 3 the defaults): GPU tests, the conformance suite for the ops, kernel times side by side
 # (CUDA events behind a sleep kernel, as tools/dev/bnb4_time.py), the bench rows of quantize_4bit
 # and an ncu profile of one launch of each kernel. Every step has a timeout inside one overall
 # budget (BUDGET seconds, default 225). Run from the repository root; logs under $OUT.
@@ -67,7 +67,7 @@ mf8 = torch.empty(nb // 4096, dtype=torch.float32, device="cuda")
 be.quantize_4bit(x, packed, absmax, blocksize=bs, quant_type="nf4")
 parts = torch.empty(nb // 8192 + 2, dtype=torch.float64, device="cuda")
 scratch = torch.empty(4, dtype=torch.int32, device="cuda")
-VERSIONS = (1, 2, 3)
+VERSIONS = (1, 2, 3, 4)  # 4: double_quantize only (quantize_blockwise has 1-3)
 launch = rt.Launcher(absmax)
 
 q4 = lambda: be.quantize_4bit(x, packed, absmax, blocksize=bs, quant_type="nf4")  # noqa: E731
@@ -82,15 +82,16 @@ sums3 = lambda: launch(cuda._F8, cuda._tree(None, 3), (nb // 8192,), 1024, (  # 
 
 if "--ncu-one" in sys.argv:
     for v in VERSIONS:
-        os.environ[TUNE] = f"dq_v={v},qbw_v={v}"
+        os.environ[TUNE] = f"dq_v={v},qbw_v={min(v, 3)}"
         dq()
-        qbw()
+        if v < 4:
+            qbw()
     torch.cuda.synchronize()
     sys.exit(0)
 
 outs = {}
 for v in VERSIONS:  # warm-up (compile) and the versions' outputs on the bench's data
-    os.environ[TUNE] = f"dq_v={v},qbw_v={v}"
+    os.environ[TUNE] = f"dq_v={v},qbw_v={min(v, 3)}"
     q4dq()
     qbw()
     qbwf()
@@ -113,9 +114,11 @@ res = {}
 for _ in range(2):
     res.setdefault("copy 2 GiB d2d", []).append(statistics.median(timed(lambda: big2.copy_(big))))
     for v in VERSIONS:
-        os.environ[TUNE] = f"dq_v={v},qbw_v={v}"
+        os.environ[TUNE] = f"dq_v={v},qbw_v={min(v, 3)}"
         res.setdefault(f"double_quantize nb=4M v{v}", []).append(statistics.median(timed(dq)))
         res.setdefault(f"quantize_4bit + double_quantize v{v}", []).append(statistics.median(timed(q4dq)))
+        if v == 4:
+            continue
         res.setdefault(f"quantize_blockwise bf16 64M bs256 v{v}", []).append(statistics.median(timed(qbw)))
         res.setdefault(f"quantize_blockwise f32 4M bs4096 v{v}", []).append(statistics.median(timed(qbwf)))
     res.setdefault("quantize_4bit kernel alone", []).append(statistics.median(timed(q4)))
@@ -146,7 +149,7 @@ say "  $(tail -1 "$OUT/pytest_cuda.log")"
 step conformance_q4 40 python3 -m quantcore.conformance --backend cuda --full -k quantize_4bit \
   > "$OUT/conformance_q4.log" 2>&1
 say "  $(tail -1 "$OUT/conformance_q4.log")"
-step ncu 30 ncu --clock-control none --kernel-name regex:"quantize_blockwise|absmax_" \
+step ncu 30 ncu --clock-control none --kernel-name regex:"quantize_blockwise|absmax_|double_quantize" \
   --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
   python3 /tmp/dq_time.py --ncu-one > "$OUT/ncu.log" 2>&1
 grep -E "qc::|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Grid Size|Block Size" \

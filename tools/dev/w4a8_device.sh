@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# One GPU-machine call for gemm_w4a8 N <= 8 (kernels_cuda/ggml.cu: gemm_w4a8_stream_kernel, the
-# version-12 gemm_w4a8_small_kernel kept behind QUANTCORE_CUDA_TUNE=w4a8_small=1): precompile of
-# ggml.cu, GPU tests and conformance (gemm) for the default and for every cluster size, old/new
-# timing side by side with a geometry sweep, the bench rows, an ncu profile of the new kernel,
-# memcheck. Logs under $OUT. Run from the repository root: bash tools/dev/w4a8_device.sh
-# (next sweep, suggested: W4_CONFIGS="w4a8_small=1;;w4s_kc=64;w4s_kc=224;w4s_cl=2,w4s_kc=224;w4s_stages=2").
+# One GPU-machine call for gemm_w4a8 N <= 8 (kernels_cuda/ggml.cu: gemm_w4a8_stream_kernel, its ring
+# filled by bulk copies from a producer warp (LD 0, the default) or by cp.async from every warp
+# (LD 1, QUANTCORE_CUDA_TUNE=w4s_load=1, W-14); the version-12 gemm_w4a8_small_kernel behind
+# w4a8_small=1): precompile of ggml.cu, GPU tests (with the filler tests of
+# tests/test_cuda_w4a8_stream.py) and conformance (gemm) for both fillers, the configs side by side
+# (bit comparison against the first), the bench rows, an ncu profile, memcheck of the cp.async
+# filler. Logs under $OUT; W-14's call took 88 s. Run from the repository root:
+# bash tools/dev/w4a8_device.sh
 set -u
 OUT=${OUT:-/tmp/qc_out}
 mkdir -p "$OUT"
@@ -16,7 +18,7 @@ export QUANTCORE_CACHE_DIR=/tmp/qc_cache
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv | tee -a "$S"
 t0=$(date +%s)
-python3 - <<'EOF' 2>&1 | tee -a "$S"
+timeout 70 python3 - <<'EOF' 2>&1 | tee -a "$S"
 import time
 t = time.time()
 from quantcore.backends import cuda
@@ -29,7 +31,8 @@ EOF
 cat > /tmp/w4time.py <<'EOF'
 # old (version 12) and new (stream) N <= 8 kernels side by side: CUDA events around one call queued
 # behind a ~1 ms sleep kernel, 4 weight sets rotated (4 x 33 MB > L2), median of 50, bf16 activation;
-# every config's output compared with the version-12 kernel's (outputs start as NaN).
+# every config's output compared with the first config's (outputs start as NaN): relative
+# difference and bit equality.
 import os, sys
 import numpy as np, torch
 from quantcore.backends.cuda import create
@@ -44,7 +47,7 @@ def med(fn, reps=50):
     return float(np.median(ts)), float(np.percentile(ts, 10)), float(np.percentile(ts, 90))
 configs = sys.argv[1].split(";")
 shapes = [(4096, 14336, (1, 2, 4, 8)), (14336, 4096, (1, 2, 4, 8))]
-print("config".ljust(34), "shape".ljust(22), "median us  p10   p90   GB/s(w)  rel.diff vs v12")
+print("config".ljust(34), "shape".ljust(22), "median us  p10   p90   GB/s(w)  rel.diff  bits==first")
 for m, k, ns in shapes:
     g = torch.Generator(device="cuda"); g.manual_seed(m)
     wqs = []
@@ -64,37 +67,60 @@ for m, k, ns in shapes:
             if ref is None: ref = o0
             t, p10, p90 = med(lambda i: be.gemm_w4a8(wqs[i % 4], a, o))
             err = float(((o0 - ref).norm() / ref.norm()).item()) if torch.isfinite(o0).all() else float("nan")
+            same = bool(torch.equal(o0.view(torch.int32), ref.view(torch.int32)))
             gbs = m * k // 32 * 18 / t / 1e3
-            print(f"{cfg or 'default':34s} M{m} K{k} N{n}".ljust(58), f"{t:7.1f} {p10:6.1f} {p90:6.1f} {gbs:7.0f}  {err:.1e}")
+            print(f"{cfg or 'default':34s} M{m} K{k} N{n}".ljust(58),
+                  f"{t:7.1f} {p10:6.1f} {p90:6.1f} {gbs:7.0f}  {err:.1e}  {same}")
 os.environ["QUANTCORE_CUDA_TUNE"] = ""
 EOF
 
-# correctness first: the GPU gemm tests and the conformance gemm cases with the default, the
-# gemm tests again with each cluster size forced (the default picks by shape)
+# correctness first (steps in order of need, so a step cut by the call's limit loses the least):
+# the GPU gemm tests and the filler tests (bit equality of the two fillers, ring wrap, short
+# chunks, every cluster size) and the conformance gemm cases with the cp.async filler
 s=$(date +%s)
-timeout 100 python3 -m pytest tests/test_cuda.py -q -rs -k gemm > "$OUT/pytest_gemm.log" 2>&1
-say "tests -k gemm (default): rc=$? $(tail -1 "$OUT/pytest_gemm.log")"
-: > "$OUT/pytest_cl.log"
-for cl in 1 2 4; do
-  QUANTCORE_CUDA_TUNE=w4s_cl=$cl timeout 45 python3 -m pytest tests/test_cuda.py -q -k "small_n_streaming and bfloat16" >> "$OUT/pytest_cl.log" 2>&1
-  say "tests small_n_streaming bf16 (w4s_cl=$cl): rc=$? $(tail -1 "$OUT/pytest_cl.log")"
-done
-QUANTCORE_CUDA_TUNE=w4s_cl=2,w4s_kc=8,w4s_stages=2 timeout 45 python3 -m pytest tests/test_cuda.py -q -k "small_n_streaming and bfloat16" >> "$OUT/pytest_cl.log" 2>&1
-say "tests small_n_streaming bf16 (cl=2 kc=8 stages=2: ring wraps): rc=$? $(tail -1 "$OUT/pytest_cl.log")"
-timeout 90 python3 -m quantcore.conformance --backend cuda --full -k gemm > "$OUT/conformance_gemm.log" 2>&1
-say "conformance --full -k gemm: rc=$? $(tail -1 "$OUT/conformance_gemm.log")"
+QUANTCORE_CUDA_TUNE=w4s_load=1 timeout 60 python3 -m pytest tests/test_cuda.py tests/test_cuda_w4a8_stream.py -q -rs -k "gemm or w4a8 or filler" > "$OUT/pytest_gemm.log" 2>&1
+say "tests -k gemm + test_cuda_w4a8_stream (w4s_load=1): rc=$? $(tail -1 "$OUT/pytest_gemm.log")"
+QUANTCORE_CUDA_TUNE=w4s_load=1 timeout 40 python3 -m quantcore.conformance --backend cuda --full -k gemm > "$OUT/conformance_gemm.log" 2>&1
+say "conformance --full -k gemm (w4s_load=1): rc=$? $(tail -1 "$OUT/conformance_gemm.log")"
 say "  (correctness took $(( $(date +%s) - s )) s)"
 
 s=$(date +%s)
-# configs (QUANTCORE_CUDA_TUNE strings, ";"-separated, "" = the default); the list of the run in
-# docs/performance.md version 13 (then the default was kc = 64) unless W4_CONFIGS is set
-W4_CONFIGS=${W4_CONFIGS:-"w4a8_small=1;;w4s_cl=1;w4s_cl=2;w4s_cl=4;w4s_kc=32;w4s_kc=128;w4s_stages=4;w4s_cl=1,w4s_kc=128"}
-timeout 100 python3 /tmp/w4time.py "$W4_CONFIGS" > "$OUT/timing.log" 2>&1
+# configs (QUANTCORE_CUDA_TUNE strings, ";"-separated, "" = the default; the first is the
+# reference of the bit comparison); W-14's list was
+# "w4s_load=0;w4s_load=1;w4s_load=1,w4s_kc=64;w4s_load=1,w4s_fly=128;w4s_load=1,w4s_stages=4;w4s_load=1,w4s_cl=2;w4s_load=0"
+# (then w4s_load=1 was the default and was written as "")
+W4_CONFIGS=${W4_CONFIGS:-"w4s_load=0;w4s_load=1;w4s_load=1,w4s_stages=4;w4s_kc=224;w4s_load=0"}
+timeout 60 python3 /tmp/w4time.py "$W4_CONFIGS" > "$OUT/timing.log" 2>&1
 say "timing: rc=$? ($(( $(date +%s) - s )) s)"
-cat "$OUT/timing.log" >> "$S"
+cat "$OUT/timing.log" >> "$S" && rm -f "$OUT/timing.log"  # in the summary: at most 8 files come back
 
 s=$(date +%s)
-timeout 60 python3 -m quantcore.bench --backend cuda --ops gemm_w4a8 -v > "$OUT/bench.log" 2>&1
+cat > /tmp/w4mem.py <<'EOF'
+import os, torch
+from quantcore.backends.cuda import create
+be = create()
+for cfg in ("w4s_load=1", "w4s_load=1,w4s_cl=2,w4s_kc=16,w4s_stages=3", "w4s_load=1,w4s_cl=4,w4s_kc=8,w4s_stages=2"):
+    os.environ["QUANTCORE_CUDA_TUNE"] = cfg
+    for m, n, k in ((37, 3, 1024), (130, 8, 4096 + 256), (20, 1, 256)):
+        w = torch.randint(0, 256, (m, k // 32, 18), dtype=torch.uint8, device="cuda")
+        w[..., 1] = 0x20
+        a = torch.randn(n, k, device="cuda", dtype=torch.float16)
+        o = torch.empty(m, n, device="cuda")
+        be.gemm_w4a8(w, a, o)
+torch.cuda.synchronize()
+print("memcheck script done")
+EOF
+timeout 45 compute-sanitizer --tool memcheck --leak-check no --print-limit 10 python3 /tmp/w4mem.py > "$OUT/memcheck.log" 2>&1
+say "memcheck: rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1) ($(( $(date +%s) - s )) s)"
+# the same for the bulk filler (the default, w4s_load=0)
+s=$(date +%s)
+QUANTCORE_CUDA_TUNE=w4s_load=0 timeout 30 python3 -m pytest tests/test_cuda.py -q -rs -k gemm > "$OUT/pytest_gemm_bulk.log" 2>&1
+say "tests -k gemm (w4s_load=0): rc=$? $(tail -1 "$OUT/pytest_gemm_bulk.log")"
+QUANTCORE_CUDA_TUNE=w4s_load=0 timeout 30 python3 -m quantcore.conformance --backend cuda --full -k gemm > "$OUT/conformance_gemm_bulk.log" 2>&1
+say "conformance --full -k gemm (w4s_load=0): rc=$? $(tail -1 "$OUT/conformance_gemm_bulk.log") ($(( $(date +%s) - s )) s)"
+
+s=$(date +%s)
+timeout 40 python3 -m quantcore.bench --backend cuda --ops gemm_w4a8 -v > "$OUT/bench.log" 2>&1
 say "bench: rc=$? ($(( $(date +%s) - s )) s)"
 grep -E "copy|gemm_w4a8" "$OUT/bench.log" >> "$S"
 
@@ -111,27 +137,9 @@ for m, k, n in ((4096, 14336, 1), (4096, 14336, 8)):
     for _ in range(3): be.gemm_w4a8(w, a, o)
     torch.cuda.synchronize()
 EOF
-timeout 60 ncu --clock-control none --kernel-name regex:gemm_w4a8_stream --launch-skip 2 --launch-count 2 \
+timeout 40 ncu --clock-control none --kernel-name regex:gemm_w4a8_stream --launch-skip 2 --launch-count 2 \
   --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
   --section MemoryWorkloadAnalysis python3 /tmp/w4prof.py > "$OUT/ncu.log" 2>&1
 say "ncu: rc=$? ($(( $(date +%s) - s )) s)"
-grep -E "gemm_w4a8_stream|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Issued Warp|No Eligible|Warp Cycles Per Issued|Registers Per" "$OUT/ncu.log" >> "$S"
-s=$(date +%s)
-cat > /tmp/w4mem.py <<'EOF'
-import os, torch
-from quantcore.backends.cuda import create
-be = create()
-for cfg in ("", "w4s_cl=2", "w4s_cl=4,w4s_kc=8,w4s_stages=2"):
-    os.environ["QUANTCORE_CUDA_TUNE"] = cfg
-    for m, n, k in ((37, 3, 1024), (130, 8, 4096 + 256), (20, 1, 256)):
-        w = torch.randint(0, 256, (m, k // 32, 18), dtype=torch.uint8, device="cuda")
-        w[..., 1] = 0x20
-        a = torch.randn(n, k, device="cuda", dtype=torch.float16)
-        o = torch.empty(m, n, device="cuda")
-        be.gemm_w4a8(w, a, o)
-torch.cuda.synchronize()
-print("memcheck script done")
-EOF
-timeout 75 compute-sanitizer --tool memcheck --leak-check no --print-limit 10 python3 /tmp/w4mem.py > "$OUT/memcheck.log" 2>&1
-say "memcheck: rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1) ($(( $(date +%s) - s )) s)"
+grep -E "gemm_w4a8_stream|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Issued Warp|No Eligible|Warp Cycles Per Issued|Registers Per|L1/TEX Hit|Mem Busy|Max Bandwidth" "$OUT/ncu.log" >> "$S"
 say "total $(( $(date +%s) - t0 )) s"

@@ -1,0 +1,114 @@
+"""gemm_w4a8 N <= 8 on sm_90: the stream kernel's two ring fillers, at the kernel-level op.
+
+QUANTCORE_CUDA_TUNE=w4s_load=0 (the default) fills the shared-memory weight ring by 1-D bulk
+copies from a producer warp (version 13), w4s_load=1 by 16-byte cp.async from every consumer warp
+with cp.async.mbarrier.arrive (W-14, which also loads the activation one block ahead in its
+prologue; slower on the H200, kept selectable). The consumer code and its accumulation order are
+the same, so the two must give the same bits; these tests check that, and the conformance bounds,
+where the cp.async filler can go wrong:
+ring wrap-around (2 and 3 stages, short rows), a short last chunk (K / 32 not a multiple of kc),
+rows past M in the last tile, empty K slices of a cluster, clusters of 1 / 2 / 4, every N, every
+activation dtype, and an activation that is not 16-byte aligned (the element-load prologue).
+Every output element is checked written (outputs start as NaN).
+
+CPU part: the launcher's instance list holds both fillers for every cluster size and N (the nvcc
+compile test of tests/test_cuda.py compiles them). GPU part: skipped with the reason where the
+cuda backend is unavailable; timing: tools/dev/w4a8_device.sh.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from quantcore.backends import cuda
+
+import quantcore as qc
+from quantcore.formats import ggml
+
+from .conftest import FLOAT_DTYPES, bits
+from .test_cuda import _gemm_check, _n, _randn, _t
+
+TUNE = "QUANTCORE_CUDA_TUNE"
+_avail = qc.available_backends()["cuda"]
+
+
+def test_both_ring_fillers_are_instantiated():
+    insts = {expr for f, expr in cuda.kernel_instances() if f == "ggml.cu"}
+    for tag in cuda.TYPE_TAG.values():
+        for nb in (1, 2, 4, 8):
+            for cl in (1, 2, 4):
+                for ld in (0, 1):
+                    assert f"qc::gemm_w4a8_stream_kernel<{tag}, {nb}, {cl}, {ld}>" in insts
+
+
+gpu = pytest.mark.skipif(not _avail, reason=f"cuda backend unavailable: {_avail.reason}")
+torch = pytest.importorskip("torch") if _avail else None
+
+
+@pytest.fixture(scope="module")
+def be():
+    b = qc.get_backend("cuda")
+    import quantcore.backends.cuda.runtime as rt  # noqa: PLC0415
+
+    if rt.device_arch(0) < 90:
+        pytest.skip("the stream kernel is sm_90 only (this device is older)")
+    return b
+
+
+def _run(be, wq_t, a_t, m, n, tune, monkeypatch):
+    monkeypatch.setenv(TUNE, tune)
+    out = torch.full((m, n), float("nan"), dtype=torch.float32, device="cuda")
+    be.gemm_w4a8(wq_t, a_t, out)
+    torch.cuda.synchronize()
+    return _n(out)
+
+
+# (m, n, k, extra tune): geometry forced where the default would not reach the case
+_CASES = [
+    (1, 1, 256, ""),                        # one row, one chunk
+    (37, 3, 1024, "w4s_kc=8,w4s_stages=2"),  # 2-stage ring (1 ahead), 4 chunks, rows past M
+    (130, 5, 4096 + 256, "w4s_kc=128,w4s_stages=3"),  # short last chunk (136 = 128 + 8 blocks)
+    (301, 6, 2048, "w4s_kc=16,w4s_stages=3"),  # many ring turns, partial last tile
+    (1000, 8, 14336, ""),                   # default geometry (cluster 2 at N = 8)
+    (261, 7, 16384, ""),                    # cluster 4
+    (50, 4, 16384 + 256, "w4s_cl=4"),       # slices past 128 blocks
+    (20, 2, 256, "w4s_cl=4"),               # empty K slices (8 blocks, 4 CTAs)
+    (4099, 1, 4096, "w4s_cl=2"),            # many tiles per CTA
+    (513, 8, 4096, "w4s_cl=1,w4s_fly=1000"),  # kc halved to the depth cap (32 blocks)
+]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", list(FLOAT_DTYPES))
+def test_cp_async_filler_bit_equal_to_bulk_filler(be, rng, dtype, monkeypatch):
+    for m, n, k, tune in _CASES:
+        w = _randn(rng, (m, k), "float32", scale_groups=32)
+        a = _randn(rng, (n, k), dtype, scale_groups=32)
+        wq = ggml.quantize_q4_0(w)
+        wq_t, a_t = _t(wq), _t(a)
+        sep = "," if tune else ""
+        new = _run(be, wq_t, a_t, m, n, f"w4s_load=1{sep}{tune}", monkeypatch)
+        old = _run(be, wq_t, a_t, m, n, f"w4s_load=0{sep}{tune}", monkeypatch)
+        _gemm_check(wq, ggml.quantize_q8_1(a), new)
+        assert np.array_equal(bits(new), bits(old)), (m, n, k, tune)
+        again = _run(be, wq_t, a_t, m, n, f"w4s_load=1{sep}{tune}", monkeypatch)
+        assert np.array_equal(bits(again), bits(new)), (m, n, k, tune)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", list(FLOAT_DTYPES))
+def test_cp_async_filler_unaligned_activation(be, rng, dtype, monkeypatch):
+    """An activation starting one element into its buffer: the prologue's element loads."""
+    for m, n, k in ((77, 3, 2048), (300, 8, 4096)):
+        w = _randn(rng, (m, k), "float32", scale_groups=32)
+        a = _randn(rng, (n, k), dtype, scale_groups=32)
+        wq = ggml.quantize_q4_0(w)
+        flat = _t(a.reshape(-1))
+        buf = torch.empty(flat.numel() + 1, dtype=flat.dtype, device="cuda")
+        buf[1:].copy_(flat)
+        a_t = buf[1:].view(n, k)
+        assert a_t.data_ptr() % 16 != 0
+        new = _run(be, _t(wq), a_t, m, n, "w4s_load=1", monkeypatch)
+        old = _run(be, _t(wq), _t(a), m, n, "w4s_load=0", monkeypatch)
+        _gemm_check(wq, ggml.quantize_q8_1(a), new)
+        assert np.array_equal(bits(new), bits(old)), (m, n, k)
