@@ -12,6 +12,7 @@ import statistics
 
 import cupy as cp
 import torch
+from bnb4_time import timed as bnb4_timed  # this directory (scripts run as files)
 
 SRC = r"""
 typedef unsigned int u32;
@@ -45,17 +46,9 @@ names = [f"stream_kernel<{st},{rd}>" for st in (0, 1, 2) for rd in (0, 1)]
 mod = cp.RawModule(code=SRC, options=("-std=c++17",), name_expressions=names)
 
 
-def timed(fn, reps=30):
-    out = []
-    for _ in range(reps):
-        torch.cuda._sleep(2_000_000)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(out)
+def timed(fn, reps=30) -> float:
+    """Median GPU time (us) of ``fn`` behind a sleep kernel: bnb4_time.timed's samples."""
+    return statistics.median(bnb4_timed(fn, reps))
 
 
 n_out = 1 << 29  # 512 MiB written, as dequantize 16384^2 -> bf16
