@@ -1,6 +1,6 @@
 // bitsandbytes 4-bit NF4 / FP4: quantize, dequantize (nested statistics decoded in the same
 // kernel) and gemv. Semantics: shared/design/FORMATS.md section 1 and quantcore/formats/bnb.py.
-#include "qc_common.cuh"
+#include "bnb_nested.cuh"
 
 namespace qc {
 
@@ -165,6 +165,31 @@ __device__ __forceinline__ u32 pack8(const Round4Cells& t, const float (&v)[kQua
     return (acc >> 2) + (round4_x4<QT>(t, __fmul_rn(v[c0 + 6], r), steps) << 26);
 }
 
+// One thread's 16 elements v (zeros past n): the NaN-ignoring absmax of the G threads of the
+// block, stored to *amax where amax is not null; the codes stored at packed[b0 .. b0 + 8) (whole:
+// one 8-byte store, packed 8-byte aligned; else byte by byte below nbytes). Uniform over the CTA
+// when G > 32 (barrier).
+template <int QT>
+__device__ __forceinline__ void quant16(const Round4Cells& tab, u32 steps, const float (&v)[kQuantElems], int G,
+                                        float* red, float* amax, u8* packed, i64 b0, bool whole, i64 nbytes) {
+    float m = fabsf(v[0]);
+#pragma unroll
+    for (int i = 1; i < kQuantElems; ++i) m = fmaxf(m, fabsf(v[i]));
+    m = group_absmax(m, G, red);
+    if (G > 32) __syncthreads();  // red[] is rewritten by the next call
+    const float r = recip_rn(m);  // correctly rounded; 1/0 = inf and 0*inf = NaN -> code 0
+    if (amax) *amax = m;
+    const u32 w0 = pack8<QT>(tab, v, 0, r, steps);
+    const u32 w1 = pack8<QT>(tab, v, 8, r, steps);
+    if (whole) {
+        asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(packed + b0), "r"(w0), "r"(w1) : "memory");
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (b0 + i < nbytes) packed[b0 + i] = (u8)((i < 4 ? w0 : w1) >> (8 * (i & 3)));
+    }
+}
+
 // One thread per 16 consecutive elements; G = blocksize / 16 threads per block (2 .. 256; a CTA
 // of 256 holds whole blocks).
 template <typename T, int QT>
@@ -195,25 +220,184 @@ __global__ void __launch_bounds__(kQuantThreads, kQuantCtasPerSm) quantize_4bit_
         const i64 e1 = e0 + stride * kQuantElems;  // the next chunk's loads go out now
         if (vec && e1 + kQuantElems <= n) raw16_load<T>(x + e1, raw);
 
-        float m = fabsf(v[0]);
-#pragma unroll
-        for (int i = 1; i < kQuantElems; ++i) m = fmaxf(m, fabsf(v[i]));
-        m = group_absmax(m, G, red);
-        if (G > 32) __syncthreads();  // red[] is rewritten by the next iteration
-        const float r = recip_rn(m);  // correctly rounded; 1/0 = inf and 0*inf = NaN -> code 0
-        if ((threadIdx.x & (G - 1)) == 0 && e0 < n) absmax[e0 >> log2bs] = m;
+        const bool lead = (threadIdx.x & (G - 1)) == 0 && e0 < n;
+        quant16<QT>(tab, steps, v, G, red, lead ? absmax + (e0 >> log2bs) : nullptr, packed, e0 >> 1, whole, nbytes);
+    }
+}
 
-        const u32 w0 = pack8<QT>(tab, v, 0, r, steps);
-        const u32 w1 = pack8<QT>(tab, v, 8, r, steps);
-        const i64 b0 = t * (kQuantElems / 2);
-        if (whole) {  // vec: packed is 8-byte aligned
-            asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(packed + b0), "r"(w0), "r"(w1) : "memory");
-        } else {
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-                if (b0 + i < nbytes) packed[b0 + i] = (u8)((i < 4 ? w0 : w1) >> (8 * (i & 3)));
+// ==================================================================================================
+// quantize_4bit with double quantization, in one cooperative launch
+// ==================================================================================================
+// quantize_4bit followed by double_quantize (bnb_8bit.cu) costs a second pass over the fp32 absmax
+// (nb * 4 bytes, written to device memory and read back twice) and two more launches: ~20 us of
+// ~205 at 16384^2 bf16 (H200). Here the input is cut into "units" of U = 256 * 2^log2ub blocks
+// (U * blocksize elements); CTA c quantizes units c, c + G, c + 2 G, ... (so that the CTAs stream
+// one window of the input together, as quantize_4bit_kernel's grid-stride loop does) and keeps
+// their absmax in shared memory: the fp32 absmax never reaches device memory. (Measured on the
+// H200, tools/dev/q4n_trace.py: with a contiguous share of units per CTA the CTAs' quantize phases
+// ended anywhere from 130 to 192 us into the kernel, a rotated order within the shares did not
+// change that; units claimed from a counter balanced them but streamed slower: 196-225 us.) Then,
+// as double_quantize's version 3 does in two launches:
+// Scratch lives in the outputs: the leaf sums in qabsmax's first bytes (read by the last arriver
+// only, before any CTA writes a code); the barrier word in absmax2's last element, zeroed by the
+// host before the launch: G arrivals, + 1 when the offset is out, + 1 per CTA once it has read it
+// (2 G + 1 in all); the CTA holding the last nested block writes its absmax2 over the word once
+// the count is complete. The host sizes the shared memory for ceil(nunits / G) units.
+constexpr int kNestThreads = 512;
+constexpr int kNestMaxAbsmax = 24 * 1024;  // absmax values per CTA: 96 KiB of shared memory
+constexpr int kNestMaxBlocks = kNestMaxAbsmax / 256;
+constexpr int kNestMaxLeaves = 512 * 32;   // the tree top's leaves (tree_top_512)
+
+template <typename T, int QT>
+__global__ void __launch_bounds__(kNestThreads, 2) quantize_4bit_nested_kernel(
+    const typename T::S* __restrict__ x, u8* __restrict__ packed, u8* qabsmax, float* absmax2, float* offset,
+    double* leaves, i64 n, int log2bs, int log2ub, int npart, int vec, int vecq, u64* trace) {
+    extern __shared__ float4 s_abs4[];  // the absmax of the CTA's units, slot by slot; zeros past nb
+    float* s_abs = reinterpret_cast<float*>(s_abs4);
+    __shared__ Round4Cells tab;
+    __shared__ Cells8 tab8;
+    __shared__ float red[kNestThreads / 32];
+    __shared__ double s_bsum[kNestMaxBlocks];
+    __shared__ double ws[16];
+    __shared__ u32 s_unit[kNestMaxBlocks];  // the unit in each slot
+    __shared__ float s_off, s_lastm;
+    __shared__ int s_last, s_has_last;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const u32 G = gridDim.x;
+    const i64 nb = (n + (1 << log2bs) - 1) >> log2bs, nbl2 = (nb + 255) >> 8;
+    const int ub = 1 << log2ub, U = 256 << log2ub;
+    const u32 nunits = (u32)((nb + U - 1) >> (8 + log2ub));
+    const i64 ue = (i64)U << log2bs;  // elements per unit: a multiple of 16384 (two rows of 512 x 16)
+    u32* bar = reinterpret_cast<u32*>(absmax2 + (nbl2 - 1));
+    u64* tr = trace ? trace + 8 * blockIdx.x : nullptr;  // development: phase stamps (null otherwise)
+    if (tr && tid == 0) tr[0] = globaltimer_ns();
+
+    // 0. both rounding tables (the 8-bit one: the dynamic map's, from compile
+    // time - exact, see bnb_nested.cuh), then the first unit's first loads
+    if (tid == 0) s_has_last = 0;
+    if (tid <= kDynNThr) tab8.thr[tid] = tid < kDynNThr ? kDynamicThresholds[tid] : pos_inf();
+    {
+        const u32* csrc = reinterpret_cast<const u32*>(kDynCells8.off4);
+        u32* dst = reinterpret_cast<u32*>(tab8.off4);
+        for (int w = tid; w < kC8Cells / 2; w += kNestThreads) dst[w] = csrc[w];
+    }
+    build_cells<QT>(tab);  // barriers inside
+    const u32 steps = tab.steps;
+    const int Gq = (1 << log2bs) >> 4;
+    auto row_e0 = [&](u32 u, int r) { return (i64)u * ue + ((i64)r * kNestThreads + tid) * kQuantElems; };
+    auto unit_end = [&](u32 u) { return min(n, (i64)(u + 1) * ue); };
+    u32 cur = blockIdx.x, nxt = blockIdx.x + G;  // units blockIdx.x + j G
+    Raw16<T> raw;
+    if (cur < nunits && vec && row_e0(cur, 0) + kQuantElems <= unit_end(cur)) raw16_load<T>(x + row_e0(cur, 0), raw);
+
+    // 1. quantize_4bit, unit by unit (the loop of quantize_4bit_kernel, absmax to shared memory);
+    // the next unit's first loads go out with this one's last row
+    int j = 0;
+    for (; cur < nunits; cur = nxt, nxt += G, ++j) {  // uniform over the CTA
+        const i64 u0 = (i64)cur * ue, eu = unit_end(cur), nbytes = (eu + 1) >> 1;
+        const int nrows = (int)((eu - u0 + kNestThreads * kQuantElems - 1) / (kNestThreads * kQuantElems));
+        float* sa = s_abs + (i64)j * U;
+        for (int r = 0; r < nrows; ++r) {  // uniform (barriers inside quant16 for G > 32)
+            const i64 e0 = row_e0(cur, r);
+            float v[kQuantElems];
+            const bool whole = vec && e0 + kQuantElems <= eu;
+            if (whole) {
+                raw16_to_f<T>(raw, v);
+            } else {
+                elems16_load<T>(x, e0, eu, v);
+            }
+            if (r + 1 < nrows) {
+                const i64 e1 = row_e0(cur, r + 1);
+                if (vec && e1 + kQuantElems <= eu) raw16_load<T>(x + e1, raw);
+            } else if (nxt < nunits) {
+                const i64 e1 = row_e0(nxt, 0);
+                if (vec && e1 + kQuantElems <= unit_end(nxt)) raw16_load<T>(x + e1, raw);
+            }
+            const bool lead = (tid & (Gq - 1)) == 0 && e0 < eu;
+            quant16<QT>(tab, steps, v, Gq, red, lead ? sa + ((e0 - u0) >> log2bs) : nullptr, packed, e0 >> 1, whole,
+                        nbytes);
+        }
+        if (tid == 0) s_unit[j] = cur;
+    }
+    const int nu = j;
+    __syncthreads();
+    for (int i = 0; i < nu; ++i) {  // the tree's zeros past nb (the last unit only)
+        if (s_unit[i] == nunits - 1) {
+            const int valid = (int)(nb - (i64)(nunits - 1) * U);
+            for (int k = valid + tid; k < U; k += kNestThreads) s_abs[(i64)i * U + k] = 0.0f;
         }
     }
+    __syncthreads();
+    if (tr && tid == 0) tr[1] = globaltimer_ns();
+
+    // 2. the leaf sums: block sums by warps, then each unit's pairwise by one thread
+    for (int b = warp; b < nu * ub; b += kNestThreads / 32) {
+        const float4 p = s_abs4[b * 64 + 2 * lane], q = s_abs4[b * 64 + 2 * lane + 1];
+        double t = (((double)p.x + (double)p.y) + ((double)p.z + (double)p.w)) +
+                   (((double)q.x + (double)q.y) + ((double)q.z + (double)q.w));
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) t = t + shfl_xor_f64(t, o);
+        if (lane == 0) s_bsum[b] = t;
+    }
+    __syncthreads();
+    if (tid < nu) {
+        double* q = s_bsum + tid * ub;
+        for (int w = ub >> 1; w >= 1; w >>= 1)
+            for (int i = 0; i < w; ++i) q[i] = q[2 * i] + q[2 * i + 1];
+        leaves[s_unit[tid]] = q[0];
+    }
+    __syncthreads();
+    if (tr && tid == 0) tr[2] = globaltimer_ns();
+
+    // 3. the grid barrier and the offset
+    if (tid == 0) {
+        __threadfence();  // the CTA's leaf sums (ordered before by the barrier) before the count
+        const u32 old = atom_add_release_gpu(bar, 1u);
+        s_last = old == G - 1;
+        if (s_last) fence_acq_rel_gpu();  // acquire: every CTA's leaf sums
+    }
+    __syncthreads();
+    if (s_last) {  // uniform over the CTA (a barrier inside tree_top_512)
+        const double total = tree_top_512(leaves, npart, (int)nunits, ws);
+        if (tid == 0) {
+            const float off = __double2float_rn(__ddiv_rn(total, (double)nb));
+            s_off = off;
+            offset[0] = off;
+            red_add_release_gpu(bar, 2u);  // the offset is out (+1), and this CTA has it (+1)
+        }
+    } else if (tid == 0) {
+        spin_until_at_least(bar, G + 1);
+        s_off = __ldcg(offset);  // after the acquire: the last arriver's write
+        red_add_release_gpu(bar, 1u);
+    }
+    __syncthreads();
+    const float off = s_off;
+    if (tr && tid == 0) tr[3] = globaltimer_ns();
+
+    // 4. the codes and absmax2 of the CTA's nested blocks, a warp per block (G = 32 lanes)
+    for (int b = warp; b < nu * ub; b += kNestThreads / 32) {
+        const i64 gb = (i64)s_unit[b >> log2ub] * ub + (b & (ub - 1));
+        if (gb >= nbl2) continue;
+        const float4 p = s_abs4[b * 64 + 2 * lane], q = s_abs4[b * 64 + 2 * lane + 1];
+        float v[8] = {p.x, p.y, p.z, p.w, q.x, q.y, q.z, q.w};
+        const bool last = gb == nbl2 - 1;
+        const float m = blockwise8_task(v, gb * 256 + 8 * lane, nb, true, off, 32, nullptr, lane, tab8, true,
+                                        last ? nullptr : absmax2, 8, qabsmax, vecq != 0);
+        if (last && lane == 0) {
+            s_lastm = m;
+            s_has_last = 1;
+        }
+    }
+    if (tr && tid == 0) tr[4] = globaltimer_ns();
+
+    // 5. the last block's absmax2 over the barrier word, once every CTA has read the offset
+    __syncthreads();
+    if (s_has_last && tid == 0) {
+        spin_until_at_least(bar, 2 * G + 1);
+        absmax2[nbl2 - 1] = s_lastm;
+    }
+    if (tr && tid == 0) tr[5] = globaltimer_ns();
 }
 
 // ==================================================================================================

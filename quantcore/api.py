@@ -109,8 +109,6 @@ def quantize_4bit(
     n = math.prod(shape)
     nb = bnb.nblocks(n, blocksize)
     packed = be.empty(((n + 1) // 2, 1), U8, like=xn)
-    absmax = be.empty((nb,), F32, like=xn)
-    be.quantize_4bit(xn, packed, absmax, blocksize=blocksize, quant_type=quant_type)
     state = QuantState(absmax=None, shape=shape, code=_const(be, quant_type, bnb.code_4bit(quant_type), x),
                        blocksize=blocksize, quant_type=quant_type, dtype=dt)
     if compress_statistics:
@@ -118,12 +116,14 @@ def quantize_4bit(
         qabsmax = be.empty((nb,), U8, like=xn)
         absmax2 = be.empty((bnb.nblocks(nb, bnb.NESTED_BLOCKSIZE),), F32, like=xn)
         offset = be.empty((1,), F32, like=xn)
-        be.double_quantize(absmax, qabsmax, absmax2, offset)
+        be.quantize_4bit_nested(xn, packed, qabsmax, absmax2, offset, blocksize=blocksize, quant_type=quant_type)
         state.absmax = be.finish(qabsmax, x)
         state.offset = be.finish(offset, x)
         state.state2 = QuantState(absmax=be.finish(absmax2, x), code=_const(be, "dynamic_map", bnb.DYNAMIC_MAP, x),
                                   blocksize=bnb.NESTED_BLOCKSIZE, dtype="float32")
     else:
+        absmax = be.empty((nb,), F32, like=xn)
+        be.quantize_4bit(xn, packed, absmax, blocksize=blocksize, quant_type=quant_type)
         state.absmax = be.finish(absmax, x)
     return be.finish(packed, x), state
 

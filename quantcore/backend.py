@@ -139,6 +139,14 @@ class Backend:
         """absmax fp32 [nb] -> qabsmax uint8 [nb], absmax2 fp32 [ceil(nb/256)], offset fp32 [1]."""
         raise NotImplementedError
 
+    def quantize_4bit_nested(self, x, packed, qabsmax, absmax2, offset, *, blocksize: int, quant_type: str) -> None:
+        """quantize_4bit, then double_quantize of its absmax: x [n] float -> packed uint8 [(n+1)//2],
+        qabsmax uint8 [nb], absmax2 fp32 [ceil(nb/256)], offset fp32 [1]. This default runs the two
+        ops with the fp32 absmax in a temporary; a backend may fuse them (bit for bit the same)."""
+        absmax = self.empty((qabsmax.shape[0],), np.dtype(np.float32), like=x)
+        self.quantize_4bit(x, packed, absmax, blocksize=blocksize, quant_type=quant_type)
+        self.double_quantize(absmax, qabsmax, absmax2, offset)
+
     def quantize_blockwise(self, x, thresholds, codes, absmax, *, blocksize: int) -> None:
         """x [n] float -> codes uint8 [n], absmax fp32 [nb]; thresholds fp32 [255]."""
         raise NotImplementedError

@@ -278,12 +278,11 @@ class Bench:
         xs = [self.rand((r, c), "bfloat16") for _ in range(k)]
         be, nb = self.be, fbnb.nblocks(n, bs)
         u8, f32 = as_dtype("uint8"), as_dtype("float32")
-        bufs = [(be.empty(((n + 1) // 2, 1), u8, like=x), be.empty((nb,), f32, like=x), be.empty((nb,), u8, like=x),
+        bufs = [(be.empty(((n + 1) // 2, 1), u8, like=x), be.empty((nb,), u8, like=x),
                  be.empty((fbnb.nblocks(nb, 256),), f32, like=x), be.empty((1,), f32, like=x)) for x in xs]
 
-        def kernel(x, p, a, q, a2, off):
-            be.quantize_4bit(x, p, a, blocksize=bs, quant_type=qt)
-            be.double_quantize(a, q, a2, off)
+        def kernel(x, p, q, a2, off):
+            be.quantize_4bit_nested(x, p, q, a2, off, blocksize=bs, quant_type=qt)
 
         rows = [self.measure("quantize_4bit", shape, "quantcore", nbytes,
                              [lambda x=x, b=b: kernel(x, *b) for x, b in zip(xs, bufs)],

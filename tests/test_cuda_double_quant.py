@@ -1,10 +1,8 @@
 """double_quantize and quantize_blockwise of the cuda backend, all three kernel versions, at the
 kernel-level op: bit-exact against quantcore.formats.bnb.
 
-double_quantize version 4 (opt-in, dq_v=4) is one cooperative launch: absmax in shared
-memory, a grid barrier on absmax2's last word, the leaf sums in qabsmax's first bytes; the tests
-below check that it is taken where expected and falls back to version 3 elsewhere, and capture it
-in a CUDA graph. Versions 2 and 3 round by a cell table and reduce the offset's chunk sums inside
+(The one-launch form of double quantization, fused into quantize_4bit, is tested in
+tests/test_cuda_quantize_nested.py.) Versions 2 and 3 round by a cell table and reduce the offset's chunk sums inside
 the quantize launch, with the sums in qabsmax's first bytes; version 3 takes the table built at
 compile time when the thresholds passed are the dynamic map's bit for bit (else it builds it), and
 counts its CTAs in the offset's 4 bytes. These tests aim at what that can get wrong: every cell edge and threshold neighbour of the rounding, NaN / inf / -0.0 / constant blocks
@@ -45,9 +43,9 @@ def version(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=[1, 2, 3, 4], ids=["v1", "v2", "v3", "v4"])
+@pytest.fixture(params=[1, 2, 3], ids=["v1", "v2", "v3"])
 def dq_version(request, monkeypatch):
-    """double_quantize's versions (3 the default; 4 one cooperative launch where it fits, else 3)."""
+    """double_quantize's versions (3 the default)."""
     monkeypatch.setenv(TUNE, f"dq_v={request.param}")
     return request.param
 
@@ -240,78 +238,3 @@ def test_blockwise_thresholds_one_ulp_off(be, rng, version):
         rc, ra = bnb.quantize_blockwise(x, bs, thr)
         assert np.array_equal(_n(codes), rc), bs
         assert np.array_equal(bits(_n(absmax)), bits(ra)), bs
-
-
-def _spy_v4(monkeypatch):
-    """Counts version 4's launches (True returns of the backend's eligibility check)."""
-    from quantcore.backends import cuda as cuda_backend
-
-    taken = []
-    real = cuda_backend.CudaBackend._double_quantize_v4
-
-    def spy(*args, **kwargs):
-        got = real(*args, **kwargs)
-        taken.append(got)
-        return got
-
-    monkeypatch.setattr(cuda_backend.CudaBackend, "_double_quantize_v4", staticmethod(spy))
-    return taken
-
-
-@pytest.mark.parametrize("edge", ["largest", "one_more"])
-def test_double_quantize_v4_capacity_edge(be, rng, monkeypatch, edge):
-    """The largest absmax version 4 keeps in shared memory on this device (kDq4MaxUnits leaves in
-    every CTA) takes it; one leaf more falls back to version 3. Both bit-exact."""
-    from quantcore.backends import cuda as cuda_backend
-    from quantcore.backends.cuda import runtime as rt
-
-    monkeypatch.setenv(TUNE, "dq_v=4")
-    launch = rt.Launcher(torch.empty(1, device="cuda"))
-    per_sm = cuda_backend._coop_ctas_per_sm(launch, cuda_backend._F8, cuda_backend._DQ4, cuda_backend._DQ4_THREADS,
-                                            cuda_backend._DQ4_MAX_UNITS * cuda_backend._DQ4_UNIT * 4)
-    ctas = per_sm * rt.sm_count(launch.device)
-    nb = cuda_backend._DQ4_MAX_UNITS * ctas * cuda_backend._DQ4_UNIT - 3  # the last leaf short by 3
-    if edge == "one_more":
-        nb += cuda_backend._DQ4_UNIT
-    if (1 << (nb - 1).bit_length()) // cuda_backend._DQ4_UNIT > cuda_backend._SUM_MAX_PARTS:
-        pytest.skip(f"this device holds {ctas} CTAs: the tree top, not shared memory, bounds version 4")
-    taken = _spy_v4(monkeypatch)
-    _check_dq(be, np.exp2(rng.uniform(-6, 3, nb)).astype(np.float32))
-    assert taken == [edge == "largest"], (nb, ctas, taken)
-
-
-def test_double_quantize_v4_taken_and_fallbacks(be, rng, monkeypatch):
-    """Version 4 (selected) for the bench's 4 M values and a 16-byte aligned absmax; version 3 for
-    a misaligned absmax and for 8192 values or fewer."""
-    monkeypatch.setenv(TUNE, "dq_v=4")
-    taken = _spy_v4(monkeypatch)
-    _check_dq(be, np.exp2(rng.uniform(-8, 4, 1 << 22)).astype(np.float32))
-    _check_dq(be, np.exp2(rng.uniform(-8, 4, 50_001)).astype(np.float32), a_off=1)
-    _check_dq(be, np.exp2(rng.uniform(-8, 4, 8192)).astype(np.float32))
-    assert taken == [True, False, False]
-
-
-def test_double_quantize_v4_in_a_cuda_graph(be, rng, monkeypatch):
-    """Version 4 captured once (the barrier word's memset and the cooperative launch), replayed on
-    new data."""
-    monkeypatch.setenv(TUNE, "dq_v=4")
-    nb = (1 << 20) + 300
-    src = _t(np.exp2(rng.uniform(-4, 2, nb)).astype(np.float32))
-    q, a2, off = _empty(nb, np.uint8), _empty(bnb.nblocks(nb, 256), np.float32), _empty(1, np.float32)
-    taken = _spy_v4(monkeypatch)
-    be.double_quantize(src, q, a2, off)  # warm-up outside the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        be.double_quantize(src, q, a2, off)
-    for scale in (2.0, 0.25):
-        absmax = (np.exp2(rng.uniform(-4, 2, nb)) * scale).astype(np.float32)
-        src.copy_(_t(absmax))
-        g.replay()
-        torch.cuda.synchronize()
-        rq, ra2, roff = bnb.double_quantize(absmax)
-        assert _same(_n(off), np.array([roff], np.float32))
-        assert np.array_equal(_n(q), rq)
-        assert _same(_n(a2), ra2)
-    assert taken[:2] == [True, True]
-

@@ -69,10 +69,10 @@ _TREE_CHUNK = 2048
 # the quantize launch reduces (256 threads x 16; version 3: 512 x 8); version 3's sum threads
 _SUM_CHUNK, _SUM_MAX_PARTS = 8192, 4096
 _SUM3_THREADS = 1024  # kSum3Threads
-# double_quantize version 4 (one cooperative launch): kDq4Threads, kDq4Unit values per leaf,
-# kDq4MaxUnits leaves per CTA (its shared memory)
-_DQ4 = "qc::double_quantize_v4_kernel"
-_DQ4_THREADS, _DQ4_UNIT, _DQ4_MAX_UNITS = 512, 2048, 12
+# quantize_4bit with double quantization in one cooperative launch: kNestThreads, kNestMaxAbsmax
+# (absmax values a CTA keeps in shared memory), kNestMaxLeaves (the tree top's), the units' largest
+# size (2^log2ub nested blocks)
+_Q4N_THREADS, _Q4N_MAX_ABSMAX, _Q4N_MAX_LEAVES, _Q4N_MAX_LOG2UB = 512, 24 * 1024, 512 * 32, 6
 _GEMM_WARPS, _GEMM_UB = 16, 8
 _W4_WARPS, _W4_CLUSTER = 8, 4  # gemm_w4a8_small_kernel (version 12, QUANTCORE_CUDA_TUNE=w4a8_small=1)
 _W4_MAX_KBS = 128  # blocks of K per CTA: bounds the shared memory (204 KB at N = 8)
@@ -102,8 +102,9 @@ def _b(flag: bool) -> str:
 
 
 # -- the kernel instantiations, by op (used by the launchers and by the nvcc compile test) ----------
-def _q4(tag: str, qt: str) -> str:
-    return f"qc::quantize_4bit_kernel<{tag}, {QUANT_TYPE_CODE[qt]}>"
+def _q4(tag: str, qt: str, nested: bool = False) -> str:
+    name = "quantize_4bit_nested_kernel" if nested else "quantize_4bit_kernel"
+    return f"qc::{name}<{tag}, {QUANT_TYPE_CODE[qt]}>"
 
 
 def _dq4(tag: str, qt: str, nested: bool) -> str:
@@ -165,7 +166,7 @@ def kernel_instances() -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     for qt in bnb.QUANT_TYPES:
         for tag in tags:
-            out.append((_F4, _q4(tag, qt)))
+            out += [(_F4, _q4(tag, qt)), (_F4, _q4(tag, qt, nested=True))]
             for nested in (False, True):
                 out.append((_F4, _dq4(tag, qt, nested)))
                 out.append((_F4, _gemv(tag, qt, nested)))
@@ -179,8 +180,19 @@ def kernel_instances() -> list[tuple[str, str]]:
         out.append((_FG, _gemm(tag, True)))
         out += [(_FG, _gemm_small(tag, nb)) for nb in _W4_NB]
     out.append((_FG, _gemm(TYPE_TAG["float32"], False)))
-    out += [(_F8, _tree(True)), (_F8, _tree(False)), (_F8, _tree(None)), (_F8, _tree(None, 3)), (_F8, _DQ4)]
+    out += [(_F8, _tree(True)), (_F8, _tree(False)), (_F8, _tree(None)), (_F8, _tree(None, 3))]
     return out
+
+
+def _nest_units(nb: int) -> tuple[int, int]:
+    """quantize_4bit_nested_kernel's units for nb blocks: (log2ub, npart) - units of 256 * 2^log2ub
+    blocks, the smallest (the finest balance between CTAs) whose tree top has at most
+    _Q4N_MAX_LEAVES leaves; npart, the top's leaf count (the summation tree's padded size / unit)."""
+    size = 1 << (nb - 1).bit_length()  # the summation tree's padded leaf count
+    log2ub = rt.tune("q4n_ub", 2)  # the minimum: 1024 blocks (the fastest of 0, 1, 2 on the H200)
+    while (size >> (8 + log2ub)) > _Q4N_MAX_LEAVES and log2ub < _Q4N_MAX_LOG2UB:
+        log2ub += 1
+    return log2ub, max(1, size // (bnb.NESTED_BLOCKSIZE << log2ub))
 
 
 def _launch_cooperative(launch: Launcher, filename: str, expr: str, grid: int, block: int, args: tuple,
@@ -385,6 +397,48 @@ class CudaBackend(Backend):
         launch(_F4, _q4(_tag(x), quant_type), (grid,), threads,
                (ptr_arg(x), ptr_arg(packed), ptr_arg(absmax), i64(n), i32(_log2(blocksize)), i32(vec)))
 
+    def quantize_4bit_nested(self, x, packed, qabsmax, absmax2, offset, *, blocksize, quant_type):
+        """The two ops (quantize_4bit, then double_quantize version 3; a temporary fp32 absmax). Opt-in
+        (QUANTCORE_CUDA_TUNE=q4_nested=1, measured slower: docs/performance.md, Q4N rows): one
+        cooperative launch (quantize_4bit_nested_kernel: the fp32 absmax stays in shared memory)
+        where the CTAs the device holds at once can keep all of it (up to ~6 M blocks on an
+        H100/H200) and the outputs can hold the scratch."""
+        if rt.tune("q4_nested", 0) and self._quantize_4bit_fused(x, packed, qabsmax, absmax2, offset,
+                                                                 blocksize=blocksize, quant_type=quant_type):
+            return
+        super().quantize_4bit_nested(x, packed, qabsmax, absmax2, offset, blocksize=blocksize, quant_type=quant_type)
+
+    @staticmethod
+    def _quantize_4bit_fused(x, packed, qabsmax, absmax2, offset, *, blocksize, quant_type, trace: int = 0) -> bool:
+        n = rt.numel(x)
+        nb = _cdiv(n, blocksize)
+        if n == 0:
+            return False
+        log2ub, npart = _nest_units(nb)
+        unit = bnb.NESTED_BLOCKSIZE << log2ub
+        nunits = _cdiv(nb, unit)
+        base = rt.pointer(qabsmax)
+        leaves = (base + 7) // 8 * 8
+        if npart > _Q4N_MAX_LEAVES or leaves + 8 * nunits > base + nb:
+            return False
+        launch = Launcher(x)
+        expr = _q4(_tag(x), quant_type, nested=True)
+        per_sm = _coop_ctas_per_sm(launch, _F4, expr, _Q4N_THREADS, _Q4N_MAX_ABSMAX * 4)
+        grid = min(nunits, per_sm * rt.sm_count(launch.device))
+        if grid == 0 or _cdiv(nunits, grid) * unit > _Q4N_MAX_ABSMAX:
+            return False
+        vec = aligned(x, 16) and aligned(packed, 8)
+        bar = rt.pointer(absmax2) + 4 * (_cdiv(nb, bnb.NESTED_BLOCKSIZE) - 1)  # the barrier word
+        stream = launch.stream.ptr if launch.stream is not None else rt.cupy().cuda.get_current_stream().ptr
+        with rt.cupy().cuda.Device(launch.device):
+            rt.cupy().cuda.runtime.memsetAsync(bar, 0, 4, stream)
+        _launch_cooperative(launch, _F4, expr, grid, _Q4N_THREADS,
+                            (ptr_arg(x), ptr_arg(packed), ptr_arg(qabsmax), ptr_arg(absmax2), ptr_arg(offset),
+                             np.uint64(leaves), i64(n), i32(_log2(blocksize)), i32(log2ub), i32(npart),
+                             i32(vec), i32(aligned(qabsmax, 8)), np.uint64(trace)),
+                            shared_mem=_cdiv(nunits, grid) * unit * 4)
+        return True
+
     def dequantize_4bit(self, packed, absmax, out, *, blocksize, quant_type, nested: Nested | None):
         n = rt.numel(out)
         if n == 0:
@@ -419,9 +473,7 @@ class CudaBackend(Backend):
         # the chunk sums in qabsmax's first bytes; from two chunks up, and up to _SUM_MAX_PARTS of
         # them. Version 3 counts the quantize CTAs in offset's 4 bytes, version 2 after the sums.
         dq_v = rt.tune("dq_v", 3)
-        if dq_v == 4 and self._double_quantize_v4(launch, absmax, qabsmax, absmax2, offset, nb, size):
-            return
-        if dq_v in (2, 3, 4) and _SUM_CHUNK < nb and size // _SUM_CHUNK <= _SUM_MAX_PARTS:
+        if dq_v in (2, 3) and _SUM_CHUNK < nb and size // _SUM_CHUNK <= _SUM_MAX_PARTS:
             base = rt.pointer(qabsmax)
             parts = (base + 7) // 8 * 8
             nchunks = _cdiv(nb, _SUM_CHUNK)
@@ -458,31 +510,6 @@ class CudaBackend(Backend):
             region += 8 * chunks
         self._quantize_blockwise(launch, absmax, NULL, qabsmax, absmax2, ptr_arg(offset), nb,
                                  bnb.NESTED_BLOCKSIZE, version=1)
-
-    @staticmethod
-    def _double_quantize_v4(launch, absmax, qabsmax, absmax2, offset, nb: int, size: int, trace: int = 0) -> bool:
-        """Version 4 (opt-in, dq_v=4: measured no faster than version 3, see bnb_8bit.cu): one
-        cooperative launch where the CTAs the device holds at once
-        can keep all of absmax in shared memory (up to ~6.5 M values on an H100/H200) and the tree
-        top has at most _SUM_MAX_PARTS leaves; False leaves the call to version 3. The barrier word
-        (absmax2's last element) is zeroed first, in stream order."""
-        if nb <= _SUM_CHUNK or size // _DQ4_UNIT > _SUM_MAX_PARTS or not aligned(absmax, 16):
-            return False
-        nunits = _cdiv(nb, _DQ4_UNIT)
-        per_sm = _coop_ctas_per_sm(launch, _F8, _DQ4, _DQ4_THREADS, _DQ4_MAX_UNITS * _DQ4_UNIT * 4)
-        grid = min(nunits, per_sm * rt.sm_count(launch.device))
-        if grid == 0 or _cdiv(nunits, grid) > _DQ4_MAX_UNITS:
-            return False
-        leaves = (rt.pointer(qabsmax) + 7) // 8 * 8  # 8 nunits + 7 <= nb bytes: the leaf sums fit
-        bar = rt.pointer(absmax2) + 4 * (_cdiv(nb, bnb.NESTED_BLOCKSIZE) - 1)
-        stream = launch.stream.ptr if launch.stream is not None else rt.cupy().cuda.get_current_stream().ptr
-        with rt.cupy().cuda.Device(launch.device):
-            rt.cupy().cuda.runtime.memsetAsync(bar, 0, 4, stream)
-        _launch_cooperative(launch, _F8, _DQ4, grid, _DQ4_THREADS,
-                            (ptr_arg(absmax), i64(nb), ptr_arg(qabsmax), ptr_arg(absmax2), ptr_arg(offset),
-                             np.uint64(leaves), i32(size // _DQ4_UNIT), i32(aligned(qabsmax, 8)), np.uint64(trace)),
-                            shared_mem=_cdiv(nunits, grid) * _DQ4_UNIT * 4)
-        return True
 
     # -- blockwise 8-bit -----------------------------------------------------------------------------
     def _quantize_blockwise(self, launch, x, thresholds, codes, absmax, center, n, blocksize, *,

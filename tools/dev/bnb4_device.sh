@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call for quantize_4bit / dequantize_4bit: build, GPU tests, the conformance suite for
-# both ops, the kernel timing (tools/dev/bnb4_time.py), the bench rows, and an ncu profile of one
-# launch of each kernel.
+# One device call for quantize_4bit (plain, and with double quantization in one launch) and
+# dequantize_4bit: build, GPU tests, the conformance suite for both ops, the kernel timing
+# (tools/dev/bnb4_time.py), the bench rows, and an ncu profile of one launch of each kernel.
 # Run from the repository root with .whl carried; logs under $OUT.
 set -u
 OUT=${OUT:-/tmp/qc_out}
@@ -22,15 +22,17 @@ from quantcore.formats import bnb
 inst = []
 for qt in bnb.QUANT_TYPES:
     for tag in cuda.TYPE_TAG.values():
-        inst.append((cuda._F4, cuda._q4(tag, qt)))
+        inst += [(cuda._F4, cuda._q4(tag, qt)), (cuda._F4, cuda._q4(tag, qt, nested=True))]
         inst += [(cuda._F4, cuda._dq4(tag, qt, nd)) for nd in (False, True)]
+inst += [(cuda._F8, cuda._tree(None, 3))] + [(cuda._F8, cuda._qbw(t, 3)) for t in cuda.TYPE_TAG.values()]
 print(f"precompiled {rt.precompile(inst, 0, workers=16)} kernels in {time.time() - t:.1f} s")
 PY
 step() { local name=$1; shift; local s=$(date +%s); "$@"; say "$name: rc=$? ($(( $(date +%s) - s )) s)"; }
-step tests timeout 80 python3 -m pytest tests/test_cuda_bnb4_speed.py tests/test_cuda.py -q -rs \
-  -k "(4bit and not gemv and not compile) or 2_31" > "$OUT/pytest.log" 2>&1
+step tests timeout ${TEST_LIMIT:-150} python3 -m pytest tests/test_cuda_quantize_nested.py tests/test_cuda_double_quant.py \
+  tests/test_cuda_bnb4_speed.py tests/test_cuda.py -q -rs -x \
+  -k "nested or fused or double_quantize or (4bit and not gemv and not compile) or 2_31" > "$OUT/pytest.log" 2>&1
 say "  $(tail -1 "$OUT/pytest.log")"
-step conformance timeout 70 python3 -m quantcore.conformance --backend cuda --full -k quantize_4bit \
+step conformance timeout 120 python3 -m quantcore.conformance --backend cuda --full -k quantize_4bit \
   > "$OUT/conformance.log" 2>&1
 say "  $(tail -1 "$OUT/conformance.log")"
 step timing timeout 50 python3 tools/dev/bnb4_time.py > "$OUT/timing.log" 2>&1

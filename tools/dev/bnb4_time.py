@@ -4,9 +4,9 @@ dequantize_4bit on the cuda backend, with the copy and write-only bandwidths of 
 Run on the GPU machine: python3 tools/dev/bnb4_time.py [--ncu-one]. CUDA events around one call
 queued behind a 1 ms sleep kernel, median of --reps, two rounds so the spread between rounds shows
 the noise. 16384 x 16384 bf16, NF4, blocksize 64, nested (double-quant) statistics, as in
-quantcore bench. QUANTCORE_CUDA_TUNE entries "q4_v=V,dq4_v=V" select kernel versions where the
-backend has more than one (it had two of each during the quantize_4bit rework of 2026-11-22;
-now one each, so both rounds of V = 1 and 2 time the same kernels).
+quantcore bench. quantize_4bit with double quantization is timed both ways: the one cooperative
+launch (quantize_4bit_nested_kernel, opt-in: QUANTCORE_CUDA_TUNE=q4_nested=1) and the two ops (the
+default: quantize_4bit, then double_quantize version 3).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def timed(fn, reps: int) -> list[float]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--reps", type=int, default=40)
-    p.add_argument("--ncu-one", action="store_true", help="one launch of each version-2 kernel (for ncu)")
+    p.add_argument("--ncu-one", action="store_true", help="one launch of each kernel (for ncu)")
     args = p.parse_args()
     be = qc.get_backend("cuda")
     r = c = 16384
@@ -56,7 +56,6 @@ def main() -> None:
     off = torch.empty((1,), dtype=torch.float32, device="cuda")
     code2 = torch.from_numpy(bnb.DYNAMIC_MAP.astype(np.float32)).cuda()
     out = torch.empty((r, c), dtype=torch.bfloat16, device="cuda")
-    os.environ[TUNE] = "q4_v=1"
     be.quantize_4bit(x, packed, absmax, blocksize=bs, quant_type="nf4")
     be.double_quantize(absmax, q, a2, off)
     nest = Nested(a2, code2, off)
@@ -65,34 +64,37 @@ def main() -> None:
     q4 = lambda: be.quantize_4bit(x, packed, absmax, blocksize=bs, quant_type="nf4")  # noqa: E731
     dq = lambda: be.double_quantize(absmax, q, a2, off)  # noqa: E731
     q4dq = lambda: (q4(), dq())  # noqa: E731
+
+    def fused():  # the one launch (opt-in)
+        os.environ[TUNE] = "q4_nested=1"
+        be.quantize_4bit_nested(x, packed, q, a2, off, blocksize=bs, quant_type="nf4")
+        os.environ[TUNE] = ""
+
     dq4 = lambda: be.dequantize_4bit(packed, q, out, blocksize=bs, quant_type="nf4", nested=nest)  # noqa: E731
     if args.ncu_one:
-        for v in (1, 2):
-            os.environ[TUNE] = f"q4_v={v},dq4_v={v}"
-            q4()
-            dq4()
+        q4dq()
+        fused()
+        dq4()
         torch.cuda.synchronize()
         return
 
     big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     big2 = torch.empty_like(big)
     wr = torch.empty(n, dtype=torch.bfloat16, device="cuda")
-    for v in (1, 2):  # warm-up: compile and load both versions
-        os.environ[TUNE] = f"q4_v={v},dq4_v={v}"
-        q4dq()
-        dq4()
+    q4dq()  # warm-up: compile and load
+    fused()
+    dq4()
     torch.cuda.synchronize()
     res: dict[str, list[float]] = {}
     for _ in range(2):
         res.setdefault("copy 2 GiB d2d", []).append(statistics.median(timed(lambda: big2.copy_(big), args.reps)))
         res.setdefault("fill 512 MiB bf16 (write only)", []).append(
             statistics.median(timed(lambda: wr.fill_(1.0), args.reps)))
-        for v in (1, 2):
-            os.environ[TUNE] = f"q4_v={v},dq4_v={v}"
-            res.setdefault(f"dequantize_4bit v{v}", []).append(statistics.median(timed(dq4, args.reps)))
-            res.setdefault(f"quantize_4bit v{v} (kernel only)", []).append(statistics.median(timed(q4, args.reps)))
-            res.setdefault(f"quantize_4bit v{v} + double_quantize", []).append(
-                statistics.median(timed(q4dq, args.reps)))
+        res.setdefault("dequantize_4bit", []).append(statistics.median(timed(dq4, args.reps)))
+        res.setdefault("quantize_4bit (kernel only)", []).append(statistics.median(timed(q4, args.reps)))
+        res.setdefault("quantize_4bit + double_quantize (two ops)", []).append(
+            statistics.median(timed(q4dq, args.reps)))
+        res.setdefault("quantize_4bit nested (one launch)", []).append(statistics.median(timed(fused, args.reps)))
         res.setdefault("double_quantize alone", []).append(statistics.median(timed(dq, args.reps)))
     copy_gbps = 2 * (1 << 30) / (min(res["copy 2 GiB d2d"]) * 1e-6) / 1e9
     dq_bytes = n // 2 + nb + 2 * bnb.nblocks(nb, 256) + 2 * 256 + 2 * n
@@ -104,7 +106,7 @@ def main() -> None:
         best = min(vals)
         extra = f"{nbytes / (best * 1e-6) / 1e9:7.0f} GB/s {100 * nbytes / (best * 1e-6) / 1e9 / copy_gbps:5.1f}% copy" \
             if nbytes else ""
-        print(f"{k:40s} " + " ".join(f"{v:8.1f}" for v in vals) + f" us  {extra}")
+        print(f"{k:42s} " + " ".join(f"{v:8.1f}" for v in vals) + f" us  {extra}")
 
 
 if __name__ == "__main__":

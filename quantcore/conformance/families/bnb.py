@@ -185,6 +185,41 @@ def _quantize_4bit(cap: Capability, kind: str, be: Backend, rng: np.random.Gener
     return check_op_bits(be, call, {"x": x}, outs, {"packed": packed, "absmax": absmax})
 
 
+#: Inputs of quantize_4bit with double quantization (Backend.quantize_4bit_nested), by name.
+NESTED_QUANT_KINDS = {
+    "nested-random": "normal values over 772.5 blocks (three nested blocks and a partial one)",
+    "nested-specials": "the zero-blocks, thresholds, subnormal and huge inputs, then normal values",
+    "nested-nonfinite": "the nonfinite input first (an all-NaN block: a NaN offset, which every code follows)",
+}
+NESTED_QUANT_KINDS_FULL = {"nested-large": "2^21 elements + 3 blocks (129 units of 256 blocks)"}
+
+
+def _quantize_4bit_nested(cap: Capability, kind: str, be: Backend, rng: np.random.Generator) -> Verdict:
+    bs, T = cap.blocksize, DTYPES[cap.dtype]
+    if kind == "nested-large":
+        x = cast(scaled_normal(rng, ((1 << 21) // bs + 3) * bs, bs), T)
+    else:
+        head = {"nested-random": [], "nested-nonfinite": ["nonfinite"],
+                "nested-specials": ["zero-blocks", "thresholds", "subnormal", "huge"]}[kind]
+        parts = [quantize_input(k, rng, bs, cap.dtype, _thresholds(cap.fmt)).reshape(-1) for k in head]
+        parts = [np.concatenate([p, np.zeros(-p.size % bs, dtype=p.dtype)]) for p in parts]  # whole blocks
+        used = sum(p.size for p in parts)
+        parts.append(cast(scaled_normal(rng, 772 * bs + bs // 2 + 1 - used, bs), T))
+        x = np.concatenate(parts)
+    n = x.size
+    packed, absmax = bnb.quantize_4bit(x, bs, cap.fmt)
+    q, a2, off = bnb.double_quantize(absmax)
+
+    def call(i, o):
+        be.quantize_4bit_nested(i["x"], o["packed"], o["qabsmax"], o["absmax2"], o["offset"], blocksize=bs,
+                                quant_type=cap.fmt)
+
+    outs = [Out("packed", ((n + 1) // 2, 1), U8), Out("qabsmax", q.shape, U8), Out("absmax2", a2.shape, F32),
+            Out("offset", (1,), F32)]
+    refs = {"packed": packed, "qabsmax": q, "absmax2": a2, "offset": np.array([off], dtype=np.float32)}
+    return check_op_bits(be, call, {"x": x}, outs, refs)
+
+
 def _random_absmax(rng: np.random.Generator, nb: int, octaves: float = 20.0) -> np.ndarray:
     return np.exp2(rng.uniform(-octaves, octaves, nb)).astype(np.float32)
 
@@ -514,6 +549,8 @@ def _host_quantize(be: Backend, cap: Capability):
 def cases(level: str, declared: frozenset[Capability]) -> Iterable[Case]:
     """Every bitsandbytes case for the declared capabilities at ``level``."""
     q_kinds = list(QUANTIZE_KINDS) + (list(QUANTIZE_KINDS_FULL) if level == "full" else [])
+    nested_kinds = list(NESTED_QUANT_KINDS) + (list(NESTED_QUANT_KINDS_FULL) if level == "full" else [])
+    dq_cap = Capability("double_quantize", "dynamic8", "float32", bnb.NESTED_BLOCKSIZE)
     for qt in bnb.QUANT_TYPES:
         for dtype in DTYPES:
             for bs in pick_blocksizes(declared, "quantize_4bit", qt, dtype, level):
@@ -521,6 +558,10 @@ def cases(level: str, declared: frozenset[Capability]) -> Iterable[Case]:
                 for kind in q_kinds:
                     yield Case(f"bnb/quantize_4bit/{qt}/{dtype}/bs{bs}/{kind}", BIT_EXACT, cap,
                                partial(_quantize_4bit, cap, kind))
+                if dq_cap in declared:
+                    for kind in nested_kinds:
+                        yield Case(f"bnb/quantize_4bit/{qt}/{dtype}/bs{bs}/{kind}", BIT_EXACT, cap,
+                                   partial(_quantize_4bit_nested, cap, kind), requires=(dq_cap,))
             for bs in pick_blocksizes(declared, "dequantize_4bit", qt, dtype, level):
                 cap = Capability("dequantize_4bit", qt, dtype, bs)
                 for kind in list(DEQUANTIZE_KINDS) + list(NESTED_KINDS):
