@@ -40,7 +40,7 @@ for step in ${*:-alltests conformance maca sanitizer}; do
       say "pytest (not slow): rc=$? $(tail -1 "$OUT/pytest_all.log") [+$(( $(date +%s) - t0 ))s]";;
     conformance|maca)
       be=cuda; [ "$step" = maca ] && be=maca
-      timeout 150 python3 -m quantcore.conformance --backend $be --full --json "$OUT/conformance_$be.json" \
+      timeout ${CONF_LIMIT:-150} python3 -m quantcore.conformance --backend $be --full --json "$OUT/conformance_$be.json" \
         > "$OUT/conformance_$be.log" 2>&1
       say "conformance $be full: rc=$? $(grep -E '^(PASS|FAIL)' "$OUT/conformance_$be.log" | tail -1) [+$(( $(date +%s) - t0 ))s]";;
     sanitizer)
