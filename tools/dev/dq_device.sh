@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call for double_quantize / quantize_blockwise (versions 1-4 and 1-3, QUANTCORE_CUDA_TUNE
-# "dq_v=V,qbw_v=V"; 4 and 3 the defaults): GPU tests, the conformance suite for the ops, kernel times side by side
+# One device call for double_quantize / quantize_blockwise (versions 1-3, QUANTCORE_CUDA_TUNE
+# "dq_v=V,qbw_v=V"; 3 the default): GPU tests, the conformance suite for the ops, kernel times side by side
 # (CUDA events behind a sleep kernel, as tools/dev/bnb4_time.py), the bench rows of quantize_4bit
 # and an ncu profile of one launch of each kernel. Every step has a timeout inside one overall
 # budget (BUDGET seconds, default 225). Run from the repository root; logs under $OUT.
@@ -67,7 +67,7 @@ mf8 = torch.empty(nb // 4096, dtype=torch.float32, device="cuda")
 be.quantize_4bit(x, packed, absmax, blocksize=bs, quant_type="nf4")
 parts = torch.empty(nb // 8192 + 2, dtype=torch.float64, device="cuda")
 scratch = torch.empty(4, dtype=torch.int32, device="cuda")
-VERSIONS = (1, 2, 3, 4)  # 4: double_quantize only (quantize_blockwise has 1-3)
+VERSIONS = (1, 2, 3)
 launch = rt.Launcher(absmax)
 
 q4 = lambda: be.quantize_4bit(x, packed, absmax, blocksize=bs, quant_type="nf4")  # noqa: E731
