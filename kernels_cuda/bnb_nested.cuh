@@ -122,6 +122,27 @@ __device__ __forceinline__ float blockwise8_task(float (&v)[8], i64 e0, i64 n, b
     return m;
 }
 
+// The top levels of a tree whose leaf sums p are held by threads 0 .. q-1 (q a power of two): the
+// butterfly over the warp pairs neighbouring threads level by level, then the warp sums pairwise
+// in ws (thread 0). Every thread calls it (a barrier inside when q > 32); valid in thread 0.
+__device__ double tree_top_finish(double p, int q, double* ws) {
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const double other = shfl_xor_f64(p, o);
+        if (o < q) p = p + other;
+    }
+    if (q > 32) {
+        if (lane_id() == 0 && (int)threadIdx.x < q) ws[threadIdx.x >> 5] = p;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int h = q >> 6; h >= 1; h >>= 1)
+                for (int i = 0; i < h; ++i) ws[i] = ws[2 * i] + ws[2 * i + 1];
+            p = ws[0];
+        }
+    }
+    return p;
+}
+
 // The double-quantization offset from the chunk sums of absmax_chunk_sum_kernel: the top of the
 // perfect binary tree over npart (a power of two, <= 256 * 16) leaves, of which those from nchunks
 // on are zero chunks. Each thread sums K = npart / 256 contiguous leaves (or holds one leaf), the
@@ -151,21 +172,7 @@ __device__ double chunk_tree_top(const double* partials, int npart, int nchunks,
         p = (int)threadIdx.x < nchunks ? partials[threadIdx.x] : 0.0;
         q = npart;
     }
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const double other = shfl_xor_f64(p, o);
-        if (o < q) p = p + other;
-    }
-    if (q > 32) {
-        if (lane_id() == 0 && (int)threadIdx.x < q) ws[threadIdx.x >> 5] = p;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            for (int h = q >> 6; h >= 1; h >>= 1)
-                for (int i = 0; i < h; ++i) ws[i] = ws[2 * i] + ws[2 * i + 1];
-            p = ws[0];
-        }
-    }
-    return p;
+    return tree_top_finish(p, q, ws);
 }
 
 // quantize_blockwise, version 2: one thread per 8 elements, G = blocksize / 8 threads per block, a
@@ -282,21 +289,7 @@ __device__ double tree_top_512(const double* leaves, int npart, int nleaves, dou
         p = leaf(tid);
         q = npart;
     }
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const double other = shfl_xor_f64(p, o);
-        if (o < q) p = p + other;
-    }
-    if (q > 32) {
-        if (lane_id() == 0 && tid < q) ws[tid >> 5] = p;
-        __syncthreads();
-        if (tid == 0) {
-            for (int h = q >> 6; h >= 1; h >>= 1)
-                for (int i = 0; i < h; ++i) ws[i] = ws[2 * i] + ws[2 * i + 1];
-            p = ws[0];
-        }
-    }
-    return p;
+    return tree_top_finish(p, q, ws);
 }
 
 __device__ __forceinline__ u32 ld_acquire_gpu(const u32* p) {
