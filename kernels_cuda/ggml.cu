@@ -702,6 +702,7 @@ __global__ void QC_W4_CLUSTER __launch_bounds__(kW4Warps * 32, 1) gemm_w4a8_smal
 // activation prologue of LD = 1 loads block u + 512 before it quantizes block u (one load latency
 // per thread instead of one per block: N = 8 has 3-4 blocks per thread).
 constexpr int kWsWarps = 16;       // consumer warps; + 1 producer warp for LD = 0
+static_assert((kWsWarps & (kWsWarps - 1)) == 0, "pair assignment masks by kWsWarps - 1");
 constexpr int kWsRows = 16;        // rows per tile (the mma's M)
 constexpr int kWsMagic = 0x4B400000;  // bits of 1.5 * 2^23
 
@@ -904,10 +905,11 @@ __global__ void QC_WS_CLUSTER(CL) __launch_bounds__((kWsWarps + (LD == 0 ? 1 : 0
     const int ahead = nstage > 2 ? nstage - 2 : 1;  // stages in flight ahead of the one consumed
 
     if (LD == 0 && warp == kWsWarps) {  // producer: stage s = (tile s / nch, chunk s % nch) into slot s % nstage
+        // slot, use of the slot, tile and chunk are stepped, not divided out (a runtime division is
+        // ~20 instructions)
+        int slot = 0, use = 0, t = 0, ch = 0;
         for (int s = 0; s < nst; ++s) {
-            const int slot = s % nstage;
-            if (s >= nstage) mbar_wait(empty + slot, (u32)(s / nstage - 1) & 1u);
-            const int t = s / nch, ch = s - t * nch;
+            if (use > 0) mbar_wait(empty + slot, (u32)(use - 1) & 1u);
             const i64 r0 = (tile0 + t) * kWsRows;
             const int nr = (int)min((i64)kWsRows, M - r0);
             const u32 bytes = (u32)min(kc, nbl - ch * kc) * QC_Q4_0_BLOCK_BYTES;
@@ -916,6 +918,8 @@ __global__ void QC_WS_CLUSTER(CL) __launch_bounds__((kWsWarps + (LD == 0 ? 1 : 0
             if (lane < nr)
                 bulk_copy(ring + slot * stage_bytes + lane * stride,
                           wq + ((r0 + lane) * nbk + kb0 + (i64)ch * kc) * QC_Q4_0_BLOCK_BYTES, bytes, full + slot);
+            if (++slot == nstage) slot = 0, ++use;
+            if (++ch == nch) ch = 0, ++t;
         }
     } else {
         if (LD == 1)
@@ -961,16 +965,16 @@ __global__ void QC_WS_CLUSTER(CL) __launch_bounds__((kWsWarps + (LD == 0 ? 1 : 0
 
         const int g = lane >> 2, c = lane & 3;
         const int kcp = kc / 2, npairs = nbl / 2;
-        int s = 0;
+        int slot = 0;
+        u32 phase = 0;  // stage s sits in slot s % nstage, its use (s / nstage) & 1: stepped, not divided
         for (int t = 0; t < ntl; ++t) {
             float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (int ch = 0; ch < nch; ++ch, ++s) {
+            for (int ch = 0; ch < nch; ++ch) {
                 if (LD == 1) issue_next();  // stage s + ahead
-                const int slot = s % nstage;
-                mbar_wait(full + slot, (u32)(s / nstage) & 1u);
+                mbar_wait(full + slot, phase);
                 const u8* st = ring + slot * stage_bytes;
                 const int pbeg = ch * kcp, pend = min(pbeg + kcp, npairs);
-                const int p0 = pbeg + ((warp - pbeg % kWsWarps) + kWsWarps) % kWsWarps;
+                const int p0 = pbeg + ((warp - pbeg) & (kWsWarps - 1));  // the first pair p = warp mod kWsWarps
                 // per pair p: row bytes at 36 (p - pbeg), activation of blocks 2p and 2p + 1
                 const u8* rg = st + g * stride + 36 * (p0 - pbeg);
                 const u32* bq = aq + (2 * p0 * NB + (g & (NB - 1))) * 8 + 2 * c;
@@ -997,6 +1001,7 @@ __global__ void QC_WS_CLUSTER(CL) __launch_bounds__((kWsWarps + (LD == 0 ? 1 : 0
                 }
                 __syncwarp();
                 if (lane == 0) mbar_arrive(empty + slot);
+                if (++slot == nstage) slot = 0, phase ^= 1u;
             }
             // the tile's partial sums of the consumer warps, added in warp order
             float* rw = red + ((t & 1) * kWsWarps + warp) * kWsRows * NB;

@@ -28,52 +28,6 @@ n = rt.precompile([i for i in cuda.kernel_instances() if i[0] == "ggml.cu"], 0, 
 print(f"precompiled {n} ggml.cu kernels in {time.time() - t:.1f} s")
 EOF
 
-cat > /tmp/w4time.py <<'EOF'
-# old (version 12) and new (stream) N <= 8 kernels side by side: CUDA events around one call queued
-# behind a ~1 ms sleep kernel, 4 weight sets rotated (4 x 33 MB > L2), median of 50, bf16 activation;
-# every config's output compared with the first config's (outputs start as NaN): relative
-# difference and bit equality.
-import os, sys
-import numpy as np, torch
-from quantcore.backends.cuda import create
-be = create()
-def med(fn, reps=50):
-    for i in range(5): fn(i)
-    ts = []
-    for i in range(reps):
-        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-        torch.cuda._sleep(1_500_000); s.record(); fn(i); e.record(); torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3)
-    return float(np.median(ts)), float(np.percentile(ts, 10)), float(np.percentile(ts, 90))
-configs = sys.argv[1].split(";")
-shapes = [(4096, 14336, (1, 2, 4, 8)), (14336, 4096, (1, 2, 4, 8))]
-print("config".ljust(34), "shape".ljust(22), "median us  p10   p90   GB/s(w)  rel.diff  bits==first")
-for m, k, ns in shapes:
-    g = torch.Generator(device="cuda"); g.manual_seed(m)
-    wqs = []
-    for _ in range(4):
-        w = torch.randint(0, 256, (m, k // 32, 18), dtype=torch.uint8, device="cuda", generator=g)
-        d = (torch.rand(m, k // 32, device="cuda", generator=g) * 0.02 + 0.001).half()
-        w[..., 0:2] = d.view(torch.uint8).view(m, k // 32, 2)
-        wqs.append(w)
-    for n in ns:
-        a = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g)
-        ref = None
-        for cfg in configs:
-            os.environ["QUANTCORE_CUDA_TUNE"] = cfg
-            o = torch.full((m, n), float("nan"), device="cuda")
-            be.gemm_w4a8(wqs[0], a, o); torch.cuda.synchronize()
-            o0 = o.clone()
-            if ref is None: ref = o0
-            t, p10, p90 = med(lambda i: be.gemm_w4a8(wqs[i % 4], a, o))
-            err = float(((o0 - ref).norm() / ref.norm()).item()) if torch.isfinite(o0).all() else float("nan")
-            same = bool(torch.equal(o0.view(torch.int32), ref.view(torch.int32)))
-            gbs = m * k // 32 * 18 / t / 1e3
-            print(f"{cfg or 'default':34s} M{m} K{k} N{n}".ljust(58),
-                  f"{t:7.1f} {p10:6.1f} {p90:6.1f} {gbs:7.0f}  {err:.1e}  {same}")
-os.environ["QUANTCORE_CUDA_TUNE"] = ""
-EOF
-
 # correctness first (steps in order of need, so a step cut by the call's limit loses the least):
 # the GPU gemm tests and the filler tests (bit equality of the two fillers, ring wrap, short
 # chunks, every cluster size) and the conformance gemm cases with the cp.async filler
@@ -90,7 +44,7 @@ s=$(date +%s)
 # "w4s_load=0;w4s_load=1;w4s_load=1,w4s_kc=64;w4s_load=1,w4s_fly=128;w4s_load=1,w4s_stages=4;w4s_load=1,w4s_cl=2;w4s_load=0"
 # (then w4s_load=1 was the default and was written as "")
 W4_CONFIGS=${W4_CONFIGS:-"w4s_load=0;w4s_load=1;w4s_load=1,w4s_stages=4;w4s_kc=224;w4s_load=0"}
-timeout 60 python3 /tmp/w4time.py "$W4_CONFIGS" > "$OUT/timing.log" 2>&1
+timeout 60 python3 tools/dev/w4a8_time.py "$W4_CONFIGS" > "$OUT/timing.log" 2>&1
 say "timing: rc=$? ($(( $(date +%s) - s )) s)"
 cat "$OUT/timing.log" >> "$S" && rm -f "$OUT/timing.log"  # in the summary: at most 8 files come back
 
