@@ -53,6 +53,7 @@ constexpr int kStageBytes = kAStageBytes + kBStageBytes + kSAStageBytes + kSBSta
 constexpr int kBsBytes = kBN * 128;          // one 128 x 64 bf16 B tile
 constexpr int kBsBufs = 3;
 constexpr int kLutBytes = 256 * 4;
+static_assert(kBsBytes % 1024 == 0 && kStageBytes % 1024 == 0, "the scale table is 1024-byte aligned (lut ORs it)");
 constexpr int kSmemBytes = 1024 + kBsBufs * kBsBytes + kStages * kStageBytes + kLutBytes;
 constexpr int kGroupM = 8;                   // CTA raster: 8 row tiles share the B tiles in L2
 #ifdef QCMX_EXPECT_SMEM  // the launcher passes its own number: a stale copy fails the build
@@ -280,21 +281,32 @@ struct Gemm {
 
         // stage st into its buffer; the sources advance by one stage
         template <int CPW>
+        // whole: every row of the tile lies inside M and N and the stage inside K (uniform), so no
+        // copy needs a bound: the common case, with the addresses as pointer increments
         __device__ __forceinline__ void issue(int st, u32 s_stage, const u8* A, const u8* B, const u8* SA, int KB,
-                                              int nkt) {
+                                              int nkt, bool whole) {
             constexpr int KT = F::kKTiles, kScaleThreads = 3 * KT * 32;
             const u32 buf = s_stage + (st % kStages) * kStageBytes;
-            const int kv = min(max(KB - 16 * (int)(threadIdx.x & 3) - st * kRowBytes, 0), 16);
             const i64 rowstep = (i64)KB * 64;  // 64 rows
+            if (whole) {
+                const u8* pa = a + st * kRowBytes;
+                const u8* pb = b + st * kRowBytes;
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int v = (rows >> i) & 1u ? kv : 0;
-                copy16<CPW>(buf + dst + 4096 * i, v > 0 ? a + i * rowstep + st * kRowBytes : A, v);
-            }
+                for (int i = 0; i < 4; ++i, pa += rowstep) copy16<CPW>(buf + dst + 4096 * i, pa, 16);
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const int v = (rows >> (4 + i)) & 1u ? kv : 0;
-                copy16<CPW>(buf + kAStageBytes + dst + 4096 * i, v > 0 ? b + i * rowstep + st * kRowBytes : B, v);
+                for (int i = 0; i < 2; ++i, pb += rowstep) copy16<CPW>(buf + kAStageBytes + dst + 4096 * i, pb, 16);
+            } else {
+                const int kv = min(max(KB - 16 * (int)(threadIdx.x & 3) - st * kRowBytes, 0), 16);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int v = (rows >> i) & 1u ? kv : 0;
+                    copy16<CPW>(buf + dst + 4096 * i, v > 0 ? a + i * rowstep + st * kRowBytes : A, v);
+                }
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const int v = (rows >> (4 + i)) & 1u ? kv : 0;
+                    copy16<CPW>(buf + kAStageBytes + dst + 4096 * i, v > 0 ? b + i * rowstep + st * kRowBytes : B, v);
+                }
             }
             if (threadIdx.x < kScaleThreads) {
                 const bool ok = st * KT + skt < nkt;
@@ -305,9 +317,17 @@ struct Gemm {
 
     // Scale bytes of one step, the ones of blocks past K replaced by 0 (finite, and 0 for E4M3).
     static __device__ __forceinline__ u32 mask_blocks(u32 w, int nval) {
-        return nval >= 4 ? w : (nval <= 0 ? 0u : (w & ((1u << (8 * nval)) - 1u)));
+        // one AND by a mask that depends on the step only (uniform), not a select per word
+        return w & (nval >= 4 ? 0xffffffffu : (1u << (8 * max(nval, 0))) - 1u);
     }
-    static __device__ __forceinline__ u32 lut(u32 s_lut, u32 byte) { return lds32(s_lut + (byte << 2)); }
+    // The table entry of the scale byte at bits sh .. sh + 7 of w: rotr(w, sh - 2) puts that byte
+    // at bits 2..9 (what wraps around lands in bits 0..1 or above 9 and is masked off), and s_lut is
+    // 1024-byte aligned, so an OR adds it: two instructions per lookup, not three.
+    static __device__ __forceinline__ u32 lut(u32 s_lut, u32 w, u32 sh) {
+        u32 r;
+        asm("shf.r.wrap.b32 %0, %1, %1, %2;" : "=r"(r) : "r"(w), "r"((sh - 2u) & 31u));
+        return lds32(s_lut | (r & 0x3fcu));
+    }
 
     // A fragments of step j (64 K-elements) for this thread's 4 rows. Thread t reads words t and
     // t + 4 (8-element groups) of each row's 32 bytes; register (k16 step s, half hh) is
@@ -331,13 +351,13 @@ struct Gemm {
                 if (kNv) {  // group t + 4hh lies in block 2hh + t/2 of the step
                     const u32 sw = mask_blocks(lds32(buf + kAStageBytes + kBStageBytes +
                                                      ((row >> 7) * 2 + h) * QC_SWIZZLE_TILE_BYTES + soff), nval);
-                    S[0] = lut(s_lut, (sw >> (8 * (t >> 1))) & 0xffu);
-                    S[1] = lut(s_lut, (sw >> (8 * (2 + (t >> 1)))) & 0xffu);
+                    S[0] = lut(s_lut, sw, 8 * (t >> 1));
+                    S[1] = lut(s_lut, sw, 8 * (2 + (t >> 1)));
                 } else {  // group t + 4hh lies in block hh of the step
                     const u32 sw = mask_blocks(lds32(buf + kAStageBytes + kBStageBytes +
                                                      (row >> 7) * QC_SWIZZLE_TILE_BYTES + soff) >> (16 * h), nval);
-                    S[0] = lut(s_lut, sw & 0xffu);
-                    S[1] = lut(s_lut, (sw >> 8) & 0xffu);
+                    S[0] = lut(s_lut, sw, 0u);
+                    S[1] = lut(s_lut, sw, 8u);
                 }
 #pragma unroll
                 for (int s4 = 0; s4 < 4; ++s4) {
@@ -366,12 +386,12 @@ struct Gemm {
         if (kNv) {
             const u32 sw = mask_blocks(lds32(buf + kAStageBytes + kBStageBytes + kSAStageBytes +
                                              h * QC_SWIZZLE_TILE_BYTES + soff), nval);
-            S[0] = lut(s_lut, (sw >> (16 * part)) & 0xffu);
-            S[1] = lut(s_lut, (sw >> (16 * part + 8)) & 0xffu);
+            S[0] = lut(s_lut, sw, 16 * part);
+            S[1] = lut(s_lut, sw, 16 * part + 8);
         } else {
             const u32 sw = mask_blocks(lds32(buf + kAStageBytes + kBStageBytes + kSAStageBytes + soff) >> (16 * h),
                                        nval);
-            S[0] = S[1] = lut(s_lut, (sw >> (8 * part)) & 0xffu);
+            S[0] = S[1] = lut(s_lut, sw, 8 * part);
         }
         // logical chunk 2s + part (k = 16s + 8part .. +7) = [W_s(q_0), W_s(q_1), W_s(q_2), W_s(q_3)],
         // matching the A fragments (position 2t <- group t + 4part)
@@ -397,8 +417,11 @@ struct Gemm {
             fence_acc(acc[1]);
             wgmma_fence();
 #pragma unroll
+            // K step s starts 32 bytes on: 2 in the descriptor's address field (bs + 96 < 256 KiB, no
+            // carry out of it), one add instead of the whole descriptor per MMA
+            const u64 desc0 = desc_sw128(bs);
             for (int s = 0; s < 4; ++s) {
-                const u64 desc = desc_sw128(bs + 32 * s);
+                const u64 desc = desc0 + 2u * s;
                 wgmma_m64n128k16_rs(acc[0], af[0][s], desc);
                 wgmma_m64n128k16_rs(acc[1], af[1][s], desc);
             }
@@ -473,6 +496,7 @@ struct Gemm {
             sts32(s_lut + tid * 4, hb | (hb << 16));
         }
 
+        const bool full = m0 + kBM <= M && n0 + kBN <= N;  // no row of the tile is past M or N
         u32 sink = 0;  // DBG == 2: keeps the A fragments live (else the compiler drops their dequantization)
         Loader ld;
         ld.init(A, B, SA, SB, m0, n0, M, N, KB, nkt, nmt);
@@ -480,7 +504,7 @@ struct Gemm {
         // into the buffer of stage s - 1 (fully dequantized before that step's barrier)
 #pragma unroll
         for (int st = 0; st < kStages; ++st) {
-            if (st < nstage) ld.template issue<CPW>(st, s_stage, A, B, SA, KB, nkt);
+            if (st < nstage) ld.template issue<CPW>(st, s_stage, A, B, SA, KB, nkt, full && (st + 1) * kRowBytes <= KB);
             cp_commit();
         }
         float acc[2][64];
@@ -511,7 +535,7 @@ struct Gemm {
         if (more) {                                                                                       \
             if (newstage) {                                                                               \
                 const int st = ((j_ + 1) >> 1) + kStages - 1;                                             \
-                if (st < nstage) ld.template issue<CPW>(st, s_stage, A, B, SA, KB, nkt);                   \
+                if (st < nstage) ld.template issue<CPW>(st, s_stage, A, B, SA, KB, nkt, full && (st + 1) * kRowBytes <= KB);                   \
                 cp_commit();                                                                              \
             }                                                                                             \
             QCMX_WAIT1();                                                                                 \
@@ -723,12 +747,12 @@ struct GemmWS {
                 u32 S[2];
                 if (kNv) {  // group t + 4hh lies in block 2hh + t/2 of the step
                     const u32 sw = G::mask_blocks(lds32(sa + H * QC_SWIZZLE_TILE_BYTES), nval);
-                    S[0] = G::lut(s_lut, (sw >> (8 * (t >> 1))) & 0xffu);
-                    S[1] = G::lut(s_lut, (sw >> (8 * (2 + (t >> 1)))) & 0xffu);
+                    S[0] = G::lut(s_lut, sw, 8 * (t >> 1));
+                    S[1] = G::lut(s_lut, sw, 8 * (2 + (t >> 1)));
                 } else {  // group t + 4hh lies in block hh of the step
                     const u32 sw = G::mask_blocks(lds32(sa) >> (16 * H), nval);
-                    S[0] = G::lut(s_lut, sw & 0xffu);
-                    S[1] = G::lut(s_lut, (sw >> 8) & 0xffu);
+                    S[0] = G::lut(s_lut, sw, 0u);
+                    S[1] = G::lut(s_lut, sw, 8u);
                 }
 #pragma unroll
                 for (int s4 = 0; s4 < 4; ++s4) {
@@ -756,12 +780,12 @@ struct GemmWS {
             const u32 sw = G::mask_blocks(lds32(buf + kAStageBytes + kBStageBytes + kSAStageBytes +
                                                 h * QC_SWIZZLE_TILE_BYTES + soff),
                                           nval);
-            S[0] = G::lut(s_lut, (sw >> (16 * part)) & 0xffu);
-            S[1] = G::lut(s_lut, (sw >> (16 * part + 8)) & 0xffu);
+            S[0] = G::lut(s_lut, sw, 16 * part);
+            S[1] = G::lut(s_lut, sw, 16 * part + 8);
         } else {
             const u32 sw = G::mask_blocks(lds32(buf + kAStageBytes + kBStageBytes + kSAStageBytes + soff) >> (16 * h),
                                           nval);
-            S[0] = S[1] = G::lut(s_lut, (sw >> (8 * part)) & 0xffu);
+            S[0] = S[1] = G::lut(s_lut, sw, 8 * part);
         }
 #pragma unroll
         for (int s4 = 0; s4 < 4; ++s4) {
