@@ -662,6 +662,26 @@ struct GemmWS {
     // stage st (128 K) of the tile at (m0, n0) into buf, by the 32 lanes of the loader warp
     static __device__ __forceinline__ void load_stage(const P& p, int pt, u32 buf, int st, int m0, int n0) {
         const int kb0 = st * kRowBytes;
+        if (m0 + kBM <= p.M && n0 + kBN <= p.N && kb0 + kRowBytes <= p.KB) {
+            // the whole stage lies inside the operands (uniform): lane pt copies chunk pt % 4 of
+            // rows pt / 4 + 8 i, whose swizzle (row / 2) % 4 is the same for every i, so the
+            // destinations are 8 rows apart and the sources a pointer increment (a copy is ~3
+            // instructions here, ~15 with the bounds below: one warp issues all of them)
+            const int r0 = pt >> 2, c = pt & 3;
+            const u32 d = buf + r0 * kRowBytes + ((c ^ ((r0 >> 1) & 3)) << 4);
+            const i64 step = (i64)p.KB * 8;
+            const u8* src = p.A + (i64)(m0 + r0) * p.KB + kb0 + 16 * c;
+#pragma unroll 8
+            for (int i = 0; i < kBM / 8; ++i, src += step) copy16<CPW>(d + i * 8 * kRowBytes, src, 16);
+            src = p.B + (i64)(n0 + r0) * p.KB + kb0 + 16 * c;
+#pragma unroll 8
+            for (int i = 0; i < kBN / 8; ++i, src += step) copy16<CPW>(d + kAStageBytes + i * 8 * kRowBytes, src, 16);
+        } else {
+            load_rows(p, pt, buf, kb0, m0, n0);
+        }
+        load_scales(p, pt, buf, st, m0, n0);
+    }
+    static __device__ __forceinline__ void load_rows(const P& p, int pt, u32 buf, int kb0, int m0, int n0) {
 #pragma unroll 4
         for (int i = 0; i < kBM * 4 / 32; ++i) {
             const int id = pt + 32 * i, row = id >> 2, c = id & 3;
@@ -678,6 +698,8 @@ struct GemmWS {
             const u8* src = valid > 0 ? p.B + (i64)gr * p.KB + off : p.B;
             copy16<CPW>(buf + kAStageBytes + row * kRowBytes + ((c ^ ((row >> 1) & 3)) << 4), src, valid);
         }
+    }
+    static __device__ __forceinline__ void load_scales(const P& p, int pt, u32 buf, int st, int m0, int n0) {
         constexpr int KT = F::kKTiles;
         constexpr int kSaChunks = 2 * KT * 32, kSbChunks = KT * 32;
 #pragma unroll 2

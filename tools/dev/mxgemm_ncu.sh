@@ -1,7 +1,8 @@
 #!/bin/bash
 # scaled_fp4_mm (wgmma kernel, NVFP4, 8192^3) under ncu on the GPU machine: warp-state statistics
 # and the per-SASS-instruction stall samples (source page), to see where the warps of the
-# dequantizing wgmma kernel wait. Usage: bash tools/dev/mxgemm_ncu.sh   (logs under $OUT)
+# dequantizing wgmma kernel wait. Usage: [MODE=ws KERNEL=qc_mx_gemm_ws_nvfp4_cp16 VARIANT=_nodq] bash
+# tools/dev/mxgemm_ncu.sh   (logs under $OUT)
 set -o pipefail
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -10,6 +11,7 @@ mkdir -p "$OUT"
 export QUANTCORE_CACHE_DIR=/tmp/qc-cache
 KERNEL="${KERNEL:-qc_mx_gemm_wgmma_nvfp4_cp16}"
 VARIANT="${VARIANT:-}"
+MODE="${MODE:-wgmma}"
 cat > /tmp/mxgemm_one.py <<PY
 import sys, torch
 from quantcore.backends.cuda import mx as cmx
@@ -23,7 +25,7 @@ sb = torch.randint(40, 60, mx.swizzled_shape(n, k // 16), dtype=torch.uint8, dev
 alpha = torch.ones(1, dtype=torch.float32, device=dev)
 out = torch.empty((m, n), dtype=torch.bfloat16, device=dev)
 for _ in range(2):
-    cmx.scaled_fp4_mm(None, ac, bc, sa, sb, alpha, None, out, m=m, n=n, k=k, fmt="nvfp4", mode="wgmma", variant="$VARIANT")
+    cmx.scaled_fp4_mm(None, ac, bc, sa, sb, alpha, None, out, m=m, n=n, k=k, fmt="nvfp4", mode="$MODE", variant="$VARIANT")
 torch.cuda.synchronize()
 print("ok")
 PY

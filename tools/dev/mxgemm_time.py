@@ -1,9 +1,12 @@
 """scaled_fp4_mm at 8192^3 on the cuda backend's wgmma kernel, with torch bf16 matmul in the same
 process: the full kernel (NVFP4, MXFP4) and the timing variants of the NVFP4 one, _nodq (MMAs on
 stale tiles, no dequantization) and _nomma (dequantization only). CUDA events around one call
-queued behind a 1 ms sleep kernel, median of 15. Run by tools/dev/ab_tree.sh (old against new)."""
+queued behind a 1 ms sleep kernel, median of 15. argv[1] (optional): the back ends to time, comma
+separated ("wgmma" by default; "ws" is the warp-specialized kernel, whose variants are _nodq,
+_noadq and _nobdq). Run by tools/dev/ab_tree.sh (old against new)."""
 
 import statistics
+import sys
 
 import torch
 from quantcore.backends.cuda import mx as cmx
@@ -49,14 +52,16 @@ def main() -> None:
     tt = timed(lambda: torch.matmul(a16, b16.t()))
     print(f"torch bf16 matmul {tt:.4f} ms {flops / tt / 1e9:.0f} TFLOPS")
     out = torch.empty((M, N), dtype=torch.bfloat16, device=dev)
-    for fmt in ("nvfp4", "mxfp4"):
-        ac, bc, sa, sb, alpha = operands(fmt, dev)
-        for var in ("", "_nodq", "_nomma") if fmt == "nvfp4" else ("",):
-            def mm(fmt=fmt, var=var, ops=(ac, bc, sa, sb, alpha)):
-                cmx.scaled_fp4_mm(None, *ops, None, out, m=M, n=N, k=K, fmt=fmt, mode="wgmma", variant=var)
+    variants = {"wgmma": ("", "_nodq", "_nomma"), "ws": ("", "_nodq", "_noadq", "_nobdq")}
+    for mode in (sys.argv[1] if len(sys.argv) > 1 else "wgmma").split(","):
+        for fmt in ("nvfp4", "mxfp4"):
+            ac, bc, sa, sb, alpha = operands(fmt, dev)
+            for var in variants[mode] if fmt == "nvfp4" else ("",):
+                def mm(fmt=fmt, var=var, mode=mode, ops=(ac, bc, sa, sb, alpha)):
+                    cmx.scaled_fp4_mm(None, *ops, None, out, m=M, n=N, k=K, fmt=fmt, mode=mode, variant=var)
 
-            t = timed(mm)
-            print(f"{fmt} wgmma{var}: {t:.4f} ms {flops / t / 1e9:.0f} TFLOPS {tt / t:.3f}x torch")
+                t = timed(mm)
+                print(f"{fmt} {mode}{var}: {t:.4f} ms {flops / t / 1e9:.0f} TFLOPS {tt / t:.3f}x torch")
 
 
 if __name__ == "__main__":
