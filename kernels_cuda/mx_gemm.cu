@@ -416,10 +416,10 @@ struct Gemm {
             fence_acc(acc[0]);
             fence_acc(acc[1]);
             wgmma_fence();
-#pragma unroll
             // K step s starts 32 bytes on: 2 in the descriptor's address field (bs + 96 < 256 KiB, no
             // carry out of it), one add instead of the whole descriptor per MMA
             const u64 desc0 = desc_sw128(bs);
+#pragma unroll
             for (int s = 0; s < 4; ++s) {
                 const u64 desc = desc0 + 2u * s;
                 wgmma_m64n128k16_rs(acc[0], af[0][s], desc);
@@ -606,7 +606,7 @@ struct Gemm {
 // consumers run the epilogue.
 #if defined(QCMX_HAS_WGMMA)
 constexpr int kWsThreads = 384;
-constexpr int kWsStages = 4;   // packed stages of 128 K (kStageBytes each; powers of two keep the ring arithmetic cheap)
+constexpr int kWsStages = 4;   // packed stages of 128 K (kStageBytes each; 5 measured the same)
 constexpr int kWsBBufs = 4;    // bf16 B tiles of 64 K (kBsBytes each)
 constexpr int kWsProdRegs = 56, kWsConsRegs = 224;  // 128 * 56 + 256 * 224 = 384 * 168
 constexpr int kWsBarBytes = 256;
