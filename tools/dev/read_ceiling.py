@@ -16,7 +16,7 @@ import torch
 from bnb4_time import timed as bnb4_timed  # this directory (scripts run as files)
 
 SRC = r"""
-__global__ void __launch_bounds__(256) read_kernel(const uint4* __restrict__ in, long long n16, unsigned* sink) {
+extern "C" __global__ void __launch_bounds__(256) read_kernel(const uint4* __restrict__ in, long long n16, unsigned* sink) {
     const long long stride = (long long)gridDim.x * 256;
     unsigned acc = 0;
     for (long long i0 = (long long)blockIdx.x * 256 * 4 + threadIdx.x; i0 < n16; i0 += stride * 4) {
