@@ -329,6 +329,21 @@ struct Gemm {
         return lds32(s_lut | (r & 0x3fcu));
     }
 
+    // DBG 3 and 4 (timing only): which half of the dequantization shares what with the MMAs.
+    // 3 keeps the decode's arithmetic and drops its shared-memory traffic (loads become a multiply
+    // of the address, B's stores happen only on a never-true value test); 4 keeps every shared
+    // load and store and replaces the decode by one XOR per pair.
+    static __device__ __forceinline__ u32 ldd(u32 addr) { return DBG == 3 ? addr * 0x9e3779b9u : lds32(addr); }
+    static __device__ __forceinline__ u32 lutd(u32 s_lut, u32 w, u32 sh) {
+        return DBG == 3 ? (w >> (sh & 31u)) | 0x3f803f80u : lut(s_lut, w, sh);
+    }
+    static __device__ __forceinline__ u32 decode(u32 q, int s4, u32 S) {
+        if (DBG == 4) return q ^ S;
+        u32 w = fp4_pair(q, 12 - 4 * s4);
+        if (!kNv) w = bmul2(w, kTwo126);
+        return bmul2(w, S);
+    }
+
     // A fragments of step j (64 K-elements) for this thread's 4 rows. Thread t reads words t and
     // t + 4 (8-element groups) of each row's 32 bytes; register (k16 step s, half hh) is
     // W_s(q_{t+4hh}), i.e. logical k = 16s + 8hh + 2t (the B tile is stored to match).
@@ -344,28 +359,26 @@ struct Gemm {
                 const int row = row_base(warp, mt) + g + 8 * rr;
                 const u32 rbase = buf + row * kRowBytes + 4 * t;
                 const int sw4 = (row >> 1) & 3;
-                const u32 q[2] = {lds32(rbase + (((2 * h) ^ sw4) << 4)), lds32(rbase + (((2 * h + 1) ^ sw4) << 4))};
+                const u32 q[2] = {ldd(rbase + (((2 * h) ^ sw4) << 4)), ldd(rbase + (((2 * h + 1) ^ sw4) << 4))};
                 const int r128 = row & 127;
                 const u32 soff = (r128 & 31) * 16 + (r128 >> 5) * 4;
                 u32 S[2];
                 if (kNv) {  // group t + 4hh lies in block 2hh + t/2 of the step
-                    const u32 sw = mask_blocks(lds32(buf + kAStageBytes + kBStageBytes +
+                    const u32 sw = mask_blocks(ldd(buf + kAStageBytes + kBStageBytes +
                                                      ((row >> 7) * 2 + h) * QC_SWIZZLE_TILE_BYTES + soff), nval);
-                    S[0] = lut(s_lut, sw, 8 * (t >> 1));
-                    S[1] = lut(s_lut, sw, 8 * (2 + (t >> 1)));
+                    S[0] = lutd(s_lut, sw, 8 * (t >> 1));
+                    S[1] = lutd(s_lut, sw, 8 * (2 + (t >> 1)));
                 } else {  // group t + 4hh lies in block hh of the step
-                    const u32 sw = mask_blocks(lds32(buf + kAStageBytes + kBStageBytes +
+                    const u32 sw = mask_blocks(ldd(buf + kAStageBytes + kBStageBytes +
                                                      (row >> 7) * QC_SWIZZLE_TILE_BYTES + soff) >> (16 * h), nval);
-                    S[0] = lut(s_lut, sw, 0u);
-                    S[1] = lut(s_lut, sw, 8u);
+                    S[0] = lutd(s_lut, sw, 0u);
+                    S[1] = lutd(s_lut, sw, 8u);
                 }
 #pragma unroll
                 for (int s4 = 0; s4 < 4; ++s4) {
 #pragma unroll
                     for (int hh = 0; hh < 2; ++hh) {
-                        u32 w = fp4_pair(q[hh], 12 - 4 * s4);
-                        if (!kNv) w = bmul2(w, kTwo126);
-                        af[mt][s4][hh * 2 + rr] = bmul2(w, S[hh]);
+                        af[mt][s4][hh * 2 + rr] = decode(q[hh], s4, S[hh]);
                     }
                 }
             }
@@ -380,18 +393,25 @@ struct Gemm {
         const int nval = nkb - j * F::kBlocksPerStep;
         const int ch = 2 * h + part;
         u32 q[4];
-        lds128(buf + kAStageBytes + n * kRowBytes + ((ch ^ ((n >> 1) & 3)) << 4), q[0], q[1], q[2], q[3]);
+        {
+            const u32 qa = buf + kAStageBytes + n * kRowBytes + ((ch ^ ((n >> 1) & 3)) << 4);
+            if (DBG == 3) {
+                q[0] = ldd(qa), q[1] = ldd(qa + 4), q[2] = ldd(qa + 8), q[3] = ldd(qa + 12);
+            } else {
+                lds128(qa, q[0], q[1], q[2], q[3]);
+            }
+        }
         const u32 soff = (n & 31) * 16 + (n >> 5) * 4;
         u32 S[2];
         if (kNv) {
-            const u32 sw = mask_blocks(lds32(buf + kAStageBytes + kBStageBytes + kSAStageBytes +
+            const u32 sw = mask_blocks(ldd(buf + kAStageBytes + kBStageBytes + kSAStageBytes +
                                              h * QC_SWIZZLE_TILE_BYTES + soff), nval);
-            S[0] = lut(s_lut, sw, 16 * part);
-            S[1] = lut(s_lut, sw, 16 * part + 8);
+            S[0] = lutd(s_lut, sw, 16 * part);
+            S[1] = lutd(s_lut, sw, 16 * part + 8);
         } else {
-            const u32 sw = mask_blocks(lds32(buf + kAStageBytes + kBStageBytes + kSAStageBytes + soff) >> (16 * h),
+            const u32 sw = mask_blocks(ldd(buf + kAStageBytes + kBStageBytes + kSAStageBytes + soff) >> (16 * h),
                                        nval);
-            S[0] = S[1] = lut(s_lut, sw, 8 * part);
+            S[0] = S[1] = lutd(s_lut, sw, 8 * part);
         }
         // logical chunk 2s + part (k = 16s + 8part .. +7) = [W_s(q_0), W_s(q_1), W_s(q_2), W_s(q_3)],
         // matching the A fragments (position 2t <- group t + 4part)
@@ -399,13 +419,10 @@ struct Gemm {
         for (int s4 = 0; s4 < 4; ++s4) {
             u32 w[4];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                u32 x = fp4_pair(q[i], 12 - 4 * s4);
-                if (!kNv) x = bmul2(x, kTwo126);
-                w[i] = bmul2(x, S[i >> 1]);
-            }
+            for (int i = 0; i < 4; ++i) w[i] = decode(q[i], s4, S[i >> 1]);
             const int c = 2 * s4 + part;
-            sts128(bs + n * 128 + ((c ^ (n & 7)) << 4), w[0], w[1], w[2], w[3]);
+            if (DBG != 3 || (w[0] ^ w[1] ^ w[2] ^ w[3]) == 0x9e3779b9u)
+                sts128(bs + n * 128 + ((c ^ (n & 7)) << 4), w[0], w[1], w[2], w[3]);
         }
     }
 
@@ -1052,6 +1069,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_nvfp4_cp16
 }
 extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_nvfp4_cp16_nomma(QCMX_GEMM_ARGS) {
     qcmx::Gemm<QC_FMT_NVFP4, true, 2>::run<16>(QCMX_GEMM_PASS);
+}
+// which part of the dequantization the MMAs slow down: _alu its arithmetic alone, _smem its shared
+// traffic alone (DBG 3 / 4 above)
+extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_nvfp4_cp16_alu(QCMX_GEMM_ARGS) {
+    qcmx::Gemm<QC_FMT_NVFP4, true, 3>::run<16>(QCMX_GEMM_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_nvfp4_cp16_smem(QCMX_GEMM_ARGS) {
+    qcmx::Gemm<QC_FMT_NVFP4, true, 4>::run<16>(QCMX_GEMM_PASS);
 }
 #endif
 
