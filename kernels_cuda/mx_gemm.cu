@@ -124,6 +124,37 @@ __device__ __forceinline__ u32 fp4_pair(u32 q, u32 shl) {
     return (x | (x >> 6)) & 0x81c081c0u;
 }
 
+// The fp16 decode of NVFP4 on sm_90a (the wgmma back ends): an E2M1 code s e1 e0 m placed in a
+// byte as s 0 0 e1 e0 m 0 0 is an E4M3 value, exactly the E2M1 value times 2^-6 (the E2M1
+// subnormal 0.5 becomes the E4M3 subnormal 2^-7), and the hardware converts two E4M3 bytes to an
+// fp16x2 in one instruction. lo: the low nibbles of q's bytes (codes 0, 2, 4, 6), hi: the high
+// nibbles (1, 3, 5, 7), four E4M3 bytes each: 7 integer instructions per 8 codes, where
+// fp4_pair's bf16 decode takes 16.
+__device__ __forceinline__ void e2m1_e4m3_bytes(u32 q, u32& lo, u32& hi) {
+    lo = ((q << 4) & 0x80808080u) | ((q << 2) & 0x1c1c1c1cu);
+    hi = (q & 0x80808080u) | ((q >> 2) & 0x1c1c1c1cu);
+}
+// fp16x2 of the two E4M3 bytes in half H (0: bits 0..15, 1: bits 16..31) of w, the byte at the
+// higher address in the upper half
+template <int H>
+__device__ __forceinline__ u32 e4m3x2_f16x2(u32 w) {
+    u32 r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    if (H == 0) {
+        asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %1;\ncvt.rn.f16x2.e4m3x2 %0, l;\n}" : "=r"(r) : "r"(w));
+    } else {
+        asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %1;\ncvt.rn.f16x2.e4m3x2 %0, h;\n}" : "=r"(r) : "r"(w));
+    }
+#endif
+    return r;
+}
+// fp16x2 product a * b, rounded once (fma with -0 keeps the sign of a -0 product)
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
+    return r;
+}
+
 __device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
@@ -154,25 +185,38 @@ __device__ __forceinline__ void fence_acc(float (&d)[64]) {
 #pragma unroll
     for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+#define QCMX_WGMMA_RS(NAME, TY) \
+__device__ __forceinline__ void NAME(float (&d)[64], const u32 (&a)[4], u64 desc) { \
+    asm volatile( \
+        "{\n" \
+        ".reg .pred p;\n" \
+        "setp.ne.b32 p, %69, 0;\n" \
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n" \
+        "}\n" \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
+          "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), \
+          "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), \
+          "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), \
+          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), \
+          "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), \
+          "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), \
+          "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1)); \
+}
+QCMX_WGMMA_RS(wgmma_m64n128k16_rs_bf16, "bf16")
+QCMX_WGMMA_RS(wgmma_m64n128k16_rs_f16, "f16")
+#undef QCMX_WGMMA_RS
+// F16: fp16 operands (the NVFP4 decode above), else bf16
+template <bool F16>
 __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&a)[4], u64 desc) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n"
-        "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
-          "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
-          "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
-          "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
-          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]),
-          "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
-          "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
-          "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+    if (F16) {
+        wgmma_m64n128k16_rs_f16(d, a, desc);
+    } else {
+        wgmma_m64n128k16_rs_bf16(d, a, desc);
+    }
 }
 #endif
 
@@ -187,9 +231,13 @@ struct Gemm {
     static constexpr bool kNv = FMT == QC_FMT_NVFP4;
     static constexpr u32 kTwo126 = 0x7e807e80u;  // bf16x2 (2^126, 2^126)
 
-    // NVFP4's operands carry 2^-9 each (its scale table holds e4m3(b) * 2^117 times the decoded
-    // code's 2^-126): the accumulator is scaled back by 2^18, exactly
-    static constexpr float kAccScale = kNv ? 262144.0f : 1.0f;
+    // NVFP4 on the wgmma back end: fp16 operands (e2m1_e4m3_bytes), exact - an E2M1 value times an
+    // E4M3 scale has at most 6 significant bits and, with the decode's 2^-6, lies in [2^-16, 42]:
+    // within fp16 (subnormals from 2^-24) - so the fp16 tensor cores see the same values
+    static constexpr bool kF16 = kNv && WG;
+    // The accumulator's scale: the fp16 NVFP4 operands carry 2^-6 each (2^12 back); the bf16 ones
+    // 2^-9 each (the scale table holds e4m3(b) * 2^117 times the decoded code's 2^-126: 2^18 back)
+    static constexpr float kAccScale = kF16 ? 4096.0f : (kNv ? 262144.0f : 1.0f);
 
     // epilogue of one warp's two 16-row slices x 128 columns: out = bf16(alpha * acc (+ bias))
     static __device__ __forceinline__ void store_acc(const float (&acc)[2][64], int warp, int m0, int n0, int g,
@@ -335,13 +383,36 @@ struct Gemm {
     // load and store and replaces the decode by one XOR per pair.
     static __device__ __forceinline__ u32 ldd(u32 addr) { return DBG == 3 ? addr * 0x9e3779b9u : lds32(addr); }
     static __device__ __forceinline__ u32 lutd(u32 s_lut, u32 w, u32 sh) {
-        return DBG == 3 ? (w >> (sh & 31u)) | 0x3f803f80u : lut(s_lut, w, sh);
+        return DBG == 3 ? (w >> (sh & 31u)) | 0x3f803f80u : scale(s_lut, w, sh);
     }
-    static __device__ __forceinline__ u32 decode(u32 q, int s4, u32 S) {
-        if (DBG == 4) return q ^ S;
-        u32 w = fp4_pair(q, 12 - 4 * s4);
-        if (!kNv) w = bmul2(w, kTwo126);
-        return bmul2(w, S);
+    // The multiplier pair of the scale byte at bits sh .. sh + 7 of w: fp16x2 (e4m3(b), e4m3(b))
+    // on the fp16 path (one byte_perm, one conversion), else the bf16x2 table entry.
+    static __device__ __forceinline__ u32 scale(u32 s_lut, u32 w, u32 sh) {
+        if (kF16) return e4m3x2_f16x2<0>(__byte_perm(w, 0u, (sh >> 3) * 0x11u));
+        return lut(s_lut, w, sh);
+    }
+    // The 4 operand pairs of word q (8 codes) times S: pair s is k16 step s's register. The pairs
+    // are a fixed permutation of the word's codes, the same for A and B: bf16 (p_s, p_{s+4}), fp16
+    // (p0, p2), (p4, p6), (p1, p3), (p5, p7).
+    static __device__ __forceinline__ void decode4(u32 q, u32 S, u32 (&p)[4]) {
+        if (DBG == 4) {
+#pragma unroll
+            for (int s4 = 0; s4 < 4; ++s4) p[s4] = q ^ S ^ s4;
+        } else if (kF16) {
+            u32 lo, hi;
+            e2m1_e4m3_bytes(q, lo, hi);
+            p[0] = hmul2(e4m3x2_f16x2<0>(lo), S);
+            p[1] = hmul2(e4m3x2_f16x2<1>(lo), S);
+            p[2] = hmul2(e4m3x2_f16x2<0>(hi), S);
+            p[3] = hmul2(e4m3x2_f16x2<1>(hi), S);
+        } else {
+#pragma unroll
+            for (int s4 = 0; s4 < 4; ++s4) {
+                u32 w = fp4_pair(q, 12 - 4 * s4);
+                if (!kNv) w = bmul2(w, kTwo126);
+                p[s4] = bmul2(w, S);
+            }
+        }
     }
 
     // A fragments of step j (64 K-elements) for this thread's 4 rows. Thread t reads words t and
@@ -375,11 +446,11 @@ struct Gemm {
                     S[1] = lutd(s_lut, sw, 8u);
                 }
 #pragma unroll
-                for (int s4 = 0; s4 < 4; ++s4) {
+                for (int hh = 0; hh < 2; ++hh) {
+                    u32 pr[4];
+                    decode4(q[hh], S[hh], pr);
 #pragma unroll
-                    for (int hh = 0; hh < 2; ++hh) {
-                        af[mt][s4][hh * 2 + rr] = decode(q[hh], s4, S[hh]);
-                    }
+                    for (int s4 = 0; s4 < 4; ++s4) af[mt][s4][hh * 2 + rr] = pr[s4];
                 }
             }
         }
@@ -415,14 +486,14 @@ struct Gemm {
         }
         // logical chunk 2s + part (k = 16s + 8part .. +7) = [W_s(q_0), W_s(q_1), W_s(q_2), W_s(q_3)],
         // matching the A fragments (position 2t <- group t + 4part)
+        u32 pr[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) decode4(q[i], S[i >> 1], pr[i]);
 #pragma unroll
         for (int s4 = 0; s4 < 4; ++s4) {
-            u32 w[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) w[i] = decode(q[i], s4, S[i >> 1]);
             const int c = 2 * s4 + part;
-            if (DBG != 3 || (w[0] ^ w[1] ^ w[2] ^ w[3]) == 0x9e3779b9u)
-                sts128(bs + n * 128 + ((c ^ (n & 7)) << 4), w[0], w[1], w[2], w[3]);
+            if (DBG != 3 || (pr[0][s4] ^ pr[1][s4] ^ pr[2][s4] ^ pr[3][s4]) == 0x9e3779b9u)
+                sts128(bs + n * 128 + ((c ^ (n & 7)) << 4), pr[0][s4], pr[1][s4], pr[2][s4], pr[3][s4]);
         }
     }
 
@@ -439,8 +510,8 @@ struct Gemm {
 #pragma unroll
             for (int s = 0; s < 4; ++s) {
                 const u64 desc = desc0 + 2u * s;
-                wgmma_m64n128k16_rs(acc[0], af[0][s], desc);
-                wgmma_m64n128k16_rs(acc[1], af[1][s], desc);
+                wgmma_m64n128k16_rs<kF16>(acc[0], af[0][s], desc);
+                wgmma_m64n128k16_rs<kF16>(acc[1], af[1][s], desc);
             }
             wgmma_commit();
             fence_acc(acc[0]);
@@ -659,7 +730,6 @@ struct GemmWS {
     using G = Gemm<FMT, true>;
     using F = GemmFmt<FMT>;
     static constexpr bool kNv = FMT == QC_FMT_NVFP4;
-    static constexpr u32 kTwo126 = 0x7e807e80u;
 
     struct P {
         const u8* A;
@@ -786,21 +856,19 @@ struct GemmWS {
                 u32 S[2];
                 if (kNv) {  // group t + 4hh lies in block 2hh + t/2 of the step
                     const u32 sw = G::mask_blocks(lds32(sa + H * QC_SWIZZLE_TILE_BYTES), nval);
-                    S[0] = G::lut(s_lut, sw, 8 * (t >> 1));
-                    S[1] = G::lut(s_lut, sw, 8 * (2 + (t >> 1)));
+                    S[0] = G::scale(s_lut, sw, 8 * (t >> 1));
+                    S[1] = G::scale(s_lut, sw, 8 * (2 + (t >> 1)));
                 } else {  // group t + 4hh lies in block hh of the step
                     const u32 sw = G::mask_blocks(lds32(sa) >> (16 * H), nval);
-                    S[0] = G::lut(s_lut, sw, 0u);
-                    S[1] = G::lut(s_lut, sw, 8u);
+                    S[0] = G::scale(s_lut, sw, 0u);
+                    S[1] = G::scale(s_lut, sw, 8u);
                 }
 #pragma unroll
-                for (int s4 = 0; s4 < 4; ++s4) {
+                for (int hh = 0; hh < 2; ++hh) {
+                    u32 pr[4];
+                    G::decode4(q[hh], S[hh], pr);
 #pragma unroll
-                    for (int hh = 0; hh < 2; ++hh) {
-                        u32 w = fp4_pair(q[hh], 12 - 4 * s4);
-                        if (!kNv) w = bmul2(w, kTwo126);
-                        af[mt][s4][hh * 2 + rr] = bmul2(w, S[hh]);
-                    }
+                    for (int s4 = 0; s4 < 4; ++s4) af[mt][s4][hh * 2 + rr] = pr[s4];
                 }
             }
         }
@@ -819,24 +887,20 @@ struct GemmWS {
             const u32 sw = G::mask_blocks(lds32(buf + kAStageBytes + kBStageBytes + kSAStageBytes +
                                                 h * QC_SWIZZLE_TILE_BYTES + soff),
                                           nval);
-            S[0] = G::lut(s_lut, sw, 16 * part);
-            S[1] = G::lut(s_lut, sw, 16 * part + 8);
+            S[0] = G::scale(s_lut, sw, 16 * part);
+            S[1] = G::scale(s_lut, sw, 16 * part + 8);
         } else {
             const u32 sw = G::mask_blocks(lds32(buf + kAStageBytes + kBStageBytes + kSAStageBytes + soff) >> (16 * h),
                                           nval);
-            S[0] = S[1] = G::lut(s_lut, sw, 8 * part);
+            S[0] = S[1] = G::scale(s_lut, sw, 8 * part);
         }
+        u32 pr[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) G::decode4(q[i], S[i >> 1], pr[i]);
 #pragma unroll
         for (int s4 = 0; s4 < 4; ++s4) {
-            u32 w[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                u32 x = fp4_pair(q[i], 12 - 4 * s4);
-                if (!kNv) x = bmul2(x, kTwo126);
-                w[i] = bmul2(x, S[i >> 1]);
-            }
             const int c = 2 * s4 + part;
-            sts128(bs + n * 128 + ((c ^ (n & 7)) << 4), w[0], w[1], w[2], w[3]);
+            sts128(bs + n * 128 + ((c ^ (n & 7)) << 4), pr[0][s4], pr[1][s4], pr[2][s4], pr[3][s4]);
         }
     }
 
