@@ -3,9 +3,11 @@
 // scales (E4M3 for NVFP4, block 16; E8M0 for MXFP4, block 32), fp32 alpha [1], bf16 bias [N],
 // bf16 out [M, N].
 //
-// The fp4 operands are dequantized INSIDE the main loop into bf16 (exact: an E2M1 value times an
-// E4M3 or E8M0 scale has at most 6 significant bits) feeding bf16 tensor cores with fp32
-// accumulation; nothing is dequantized into device memory.
+// The fp4 operands are dequantized INSIDE the main loop into 16-bit floats (exact: an E2M1 value
+// times an E4M3 or E8M0 scale has at most 6 significant bits) feeding the tensor cores with fp32
+// accumulation; nothing is dequantized into device memory. bf16 everywhere except NVFP4 on the
+// wgmma back ends, which use fp16 (below: the E2M1 x E4M3 products also lie within fp16's range,
+// so the operands are the same values, and the decode is half the integer instructions).
 //
 // CTA tile 256 (M) x 128 (N), 256 threads, a 4-stage cp.async pipeline of the PACKED operands and
 // their 512-byte scale tiles (128 K-elements per stage), the main loop in steps of 64 K-elements:
@@ -34,6 +36,12 @@
 //          and the epilogue multiplies the fp32 accumulator by 2^18 (exact) before alpha;
 //   MXFP4: the decoded value is first multiplied by 2^126 (exact), then by table[b] =
 //          bf16(2^(b-127)), so an operand is exactly value * 2^(b-127) wherever bf16 holds it.
+// NVFP4 on sm_90a (the wgmma and ws back ends, Gemm::kF16): each code goes into an E4M3 byte as
+// s 0 0 e1 e0 m 0 0 (the E2M1 value times 2^-6), two bytes become an fp16x2 by one
+// cvt.rn.f16x2.e4m3x2, and one fp16x2 multiply by the scale pair (the scale byte converted the same
+// way) gives value * scale * 2^-6, in [2^-16, 42]: exact in fp16. The pairs are then (p0, p2),
+// (p4, p6), (p1, p3), (p5, p7) of a word - another fixed K permutation, the same for A and B - and
+// the epilogue multiplies by 2^12. (docs/performance.md, GEMM-X and GEMM-F16.)
 // Scale columns past K/blk (the swizzled layout's padding, possibly garbage) are read as byte 0,
 // and codes past K are zero-filled by cp.async, so a partial last stage adds exact zeros.
 #include "mx_common.cuh"
