@@ -21,10 +21,12 @@ wait
 echo "build done at +$(( $(date +%s) - T0 )) s"
 
 timeout 80 python3 - <<'PY' 2>&1 | tee "$OUT/time.log"
-import json, os, statistics
+import json, os, statistics, sys
 import torch
 from quantcore.backends.cuda import mx as cmx
 from quantcore.formats import mx
+sys.path.insert(0, "tools/dev")
+from mxgemm_time import operands  # the same random operands as the A/B timings
 
 def timed(fn, reps, warmup=3):
     for _ in range(warmup):
@@ -51,13 +53,7 @@ for (m, n, k) in ((8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 8192)):
     res[f"{m}x{n}x{k}_torch_ms"] = t
     del a16, b16
     for fmt in mx.FP4_FORMATS:
-        blk = mx.block_size(fmt)
-        ac = torch.randint(0, 256, (m, k // 2), dtype=torch.uint8, device=dev)
-        bc = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev)
-        lo, hi = (40, 60) if fmt == "nvfp4" else (120, 130)
-        sa = torch.randint(lo, hi, mx.swizzled_shape(m, k // blk), dtype=torch.uint8, device=dev)
-        sb = torch.randint(lo, hi, mx.swizzled_shape(n, k // blk), dtype=torch.uint8, device=dev)
-        alpha = torch.tensor([1.0], dtype=torch.float32, device=dev)
+        ac, bc, sa, sb, alpha = operands(fmt, dev, m, n, k)
         outs = {}
         runs = [("wgmma", ""), ("ws", "")]
         if fmt == "nvfp4" and m == 8192 and n == 8192:

@@ -7,10 +7,13 @@ queued behind a 1 ms sleep kernel, median of 15. argv[1] (optional): the back en
 separated ("wgmma" by default; "ws" is the warp-specialized kernel, whose variants are _nodq,
 _noadq and _nobdq). Run by tools/dev/ab_tree.sh (old against new)."""
 
-import statistics
+import pathlib
 import sys
 
 import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tools/: cuda_mx_bench
+from cuda_mx_bench import timed  # noqa: E402  (median ms behind a sleep kernel)
 from quantcore.backends.cuda import mx as cmx
 
 from quantcore.formats import mx
@@ -18,31 +21,15 @@ from quantcore.formats import mx
 M = N = K = 8192
 
 
-def timed(fn, reps: int = 15, warmup: int = 3) -> float:
-    """Median ms of fn() behind a sleep kernel."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(2_000_000)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
-
-
-def operands(fmt: str, dev: torch.device) -> tuple:
-    """Random packed operands and swizzled scales (NVFP4 bytes 40-59, MXFP4 120-129), alpha 1."""
+def operands(fmt: str, dev: torch.device, m: int = M, n: int = N, k: int = K) -> tuple:
+    """Random packed operands and swizzled scales (NVFP4 bytes 40-59, MXFP4 120-129), alpha 1
+    (also used by mxgemm_device.sh)."""
     blk = mx.block_size(fmt)
-    ac = torch.randint(0, 256, (M, K // 2), dtype=torch.uint8, device=dev)
-    bc = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device=dev)
+    ac = torch.randint(0, 256, (m, k // 2), dtype=torch.uint8, device=dev)
+    bc = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev)
     lo, hi = (40, 60) if fmt == "nvfp4" else (120, 130)
-    sa = torch.randint(lo, hi, mx.swizzled_shape(M, K // blk), dtype=torch.uint8, device=dev)
-    sb = torch.randint(lo, hi, mx.swizzled_shape(N, K // blk), dtype=torch.uint8, device=dev)
+    sa = torch.randint(lo, hi, mx.swizzled_shape(m, k // blk), dtype=torch.uint8, device=dev)
+    sb = torch.randint(lo, hi, mx.swizzled_shape(n, k // blk), dtype=torch.uint8, device=dev)
     return ac, bc, sa, sb, torch.ones(1, dtype=torch.float32, device=dev)
 
 
@@ -51,7 +38,7 @@ def main() -> None:
     flops = 2.0 * M * N * K
     a16 = torch.randn((M, K), device=dev, dtype=torch.bfloat16)
     b16 = torch.randn((N, K), device=dev, dtype=torch.bfloat16)
-    tt = timed(lambda: torch.matmul(a16, b16.t()))
+    tt = timed(lambda: torch.matmul(a16, b16.t()), 15)
     print(f"torch bf16 matmul {tt:.4f} ms {flops / tt / 1e9:.0f} TFLOPS")
     out = torch.empty((M, N), dtype=torch.bfloat16, device=dev)
     variants = {"wgmma": ("", "_nodq", "_nomma", "_alu", "_smem"), "ws": ("", "_nodq", "_noadq", "_nobdq")}
@@ -62,7 +49,7 @@ def main() -> None:
                 def mm(fmt=fmt, var=var, mode=mode, ops=(ac, bc, sa, sb, alpha)):
                     cmx.scaled_fp4_mm(None, *ops, None, out, m=M, n=N, k=K, fmt=fmt, mode=mode, variant=var)
 
-                t = timed(mm)
+                t = timed(mm, 15)
                 print(f"{fmt} {mode}{var}: {t:.4f} ms {flops / t / 1e9:.0f} TFLOPS {tt / t:.3f}x torch")
 
 
