@@ -684,10 +684,11 @@ __global__ void QC_W4_CLUSTER __launch_bounds__(kW4Warps * 32, 1) gemm_w4a8_smal
 // barrier of the consumer warps, the CL partial sums of a row in rank order through distributed
 // shared memory: deterministic, no workspace, no atomics.
 //
-// Measured (H200, docs/performance.md versions 13 and W-14): the time grows with the number of
-// stages per CTA, not with the bulk copies: a stage costs each consumer warp ~67 instructions of
-// its own (barrier wait, divisions, pair-loop set-up) besides 52 per block pair, and the 4 warps
-// per scheduler issue at ~0.5, so stages take the longest row pieces (kc) that fit.
+// Measured (H200, docs/performance.md versions 13, W-14 and W-15): the time grows with the number
+// of stages per CTA, not with the bulk copies, so stages take the longest row pieces (kc) that
+// fit. The ring's slot and phase are stepped counters (W-15: the runtime divisions they replace,
+// ~25 of a stage's ~67 own instructions per consumer warp, were not what bounds N = 1); a kernel
+// that only reads the weights takes 11.3 us at 4096x14336 (log RC), against 15.7 us here.
 //
 // LD selects who fills the ring. LD = 0 (the default): the producer warp, one 1-D bulk copy per
 // row and stage. LD = 1 (W-14, slower: 19.0 against 15.6 us at 4096x14336 N = 1, kept selectable

@@ -625,8 +625,8 @@ class CudaBackend(Backend):
             ntiles = _cdiv(m, _W4_STREAM_ROWS)
             tpc = _cdiv(ntiles, max(1, waves))
             fixed = kbs * nb * 40 + (2 * 16 + tpc) * _W4_STREAM_ROWS * nb * 4
-            # Blocks per stage row. The time grows with the number of stages per CTA (each costs
-            # every consumer warp ~67 instructions; H200, 4096x14336 N=1: kc 32 / 64 / 128 = 30.9
+            # Blocks per stage row. The time grows with the number of stages per CTA (H200,
+            # 4096x14336 N=1: kc 32 / 64 / 128 = 30.9
             # / 19.9 / 16.1 us with bulk copies, 21.5 / 19.0 us at kc 64 / 128 with cp.async), so
             # LD 0 takes the largest that leaves 2 stages. LD 1 runs nstage - 2 stages ahead, so
             # kc is halved until those hold w4s_fly bytes (or the ring is at its depth cap, where
