@@ -245,7 +245,7 @@ __global__ void __launch_bounds__(kQuantThreads, kQuantCtasPerSm) quantize_4bit_
 // the count is complete. The host sizes the shared memory for ceil(nunits / G) units.
 constexpr int kNestThreads = 512;
 constexpr int kNestMaxAbsmax = 24 * 1024;  // absmax values per CTA: 96 KiB of shared memory
-constexpr int kNestMaxBlocks = kNestMaxAbsmax / 256;
+constexpr int kNestMaxBlocks = kNestMaxAbsmax / kNestBlock;
 constexpr int kNestMaxLeaves = 512 * 32;   // the tree top's leaves (tree_top_512)
 
 template <typename T, int QT>
@@ -265,8 +265,8 @@ __global__ void __launch_bounds__(kNestThreads, 2) quantize_4bit_nested_kernel(
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const u32 G = gridDim.x;
-    const i64 nb = (n + (1 << log2bs) - 1) >> log2bs, nbl2 = (nb + 255) >> 8;
-    const int ub = 1 << log2ub, U = 256 << log2ub;
+    const i64 nb = (n + (1 << log2bs) - 1) >> log2bs, nbl2 = (nb + kNestBlock - 1) >> kNestLog2;
+    const int ub = 1 << log2ub, U = kNestBlock << log2ub;
     const u32 nunits = (u32)((nb + U - 1) >> (8 + log2ub));
     const i64 ue = (i64)U << log2bs;  // elements per unit: a multiple of 16384 (two rows of 512 x 16)
     u32* bar = reinterpret_cast<u32*>(absmax2 + (nbl2 - 1));
@@ -333,7 +333,7 @@ __global__ void __launch_bounds__(kNestThreads, 2) quantize_4bit_nested_kernel(
 
     // 2. the leaf sums: block sums by warps, then each unit's pairwise by one thread
     for (int b = warp; b < nu * ub; b += kNestThreads / 32) {
-        const float4 p = s_abs4[b * 64 + 2 * lane], q = s_abs4[b * 64 + 2 * lane + 1];
+        const float4 p = s_abs4[b * (kNestBlock / 4) + 2 * lane], q = s_abs4[b * (kNestBlock / 4) + 2 * lane + 1];
         double t = (((double)p.x + (double)p.y) + ((double)p.z + (double)p.w)) +
                    (((double)q.x + (double)q.y) + ((double)q.z + (double)q.w));
 #pragma unroll
@@ -379,11 +379,11 @@ __global__ void __launch_bounds__(kNestThreads, 2) quantize_4bit_nested_kernel(
     for (int b = warp; b < nu * ub; b += kNestThreads / 32) {
         const i64 gb = (i64)s_unit[b >> log2ub] * ub + (b & (ub - 1));
         if (gb >= nbl2) continue;
-        const float4 p = s_abs4[b * 64 + 2 * lane], q = s_abs4[b * 64 + 2 * lane + 1];
+        const float4 p = s_abs4[b * (kNestBlock / 4) + 2 * lane], q = s_abs4[b * (kNestBlock / 4) + 2 * lane + 1];
         float v[8] = {p.x, p.y, p.z, p.w, q.x, q.y, q.z, q.w};
         const bool last = gb == nbl2 - 1;
-        const float m = blockwise8_task(v, gb * 256 + 8 * lane, nb, true, off, 32, nullptr, lane, tab8, true,
-                                        last ? nullptr : absmax2, 8, qabsmax, vecq != 0);
+        const float m = blockwise8_task(v, gb * kNestBlock + 8 * lane, nb, true, off, 32, nullptr, lane, tab8, true,
+                                        last ? nullptr : absmax2, kNestLog2, qabsmax, vecq != 0);
         if (last && lane == 0) {
             s_lastm = m;
             s_has_last = 1;
@@ -403,23 +403,23 @@ __global__ void __launch_bounds__(kNestThreads, 2) quantize_4bit_nested_kernel(
 // ==================================================================================================
 // dequantize_4bit
 // ==================================================================================================
-// absmax of block b: plain fp32, or (nested) code2[q[b]] * absmax2[b / 256] + offset with two
+// absmax of block b: plain fp32, or (nested) code2[q[b]] * absmax2[b / kNestBlock] + offset with two
 // roundings, in that order.
 template <bool NESTED>
 __device__ __forceinline__ float block_scale(const void* absmax, const float* absmax2, const float* c2,
                                              float offset, i64 b) {
     if (!NESTED) return ldg_f32(reinterpret_cast<const float*>(absmax) + b);
     const u32 q = ldg_u8(reinterpret_cast<const u8*>(absmax) + b);
-    return __fadd_rn(__fmul_rn(c2[q], ldg_f32(absmax2 + (b >> 8))), offset);
+    return __fadd_rn(__fmul_rn(c2[q], ldg_f32(absmax2 + (b >> kNestLog2))), offset);
 }
 
-// The format's 16 codes and (nested) the 256 second-level codes into shared memory; returns the
+// The format's 16 codes and (nested) the kDynCodes second-level codes into shared memory; returns the
 // nested offset (0 when not nested). Contains a CTA barrier.
 template <int QT, bool NESTED>
 __device__ __forceinline__ float load_decode_tables(float* lut, float* c2, const float* code2, const float* offset) {
     if (threadIdx.x < 16) lut[threadIdx.x] = code_4bit<QT>(threadIdx.x);
     if (NESTED)
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) c2[i] = ldg_f32(code2 + i);
+        for (int i = threadIdx.x; i < kDynCodes; i += blockDim.x) c2[i] = ldg_f32(code2 + i);
     __syncthreads();
     return NESTED ? ldg_f32(offset) : 0.0f;
 }
@@ -441,7 +441,7 @@ __global__ void __launch_bounds__(kDequantThreads, 4) dequantize_4bit_kernel(
     const float* __restrict__ code2, const float* __restrict__ offset, typename T::S* __restrict__ out,
     i64 n, int log2bs, int vec) {
     __shared__ float lut[16];
-    __shared__ float c2[NESTED ? 256 : 1];
+    __shared__ float c2[NESTED ? kDynCodes : 1];
     const float off = load_decode_tables<QT, NESTED>(lut, c2, code2, offset);
 
     const i64 nwords = (n + 7) >> 3;
@@ -457,7 +457,7 @@ __global__ void __launch_bounds__(kDequantThreads, 4) dequantize_4bit_kernel(
             const i64 b = e0 < n ? (e0 >> log2bs) : 0;
             if (NESTED) {
                 sraw[j] = ldg_u8(reinterpret_cast<const u8*>(absmax) + b);
-                s2[j] = ldg_f32(absmax2 + (b >> 8));
+                s2[j] = ldg_f32(absmax2 + (b >> kNestLog2));
             } else {
                 sraw[j] = ldg_u32(reinterpret_cast<const float*>(absmax) + b);
                 s2[j] = 0.0f;
@@ -524,7 +524,7 @@ __global__ void __launch_bounds__(kDequantThreads, 4) dequantize_4bit_kernel(
 constexpr int kGemvWarps = 8;
 constexpr int kGemvU = 4;                       // super-pieces per iteration (one per quad lane)
 constexpr int kGemvLutWords = 256 * 64;         // table rows of 256 bytes
-constexpr int kGemvSmemBytes = 4 * (kGemvLutWords + 256 + kGemvWarps * 16 * 8);
+constexpr int kGemvSmemBytes = 4 * (kGemvLutWords + kDynCodes + kGemvWarps * 16 * 8);
 
 // Byte j of word w looked up in the lane's copy of the pair table (lane4 = lane * 4).
 template <int J>
@@ -581,15 +581,15 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_4bit_mma_kernel(
     u16* __restrict__ out, int batch, i64 N, i64 K, int log2bs, int ksplit) {
     extern __shared__ __align__(16) u32 gemv_smem[];
     u32* lut = gemv_smem;                                        // [256][64]
-    float* c2 = reinterpret_cast<float*>(gemv_smem + kGemvLutWords);  // [256]
-    float* red = c2 + 256;                                       // [kGemvWarps][16][8]
+    float* c2 = reinterpret_cast<float*>(gemv_smem + kGemvLutWords);  // [kDynCodes]
+    float* red = c2 + kDynCodes;                                 // [kGemvWarps][16][8]
 
     for (int i = threadIdx.x; i < 256 * 32; i += blockDim.x) {
         const int byte = i >> 5;
         lut[byte * 64 + (i & 31)] = T::pack2(code_4bit<QT>(byte >> 4), code_4bit<QT>(byte & 15));
     }
     if (NESTED)
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) c2[i] = ldg_f32(code2 + i);
+        for (int i = threadIdx.x; i < kDynCodes; i += blockDim.x) c2[i] = ldg_f32(code2 + i);
     __syncthreads();
     const float off = NESTED ? ldg_f32(offset) : 0.0f;
     const u8* lutb = reinterpret_cast<const u8*>(lut);
@@ -638,7 +638,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_4bit_mma_kernel(
                 for (int r = 0; r < 2; ++r) {
                     if (NESTED) {
                         const i64 sp = sp0 + c < sp_end ? sp0 + c : sp0;
-                        const float a2 = ldg_f32(absmax2 + (((erow[r] + sp * (8 * V)) >> log2bs) >> 8));
+                        const float a2 = ldg_f32(absmax2 + (((erow[r] + sp * (8 * V)) >> log2bs) >> kNestLog2));
                         sc[r] = __fadd_rn(__fmul_rn(c2[cur.raw[r]], a2), off);
                     } else {
                         sc[r] = __uint_as_float(cur.raw[r]);
@@ -717,7 +717,7 @@ __global__ void __launch_bounds__(256) gemv_4bit_simple_kernel(
     const float* __restrict__ absmax2, const float* __restrict__ code2, const float* __restrict__ offset,
     typename T::S* __restrict__ out, int batch, i64 N, i64 K, int log2bs) {
     __shared__ float lut[16];
-    __shared__ float c2[NESTED ? 256 : 1];
+    __shared__ float c2[NESTED ? kDynCodes : 1];
     const float off = load_decode_tables<QT, NESTED>(lut, c2, code2, offset);
     const int lane = lane_id();
     const int b0 = blockIdx.y * 8, nb = min(8, batch - b0);

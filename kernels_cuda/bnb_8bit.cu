@@ -347,13 +347,7 @@ __global__ void __launch_bounds__(kQ3Threads, 2) quantize_blockwise_v3_kernel(
     // 3. the leaves' levels in registers (widths 8 -> 4 -> 2 -> 1, the last log2(k) of them), the
     // butterfly over the warp (xor o pairs neighbours level by level), the warp sums in ws; the
     // thresholds (thr[kDynNThr] = +inf) and the table in shared memory
-#pragma unroll
-    for (int l = 0; l < 3; ++l) {
-        const int h = 4 >> l;
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            if (i < h && h < k) v[i] = v[2 * i] + v[2 * i + 1];
-    }
+    tree_levels(v, k);
     double p = v[0];
     if (dq) {
 #pragma unroll

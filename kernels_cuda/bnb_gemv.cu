@@ -40,18 +40,10 @@ struct GvGeo {
     static constexpr int kPitch = kGvKC / 2 + (V == 8 ? 32 : 16);
     static constexpr int kSlot = 16 * kPitch;
     // LUT, code2 table, reduction tiles, slots (the launcher computes the same sum)
-    static constexpr int kSmem = 4 * kGvLutWords + 4 * 256 + 4 * kGvWarps * 128 + kGvWarps * kGvStages * kSlot;
+    static constexpr int kSmem = 4 * kGvLutWords + 4 * kDynCodes + 4 * kGvWarps * 128 + kGvWarps * kGvStages * kSlot;
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ u32 gv_smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-// 16-byte asynchronous copy global -> shared; src_size 0 writes zeros and reads nothing
-__device__ __forceinline__ void gv_cp16(u32 dst, const void* src, u32 src_size) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_size) : "memory");
-}
-__device__ __forceinline__ void gv_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void gv_cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 #endif
 
 // Byte J of word w looked up in the lane's copy of the pair table: lutx is the table's shared
@@ -79,13 +71,13 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     using G = GvGeo<V>;
     constexpr int S = kGvStages, SPS = G::kSps;
-    constexpr u32 kSmall = 4 * 256 + 4 * kGvWarps * 128;  // code2, reduction
+    constexpr u32 kSmall = 4 * kDynCodes + 4 * kGvWarps * 128;  // code2, reduction
     constexpr u32 kRing = S * G::kSlot;
     extern __shared__ __align__(16) u8 gv_smem[];
     // The table must sit at a shared address that is a multiple of 64 KiB (gv_pair); what lies
     // before that boundary in the dynamic region holds the small arrays and as many warp rings as
     // fit, the rest follows the table. The launcher grants the device's maximum.
-    const u32 front = (0u - gv_smem_addr(gv_smem)) & 0xffffu;
+    const u32 front = (0u - smem_addr(gv_smem)) & 0xffffu;
     u8* lut = gv_smem + front;
     u8* small = front >= kSmall ? gv_smem : lut + 65536;
     u8* ring_front = front >= kSmall ? gv_smem + kSmall : gv_smem;
@@ -96,8 +88,8 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
         if ((u32)(ring_back + (kGvWarps - nfront) * kRing - gv_smem) > dyn) __trap();  // launcher bug
     }
-    float* c2 = reinterpret_cast<float*>(small);       // [256]
-    float* red = c2 + 256;                             // [kGvWarps][16][8]
+    float* c2 = reinterpret_cast<float*>(small);       // [kDynCodes]
+    float* red = c2 + kDynCodes;                       // [kGvWarps][16][8]
 
     const int warp = threadIdx.x >> 5, lane = lane_id(), g = lane >> 2, c = lane & 3;
     {
@@ -108,12 +100,12 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
         }
     }
     if (NESTED)
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) c2[i] = ldg_f32(code2 + i);
+        for (int i = threadIdx.x; i < kDynCodes; i += blockDim.x) c2[i] = ldg_f32(code2 + i);
     u8* wring_p = warp < nfront ? ring_front + warp * kRing : ring_back + (warp - nfront) * kRing;
-    const u32 wring = gv_smem_addr(wring_p);
+    const u32 wring = smem_addr(wring_p);
     __syncthreads();
     const float off = NESTED ? ldg_f32(offset) : 0.0f;
-    const u32 lutx = gv_smem_addr(lut) | (4u * (u32)lane);
+    const u32 lutx = smem_addr(lut) | (4u * (u32)lane);
 
     const int tpc = kGvWarps / ksplit, tslot = warp / ksplit, ks = warp % ksplit;
     const int b0 = blockIdx.y * 8, nb = min(8, batch - b0);
@@ -156,7 +148,7 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
 #pragma unroll
         for (int m = 0; m < 8; ++m) {  // branch-free: a chunk that does not exist is zero-filled
             const bool ok = col_ok && 2 * m + crow < inrows;
-            gv_cp16(dst + 2 * m * G::kPitch, ok ? src : packed, ok ? 16u : 0u);
+            cp_async16(dst + 2 * m * G::kPitch, ok ? src : packed, ok ? 16u : 0u);
             src += 2 * row_bytes;
         }
         if (++ji == nst) {
@@ -186,7 +178,7 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
 #pragma unroll
             for (int gi = 0; gi < G::kRounds; ++gi) {
                 const i64 blk = (e0 + min(kGvSc * gi + c, last) * (8 * V)) >> log2bs;
-                rw.q[gi][r] = NESTED ? ldg_u8(reinterpret_cast<const u8*>(absmax) + blk) | ((u32)(blk >> 8) << 8)
+                rw.q[gi][r] = NESTED ? ldg_u8(reinterpret_cast<const u8*>(absmax) + blk) | ((u32)(blk >> kNestLog2) << 8)
                                      : ldg_u32(reinterpret_cast<const float*>(absmax) + blk);
             }
         }
@@ -210,7 +202,7 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
 
     for (int i = 0; i < S; ++i) {
         if (i < nunits) issue_next(i);
-        gv_cp_commit();  // one group per unit (empty past the end), so wait_group counts units
+        cp_async_commit();  // one group per unit (empty past the end), so wait_group counts units
     }
     Raw raw;  // the next unit's, loaded one unit ahead
     set_erow(0);
@@ -227,7 +219,7 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
         const int s = i % S;
         const int nspc = min(nsl - j * SPS, SPS);  // valid super-pieces of this stage
         const int qn = j + 1 == nst ? q + 1 : q, jn = j + 1 == nst ? 0 : j + 1;  // the next unit
-        gv_cp_wait<S - 1>();  // this unit's copies (by every lane) have landed
+        cp_async_wait<S - 1>();  // this unit's copies (by every lane) have landed
         __syncwarp();
         const u8* sl = wring_p + s * G::kSlot + c * V;
         // this unit's scales (lane c: super-piece 4 gi + c of rows g and g + 8), then the next
@@ -320,7 +312,7 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
         }
         __syncwarp();  // every lane has read the slot: refill it
         if (i + S < nunits) issue_next(i + S);
-        gv_cp_commit();
+        cp_async_commit();
 
         if (j + 1 == nst) {  // last stage of this group: add the K slices of each tile
             const i64 tq = t0 + (i64)q * tpc;  // first tile of this group

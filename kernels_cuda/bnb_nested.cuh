@@ -122,6 +122,19 @@ __device__ __forceinline__ float blockwise8_task(float (&v)[8], i64 e0, i64 n, b
     return m;
 }
 
+// The last log2(k) levels of a thread's N leaves v (N a power of two, k <= N of them nonzero):
+// widths N -> N/2 -> ... -> 1 pairwise in index order, the levels with k leaves or fewer skipped,
+// so v[0] is the sum of v[0 .. k) by the summation tree's order.
+template <int N>
+__device__ __forceinline__ void tree_levels(double (&v)[N], int k) {
+#pragma unroll
+    for (int h = N / 2; h >= 1; h >>= 1) {
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i)
+            if (i < h && h < k) v[i] = v[2 * i] + v[2 * i + 1];
+    }
+}
+
 // The top levels of a tree whose leaf sums p are held by threads 0 .. q-1 (q a power of two): the
 // butterfly over the warp pairs neighbouring threads level by level, then the warp sums pairwise
 // in ws (thread 0). Every thread calls it (a barrier inside when q > 32); valid in thread 0.
@@ -159,13 +172,7 @@ __device__ double chunk_tree_top(const double* partials, int npart, int nchunks,
             const int idx = threadIdx.x * k + i;
             v[i] = (i < k && idx < nchunks) ? partials[idx] : 0.0;
         }
-#pragma unroll
-        for (int l = 0; l < 4; ++l) {  // widths 16 -> 8 -> 4 -> 2 -> 1, the last log2(k) of them
-            const int h = 8 >> l;
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-                if (i < h && h < k) v[i] = v[2 * i] + v[2 * i + 1];
-        }
+        tree_levels(v, k);
         p = v[0];
         q = 256;
     } else {
@@ -276,13 +283,7 @@ __device__ double tree_top_512(const double* leaves, int npart, int nleaves, dou
             }
             g[j] = s;
         }
-#pragma unroll
-        for (int l = 0; l < 3; ++l) {  // widths 8 -> 4 -> 2 -> 1, the last log2(ng) of them
-            const int h = 4 >> l;
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                if (i < h && h < ng) g[i] = g[2 * i] + g[2 * i + 1];
-        }
+        tree_levels(g, ng);
         p = g[0];
         q = 512;
     } else {

@@ -203,11 +203,9 @@ struct GemmSmem {
 };
 
 __device__ __forceinline__ void cp_async4(void* smem_dst, const void* gsrc) {
-    const u32 d = (u32)__cvta_generic_to_shared(smem_dst);
+    const u32 d = smem_addr(smem_dst);
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(d), "l"(gsrc) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 
 // The warp's 16 rows x 8 blocks of K-tile t into its slot (rows clamped to M - 1, blocks past
 // the end of K not copied; they are never read).
@@ -372,7 +370,7 @@ __global__ void __launch_bounds__(kGemmWarps * 32, 1) gemm_q4_0_kernel(
         } else {
             cp_async_commit();  // an empty group keeps "all but the newest group" meaning tile t
         }
-        cp_async_wait_1();
+        cp_async_wait<1>();
         __syncwarp();
         const u8* cur = smem + (t & 1) * ab;
         const Pair* ds = reinterpret_cast<const Pair*>(cur + 8 * rb);
@@ -443,7 +441,6 @@ constexpr int kW4Warps = 8;
 constexpr int kW4Cluster = 4;
 constexpr int kW4Rows = 4;  // rows per lane step
 
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ int dp4a(u32 a, u32 b, int c) {
     int d;
@@ -760,10 +757,6 @@ __device__ __forceinline__ void mbar_arrive(u64* bar) {
 __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 1, %0;" :: "r"(kWsWarps * 32) : "memory");
 }
-// 16 bytes global -> shared, L2 only (the weights are read once)
-__device__ __forceinline__ void ws_cp16(u32 dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
-}
 // one arrival on bar once every cp.async this thread issued before has landed; the barrier's count
 // includes it (noinc)
 __device__ __forceinline__ void ws_cp_arrive(u64* bar) {
@@ -896,7 +889,7 @@ __global__ void QC_WS_CLUSTER(CL) __launch_bounds__((kWsWarps + (LD == 0 ? 1 : 0
             const int units = min(kc, nbl - ich * kc) * QC_Q4_0_BLOCK_BYTES / 16;
             const u8* src = wq + (r * nbk + kb0 + (i64)ich * kc) * QC_Q4_0_BLOCK_BYTES + 16 * lane;
             u32 dst = ring_s + islot * stage_bytes;
-            for (int u = lane; u < units; u += 32, src += 512, dst += 512) ws_cp16(dst, src);
+            for (int u = lane; u < units; u += 32, src += 512, dst += 512) cp_async16(dst, src);  // L2 only: the weights are read once
         }
         ws_cp_arrive(full + islot);
         ++iq;

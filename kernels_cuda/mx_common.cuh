@@ -27,6 +27,9 @@ using qc::u16;
 using qc::u32;
 using qc::u64;
 using qc::u8;
+using qc::cp_async_commit;
+using qc::smem_addr;
+using qc::cp_async_wait;
 
 __device__ __forceinline__ float f_nan() { return __uint_as_float(0x7fffffffu); }
 

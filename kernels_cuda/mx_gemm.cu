@@ -76,21 +76,17 @@ struct GemmFmt {
 };
 
 // -- PTX wrappers ---------------------------------------------------------------------------------
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 template <int W>
 __device__ __forceinline__ void cp_async(u32 dst, const void* src, int bytes) {
     if (W == 16) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+        qc::cp_async16(dst, src, (u32)bytes);
     } else if (W == 8) {
         asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
     } else {
         asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
     }
 }
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // 16 bytes from global (valid of them, the rest zero-filled) in copies of W bytes.
 template <int W>
@@ -166,13 +162,6 @@ __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
 __device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
-}
-__device__ __forceinline__ void mma_16816(float* d, const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // -- wgmma (sm_90a) -------------------------------------------------------------------------------
@@ -538,8 +527,8 @@ struct Gemm {
                     ldmatrix_x4(bs + n * 128 + ((chunk ^ ri) << 4), b0, b1, b2, b3);
 #pragma unroll
                     for (int mt = 0; mt < 2; ++mt) {
-                        mma_16816(&acc[mt][8 * p], af[mt][s], b0, b1);
-                        mma_16816(&acc[mt][8 * p + 4], af[mt][s], b2, b3);
+                        qc::mma_16816<qc::BF16>(&acc[mt][8 * p], af[mt][s], b0, b1);
+                        qc::mma_16816<qc::BF16>(&acc[mt][8 * p + 4], af[mt][s], b2, b3);
                     }
                 }
             }
@@ -569,7 +558,7 @@ struct Gemm {
                                                const float* __restrict__ alpha, const u16* __restrict__ bias,
                                                u16* __restrict__ out, int M, int N, int K, int out_vec) {
         extern __shared__ u8 smem_raw[];
-        const u32 sbase = (smem_u32(smem_raw) + 1023u) & ~1023u;
+        const u32 sbase = (smem_addr(smem_raw) + 1023u) & ~1023u;
         const u32 s_bs = sbase;
         const u32 s_stage = sbase + kBsBufs * kBsBytes;
         const u32 s_lut = s_stage + kStages * kStageBytes;
@@ -601,7 +590,7 @@ struct Gemm {
 #pragma unroll
         for (int st = 0; st < kStages; ++st) {
             if (st < nstage) ld.template issue<CPW>(st, s_stage, A, B, SA, KB, nkt, full && (st + 1) * kRowBytes <= KB);
-            cp_commit();
+            cp_async_commit();
         }
         float acc[2][64];
 #pragma unroll
@@ -610,7 +599,7 @@ struct Gemm {
             for (int i = 0; i < 64; ++i) acc[mt][i] = 0.0f;
         u32 af[2][2][4][4];
 
-        cp_wait<kStages - 1>();  // stage 0 landed
+        cp_async_wait<kStages - 1>();  // stage 0 landed
         __syncthreads();
         dequant_a(0, s_stage, s_lut, nkb, af[0]);
         dequant_b(0, s_stage, s_lut, nkb, s_bs);
@@ -624,7 +613,7 @@ struct Gemm {
     {                                                                                                     \
         const int j_ = (J);                                                                               \
         const bool more = j_ + 1 < nsub, newstage = more && ((j_ + 1) & 1) == 0;                          \
-        if (newstage) cp_wait<kStages - 2>();                                                             \
+        if (newstage) cp_async_wait<kStages - 2>();                                                             \
         __syncthreads();                                                                                  \
         if (DBG != 2) mma_step(af[WG ? P : 0], s_bs + (j_ % kBsBufs) * kBsBytes, acc);                    \
         if (DBG == 2) sink_af(af[WG ? P : 0], sink);                                                      \
@@ -632,7 +621,7 @@ struct Gemm {
             if (newstage) {                                                                               \
                 const int st = ((j_ + 1) >> 1) + kStages - 1;                                             \
                 if (st < nstage) ld.template issue<CPW>(st, s_stage, A, B, SA, KB, nkt, full && (st + 1) * kRowBytes <= KB);                   \
-                cp_commit();                                                                              \
+                cp_async_commit();                                                                              \
             }                                                                                             \
             QCMX_WAIT1();                                                                                 \
             fence_af(af[WG ? 1 - P : 0]);                                                                          \
@@ -952,7 +941,7 @@ struct GemmWS {
                                                const float* __restrict__ alpha, const u16* __restrict__ bias,
                                                u16* __restrict__ out, int M, int N, int K, int out_vec) {
         extern __shared__ u8 smem_raw[];
-        const u32 sbase_ = (smem_u32(smem_raw) + 1023u) & ~1023u;
+        const u32 sbase_ = (smem_addr(smem_raw) + 1023u) & ~1023u;
         const u32 s_bs = sbase_;
         const u32 s_stage = s_bs + kWsBBufs * kBsBytes;
         const u32 s_lut = s_stage + kWsStages * kStageBytes;
@@ -1007,11 +996,11 @@ struct GemmWS {
 #pragma unroll 1
                 for (int s = 0; s < kWsStages - 1; ++s) {
                     if (s < total) load_global_stage(p, lane, s_stage, s, ntiles);
-                    cp_commit();
+                    cp_async_commit();
                 }
 #pragma unroll 1
                 for (int gs = 0; gs < total; ++gs) {
-                    cp_wait<kWsStages - 2>();  // stage gs landed (this lane's copies)
+                    cp_async_wait<kWsStages - 2>();  // stage gs landed (this lane's copies)
                     mbar_arrive(s_loaded + 8 * (gs % kWsStages));
                     const int nx = gs + kWsStages - 1;
                     if (nx < total) {
@@ -1022,9 +1011,9 @@ struct GemmWS {
                         }
                         load_global_stage(p, lane, s_stage, nx, ntiles);
                     }
-                    cp_commit();
+                    cp_async_commit();
                 }
-                cp_wait<0>();
+                cp_async_wait<0>();
             } else {
                 // B dequantizers: 96 threads, 256 half-rows per step
                 const int bt = tid - 32;

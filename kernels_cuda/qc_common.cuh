@@ -239,8 +239,13 @@ __device__ const float kFp4Code[16] = QC_FP4_CODE_INIT;
 __device__ const float kNf4Thresholds[QC_NF4_NTHRESHOLDS] = QC_NF4_THRESHOLDS_INIT;
 __device__ const float kFp4Thresholds[QC_FP4_NTHRESHOLDS] = QC_FP4_THRESHOLDS_INIT;
 __device__ const int kFp4StepCodes[QC_FP4_NTHRESHOLDS + 1] = QC_FP4_STEP_CODES_INIT;
-constexpr int kDynNThr = QC_DYNAMIC_NTHRESHOLDS;  // the dynamic map's codes: kDynNThr + 1
-__device__ const float kDynamicMap[kDynNThr + 1] = QC_DYNAMIC_MAP_INIT;
+constexpr int kDynNThr = QC_DYNAMIC_NTHRESHOLDS;
+constexpr int kDynCodes = kDynNThr + 1;  // the dynamic map's codes (the nested statistics' code2)
+__device__ const float kDynamicMap[kDynCodes] = QC_DYNAMIC_MAP_INIT;
+// The nested (second-level) block of the 4-bit statistics: absmax2[b >> kNestLog2] scales block b.
+constexpr int kNestBlock = QC_NESTED_BLOCKSIZE;
+constexpr int kNestLog2 = 8;
+static_assert(kNestBlock == 1 << kNestLog2, "kNestLog2 is log2 of the nested block size");
 __device__ const float kDynamicThresholds[kDynNThr] = QC_DYNAMIC_THRESHOLDS_INIT;
 
 template <int QT>
@@ -259,26 +264,37 @@ __device__ __forceinline__ float nan_value() { return __uint_as_float(0x7fffffff
 __device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u; }
 __device__ __forceinline__ float pos_inf() { return __uint_as_float(0x7f800000u); }
 
-// -- tensor cores ------------------------------------------------------------------------------------
-// D += A (16 x 16, row) x B (16 x 8, col), fp16 or bf16 operands, fp32 accumulators (sm_80+).
-template <typename T>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
+// -- asynchronous copies (sm_80+) --------------------------------------------------------------------
+// the shared-window address of a pointer into shared memory
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+// 16 bytes global -> shared (dst a shared address), L2 only; with src_size, the bytes past it are
+// zero-filled (0: nothing is read)
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_size) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_size) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// until at most N of this thread's committed groups are pending
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-template <>
-__device__ __forceinline__ void mma_16816<F16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <>
-__device__ __forceinline__ void mma_16816<BF16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// -- tensor cores ------------------------------------------------------------------------------------
+// D += A (16 x 16, row) x B (16 x 8, col), fp16 or bf16 operands, fp32 accumulators d[0..3]
+// (sm_80+). One asm text, the operand type spliced in.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float* d, const u32 (&a)[4], u32 b0, u32 b1);
+#define QC_MMA_16816(T, TY)                                                                              \
+    template <>                                                                                          \
+    __device__ __forceinline__ void mma_16816<T>(float* d, const u32 (&a)[4], u32 b0, u32 b1) {          \
+        asm("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "    \
+            "{%8,%9}, {%0,%1,%2,%3};"                                                                    \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                             \
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                             \
+    }
+QC_MMA_16816(F16, "f16")
+QC_MMA_16816(BF16, "bf16")
+#undef QC_MMA_16816
 
 }  // namespace qc

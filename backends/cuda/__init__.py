@@ -50,7 +50,7 @@ _FV = "bnb_gemv.cu"
 # launch geometry, mirrored from the kernels' constants
 _DEQUANT_THREADS, _DEQUANT_WORDS = 256, 8
 _GEMV_WARPS, _GEMV_U, _GEMV_V = 8, 4, (4, 8)
-_GEMV_SMEM = 4 * (256 * 64 + 256 + _GEMV_WARPS * 16 * 8)  # kGemvSmemBytes
+_GEMV_SMEM = 4 * (256 * 64 + bnb.DYNAMIC_MAP.size + _GEMV_WARPS * 16 * 8)  # kGemvSmemBytes (table, code2, reduction)
 # bnb_gemv.cu (sm_90): warps, stages per warp, elements per stage; shared memory: _gv_smem
 _GV_WARPS, _GV_STAGES, _GV_KC = 16, 2, 512
 
@@ -62,7 +62,7 @@ def _gv_smem(v: int, device: int) -> int:
     than the sizes sum, which is enough for a region starting at 0 or after the 1 KiB that sm_90
     reserves."""
     pitch = _GV_KC // 2 + (32 if v == 8 else 16)
-    need = 4 * 256 * 64 + 4 * 256 + 4 * _GV_WARPS * 128 + _GV_WARPS * _GV_STAGES * 16 * pitch
+    need = 4 * 256 * 64 + 4 * bnb.DYNAMIC_MAP.size + 4 * _GV_WARPS * 128 + _GV_WARPS * _GV_STAGES * 16 * pitch
     return max(need, int(rt.device_props(device).get("sharedMemPerBlockOptin", 0)))
 _TREE_CHUNK = 2048
 # double_quantize versions 2 and 3: absmax values per chunk sum (kSumChunk) and the most chunk sums
@@ -185,12 +185,12 @@ def kernel_instances() -> list[tuple[str, str]]:
 
 
 def _nest_units(nb: int) -> tuple[int, int]:
-    """quantize_4bit_nested_kernel's units for nb blocks: (log2ub, npart) - units of 256 * 2^log2ub
+    """quantize_4bit_nested_kernel's units for nb blocks: (log2ub, npart) - units of 2^log2ub nested
     blocks, the smallest (the finest balance between CTAs) whose tree top has at most
     _Q4N_MAX_LEAVES leaves; npart, the top's leaf count (the summation tree's padded size / unit)."""
     size = 1 << (nb - 1).bit_length()  # the summation tree's padded leaf count
     log2ub = rt.tune("q4n_ub", 2)  # the minimum: 1024 blocks (the fastest of 0, 1, 2 on the H200)
-    while (size >> (8 + log2ub)) > _Q4N_MAX_LEAVES and log2ub < _Q4N_MAX_LOG2UB:
+    while size // (bnb.NESTED_BLOCKSIZE << log2ub) > _Q4N_MAX_LEAVES and log2ub < _Q4N_MAX_LOG2UB:
         log2ub += 1
     return log2ub, max(1, size // (bnb.NESTED_BLOCKSIZE << log2ub))
 
@@ -199,9 +199,7 @@ def _launch_cooperative(launch: Launcher, filename: str, expr: str, grid: int, b
                         shared_mem: int) -> None:
     """A launch whose CTAs must all be resident at once (a grid barrier inside): through
     cuLaunchCooperativeKernel, which refuses a grid the device cannot hold instead of hanging."""
-    fn = rt.KERNELS.function(launch.device, filename, expr)
-    if shared_mem > 48 * 1024:
-        rt._raise_smem_limit(fn, launch.device, shared_mem)
+    fn = rt.kernel_function(launch.device, filename, expr, shared_mem)
     try:
         with rt.cupy().cuda.Device(launch.device):
             fn((grid, 1, 1), (block, 1, 1), args, shared_mem=shared_mem, stream=launch.stream,
@@ -216,9 +214,7 @@ def _coop_ctas_per_sm(launch: Launcher, filename: str, expr: str, block: int, sh
     key = (launch.device, expr, block, shared_mem)
     got = _coop_occupancy.get(key)
     if got is None:
-        fn = rt.KERNELS.function(launch.device, filename, expr)
-        if shared_mem > 48 * 1024:
-            rt._raise_smem_limit(fn, launch.device, shared_mem)
+        fn = rt.kernel_function(launch.device, filename, expr, shared_mem)
         with rt.cupy().cuda.Device(launch.device):
             got = int(rt.cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, block, shared_mem))
         _coop_occupancy[key] = got
