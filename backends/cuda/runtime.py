@@ -381,10 +381,8 @@ class Launcher:
 
     def __call__(self, filename: str, expr: str, grid: tuple[int, ...], block: int, args: tuple,
                  shared_mem: int = 0) -> None:
-        fn = KERNELS.function(self.device, filename, expr)
+        fn = kernel_function(self.device, filename, expr, shared_mem)
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
-        if shared_mem > 48 * 1024:
-            _raise_smem_limit(fn, self.device, shared_mem)
         try:
             if self._switch:
                 with cupy().cuda.Device(self.device):
@@ -397,6 +395,15 @@ class Launcher:
 
 
 _smem_limit: dict[int, int] = {}  #: id(function) -> dynamic shared memory limit set so far
+
+
+def kernel_function(device: int, filename: str, expr: str, shared_mem: int = 0) -> Any:
+    """The loaded kernel, allowed ``shared_mem`` bytes of dynamic shared memory (every launch path
+    takes its function here)."""
+    fn = KERNELS.function(device, filename, expr)
+    if shared_mem > 48 * 1024:
+        _raise_smem_limit(fn, device, shared_mem)
+    return fn
 
 
 def _raise_smem_limit(fn: Any, device: int, nbytes: int) -> None:
@@ -496,9 +503,7 @@ class PlannedLaunch:
 
     def __init__(self, device: int, filename: str, expr: str, grid: tuple[int, ...], block: int,
                  args: tuple, shared_mem: int = 0, slots: tuple[int, ...] = ()):
-        fn = KERNELS.function(device, filename, expr)
-        if shared_mem > 48 * 1024:
-            _raise_smem_limit(fn, device, shared_mem)
+        fn = kernel_function(device, filename, expr, shared_mem)
         self.expr = expr
         self.grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         self.block = int(block)
