@@ -46,7 +46,7 @@ class QuantState:
     offset: Any = None
     state2: QuantState | None = None
 
-    #: Launch plans of the public API's eager calls (quantcore.api), keyed by (op, backend). Not a
+    #: Launch plans of the public API's eager calls (quantcore.api): op -> (backend, plan). Not a
     #: field: dropped whenever a field is assigned, and never copied or pickled (a plan holds
     #: device handles and the pointers of this state's arrays).
     _plans = None

@@ -22,6 +22,15 @@ def bits(a: np.ndarray) -> np.ndarray:
     return a.view(UINT_VIEW[a.dtype.itemsize])
 
 
+def same_bits(got: np.ndarray, ref: np.ndarray) -> bool:
+    """Bit-equal, except that a NaN in ``ref`` needs a NaN of any sign and payload in ``got`` (a
+    GPU's canonical NaN is not numpy's)."""
+    got, ref = np.asarray(got).reshape(-1), np.asarray(ref).reshape(-1)
+    rnan = np.isnan(ref.astype(np.float32))
+    gnan = np.isnan(got.astype(np.float32))
+    return bool(np.array_equal(rnan, gnan) and np.array_equal(bits(got)[~rnan], bits(ref)[~rnan]))
+
+
 def _installed() -> bool:
     from importlib.metadata import entry_points
 

@@ -30,7 +30,7 @@ from quantcore.conformance import bounds
 from quantcore.errors import DeviceError
 from quantcore.formats import bnb, ggml, kernel_defines
 
-from .conftest import FLOAT_DTYPES, bits
+from .conftest import FLOAT_DTYPES, bits, same_bits
 
 NVCC = shutil.which("nvcc") or (
     "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
@@ -117,15 +117,6 @@ def _n(t) -> np.ndarray:
     return cuda.create().to_numpy(t)
 
 
-def _same(got: np.ndarray, ref: np.ndarray) -> bool:
-    """Bit-equal, except that a NaN reference needs a NaN of any sign and payload (the GPU's
-    canonical NaN is not numpy's)."""
-    got, ref = np.asarray(got).reshape(-1), np.asarray(ref).reshape(-1)
-    rnan = np.isnan(ref.astype(np.float32))
-    gnan = np.isnan(got.astype(np.float32))
-    return bool(np.array_equal(rnan, gnan) and np.array_equal(bits(got)[~rnan], bits(ref)[~rnan]))
-
-
 def _randn(rng, shape, dtype: str, scale_groups: int = 64, spread: float = 6.0) -> np.ndarray:
     n = int(np.prod(shape))
     scales = np.exp2(rng.uniform(-spread, spread, -(-n // scale_groups)))
@@ -201,7 +192,7 @@ def test_ggml_quantize_dequantize_bit_exact(be, rng, dtype):
         for out in FLOAT_DTYPES:
             dq = _n(getattr(qc, f"dequantize_{fmt}")(_t(ref), out_dtype=out, backend="cuda"))
             r = ggml.dequantize_q4_0(ref) if fmt == "q4_0" else ggml.dequantize_q8(ref, fmt)
-            assert _same(dq, r.astype(FLOAT_DTYPES[out])), (fmt, out)
+            assert same_bits(dq, r.astype(FLOAT_DTYPES[out])), (fmt, out)
 
 
 def _gemv_case(rng, n, k, bs, qt, dtype, batch, nested):

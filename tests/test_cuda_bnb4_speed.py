@@ -15,45 +15,11 @@ import quantcore as qc
 from quantcore.backend import Nested
 from quantcore.formats import bnb
 
-from .conftest import FLOAT_DTYPES, bits
+from .conftest import FLOAT_DTYPES, same_bits
+from .cuda_arrays import CUDA, filled, needs_cuda, to_cuda, to_host
 
-_avail = qc.available_backends()["cuda"]
-pytestmark = pytest.mark.skipif(not _avail, reason=f"cuda backend unavailable: {_avail.reason}")
-torch = pytest.importorskip("torch") if _avail else None
-
-
-def _t(a: np.ndarray, offset: int = 0):
-    """numpy -> torch CUDA tensor whose data starts ``offset`` elements into a larger buffer."""
-    flat = np.ascontiguousarray(a).reshape(-1)
-    base = torch.from_numpy(flat.view(np.uint8 if flat.dtype.itemsize == 1 else
-                                      {2: np.int16, 4: np.int32}[flat.dtype.itemsize]).copy())
-    if flat.dtype.itemsize == 2 and flat.dtype != np.float16:
-        base = base.view(torch.bfloat16)
-    elif flat.dtype == np.float16:
-        base = base.view(torch.float16)
-    elif flat.dtype == np.float32:
-        base = base.view(torch.float32)
-    buf = torch.empty(flat.size + offset, dtype=base.dtype, device="cuda")
-    buf[offset:].copy_(base.cuda())
-    return buf[offset:]
-
-
-def _n(t) -> np.ndarray:
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).cpu().numpy().view(FLOAT_DTYPES["bfloat16"])
-    return t.cpu().numpy()
-
-
-def _empty(n: int, dtype, offset: int = 0):
-    return torch.full((n + offset,), 0x55, dtype=torch.uint8, device="cuda").view(torch.uint8)[offset:] \
-        if dtype == torch.uint8 else torch.full((n + offset,), float("nan"), dtype=dtype, device="cuda")[offset:]
-
-
-def _same(got: np.ndarray, ref: np.ndarray) -> bool:
-    got, ref = np.asarray(got).reshape(-1), np.asarray(ref).reshape(-1)
-    rnan = np.isnan(ref.astype(np.float32))
-    gnan = np.isnan(got.astype(np.float32))
-    return bool(np.array_equal(rnan, gnan) and np.array_equal(bits(got)[~rnan], bits(ref)[~rnan]))
+pytestmark = needs_cuda
+torch = pytest.importorskip("torch") if CUDA else None
 
 
 def _data(rng, n: int, dtype: str, bs: int) -> np.ndarray:
@@ -79,12 +45,12 @@ def test_quantize_4bit_bit_exact_edge_cases(rng, qt, dtype):
     for bs, n, xoff, poff in cases:
         x = _data(rng, n, dtype, bs)
         rp, ra = bnb.quantize_4bit(x, bs, qt)
-        packed = _empty((n + 1) // 2, torch.uint8, poff)
-        absmax = _empty(bnb.nblocks(n, bs), torch.float32)
-        be.quantize_4bit(_t(x, xoff), packed, absmax, blocksize=bs, quant_type=qt)
+        packed = filled((n + 1) // 2, torch.uint8, poff, byte=0x55)
+        absmax = filled(bnb.nblocks(n, bs), torch.float32)
+        be.quantize_4bit(to_cuda(x, xoff), packed, absmax, blocksize=bs, quant_type=qt)
         torch.cuda.synchronize()
-        assert np.array_equal(_n(packed), rp.reshape(-1)), (bs, n, xoff, poff)
-        assert _same(_n(absmax), ra), (bs, n, xoff, poff)
+        assert np.array_equal(to_host(packed), rp.reshape(-1)), (bs, n, xoff, poff)
+        assert same_bits(to_host(absmax), ra), (bs, n, xoff, poff)
 
 
 @pytest.mark.parametrize("nested", [False, True])
@@ -105,14 +71,14 @@ def test_dequantize_4bit_bit_exact_edge_cases(rng, nested, dtype):
             off = np.array([rng.uniform(0.1, 2.0)], np.float32)
             code2 = bnb.DYNAMIC_MAP.astype(np.float32)
             eff = bnb.dequantize_absmax(q, a2, off[0], code2)
-            absmax_in = _t(q)
-            nest = Nested(_t(a2), _t(code2), _t(off))
+            absmax_in = to_cuda(q)
+            nest = Nested(to_cuda(a2), to_cuda(code2), to_cuda(off))
         else:
             eff = (rng.uniform(0.5, 2.0, nb) * np.exp2(rng.integers(-40, 40, nb))).astype(np.float32)
-            absmax_in, nest = _t(eff), None
+            absmax_in, nest = to_cuda(eff), None
         ref = bnb.dequantize_4bit(packed, eff, n, bs, qt, FLOAT_DTYPES[dtype])
         tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-        out = _empty(n, tdt, ooff)
-        be.dequantize_4bit(_t(packed, poff), absmax_in, out, blocksize=bs, quant_type=qt, nested=nest)
+        out = filled(n, tdt, ooff)
+        be.dequantize_4bit(to_cuda(packed, poff), absmax_in, out, blocksize=bs, quant_type=qt, nested=nest)
         torch.cuda.synchronize()
-        assert _same(_n(out), ref), (bs, n, poff, ooff)
+        assert same_bits(to_host(out), ref), (bs, n, poff, ooff)

@@ -23,11 +23,11 @@ import pytest
 import quantcore as qc
 from quantcore.formats import bnb
 
-from .conftest import FLOAT_DTYPES, bits
+from .conftest import FLOAT_DTYPES, bits, same_bits
+from .cuda_arrays import CUDA, filled, needs_cuda, to_cuda, to_host
 
-_avail = qc.available_backends()["cuda"]
-pytestmark = pytest.mark.skipif(not _avail, reason=f"cuda backend unavailable: {_avail.reason}")
-torch = pytest.importorskip("torch") if _avail else None
+pytestmark = needs_cuda
+torch = pytest.importorskip("torch") if CUDA else None
 
 TUNE = "QUANTCORE_CUDA_TUNE"
 
@@ -50,47 +50,17 @@ def dq_version(request, monkeypatch):
     return request.param
 
 
-def _t(a: np.ndarray, offset: int = 0):
-    """numpy -> torch CUDA tensor starting ``offset`` elements into a larger buffer."""
-    flat = np.ascontiguousarray(a).reshape(-1)
-    view = {1: np.uint8, 2: np.int16, 4: np.int32}[flat.dtype.itemsize]
-    tdt = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
-           np.dtype(np.uint8): torch.uint8}.get(flat.dtype, torch.bfloat16)
-    buf = torch.empty(flat.size + offset, dtype=tdt, device="cuda")
-    buf[offset:].view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[flat.dtype.itemsize]).copy_(
-        torch.from_numpy(flat.view(view).copy()).cuda())
-    return buf[offset:]
-
-
-def _n(t) -> np.ndarray:
-    return qc.get_backend("cuda").to_numpy(t)
-
-
-def _empty(n: int, dtype, offset: int = 0):
-    tdt = {np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.float32}[np.dtype(dtype)]
-    return torch.full((n + offset,), 0x5A if tdt == torch.uint8 else float("nan"), dtype=tdt,
-                      device="cuda")[offset:]
-
-
-def _same(got: np.ndarray, ref: np.ndarray) -> bool:
-    """Bit-equal, except that a NaN reference needs a NaN of any payload (the GPU's canonical NaN
-    is not numpy's)."""
-    got, ref = np.asarray(got, np.float32).reshape(-1), np.asarray(ref, np.float32).reshape(-1)
-    rnan, gnan = np.isnan(ref), np.isnan(got)
-    return bool(np.array_equal(rnan, gnan) and np.array_equal(bits(got)[~rnan], bits(ref)[~rnan]))
-
-
 def _check_dq(be, absmax: np.ndarray, a_off: int = 0, q_off: int = 0) -> None:
     nb = absmax.size
-    q, a2, off = _empty(nb, np.uint8, q_off), _empty(bnb.nblocks(nb, 256), np.float32), _empty(1, np.float32)
-    be.double_quantize(_t(absmax, a_off), q, a2, off)
+    q, a2, off = filled(nb, np.uint8, q_off), filled(bnb.nblocks(nb, 256), np.float32), filled(1, np.float32)
+    be.double_quantize(to_cuda(absmax, a_off), q, a2, off)
     torch.cuda.synchronize()
     rq, ra2, roff = bnb.double_quantize(absmax)
-    assert _same(_n(off), np.array([roff], np.float32)), (nb, _n(off), roff)
-    got = _n(q)
+    assert same_bits(to_host(off), np.array([roff], np.float32)), (nb, to_host(off), roff)
+    got = to_host(q)
     bad = np.flatnonzero(got != rq)
     assert bad.size == 0, (nb, bad[:10], got[bad[:10]], rq[bad[:10]])
-    assert _same(_n(a2), ra2), nb
+    assert same_bits(to_host(a2), ra2), nb
 
 
 @pytest.mark.parametrize("nb", [8192, 8193, 3 * 8192 + 1, 100_003, 1 << 22, (1 << 22) + 5])
@@ -151,14 +121,14 @@ def test_blockwise_rounding_every_cell_edge(be, rng, version):
     body[: vals.size] = vals
     x = np.concatenate([np.ones((blocks, 1), np.float32), body.reshape(blocks, 63)], axis=1).reshape(-1)
     for bs in (64, 256):
-        codes, absmax = _empty(x.size, np.uint8), _empty(bnb.nblocks(x.size, bs), np.float32)
-        thr = _t(bnb.DYNAMIC_THRESHOLDS.astype(np.float32))
-        be.quantize_blockwise(_t(x), thr, codes, absmax, blocksize=bs)
+        codes, absmax = filled(x.size, np.uint8), filled(bnb.nblocks(x.size, bs), np.float32)
+        thr = to_cuda(bnb.DYNAMIC_THRESHOLDS.astype(np.float32))
+        be.quantize_blockwise(to_cuda(x), thr, codes, absmax, blocksize=bs)
         rc, ra = bnb.quantize_blockwise(x, bs)
-        got = _n(codes)
+        got = to_host(codes)
         bad = np.flatnonzero(got != rc)
         assert bad.size == 0, (bs, x[bad[:8]], got[bad[:8]], rc[bad[:8]])
-        assert np.array_equal(bits(_n(absmax)), bits(ra))
+        assert np.array_equal(bits(to_host(absmax)), bits(ra))
 
 
 @pytest.mark.parametrize("dtype", list(FLOAT_DTYPES))
@@ -169,23 +139,23 @@ def test_blockwise_dtypes_blocksizes(be, rng, version, dtype):
         x[rng.integers(0, n, 5)] = 0
         x[3] = np.nan
         for off in (0, 1):
-            codes, absmax = _empty(n, np.uint8, off), _empty(bnb.nblocks(n, bs), np.float32)
-            be.quantize_blockwise(_t(x, off), _t(bnb.DYNAMIC_THRESHOLDS.astype(np.float32)), codes, absmax,
+            codes, absmax = filled(n, np.uint8, off), filled(bnb.nblocks(n, bs), np.float32)
+            be.quantize_blockwise(to_cuda(x, off), to_cuda(bnb.DYNAMIC_THRESHOLDS.astype(np.float32)), codes, absmax,
                                   blocksize=bs)
             rc, ra = bnb.quantize_blockwise(x, bs)
-            assert np.array_equal(_n(codes), rc), (bs, off)
-            assert np.array_equal(bits(_n(absmax)), bits(ra)), (bs, off)
+            assert np.array_equal(to_host(codes), rc), (bs, off)
+            assert np.array_equal(bits(to_host(absmax)), bits(ra)), (bs, off)
 
 
 def test_blockwise_large_persistent(be, rng, version):
     """More elements than the persistent grid covers in one pass (several chunks per thread)."""
     n = (1 << 23) + 1000
     x = rng.standard_normal(n).astype(np.float32)
-    codes, absmax = _empty(n, np.uint8), _empty(bnb.nblocks(n, 256), np.float32)
-    be.quantize_blockwise(_t(x), _t(bnb.DYNAMIC_THRESHOLDS.astype(np.float32)), codes, absmax, blocksize=256)
+    codes, absmax = filled(n, np.uint8), filled(bnb.nblocks(n, 256), np.float32)
+    be.quantize_blockwise(to_cuda(x), to_cuda(bnb.DYNAMIC_THRESHOLDS.astype(np.float32)), codes, absmax, blocksize=256)
     rc, ra = bnb.quantize_blockwise(x, 256)
-    assert np.array_equal(_n(codes), rc)
-    assert np.array_equal(bits(_n(absmax)), bits(ra))
+    assert np.array_equal(to_host(codes), rc)
+    assert np.array_equal(bits(to_host(absmax)), bits(ra))
 
 
 @pytest.mark.parametrize("kind", ["dense", "uniform"])
@@ -200,25 +170,25 @@ def test_blockwise_other_thresholds(be, rng, version, kind):
     n = 64 * 500
     x = (rng.standard_normal(n) * (1e-3 if kind == "dense" else 1.0)).astype(np.float32)
     x[::64] = 1.0 if kind == "uniform" else 1e-3
-    codes, absmax = _empty(n, np.uint8), _empty(bnb.nblocks(n, 64), np.float32)
-    be.quantize_blockwise(_t(x), _t(thr), codes, absmax, blocksize=64)
+    codes, absmax = filled(n, np.uint8), filled(bnb.nblocks(n, 64), np.float32)
+    be.quantize_blockwise(to_cuda(x), to_cuda(thr), codes, absmax, blocksize=64)
     rc, ra = bnb.quantize_blockwise(x, 64, thr)
-    assert np.array_equal(_n(codes), rc)
-    assert np.array_equal(bits(_n(absmax)), bits(ra))
+    assert np.array_equal(to_host(codes), rc)
+    assert np.array_equal(bits(to_host(absmax)), bits(ra))
 
 
 def test_double_quantize_repeated_same_buffers(be, rng, dq_version):
     """The same outputs twice (the counter lives in them), then other values into the same buffers."""
     nb = 5 * 8192 + 3
-    q, a2, off = _empty(nb, np.uint8), _empty(bnb.nblocks(nb, 256), np.float32), _empty(1, np.float32)
+    q, a2, off = filled(nb, np.uint8), filled(bnb.nblocks(nb, 256), np.float32), filled(1, np.float32)
     for scale in (1.0, 1.0, 3.0):
         absmax = (np.exp2(rng.uniform(-4, 2, nb)) * scale).astype(np.float32)
-        be.double_quantize(_t(absmax), q, a2, off)
+        be.double_quantize(to_cuda(absmax), q, a2, off)
         torch.cuda.synchronize()
         rq, ra2, roff = bnb.double_quantize(absmax)
-        assert _same(_n(off), np.array([roff], np.float32))
-        assert np.array_equal(_n(q), rq)
-        assert _same(_n(a2), ra2)
+        assert same_bits(to_host(off), np.array([roff], np.float32))
+        assert np.array_equal(to_host(q), rq)
+        assert same_bits(to_host(a2), ra2)
 
 
 def test_blockwise_thresholds_one_ulp_off(be, rng, version):
@@ -233,8 +203,8 @@ def test_blockwise_thresholds_one_ulp_off(be, rng, version):
     x[1:64 * 50:64] = bnb.DYNAMIC_THRESHOLDS[j]  # between the old and the new threshold
     x[2:64 * 50:64] = thr[j]
     for bs in (64, 4096):
-        codes, absmax = _empty(n, np.uint8), _empty(bnb.nblocks(n, bs), np.float32)
-        be.quantize_blockwise(_t(x), _t(thr), codes, absmax, blocksize=bs)
+        codes, absmax = filled(n, np.uint8), filled(bnb.nblocks(n, bs), np.float32)
+        be.quantize_blockwise(to_cuda(x), to_cuda(thr), codes, absmax, blocksize=bs)
         rc, ra = bnb.quantize_blockwise(x, bs, thr)
-        assert np.array_equal(_n(codes), rc), bs
-        assert np.array_equal(bits(_n(absmax)), bits(ra)), bs
+        assert np.array_equal(to_host(codes), rc), bs
+        assert np.array_equal(bits(to_host(absmax)), bits(ra)), bs

@@ -31,6 +31,8 @@ import quantcore as qc
 from quantcore import api
 from quantcore.errors import KernelError, QuantcoreError
 
+from .cuda_arrays import needs_cuda
+
 
 # -- CPU: the plan slot on QuantState ------------------------------------------------------------------
 def _np_state(rng, n=32, k=128, nested=True):
@@ -306,8 +308,7 @@ def test_tune_spec_follows_the_environment(monkeypatch):
 
 
 # -- GPU ---------------------------------------------------------------------------------------------------
-_avail = qc.available_backends()["cuda"]
-gpu = pytest.mark.skipif(not _avail, reason=f"cuda backend unavailable: {_avail.reason}")
+gpu = needs_cuda
 
 
 @pytest.fixture

@@ -25,11 +25,11 @@ import pytest
 import quantcore as qc
 from quantcore.formats import bnb
 
-from .conftest import FLOAT_DTYPES, bits
+from .conftest import FLOAT_DTYPES, same_bits
+from .cuda_arrays import CUDA, filled, needs_cuda, to_cuda, to_host
 
-_avail = qc.available_backends()["cuda"]
-pytestmark = pytest.mark.skipif(not _avail, reason=f"cuda backend unavailable: {_avail.reason}")
-torch = pytest.importorskip("torch") if _avail else None
+pytestmark = needs_cuda
+torch = pytest.importorskip("torch") if CUDA else None
 
 TUNE = "QUANTCORE_CUDA_TUNE"
 
@@ -62,54 +62,33 @@ def taken(monkeypatch):
     return got
 
 
-def _gpu(x: np.ndarray, offset: int = 0):
-    """numpy (fp32 / fp16 / bf16) -> torch CUDA tensor starting ``offset`` elements into a buffer."""
-    flat = np.ascontiguousarray(x).reshape(-1)
-    name = next(k for k, v in FLOAT_DTYPES.items() if v == flat.dtype)
-    tdt = getattr(torch, name)
-    buf = torch.empty(flat.size + offset, dtype=tdt, device="cuda")
-    iv = {4: torch.int32, 2: torch.int16}[flat.dtype.itemsize]
-    nv = {4: np.int32, 2: np.int16}[flat.dtype.itemsize]
-    buf[offset:].view(iv).copy_(torch.from_numpy(flat.view(nv).copy()).cuda())
-    return buf[offset:]
-
-
 def _outs(n: int, bs: int, q_off: int = 0):
     nb = bnb.nblocks(n, bs)
-    packed = torch.full(((n + 1) // 2, 1), 0x5A, dtype=torch.uint8, device="cuda")
-    q = torch.full((nb + q_off,), 0x5A, dtype=torch.uint8, device="cuda")[q_off:]
-    a2 = torch.full((bnb.nblocks(nb, 256),), float("nan"), dtype=torch.float32, device="cuda")
-    off = torch.full((1,), float("nan"), dtype=torch.float32, device="cuda")
-    return packed, q, a2, off
-
-
-def _np(t) -> np.ndarray:
-    return qc.get_backend("cuda").to_numpy(t)
-
-
-def _same(got: np.ndarray, ref: np.ndarray) -> bool:
-    """Bit-equal, except that a NaN reference needs a NaN of any payload."""
-    got, ref = np.asarray(got, np.float32).reshape(-1), np.asarray(ref, np.float32).reshape(-1)
-    rnan, gnan = np.isnan(ref), np.isnan(got)
-    return bool(np.array_equal(rnan, gnan) and np.array_equal(bits(got)[~rnan], bits(ref)[~rnan]))
+    packed = filled((n + 1) // 2, np.uint8).view(-1, 1)
+    return packed, filled(nb, np.uint8, q_off), filled(bnb.nblocks(nb, bnb.NESTED_BLOCKSIZE), np.float32), \
+        filled(1, np.float32)
 
 
 def _run(be, xt, n, bs, qt, q_off=0):
     outs = _outs(n, bs, q_off)
     be.quantize_4bit_nested(xt, *outs, blocksize=bs, quant_type=qt)
     torch.cuda.synchronize()
-    return [_np(o) for o in outs]
+    return [to_host(o) for o in outs]
 
 
 def _check_ref(be, x: np.ndarray, bs: int, qt: str, x_off: int = 0, q_off: int = 0) -> None:
-    got = _run(be, _gpu(x, x_off), x.size, bs, qt, q_off)
+    _expect(_run(be, to_cuda(x, x_off), x.size, bs, qt, q_off), x, bs, qt)
+
+
+def _expect(got: list, x: np.ndarray, bs: int, qt: str) -> None:
+    """The four outputs (host copies) against the reference: quantize_4bit, then double_quantize."""
     packed, absmax = bnb.quantize_4bit(x, bs, qt)
     q, a2, off = bnb.double_quantize(absmax)
     assert np.array_equal(got[0], packed), "packed"
     bad = np.flatnonzero(got[1] != q)
     assert bad.size == 0, ("qabsmax", bad[:10], got[1][bad[:10]], q[bad[:10]])
-    assert _same(got[2], a2), "absmax2"
-    assert _same(got[3], np.array([off], np.float32)), ("offset", got[3], off)
+    assert same_bits(got[2], a2), "absmax2"
+    assert same_bits(got[3], np.array([off], np.float32)), ("offset", got[3], off)
 
 
 def _check_two_ops(be, xt, n: int, bs: int, qt: str, monkeypatch) -> None:
@@ -119,7 +98,7 @@ def _check_two_ops(be, xt, n: int, bs: int, qt: str, monkeypatch) -> None:
     monkeypatch.setenv(TUNE, "q4_nested=1")
     assert np.array_equal(fused[0], plain[0]), "packed"
     assert np.array_equal(fused[1], plain[1]), "qabsmax"
-    assert _same(fused[2], plain[2]) and _same(fused[3], plain[3]), "absmax2 / offset"
+    assert same_bits(fused[2], plain[2]) and same_bits(fused[3], plain[3]), "absmax2 / offset"
 
 
 def _normal(rng, n: int, bs: int, dtype: str) -> np.ndarray:
@@ -189,20 +168,16 @@ def test_fused_repeated_same_buffers(be, rng, taken):
     outs = _outs(n, bs)
     for scale in (1.0, 1.0, 5.0):
         x = (_normal(rng, n, bs, "float16").astype(np.float32) * scale).astype(np.float16)
-        be.quantize_4bit_nested(_gpu(x), *outs, blocksize=bs, quant_type="nf4")
+        be.quantize_4bit_nested(to_cuda(x), *outs, blocksize=bs, quant_type="nf4")
         torch.cuda.synchronize()
-        packed, absmax = bnb.quantize_4bit(x, bs, "nf4")
-        q, a2, off = bnb.double_quantize(absmax)
-        assert np.array_equal(_np(outs[0]), packed)
-        assert np.array_equal(_np(outs[1]), q)
-        assert _same(_np(outs[2]), a2) and _same(_np(outs[3]), np.array([off], np.float32))
+        _expect([to_host(o) for o in outs], x, bs, "nf4")
     assert taken == [True] * 3
 
 
 def test_fused_in_a_cuda_graph(be, rng, taken):
     """Captured once (the barrier word's memset and the cooperative launch), replayed on new data."""
     bs, n = 64, 4096 * 64 + 3
-    src = _gpu(_normal(rng, n, bs, "bfloat16"))
+    src = to_cuda(_normal(rng, n, bs, "bfloat16"))
     outs = _outs(n, bs)
     be.quantize_4bit_nested(src, *outs, blocksize=bs, quant_type="nf4")  # warm-up outside the capture
     torch.cuda.synchronize()
@@ -211,14 +186,10 @@ def test_fused_in_a_cuda_graph(be, rng, taken):
         be.quantize_4bit_nested(src, *outs, blocksize=bs, quant_type="nf4")
     for _ in range(2):
         x = _normal(rng, n, bs, "bfloat16")
-        src.copy_(_gpu(x))
+        src.copy_(to_cuda(x))
         g.replay()
         torch.cuda.synchronize()
-        packed, absmax = bnb.quantize_4bit(x, bs, "nf4")
-        q, a2, off = bnb.double_quantize(absmax)
-        assert np.array_equal(_np(outs[0]), packed)
-        assert np.array_equal(_np(outs[1]), q)
-        assert _same(_np(outs[2]), a2) and _same(_np(outs[3]), np.array([off], np.float32))
+        _expect([to_host(o) for o in outs], x, bs, "nf4")
     assert taken[:2] == [True, True]
 
 

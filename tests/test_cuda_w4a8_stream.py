@@ -26,10 +26,10 @@ import quantcore as qc
 from quantcore.formats import ggml
 
 from .conftest import FLOAT_DTYPES, bits
+from .cuda_arrays import CUDA, needs_cuda
 from .test_cuda import _gemm_check, _n, _randn, _t
 
 TUNE = "QUANTCORE_CUDA_TUNE"
-_avail = qc.available_backends()["cuda"]
 
 
 def test_both_ring_fillers_are_instantiated():
@@ -41,8 +41,8 @@ def test_both_ring_fillers_are_instantiated():
                     assert f"qc::gemm_w4a8_stream_kernel<{tag}, {nb}, {cl}, {ld}>" in insts
 
 
-gpu = pytest.mark.skipif(not _avail, reason=f"cuda backend unavailable: {_avail.reason}")
-torch = pytest.importorskip("torch") if _avail else None
+gpu = needs_cuda
+torch = pytest.importorskip("torch") if CUDA else None
 
 
 @pytest.fixture(scope="module")
