@@ -1,12 +1,7 @@
 #!/bin/bash
 # One call on the GPU machine: build the MX modules with NVRTC (SASS summary), run the GPU tests,
 # then the benchmark. Logs under $OUT (or /tmp/cuda_mx_out). Usage: bash tools/cuda_mx_device.sh [pytest -k expr]
-set -o pipefail
-export PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-OUT="${OUT:-/tmp/cuda_mx_out}"
-mkdir -p "$OUT"
-export QUANTCORE_CACHE_DIR=/tmp/qc-cache
+. tools/dev/env.sh /tmp/cuda_mx_out  # OUT, PYTHONPATH, the kernel cache
 nvidia-smi -L
 python3 - <<'PY' 2>&1 | tee "$OUT/build.log"
 import os, re, shutil, subprocess, time

@@ -4,12 +4,7 @@
 # 8192^3 (and 4096^3, 16384 x 8192 x 8192) against torch bf16 matmul in the same process, the
 # ws experiments (no A / no B dequantization), the GPU tests and the conformance cases.
 # Logs under $OUT (or /tmp/mxgemm_out). Usage: bash tools/dev/mxgemm_device.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-OUT="${OUT:-/tmp/mxgemm_out}"
-mkdir -p "$OUT"
-export QUANTCORE_CACHE_DIR=/tmp/qc-cache
+. tools/dev/env.sh /tmp/mxgemm_out  # OUT, PYTHONPATH, the kernel cache
 nvidia-smi -L
 T0=$(date +%s)
 for arch in sm_90a sm_90; do

@@ -3,12 +3,7 @@
 # and the per-SASS-instruction stall samples (source page), to see where the warps of the
 # dequantizing wgmma kernel wait. Usage: [MODE=ws KERNEL=qc_mx_gemm_ws_nvfp4_cp16 VARIANT=_nodq] bash
 # tools/dev/mxgemm_ncu.sh   (logs under $OUT)
-set -o pipefail
-export PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-OUT="${OUT:-/tmp/mxgemm_ncu}"
-mkdir -p "$OUT"
-export QUANTCORE_CACHE_DIR=/tmp/qc-cache
+. tools/dev/env.sh /tmp/mxgemm_ncu  # OUT, PYTHONPATH, the kernel cache
 KERNEL="${KERNEL:-qc_mx_gemm_wgmma_nvfp4_cp16}"
 VARIANT="${VARIANT:-}"
 MODE="${MODE:-wgmma}"
