@@ -49,8 +49,9 @@ struct GvGeo {
 // Byte J of word w looked up in the lane's copy of the pair table: lutx is the table's shared
 // address (a multiple of 64 KiB) plus lane * 4, so one byte_perm forms the whole address
 // (table + byte * 256 + lane * 4) and one 32-bit shared load reads the T pair.
-template <int J>
+template <int J, int DBG = 0>
 __device__ __forceinline__ u32 gv_pair(u32 w, u32 lutx) {
+    if (DBG == 1) return __byte_perm(w, lutx, 0x7604u | (J << 4));  // timing only: no table load
     u32 r;
     asm("ld.shared.b32 %0, [%1];" : "=r"(r) : "r"(__byte_perm(w, lutx, 0x7604u | (J << 4))));
     return r;
@@ -63,7 +64,10 @@ __device__ __forceinline__ float gv_select(bool p, float a, float b) {
     return r;
 }
 
-template <typename T, int QT, bool NESTED, int V>
+// DBG (timing experiments only, never launched by the backend; tools/dev/gemv_time.py): 1 decodes
+// without the table load (the byte_perm's result is the pair), 2 issues no copies (the slots keep
+// what they hold), 3 runs no mma groups (the copies, the scales and the bookkeeping only).
+template <typename T, int QT, bool NESTED, int V, int DBG = 0>
 __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
     const u16* __restrict__ a, const u8* __restrict__ packed, const void* __restrict__ absmax,
     const float* __restrict__ absmax2, const float* __restrict__ code2, const float* __restrict__ offset,
@@ -143,13 +147,19 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
     int inrows = nrows_of(0);
     auto issue_next = [&](int i) {
         const u32 dst = wring + (i % S) * G::kSlot + crow * G::kPitch + ccol * 16;
-        const bool col_ok = ccol * 16 < min(nsl - ji * SPS, SPS) * (4 * V);
         const u8* src = irow + ji * (SPS * 4 * V);
+        if (inrows == 16 && nsl - ji * SPS >= SPS) {  // a whole stage of a whole tile: no bounds
 #pragma unroll
-        for (int m = 0; m < 8; ++m) {  // branch-free: a chunk that does not exist is zero-filled
-            const bool ok = col_ok && 2 * m + crow < inrows;
-            cp_async16(dst + 2 * m * G::kPitch, ok ? src : packed, ok ? 16u : 0u);
-            src += 2 * row_bytes;
+            for (int m = 0; m < 8; ++m)
+                if (DBG != 2) cp_async16(dst + 2 * m * G::kPitch, src + m * (2 * row_bytes), 16u);
+        } else {
+            const bool col_ok = ccol * 16 < min(nsl - ji * SPS, SPS) * (4 * V);
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {  // branch-free: a chunk that does not exist is zero-filled
+                const bool ok = col_ok && 2 * m + crow < inrows;
+                if (DBG != 2) cp_async16(dst + 2 * m * G::kPitch, ok ? src : packed, ok ? 16u : 0u);
+                src += 2 * row_bytes;
+            }
         }
         if (++ji == nst) {
             ji = 0;
@@ -159,27 +169,36 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
         }
     };
 
-    // raw scale data of unit (q, j): for scale round gi, super-piece 4 gi + c of the stage, rows g, g+8
-    // (nested: the code byte | the second-level index << 8; the launcher keeps blocks < 2^32)
+    // raw scale data of unit (q, j), loaded one unit ahead and first read when the unit starts:
+    // for scale round gi, super-piece 4 gi + c of the stage, rows g and g + 8 (nested: the code
+    // byte and its block's second-level absmax, both loads issued here)
     struct Raw {
         u32 q[G::kRounds][2];
+        float a2[NESTED ? G::kRounds : 1][2];
     };
-    // first element of the slice in rows g and g + 8 of the tile, for the next unit's group
-    i64 erow[2];
+    // first super-piece of the slice in rows g and g + 8 of the tile (counted over the whole
+    // matrix: a block is 2^bsh super-pieces, and the launcher keeps N K / (8 V) < 2^32), for the
+    // next unit's group
+    const int bsh = log2bs - (V == 8 ? 6 : 5);
+    u32 esp[2];
     auto set_erow = [&](int q) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) erow[r] = tile_row(q, g + 8 * r) * K + sp_begin * (8 * V);
+        for (int r = 0; r < 2; ++r) esp[r] = (u32)tile_row(q, g + 8 * r) * (u32)(K / (8 * V)) + (u32)sp_begin;
     };
     auto load_raw = [&](Raw& rw, int j) {
         const int last = min(nsl - j * SPS, SPS) - 1;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const i64 e0 = erow[r] + j * (SPS * 8 * V);
+            const u32 e0 = esp[r] + j * SPS;
 #pragma unroll
             for (int gi = 0; gi < G::kRounds; ++gi) {
-                const i64 blk = (e0 + min(kGvSc * gi + c, last) * (8 * V)) >> log2bs;
-                rw.q[gi][r] = NESTED ? ldg_u8(reinterpret_cast<const u8*>(absmax) + blk) | ((u32)(blk >> kNestLog2) << 8)
-                                     : ldg_u32(reinterpret_cast<const float*>(absmax) + blk);
+                const u32 blk = (e0 + min(kGvSc * gi + c, last)) >> bsh;
+                if constexpr (NESTED) {
+                    rw.q[gi][r] = ldg_u8(reinterpret_cast<const u8*>(absmax) + blk);
+                    rw.a2[gi][r] = ldg_f32(absmax2 + (blk >> kNestLog2));
+                } else {
+                    rw.q[gi][r] = ldg_u32(reinterpret_cast<const float*>(absmax) + blk);
+                }
             }
         }
     };
@@ -229,8 +248,7 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
         for (int gi = 0; gi < G::kRounds; ++gi)
 #pragma unroll
             for (int r = 0; r < 2; ++r)
-                sc[gi][r] = NESTED ? __fadd_rn(__fmul_rn(c2[raw.q[gi][r] & 255u], ldg_f32(absmax2 + (raw.q[gi][r] >> 8))), off)
-                                   : __uint_as_float(raw.q[gi][r]);
+                sc[gi][r] = NESTED ? __fadd_rn(__fmul_rn(c2[raw.q[gi][r]], raw.a2[gi][r]), off) : __uint_as_float(raw.q[gi][r]);
         if (i + 1 < nunits) {
             if (qn != q) set_erow(qn);
             load_raw(raw, jn);
@@ -267,15 +285,15 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
                         const u32 q0 = w[u][0][jj >> 1], q1 = w[u][1][jj >> 1];
                         u32 af[4];
                         if (jj & 1) {
-                            af[0] = gv_pair<2>(q0, lutx);
-                            af[1] = gv_pair<2>(q1, lutx);
-                            af[2] = gv_pair<3>(q0, lutx);
-                            af[3] = gv_pair<3>(q1, lutx);
+                            af[0] = gv_pair<2, DBG>(q0, lutx);
+                            af[1] = gv_pair<2, DBG>(q1, lutx);
+                            af[2] = gv_pair<3, DBG>(q0, lutx);
+                            af[3] = gv_pair<3, DBG>(q1, lutx);
                         } else {
-                            af[0] = gv_pair<0>(q0, lutx);
-                            af[1] = gv_pair<0>(q1, lutx);
-                            af[2] = gv_pair<1>(q0, lutx);
-                            af[3] = gv_pair<1>(q1, lutx);
+                            af[0] = gv_pair<0, DBG>(q0, lutx);
+                            af[1] = gv_pair<0, DBG>(q1, lutx);
+                            af[2] = gv_pair<1, DBG>(q0, lutx);
+                            af[3] = gv_pair<1, DBG>(q1, lutx);
                         }
                         mma_16816<T>(d[u], af, x[u][2 * jj], x[u][2 * jj + 1]);
                     }
@@ -303,7 +321,8 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
         };
         // groups not unrolled: unrolled, the compiler hoists later groups' loads past the 128
         // registers that 16 warps leave
-        if (nspc == SPS) {
+        if (DBG == 3) {
+        } else if (nspc == SPS) {
 #pragma unroll 1
             for (int gi = 0; gi < G::kGroups; ++gi) run_group(gi, kGvU, true);
         } else {

@@ -502,3 +502,49 @@ def test_more_than_2_31_elements(be, rng):
         assert np.array_equal(bits(got), bits(ref)), start
     del out, packed
     torch.cuda.empty_cache()
+
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("bs,nested", [(64, True), (256, False), (32, True)])
+def test_gemv_4bit_more_than_2_31_elements(be, rng, bs, nested):
+    """gemv_4bit over a [2^17 + 64, 16384] weight (2^31 + 2^20 elements, 1 GiB packed): the rows
+    on both sides of element 2^31 against the reference of those rows (64-bit and block indexing,
+    the nested second-level index past 2^23)."""
+    n, k, batch = (1 << 17) + 64, 16384, 2
+    free, _ = torch.cuda.mem_get_info()
+    if free < 3 * (1 << 30):
+        pytest.skip(f"needs 3 GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+    nb = n * k // bs
+    packed = torch.randint(0, 256, (n * k // 2, 1), dtype=torch.uint8, device="cuda")
+    if nested:
+        qab = torch.randint(0, 256, (nb,), dtype=torch.uint8, device="cuda")
+        ab2 = torch.rand((bnb.nblocks(nb, bnb.NESTED_BLOCKSIZE),), dtype=torch.float32, device="cuda") + 0.5
+        off = torch.tensor([0.25], dtype=torch.float32, device="cuda")
+        nest = qc.Nested(absmax2=ab2, code2=_t(bnb.DYNAMIC_MAP), offset=off)
+        absmax = qab
+    else:
+        absmax = torch.rand((nb,), dtype=torch.float32, device="cuda") + 0.5
+        nest = None
+    a = _randn(rng, (batch, k), "bfloat16")
+    out = torch.empty((batch, n), dtype=torch.bfloat16, device="cuda")
+    be.gemv_4bit(_t(a), packed, absmax, out, n=n, k=k, blocksize=bs, quant_type="nf4", nested=nest)
+    got = _n(out).astype(np.float64)
+    rows = np.r_[0:16, (1 << 17) - 48:n]  # row 2^17 starts at element 2^31
+    per_row = k // bs
+    for r0 in (rows[:16], rows[16:]):
+        p = packed[r0[0] * k // 2: (r0[-1] + 1) * k // 2].cpu().numpy().reshape(-1)
+        blocks = slice(r0[0] * per_row, (r0[-1] + 1) * per_row)
+        if nested:
+            q = qab[blocks].cpu().numpy()
+            a2 = ab2.cpu().numpy()[np.arange(blocks.start, blocks.stop) // bnb.NESTED_BLOCKSIZE]
+            scale = (bnb.DYNAMIC_MAP[q] * a2).astype(np.float32) + np.float32(0.25)
+        else:
+            scale = absmax[blocks].cpu().numpy()
+        w = bnb.NF4_CODE[bnb.unpack_4bit_bnb(p, p.size * 2)].astype(np.float32).reshape(-1, bs)
+        w_eff = (w * scale.astype(np.float32)[:, None]).reshape(len(r0), k)
+        ref, bound = bounds.gemv_4bit(a.astype(np.float64), w_eff, "bfloat16")
+        err = np.abs(got[:, r0] - ref)
+        assert (err <= bound.max_abs).all(), (bs, nested, int(r0[0]), float((err / bound.max_abs).max()))
+    del packed, absmax, out
+    torch.cuda.empty_cache()

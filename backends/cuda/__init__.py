@@ -734,9 +734,9 @@ def _gemv_launch(device, a, packed, absmax, out, *, rows, n, k, blocksize, quant
     # row length only allows 32
     v = 8 if blocksize >= 64 and k % 64 == 0 else 4
     kernel = rt.tune("gemv_kernel", 0)  # 0: the best that applies, 1: the register-fed mma kernel
-    # the streaming kernel packs a nested block's second-level index in 24 bits: n k / bs < 2^32
+    # the streaming kernel counts super-pieces (8 v elements) over the matrix in 32 bits
     if (kernel == 0 and dt != "float32" and k % (8 * v) == 0 and aligned(a, 16) and aligned(packed, 16)
-            and (n * k) >> _log2(blocksize) < 1 << 32 and rt.device_arch(device) >= 90):
+            and (n * k) // (8 * v) < 1 << 32 and rt.device_arch(device) >= 90):
         nsp, sps = k // (8 * v), _GV_KC // (8 * v)
         ntiles = _cdiv(n, 16)
         ksplit = rt.tune("gemv_ksplit", 0) or _gemv_stream_ksplit(ntiles, nsp, sps, sms)
