@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import torch
 from quantcore.backends import cuda
+
 from quantcore.backend import Nested
 from quantcore.formats import bnb
 
@@ -45,27 +46,36 @@ def weight_sets(n: int, k: int, g: torch.Generator) -> list[tuple]:
     return sets
 
 
+def time_shape(be, n: int, k: int, b: int, g: torch.Generator, variants: list[int]) -> str:
+    """One line: torch's bf16 linear and each variant of the streaming kernel at [b, k] x [n, k]^T."""
+    real = cuda._gemv_stream
+    sets = weight_sets(n, k, g)
+    a = torch.randn(b, k, dtype=torch.bfloat16, device="cuda", generator=g)
+    out = torch.empty(b, n, dtype=torch.bfloat16, device="cuda")
+    wb = torch.randn(n, k, dtype=torch.bfloat16, device="cuda", generator=g)
+    line = [f"B{b} {n}x{k}: torch bf16 {med(lambda i: torch.nn.functional.linear(a, wb)):7.1f} us"]
+
+    def call(i: int) -> None:
+        packed, qabs, nest = sets[i % len(sets)]
+        be.gemv_4bit(a, packed, qabs, out, n=n, k=k, blocksize=64, quant_type="nf4", nested=nest)
+
+    try:
+        for dbg in variants:
+            cuda._gemv_stream = lambda tag, qt, nested, v, dbg=dbg: real(tag, qt, nested, v)[:-1] + f", {dbg}>"
+            t = med(call)
+            line.append(f"DBG{dbg} {t:7.1f} us ({n * k / 2 / t / 1e3:6.0f} GB/s packed)")
+    finally:
+        cuda._gemv_stream = real
+    return " | ".join(line)
+
+
 def main() -> None:
     variants = [int(v) for v in (sys.argv[1] if len(sys.argv) > 1 else "0,1,2,3").split(",")]
     be = cuda.create()
-    real = cuda._gemv_stream
     g = torch.Generator(device="cuda")
     g.manual_seed(0)
     for n, k, b in SHAPES:
-        sets = weight_sets(n, k, g)
-        a = torch.randn(b, k, dtype=torch.bfloat16, device="cuda", generator=g)
-        out = torch.empty(b, n, dtype=torch.bfloat16, device="cuda")
-        wb = torch.randn(n, k, dtype=torch.bfloat16, device="cuda", generator=g)
-        tt = med(lambda i: torch.nn.functional.linear(a, wb))
-        del wb
-        line = [f"B{b} {n}x{k}: torch bf16 {tt:7.1f} us"]
-        for dbg in variants:
-            cuda._gemv_stream = (lambda tag, qt, nested, v, dbg=dbg: real(tag, qt, nested, v)[:-1] + f", {dbg}>")
-            t = med(lambda i: be.gemv_4bit(a, sets[i % len(sets)][0], sets[i % len(sets)][1], out, n=n, k=k,
-                                           blocksize=64, quant_type="nf4", nested=sets[i % len(sets)][2]))
-            line.append(f"DBG{dbg} {t:7.1f} us ({n * k / 2 / t / 1e3:6.0f} GB/s packed)")
-        cuda._gemv_stream = real
-        print(" | ".join(line), flush=True)
+        print(time_shape(be, n, k, b, g, variants), flush=True)
 
 
 if __name__ == "__main__":
