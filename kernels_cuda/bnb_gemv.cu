@@ -66,7 +66,8 @@ __device__ __forceinline__ float gv_select(bool p, float a, float b) {
 
 // DBG (timing experiments only, never launched by the backend; tools/dev/gemv_time.py): 1 decodes
 // without the table load (the byte_perm's result is the pair), 2 issues no copies (the slots keep
-// what they hold), 3 runs no mma groups (the copies, the scales and the bookkeeping only).
+// what they hold), 3 runs no mma groups (the copies, the scales and the bookkeeping only), 4 runs
+// no mma (an XOR and an add per mma instead).
 template <typename T, int QT, bool NESTED, int V, int DBG = 0>
 __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
     const u16* __restrict__ a, const u8* __restrict__ packed, const void* __restrict__ absmax,
@@ -275,8 +276,12 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
                 }
             }
             float d[kGvU][4];
+            u32 sink[kGvU];  // DBG 4
 #pragma unroll
-            for (int u = 0; u < kGvU; ++u) d[u][0] = d[u][1] = d[u][2] = d[u][3] = 0.0f;
+            for (int u = 0; u < kGvU; ++u) {
+                d[u][0] = d[u][1] = d[u][2] = d[u][3] = 0.0f;
+                sink[u] = 0u;
+            }
 #pragma unroll
             for (int jj = 0; jj < V / 2; ++jj) {
 #pragma unroll
@@ -295,12 +300,18 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
                             af[2] = gv_pair<1, DBG>(q0, lutx);
                             af[3] = gv_pair<1, DBG>(q1, lutx);
                         }
-                        mma_16816<T>(d[u], af, x[u][2 * jj], x[u][2 * jj + 1]);
+                        if (DBG == 4) {  // timing only: no mma (two XORs keep the decode and activations live)
+                            sink[u] ^= af[0] ^ af[1] ^ af[2];
+                            sink[u] ^= af[3] ^ x[u][2 * jj] ^ x[u][2 * jj + 1];
+                        } else {
+                            mma_16816<T>(d[u], af, x[u][2 * jj], x[u][2 * jj + 1]);
+                        }
                     }
                 }
             }
 #pragma unroll
             for (int u = 0; u < kGvU; ++u) {
+                if (DBG == 4) d[u][0] = __uint_as_float(sink[u] & 0x3c00ffffu);
                 const int sp = kGvU * gi + u;
                 const int src = (lane & ~3) | (sp % kGvSc);
                 float v0 = sc[0][0], v1 = sc[0][1];  // sc[sp / kGvSc] by selects (not local memory)

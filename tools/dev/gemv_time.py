@@ -1,9 +1,9 @@
 """gemv_4bit (streaming kernel, NF4 bs64 nested, bf16) at the bench's shapes, with its timing
 variants side by side: DBG 0 (the kernel), 1 (no table load in the decode), 2 (no copies: compute
-and shared-memory work only), 3 (no mma groups: the copies, scales and bookkeeping only). torch's
-bf16 linear alongside as the drift reference. CUDA events around one call behind a sleep kernel,
-weight sets rotated past L2, median of 40. argv[1] (optional): the variants, comma separated
-("0,1,2,3"). Run on the GPU machine from the repository root (PYTHONPATH=.)."""
+and shared-memory work only), 3 (no mma groups: the copies, scales and bookkeeping only), 4 (no
+mma: two XORs per mma keep the decode live). torch's bf16 linear alongside as the drift
+reference. CUDA events around one call behind a sleep kernel, weight sets rotated past L2, median
+of 40. argv[1] (optional): the variants, comma separated ("0,1,2,3,4"). Run on the GPU machine from the repository root (PYTHONPATH=.)."""
 
 import sys
 
@@ -70,7 +70,7 @@ def time_shape(be, n: int, k: int, b: int, g: torch.Generator, variants: list[in
 
 
 def main() -> None:
-    variants = [int(v) for v in (sys.argv[1] if len(sys.argv) > 1 else "0,1,2,3").split(",")]
+    variants = [int(v) for v in (sys.argv[1] if len(sys.argv) > 1 else "0,1,2,3,4").split(",")]
     be = cuda.create()
     g = torch.Generator(device="cuda")
     g.manual_seed(0)
