@@ -5,31 +5,24 @@ mma: two XORs per mma keep the decode live). torch's bf16 linear alongside as th
 reference. CUDA events around one call behind a sleep kernel, weight sets rotated past L2, median
 of 40. argv[1] (optional): the variants, comma separated ("0,1,2,3,4"). Run on the GPU machine from the repository root (PYTHONPATH=.)."""
 
+import pathlib
 import sys
 
-import numpy as np
 import torch
 from quantcore.backends import cuda
 
 from quantcore.backend import Nested
 from quantcore.formats import bnb
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # tools/dev: w4a8_time
+from w4a8_time import med as w4a8_med  # noqa: E402
+
 SHAPES = [(16384, 16384, 1), (14336, 4096, 1), (16384, 16384, 8)]
 
 
-def med(fn, reps: int = 40) -> float:
-    for i in range(4):
-        fn(i)
-    ts = []
-    for i in range(reps):
-        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-        torch.cuda._sleep(1_500_000)
-        s.record()
-        fn(i)
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3)
-    return float(np.median(ts))
+def med(fn) -> float:
+    """Median us of fn(i) behind a sleep kernel (w4a8_time's timing)."""
+    return w4a8_med(fn, 40)[0]
 
 
 def weight_sets(n: int, k: int, g: torch.Generator) -> list[tuple]:
