@@ -67,7 +67,7 @@ __device__ __forceinline__ float gv_select(bool p, float a, float b) {
 // DBG (timing experiments only, never launched by the backend; tools/dev/gemv_time.py): 1 decodes
 // without the table load (the byte_perm's result is the pair), 2 issues no copies (the slots keep
 // what they hold), 3 runs no mma groups (the copies, the scales and the bookkeeping only), 4 runs
-// no mma (an XOR and an add per mma instead).
+// no mma (two XORs per mma instead keep the decode and the activations live).
 template <typename T, int QT, bool NESTED, int V, int DBG = 0>
 __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
     const u16* __restrict__ a, const u8* __restrict__ packed, const void* __restrict__ absmax,
