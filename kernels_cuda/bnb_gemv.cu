@@ -35,6 +35,8 @@ constexpr int kGvLutWords = 256 * 64;
 template <int V>
 struct GvGeo {
     static constexpr int kSps = kGvKC / (8 * V);  // super-pieces per stage: 8 (V = 8) or 16 (V = 4)
+    static constexpr int kSpLog2 = V == 8 ? 6 : 5;  // log2 of a super-piece's 8 V elements
+    static_assert(8 * V == 1 << kSpLog2, "a super-piece is 8 V elements");
     static constexpr int kGroups = kSps / kGvU;
     static constexpr int kRounds = kSps / kGvSc;
     static constexpr int kPitch = kGvKC / 2 + (V == 8 ? 32 : 16);
@@ -180,9 +182,9 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
     // first super-piece of the slice in rows g and g + 8 of the tile (counted over the whole
     // matrix: a block is 2^bsh super-pieces, and the launcher keeps N K / (8 V) < 2^32), for the
     // next unit's group
-    const int bsh = log2bs - (V == 8 ? 6 : 5);
+    const int bsh = log2bs - G::kSpLog2;
     u32 esp[2];
-    auto set_erow = [&](int q) {
+    auto set_esp = [&](int q) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) esp[r] = (u32)tile_row(q, g + 8 * r) * (u32)(K / (8 * V)) + (u32)sp_begin;
     };
@@ -225,7 +227,7 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
         cp_async_commit();  // one group per unit (empty past the end), so wait_group counts units
     }
     Raw raw;  // the next unit's, loaded one unit ahead
-    set_erow(0);
+    set_esp(0);
     if (nunits > 0) load_raw(raw, 0);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     u32 x[kGvU][V];  // the activation fragments of the current mma group
@@ -251,7 +253,7 @@ __global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
             for (int r = 0; r < 2; ++r)
                 sc[gi][r] = NESTED ? __fadd_rn(__fmul_rn(c2[raw.q[gi][r]], raw.a2[gi][r]), off) : __uint_as_float(raw.q[gi][r]);
         if (i + 1 < nunits) {
-            if (qn != q) set_erow(qn);
+            if (qn != q) set_esp(qn);
             load_raw(raw, jn);
         }
 

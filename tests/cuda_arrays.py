@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from quantcore.backends.cuda.runtime import ENV_TUNE as TUNE  # noqa: F401  (the launch-tuning variable)
 
 import quantcore as qc
 from quantcore.arrays import BF16

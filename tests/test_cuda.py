@@ -243,7 +243,7 @@ def test_gemv_4bit_kernels_and_k_splits(be, rng, monkeypatch, kernel_tune):
     """The register-fed mma kernel (gemv_kernel=1) and the bulk-copy kernel (sm_90) at every K split:
     uneven slices (37 super-pieces), partial stages and groups, rows off the 16-row tiles, batches
     over 8 (a second grid row), 4-byte lanes (blocksize 32)."""
-    monkeypatch.setenv("QUANTCORE_CUDA_TUNE", kernel_tune)
+    monkeypatch.setenv(rt.ENV_TUNE, kernel_tune)
     for batch, n, k, bs, dtype in [(1, 1000, 64 * 37, 64, "bfloat16"), (3, 257, 4096 + 64, 32, "float16"),
                                    (11, 70, 512 * 3 + 128, 128, "bfloat16"), (8, 16, 64 * 9, 64, "float16")]:
         packed, st, a, w_eff = _gemv_case(rng, n, k, bs, "nf4", dtype, batch, False)
@@ -533,16 +533,14 @@ def test_gemv_4bit_more_than_2_31_elements(be, rng, bs, nested):
     rows = np.r_[0:16, (1 << 17) - 48:n]  # row 2^17 starts at element 2^31
     per_row = k // bs
     for r0 in (rows[:16], rows[16:]):
-        p = packed[r0[0] * k // 2: (r0[-1] + 1) * k // 2].cpu().numpy().reshape(-1)
-        blocks = slice(r0[0] * per_row, (r0[-1] + 1) * per_row)
+        p = packed[r0[0] * k // 2: (r0[-1] + 1) * k // 2].cpu().numpy()
+        blocks = slice(r0[0] * per_row, (r0[-1] + 1) * per_row)  # starts on a nested block
         if nested:
-            q = qab[blocks].cpu().numpy()
-            a2 = ab2.cpu().numpy()[np.arange(blocks.start, blocks.stop) // bnb.NESTED_BLOCKSIZE]
-            scale = (bnb.DYNAMIC_MAP[q] * a2).astype(np.float32) + np.float32(0.25)
+            nest2 = slice(blocks.start // bnb.NESTED_BLOCKSIZE, bnb.nblocks(blocks.stop, bnb.NESTED_BLOCKSIZE))
+            scale = bnb.dequantize_absmax(qab[blocks].cpu().numpy(), ab2[nest2].cpu().numpy(), np.float32(0.25))
         else:
             scale = absmax[blocks].cpu().numpy()
-        w = bnb.NF4_CODE[bnb.unpack_4bit_bnb(p, p.size * 2)].astype(np.float32).reshape(-1, bs)
-        w_eff = (w * scale.astype(np.float32)[:, None]).reshape(len(r0), k)
+        w_eff = bnb.dequantize_4bit(p, scale, len(r0) * k, bs, "nf4", np.float32).reshape(len(r0), k)
         ref, bound = bounds.gemv_4bit(a.astype(np.float64), w_eff, "bfloat16")
         err = np.abs(got[:, r0] - ref)
         assert (err <= bound.max_abs).all(), (bs, nested, int(r0[0]), float((err / bound.max_abs).max()))

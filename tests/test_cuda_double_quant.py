@@ -24,12 +24,10 @@ import quantcore as qc
 from quantcore.formats import bnb
 
 from .conftest import FLOAT_DTYPES, bits, same_bits
-from .cuda_arrays import CUDA, filled, needs_cuda, to_cuda, to_host
+from .cuda_arrays import CUDA, TUNE, filled, needs_cuda, to_cuda, to_host
 
 pytestmark = needs_cuda
 torch = pytest.importorskip("torch") if CUDA else None
-
-TUNE = "QUANTCORE_CUDA_TUNE"
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ import quantcore as qc
 from quantcore import api
 from quantcore.errors import KernelError, QuantcoreError
 
-from .cuda_arrays import needs_cuda
+from .cuda_arrays import TUNE, needs_cuda
 
 
 # -- CPU: the plan slot on QuantState ------------------------------------------------------------------
@@ -214,9 +214,9 @@ def test_cuda_plan_matches_only_what_it_was_made_for(monkeypatch):
     assert plan.match(misaligned, packed, st) is None
     assert plan.match(torch.nn.Parameter(a), packed, st) is None  # only plain tensors as the input
     assert plan.match(a, packed.clone(), st) is None  # another weight buffer
-    monkeypatch.setenv("QUANTCORE_CUDA_TUNE", "gemv_ksplit=2")
+    monkeypatch.setenv(TUNE, "gemv_ksplit=2")
     assert plan.match(a, packed, st) is None  # another tuning: another kernel choice
-    monkeypatch.delenv("QUANTCORE_CUDA_TUNE")
+    monkeypatch.delenv(TUNE)
     assert plan.match(a, packed, st) is entry
 
 
@@ -299,11 +299,11 @@ def test_planned_launch_buffer_and_slots(monkeypatch):
 
 
 def test_tune_spec_follows_the_environment(monkeypatch):
-    monkeypatch.delenv("QUANTCORE_CUDA_TUNE", raising=False)
+    monkeypatch.delenv(TUNE, raising=False)
     assert rt.tune_spec() is None
-    monkeypatch.setenv("QUANTCORE_CUDA_TUNE", "gemv_kernel=1")
+    monkeypatch.setenv(TUNE, "gemv_kernel=1")
     first = rt.tune_spec()
-    monkeypatch.setenv("QUANTCORE_CUDA_TUNE", "gemv_kernel=0")
+    monkeypatch.setenv(TUNE, "gemv_kernel=0")
     assert first is not None and rt.tune_spec() != first
 
 
@@ -403,7 +403,7 @@ def test_plan_rebuilt_when_state_or_tuning_changes(torch_cuda, monkeypatch):
     # the tuning: each setting gets its own kernel choice, bitwise that of the full path
     exprs = set()
     for spec in ("gemv_kernel=1", "gemv_kernel=1,gemv_ksplit=2", ""):
-        monkeypatch.setenv("QUANTCORE_CUDA_TUNE", spec)
+        monkeypatch.setenv(TUNE, spec)
         P = packed.clone()
         ref = _full(A, P, st, monkeypatch)
         qc.gemv_4bit(A, P, st, backend="cuda")

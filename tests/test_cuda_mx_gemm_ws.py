@@ -24,6 +24,7 @@ from quantcore.backends.cuda import mx as cmx
 
 from quantcore.arrays import BF16
 from quantcore.formats import kernel_defines, mx
+from tests.cuda_arrays import TUNE
 from tests.test_cuda_mx import GPU_REASON, KDIR, NVCC, _operand, _torch, empty_dev, to_dev, to_host
 
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found: the CUDA sources are compile-checked "
@@ -95,7 +96,7 @@ def test_ws_within_bound_and_same_bits_as_wgmma(fmt, rng, monkeypatch):
     from quantcore.conformance.families.mx import mm_bound
 
     for (m, n, k, ctas) in WS_SHAPES[fmt]:
-        monkeypatch.setenv("QUANTCORE_CUDA_TUNE", f"mx_gemm_ctas={ctas}")
+        monkeypatch.setenv(TUNE, f"mx_gemm_ctas={ctas}")
         for with_bias, random_codes in ((False, False), (True, True)):
             a, sa, ga = _operand(fmt, rng, m, k, random_codes)
             b, sb, gb = _operand(fmt, rng, n, k, random_codes)
@@ -120,7 +121,7 @@ def test_ws_within_bound_and_same_bits_as_wgmma(fmt, rng, monkeypatch):
 @needs_sm90
 @pytest.mark.parametrize("fmt", mx.FP4_FORMATS)
 def test_ws_nan_scale_and_garbage_padding(fmt, rng, monkeypatch):
-    monkeypatch.setenv("QUANTCORE_CUDA_TUNE", "mx_gemm_ctas=1")  # one CTA walks both tiles
+    monkeypatch.setenv(TUNE, "mx_gemm_ctas=1")  # one CTA walks both tiles
     m, n, k = 300, 150, 16 * 37 if fmt == "nvfp4" else 32 * 37  # 37 blocks: 3 padding columns
     a, sa, ga = _operand(fmt, rng, m, k, False)
     b, sb, gb = _operand(fmt, rng, n, k, False)

@@ -20,6 +20,7 @@ import pytest
 from quantcore.backends.cuda import mx as cmx
 
 from quantcore.formats import mx
+from tests.cuda_arrays import TUNE
 from tests.test_cuda_mx import GPU_REASON, KINDS, _assert_bits, empty_dev, to_dev, to_host
 
 needs_gpu = pytest.mark.skipif(GPU_REASON is not None, reason=f"needs an NVIDIA GPU: {GPU_REASON}")
@@ -106,7 +107,7 @@ def _cast(x: np.ndarray, dtype: str) -> np.ndarray:
 def test_quantize_versions_bit_exact(variant, fmt, dtype, rng, monkeypatch):
     from quantcore.conformance.families.mx import _global_scale, quantize_input
 
-    monkeypatch.setenv("QUANTCORE_CUDA_TUNE", VARIANTS[variant])
+    monkeypatch.setenv(TUNE, VARIANTS[variant])
     names: list[str] = []
     real_function = cmx.function
 

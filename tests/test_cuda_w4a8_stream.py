@@ -26,10 +26,8 @@ import quantcore as qc
 from quantcore.formats import ggml
 
 from .conftest import FLOAT_DTYPES, bits
-from .cuda_arrays import CUDA, needs_cuda
+from .cuda_arrays import CUDA, TUNE, needs_cuda
 from .test_cuda import _gemm_check, _n, _randn, _t
-
-TUNE = "QUANTCORE_CUDA_TUNE"
 
 
 def test_both_ring_fillers_are_instantiated():

@@ -6,6 +6,8 @@ one process; the table shows which setting the heuristics in backends/cuda shoul
 
 import os
 
+from quantcore.backends.cuda.runtime import ENV_TUNE
+
 from quantcore import bench
 
 CASES = [
@@ -20,7 +22,7 @@ if os.environ.get("SWEEP_W4A8"):
 
 for op, size, configs in CASES:
     for cfg in configs:
-        os.environ["QUANTCORE_CUDA_TUNE"] = cfg
+        os.environ[ENV_TUNE] = cfg
         print(f"### {op} {size} {cfg}")
         b = bench.Bench("cuda", True, 30, False)
         b.bnb = None
@@ -29,4 +31,4 @@ for op, size, configs in CASES:
         for r in b.rows:
             if r.impl == "quantcore":
                 print(f"SWEEP {op} {size} {cfg}: {r.kernel_us:.1f} us, {r.gbps:.0f} GB/s, {r.note}")
-os.environ.pop("QUANTCORE_CUDA_TUNE", None)
+os.environ.pop(ENV_TUNE, None)

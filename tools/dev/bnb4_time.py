@@ -17,12 +17,11 @@ import statistics
 
 import numpy as np
 import torch
+from quantcore.backends.cuda.runtime import ENV_TUNE as TUNE
 
 import quantcore as qc
 from quantcore.backend import Nested
 from quantcore.formats import bnb
-
-TUNE = "QUANTCORE_CUDA_TUNE"
 
 
 def timed(fn, reps: int) -> list[float]:

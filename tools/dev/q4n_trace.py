@@ -18,11 +18,11 @@ import numpy as np
 import torch
 from bnb4_time import timed as bnb4_timed  # this directory (scripts run as files)
 from quantcore.backends import cuda
+from quantcore.backends.cuda.runtime import ENV_TUNE as TUNE
 
 import quantcore as qc
 from quantcore.formats import bnb
 
-TUNE = "QUANTCORE_CUDA_TUNE"
 be = qc.get_backend("cuda")
 
 

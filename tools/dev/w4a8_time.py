@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import torch
 from quantcore.backends.cuda import create
+from quantcore.backends.cuda.runtime import ENV_TUNE
 
 SHAPES = [(4096, 14336, (1, 2, 4, 8)), (14336, 4096, (1, 2, 4, 8))]
 
@@ -53,7 +54,7 @@ def main() -> None:
             a = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g)
             ref = None
             for cfg in configs:
-                os.environ["QUANTCORE_CUDA_TUNE"] = cfg
+                os.environ[ENV_TUNE] = cfg
                 o = torch.full((m, n), float("nan"), device="cuda")
                 be.gemm_w4a8(wqs[0], a, o)
                 torch.cuda.synchronize()
@@ -67,7 +68,7 @@ def main() -> None:
                 gbs = m * k // 32 * 18 / t / 1e3
                 print(f"{cfg or 'default':34s} M{m} K{k} N{n}".ljust(58),
                       f"{t:7.1f} {p10:6.1f} {p90:6.1f} {gbs:7.0f}  {err:.1e}  {same}")
-    os.environ["QUANTCORE_CUDA_TUNE"] = ""
+    os.environ[ENV_TUNE] = ""
 
 
 if __name__ == "__main__":
