@@ -225,6 +225,141 @@ __global__ void __launch_bounds__(kQuantThreads, kQuantCtasPerSm) quantize_4bit_
     }
 }
 
+// --------------------------------------------------------------------------------------------------
+// quantize_4bit, version 3 (the default for blocksizes up to 512: G = blocksize / 16 <= 32)
+// --------------------------------------------------------------------------------------------------
+// The same rounding per element as quantize_4bit_kernel (version 2, still used for larger blocks
+// and as QUANTCORE_CUDA_TUNE=q4_v=2); what changes is around it:
+// - the input streams through shared memory by cp.async, S - 1 tiles of 4096 elements ahead per
+//   CTA (version 2 held one chunk ahead in registers: 32 KiB in flight per multiprocessor, here
+//   (S - 1) x 4 x 8 KiB for 16-bit input). Each warp copies and reads only its own 1/8 of a tile,
+//   so warps wait for their own copies (cp.async.wait_group + __syncwarp), never for each other;
+// - G is a template argument (the block's absmax is a butterfly of log2(G) shuffles, no runtime
+//   mask arithmetic and no CTA barrier), tiles are counted in 32 bits and whole tiles take no
+//   bounds checks;
+// - 16-bit input: the absmax of the 16 elements in packed max.xorsign.abs (one instruction per
+//   two elements; NaN-ignoring as fmaxf, only the magnitude is used) on sm_86 and later.
+// Lane l's copy i is chunk c = l + 32 i (16 bytes) of its warp's part: element chunk c % CPT of
+// thread c / CPT, stored at slot (c % CPT) ^ ((c / CPT >> kSh) % CPT) of that thread's 32 (fp32:
+// 64) bytes - so that a quarter warp's 16-byte shared reads (8 threads, one chunk each) hit 8
+// different 16-byte bank groups. The slot does not depend on i: copy i lands 512 i bytes after
+// copy 0 and reads 512 i bytes after it.
+constexpr int kQ3TileElems = kQuantThreads * kQuantElems;  // 4096
+constexpr int kQ3TileLog2 = 12;
+static_assert(kQ3TileElems == 1 << kQ3TileLog2, "tile size");
+
+template <typename T>
+__device__ __forceinline__ float absmax16(const u32 (&w)[Raw16<T>::kWords]) {
+    if constexpr (T::kBytes == 2) {
+#if __CUDA_ARCH__ >= 860
+        u32 a = w[0], b = w[1];
+#pragma unroll
+        for (int i = 2; i < Raw16<T>::kWords; i += 2) {
+            if constexpr (T::kBf16) {
+                asm("max.xorsign.abs.bf16x2 %0, %0, %1;" : "+r"(a) : "r"(w[i]));
+                asm("max.xorsign.abs.bf16x2 %0, %0, %1;" : "+r"(b) : "r"(w[i + 1]));
+            } else {
+                asm("max.xorsign.abs.f16x2 %0, %0, %1;" : "+r"(a) : "r"(w[i]));
+                asm("max.xorsign.abs.f16x2 %0, %0, %1;" : "+r"(b) : "r"(w[i + 1]));
+            }
+        }
+        if constexpr (T::kBf16) {
+            asm("max.xorsign.abs.bf16x2 %0, %0, %1;" : "+r"(a) : "r"(b));
+        } else {
+            asm("max.xorsign.abs.f16x2 %0, %0, %1;" : "+r"(a) : "r"(b));
+        }
+        return fmaxf(fabsf(T::lo(a)), fabsf(T::hi(a)));
+#endif
+    }
+    float m = nan_value();
+#pragma unroll
+    for (int i = 0; i < Raw16<T>::kWords; ++i) {
+        if constexpr (T::kBytes == 4) {
+            m = fmaxf(m, fabsf(__uint_as_float(w[i])));
+        } else {
+            m = fmaxf(m, fmaxf(fabsf(T::lo(w[i])), fabsf(T::hi(w[i]))));
+        }
+    }
+    return m;
+}
+
+template <typename T, int QT, int G, int S>
+__global__ void __launch_bounds__(kQuantThreads, kQuantCtasPerSm) quantize_4bit_v3_kernel(
+    const typename T::S* __restrict__ x, u8* __restrict__ packed, float* __restrict__ absmax, i64 n, int vec) {
+    static_assert(G >= 2 && G <= 32 && (G & (G - 1)) == 0, "2 to 32 threads per block");
+    constexpr int kLog2Bs = G == 2 ? 5 : G == 4 ? 6 : G == 8 ? 7 : G == 16 ? 8 : 9;
+    constexpr int kTB = kQ3TileElems * T::kBytes;  // tile bytes
+    constexpr int kCPT = kQuantElems * T::kBytes / 16;  // 16-byte chunks per thread: 2 or 4
+    constexpr int kSh = kCPT == 2 ? 2 : 1;
+    extern __shared__ __align__(128) u8 q4v3_smem[];
+    __shared__ Round4Cells tab;
+    build_cells<QT>(tab);
+    const u32 steps = tab.steps;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const u32 ntiles = (u32)((n + kQ3TileElems - 1) >> kQ3TileLog2);
+    const u32 nwhole = vec ? (u32)(n >> kQ3TileLog2) : 0u;  // tiles copied (whole, aligned)
+    const u32 sbase = smem_addr(q4v3_smem) + warp * (kTB / 8);
+    const u32 dst0 = sbase + (lane / kCPT) * (kTB / kQuantThreads) +
+                     16 * ((lane % kCPT) ^ (((lane / kCPT) >> kSh) % kCPT));
+    const u8* src0 = reinterpret_cast<const u8*>(x) + warp * (kTB / 8) + 16 * lane;
+    const u32 rd0 = sbase + lane * (kTB / kQuantThreads);  // this thread's 32 (64) bytes
+    const u32 rsw = (lane >> kSh) % kCPT;
+
+    auto issue = [&](u32 t, int slot) {
+        if (t < nwhole) {
+            const u8* src = src0 + (u64)t * kTB;
+#pragma unroll
+            for (int i = 0; i < kCPT; ++i) cp_async16(dst0 + slot * kTB + 512 * i, src + 512 * i);
+        }
+        cp_async_commit();  // an empty group keeps the wait count uniform
+    };
+
+    u32 tile = blockIdx.x;
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) issue(tile + s * gridDim.x, s);
+    for (int k = 0; tile < ntiles; ++k, tile += gridDim.x) {
+        cp_async_wait<S - 2>();
+        __syncwarp();  // the warp's part of this tile is in; every lane is done with the slot refilled next
+        issue(tile + (S - 1) * gridDim.x, (k + S - 1) % S);
+
+        const i64 e0 = ((i64)tile << kQ3TileLog2) + tid * kQuantElems;
+        const bool whole = tile < nwhole;
+        float v[kQuantElems];
+        float m;
+        if (whole) {
+            Raw16<T> raw;
+            const u32 rd = rd0 + (k % S) * kTB;
+#pragma unroll
+            for (int j = 0; j < kCPT; ++j)
+                lds_v4(rd + 16 * (j ^ rsw), raw.w[4 * j], raw.w[4 * j + 1], raw.w[4 * j + 2], raw.w[4 * j + 3]);
+            raw16_to_f<T>(raw, v);
+            m = absmax16<T>(raw.w);
+        } else {  // the partial last tile, or input not 16-byte aligned: element loads, zeros past n
+            elems16_load<T>(x, e0, n, v);
+            m = fabsf(v[0]);
+#pragma unroll
+            for (int i = 1; i < kQuantElems; ++i) m = fmaxf(m, fabsf(v[i]));
+        }
+#pragma unroll
+        for (int o = 1; o < G; o <<= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, o));
+        const float r = recip_rn(m);  // correctly rounded; 1/0 = inf and 0*inf = NaN -> code 0
+        if ((tid & (G - 1)) == 0 && e0 < n) absmax[e0 >> kLog2Bs] = m;
+        const u32 w0 = pack8<QT>(tab, v, 0, r, steps);
+        const u32 w1 = pack8<QT>(tab, v, 8, r, steps);
+        const i64 b0 = e0 >> 1;
+        if (whole) {
+            asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(packed + b0), "r"(w0), "r"(w1) : "memory");
+        } else {
+            const i64 nbytes = (n + 1) >> 1;
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (b0 + i < nbytes) packed[b0 + i] = (u8)((i < 4 ? w0 : w1) >> (8 * (i & 3)));
+        }
+    }
+    cp_async_wait<0>();
+}
+
 // ==================================================================================================
 // quantize_4bit with double quantization, in one cooperative launch
 // ==================================================================================================

@@ -30,6 +30,7 @@ using qc::u8;
 using qc::cp_async_commit;
 using qc::smem_addr;
 using qc::cp_async_wait;
+using qc::lds_v4;
 
 __device__ __forceinline__ float f_nan() { return __uint_as_float(0x7fffffffu); }
 

@@ -175,9 +175,6 @@ __device__ __forceinline__ void mx_quantize_impl(const typename T::S* __restrict
 __device__ __forceinline__ void cp_async16(u32 smem_addr, const void* gptr) {
     asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(smem_addr), "l"(gptr) : "memory");
 }
-__device__ __forceinline__ void lds_v4(u32 addr, u32& a, u32& b, u32& c, u32& d) {
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(addr));
-}
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     u32 r;
     asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));

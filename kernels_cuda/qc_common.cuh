@@ -48,6 +48,7 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
 struct F32 {
     typedef float S;
     static constexpr int kBytes = 4;
+    static constexpr bool kBf16 = false;
     static __device__ __forceinline__ float to_f(S v) { return v; }
     static __device__ __forceinline__ S from_f(float f) { return f; }
     // two fp32 values packed into one 32-bit word is not possible: F32 stores go element-wise
@@ -55,6 +56,7 @@ struct F32 {
 struct F16 {
     typedef u16 S;
     static constexpr int kBytes = 2;
+    static constexpr bool kBf16 = false;
     static __device__ __forceinline__ float to_f(S v) { return f16_to_f32(v); }
     static __device__ __forceinline__ S from_f(float f) { return f32_to_f16(f); }
     static __device__ __forceinline__ u32 pack2(float lo, float hi) {
@@ -68,6 +70,7 @@ struct F16 {
 struct BF16 {
     typedef u16 S;
     static constexpr int kBytes = 2;
+    static constexpr bool kBf16 = true;
     static __device__ __forceinline__ float to_f(S v) { return bf16_to_f32(v); }
     static __device__ __forceinline__ S from_f(float f) { return f32_to_bf16(f); }
     static __device__ __forceinline__ u32 pack2(float lo, float hi) {
@@ -274,6 +277,10 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
 }
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_size) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_size) : "memory");
+}
+// 16 bytes from shared memory (a shared-window address)
+__device__ __forceinline__ void lds_v4(u32 addr, u32& a, u32& b, u32& c, u32& d) {
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(addr));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // until at most N of this thread's committed groups are pending

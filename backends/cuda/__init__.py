@@ -107,6 +107,24 @@ def _q4(tag: str, qt: str, nested: bool = False) -> str:
     return f"qc::{name}<{tag}, {QUANT_TYPE_CODE[qt]}>"
 
 
+# quantize_4bit version 3 (kernels_cuda/bnb_4bit.cu): G = blocksize / 16 threads per block up to
+# _Q4V3_MAX_G, S pipeline stages of one 4096-element tile (QUANTCORE_CUDA_TUNE q4_stages for 16-bit
+# input, q4_stages32 for fp32; at most 3 for fp32, what 4 CTAs per multiprocessor can hold)
+_Q4V3_MAX_G = 32
+_Q4V3_STAGES = 3
+_Q4V3_TILE = 4096
+
+
+def _q4v3(tag: str, qt: str, g: int, stages: int) -> str:
+    return f"qc::quantize_4bit_v3_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {g}, {stages}>"
+
+
+def _q4v3_stages(tag: str) -> int:
+    if tag == TYPE_TAG["float32"]:
+        return rt.tune("q4_stages32", 3)
+    return rt.tune("q4_stages", _Q4V3_STAGES)
+
+
 def _dq4(tag: str, qt: str, nested: bool) -> str:
     return f"qc::dequantize_4bit_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}>"
 
@@ -167,6 +185,10 @@ def kernel_instances() -> list[tuple[str, str]]:
     for qt in bnb.QUANT_TYPES:
         for tag in tags:
             out += [(_F4, _q4(tag, qt)), (_F4, _q4(tag, qt, nested=True))]
+            g = 2
+            while g <= _Q4V3_MAX_G:
+                out.append((_F4, _q4v3(tag, qt, g, _q4v3_stages(tag))))
+                g *= 2
             for nested in (False, True):
                 out.append((_F4, _dq4(tag, qt, nested)))
                 out.append((_F4, _gemv(tag, qt, nested)))
@@ -386,11 +408,19 @@ class CudaBackend(Backend):
             return
         launch = Launcher(x)
         # kQuantThreads, kQuantElems, kQuantCtasPerSm: a persistent grid of what is resident (the
-        # kernel's __launch_bounds__), so every CTA is in the one wave
+        # kernels' __launch_bounds__), so every CTA is in the one wave
         threads, elems, per_sm = 256, 16, 4
         vec = aligned(x, 16) and aligned(packed, 8)
+        g, tag = blocksize // elems, _tag(x)
+        if g <= _Q4V3_MAX_G and rt.tune("q4_v", 3) == 3:  # version 3: tiles of 4096 elements
+            stages = _q4v3_stages(tag)
+            grid = max(1, min(_cdiv(n, _Q4V3_TILE), per_sm * rt.sm_count(launch.device)))
+            launch(_F4, _q4v3(tag, quant_type, g, stages), (grid,), threads,
+                   (ptr_arg(x), ptr_arg(packed), ptr_arg(absmax), i64(n), i32(vec)),
+                   shared_mem=stages * _Q4V3_TILE * (4 if tag == TYPE_TAG["float32"] else 2))
+            return
         grid = max(1, min(_cdiv(_cdiv(n, elems), threads), per_sm * rt.sm_count(launch.device)))
-        launch(_F4, _q4(_tag(x), quant_type), (grid,), threads,
+        launch(_F4, _q4(tag, quant_type), (grid,), threads,
                (ptr_arg(x), ptr_arg(packed), ptr_arg(absmax), i64(n), i32(_log2(blocksize)), i32(vec)))
 
     def quantize_4bit_nested(self, x, packed, qabsmax, absmax2, offset, *, blocksize, quant_type):

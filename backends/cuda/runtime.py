@@ -401,7 +401,7 @@ def kernel_function(device: int, filename: str, expr: str, shared_mem: int = 0) 
     """The loaded kernel, allowed ``shared_mem`` bytes of dynamic shared memory (every launch path
     takes its function here)."""
     fn = KERNELS.function(device, filename, expr)
-    if shared_mem > 48 * 1024:
+    if shared_mem > 32 * 1024:  # the default limit, 48 KiB, counts the kernel's static shared memory too
         _raise_smem_limit(fn, device, shared_mem)
     return fn
 
