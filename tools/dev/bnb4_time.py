@@ -37,22 +37,34 @@ def timed(fn, reps: int) -> list[float]:
     return out
 
 
+R = C = 16384  # the bench's shape
+BS = 64
+
+
+def buffers() -> tuple[torch.Tensor, ...]:
+    """x (R x C bf16, seed 0) and quantize_4bit's outputs: packed, absmax, qabsmax, absmax2, offset."""
+    n = R * C
+    nb = bnb.nblocks(n, BS)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn((R, C), device="cuda", generator=g, dtype=torch.float32).to(torch.bfloat16)
+    packed = torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, device="cuda")
+    absmax = torch.empty((nb,), dtype=torch.float32, device="cuda")
+    q = torch.empty((nb,), dtype=torch.uint8, device="cuda")
+    a2 = torch.empty((bnb.nblocks(nb, 256),), dtype=torch.float32, device="cuda")
+    off = torch.empty((1,), dtype=torch.float32, device="cuda")
+    return x, packed, absmax, q, a2, off
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--ncu-one", action="store_true", help="one launch of each kernel (for ncu)")
     args = p.parse_args()
     be = qc.get_backend("cuda")
-    r = c = 16384
-    n, bs = r * c, 64
+    r, c, bs = R, C, BS
+    n = r * c
     nb = bnb.nblocks(n, bs)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn((r, c), device="cuda", generator=g, dtype=torch.float32).to(torch.bfloat16)
-    packed = torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, device="cuda")
-    absmax = torch.empty((nb,), dtype=torch.float32, device="cuda")
-    q = torch.empty((nb,), dtype=torch.uint8, device="cuda")
-    a2 = torch.empty((bnb.nblocks(nb, 256),), dtype=torch.float32, device="cuda")
-    off = torch.empty((1,), dtype=torch.float32, device="cuda")
+    x, packed, absmax, q, a2, off = buffers()
     code2 = torch.from_numpy(bnb.DYNAMIC_MAP.astype(np.float32)).cuda()
     out = torch.empty((r, c), dtype=torch.bfloat16, device="cuda")
     be.quantize_4bit(x, packed, absmax, blocksize=bs, quant_type="nf4")

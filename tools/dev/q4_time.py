@@ -21,6 +21,7 @@ import quantcore as qc
 from quantcore.formats import bnb
 
 sys.path.insert(0, os.path.dirname(__file__))
+from bnb4_time import BS, buffers  # noqa: E402
 from w4a8_time import med  # noqa: E402
 
 
@@ -49,17 +50,9 @@ def special_input(dtype: torch.dtype) -> torch.Tensor:
 def main() -> None:
     configs = sys.argv[1:] or [""]
     be = qc.get_backend("cuda")
-    r = c = 16384
-    n, bs = r * c, 64
-    nb = bnb.nblocks(n, bs)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn((r, c), device="cuda", generator=g, dtype=torch.float32).to(torch.bfloat16)
+    bs = BS
+    x, packed, absmax, q, a2, off = buffers()
     x32 = x.float()
-    packed = torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, device="cuda")
-    absmax = torch.empty((nb,), dtype=torch.float32, device="cuda")
-    q = torch.empty((nb,), dtype=torch.uint8, device="cuda")
-    a2 = torch.empty((bnb.nblocks(nb, 256),), dtype=torch.float32, device="cuda")
-    off = torch.empty((1,), dtype=torch.float32, device="cuda")
     cases = [(x.reshape(-1), 64, "nf4")] + [
         (special_input(dt), b, qt) for dt in (torch.bfloat16, torch.float16, torch.float32)
         for b in (32, 64, 128, 256, 512, 1024) for qt in ("nf4", "fp4")]

@@ -20,22 +20,17 @@ from quantcore.backends.cuda.runtime import ENV_TUNE
 from torch.profiler import ProfilerActivity, profile
 
 import quantcore as qc
-from quantcore.formats import bnb
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bnb4_time import BS, buffers  # noqa: E402
 
 
 def main() -> None:
     reps = 20
     configs = sys.argv[1:] or [""]
     be = qc.get_backend("cuda")
-    r = c = 16384
-    n, bs = r * c, 64
-    nb = bnb.nblocks(n, bs)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn((r, c), device="cuda", generator=g, dtype=torch.float32).to(torch.bfloat16)
-    packed = torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, device="cuda")
-    q = torch.empty((nb,), dtype=torch.uint8, device="cuda")
-    a2 = torch.empty((bnb.nblocks(nb, 256),), dtype=torch.float32, device="cuda")
-    off = torch.empty((1,), dtype=torch.float32, device="cuda")
+    bs = BS
+    x, packed, _, q, a2, off = buffers()
     for cfg in configs:
         os.environ[ENV_TUNE] = cfg.replace(";", ",")
         call = lambda: be.quantize_4bit_nested(x, packed, q, a2, off, blocksize=bs, quant_type="nf4")  # noqa: E731
