@@ -165,18 +165,20 @@ __device__ __forceinline__ u32 pack8(const Round4Cells& t, const float (&v)[kQua
     return (acc >> 2) + (round4_x4<QT>(t, __fmul_rn(v[c0 + 6], r), steps) << 26);
 }
 
-// One thread's 16 elements v (zeros past n): the NaN-ignoring absmax of the G threads of the
-// block, stored to *amax where amax is not null; the codes stored at packed[b0 .. b0 + 8) (whole:
-// one 8-byte store, packed 8-byte aligned; else byte by byte below nbytes). Uniform over the CTA
-// when G > 32 (barrier).
-template <int QT>
-__device__ __forceinline__ void quant16(const Round4Cells& tab, u32 steps, const float (&v)[kQuantElems], int G,
-                                        float* red, float* amax, u8* packed, i64 b0, bool whole, i64 nbytes) {
+// the NaN-ignoring max of |v| over one thread's 16 elements
+__device__ __forceinline__ float absmax16(const float (&v)[kQuantElems]) {
     float m = fabsf(v[0]);
 #pragma unroll
     for (int i = 1; i < kQuantElems; ++i) m = fmaxf(m, fabsf(v[i]));
-    m = group_absmax(m, G, red);
-    if (G > 32) __syncthreads();  // red[] is rewritten by the next call
+    return m;
+}
+
+// One thread's 16 elements v (zeros past n) with their block's absmax m: m stored to *amax where
+// amax is not null, the codes stored at packed[b0 .. b0 + 8) (whole: one 8-byte store, packed
+// 8-byte aligned; else byte by byte below nbytes).
+template <int QT>
+__device__ __forceinline__ void codes16(const Round4Cells& tab, u32 steps, const float (&v)[kQuantElems], float m,
+                                        float* amax, u8* packed, i64 b0, bool whole, i64 nbytes) {
     const float r = recip_rn(m);  // correctly rounded; 1/0 = inf and 0*inf = NaN -> code 0
     if (amax) *amax = m;
     const u32 w0 = pack8<QT>(tab, v, 0, r, steps);
@@ -188,6 +190,16 @@ __device__ __forceinline__ void quant16(const Round4Cells& tab, u32 steps, const
         for (int i = 0; i < 8; ++i)
             if (b0 + i < nbytes) packed[b0 + i] = (u8)((i < 4 ? w0 : w1) >> (8 * (i & 3)));
     }
+}
+
+// One thread's 16 elements v (zeros past n): the absmax of the G threads of the block, then
+// codes16. Uniform over the CTA when G > 32 (barrier).
+template <int QT>
+__device__ __forceinline__ void quant16(const Round4Cells& tab, u32 steps, const float (&v)[kQuantElems], int G,
+                                        float* red, float* amax, u8* packed, i64 b0, bool whole, i64 nbytes) {
+    const float m = group_absmax(absmax16(v), G, red);
+    if (G > 32) __syncthreads();  // red[] is rewritten by the next call
+    codes16<QT>(tab, steps, v, m, amax, packed, b0, whole, nbytes);
 }
 
 // One thread per 16 consecutive elements; G = blocksize / 16 threads per block (2 .. 256; a CTA
@@ -238,7 +250,8 @@ __global__ void __launch_bounds__(kQuantThreads, kQuantCtasPerSm) quantize_4bit_
 //   mask arithmetic and no CTA barrier), tiles are counted in 32 bits and whole tiles take no
 //   bounds checks;
 // - 16-bit input: the absmax of the 16 elements in packed max.xorsign.abs (one instruction per
-//   two elements; NaN-ignoring as fmaxf, only the magnitude is used) on sm_86 and later.
+//   two elements) on sm_86 and later;
+// - the rounding and the stores are version 2's (codes16).
 // Lane l's copy i is chunk c = l + 32 i (16 bytes) of its warp's part: element chunk c % CPT of
 // thread c / CPT, stored at slot (c % CPT) ^ ((c / CPT >> kSh) % CPT) of that thread's 32 (fp32:
 // 64) bytes - so that a quarter warp's 16-byte shared reads (8 threads, one chunk each) hit 8
@@ -247,13 +260,15 @@ __global__ void __launch_bounds__(kQuantThreads, kQuantCtasPerSm) quantize_4bit_
 // H200, 16384^2 bf16 NF4 bs64: version 2 188.8 us, version 3 169.9 us with S = 3 (2 tiles ahead;
 // S = 2 / 4 / 6: 173.8 / 175.6 / 177.3 us). docs/performance.md, log Q-v3.
 constexpr int kQ3TileElems = kQuantThreads * kQuantElems;  // 4096
-constexpr int kQ3TileLog2 = 12;
-static_assert(kQ3TileElems == 1 << kQ3TileLog2, "tile size");
+constexpr int kQ3TileLog2 = ilog2(kQ3TileElems);
 
+// absmax16 of 16-bit input from the raw words on sm_86 and later (packed max.xorsign.abs: the
+// larger magnitude, NaN only where both are NaN, as fmaxf; the sign bits are dropped at the end);
+// otherwise absmax16 of the converted values v
 template <typename T>
-__device__ __forceinline__ float absmax16(const u32 (&w)[Raw16<T>::kWords]) {
-    if constexpr (T::kBytes == 2) {
+__device__ __forceinline__ float absmax16_raw(const u32 (&w)[Raw16<T>::kWords], const float (&v)[kQuantElems]) {
 #if __CUDA_ARCH__ >= 860
+    if constexpr (T::kBytes == 2) {
         u32 a = w[0], b = w[1];
 #pragma unroll
         for (int i = 2; i < Raw16<T>::kWords; i += 2) {
@@ -271,25 +286,16 @@ __device__ __forceinline__ float absmax16(const u32 (&w)[Raw16<T>::kWords]) {
             asm("max.xorsign.abs.f16x2 %0, %0, %1;" : "+r"(a) : "r"(b));
         }
         return fmaxf(fabsf(T::lo(a)), fabsf(T::hi(a)));
+    }
 #endif
-    }
-    float m = nan_value();
-#pragma unroll
-    for (int i = 0; i < Raw16<T>::kWords; ++i) {
-        if constexpr (T::kBytes == 4) {
-            m = fmaxf(m, fabsf(__uint_as_float(w[i])));
-        } else {
-            m = fmaxf(m, fmaxf(fabsf(T::lo(w[i])), fabsf(T::hi(w[i]))));
-        }
-    }
-    return m;
+    return absmax16(v);
 }
 
 template <typename T, int QT, int G, int S>
 __global__ void __launch_bounds__(kQuantThreads, kQuantCtasPerSm) quantize_4bit_v3_kernel(
     const typename T::S* __restrict__ x, u8* __restrict__ packed, float* __restrict__ absmax, i64 n, int vec) {
     static_assert(G >= 2 && G <= 32 && (G & (G - 1)) == 0, "2 to 32 threads per block");
-    constexpr int kLog2Bs = G == 2 ? 5 : G == 4 ? 6 : G == 8 ? 7 : G == 16 ? 8 : 9;
+    constexpr int kLog2Bs = ilog2(G * kQuantElems);
     constexpr int kTB = kQ3TileElems * T::kBytes;  // tile bytes
     constexpr int kCPT = kQuantElems * T::kBytes / 16;  // 16-byte chunks per thread: 2 or 4
     constexpr int kSh = kCPT == 2 ? 2 : 1;
@@ -336,28 +342,16 @@ __global__ void __launch_bounds__(kQuantThreads, kQuantCtasPerSm) quantize_4bit_
             for (int j = 0; j < kCPT; ++j)
                 lds_v4(rd + 16 * (j ^ rsw), raw.w[4 * j], raw.w[4 * j + 1], raw.w[4 * j + 2], raw.w[4 * j + 3]);
             raw16_to_f<T>(raw, v);
-            m = absmax16<T>(raw.w);
+            m = absmax16_raw<T>(raw.w, v);
         } else {  // the partial last tile, or input not 16-byte aligned: element loads, zeros past n
             elems16_load<T>(x, e0, n, v);
-            m = fabsf(v[0]);
-#pragma unroll
-            for (int i = 1; i < kQuantElems; ++i) m = fmaxf(m, fabsf(v[i]));
+            m = absmax16(v);
         }
 #pragma unroll
         for (int o = 1; o < G; o <<= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, o));
-        const float r = recip_rn(m);  // correctly rounded; 1/0 = inf and 0*inf = NaN -> code 0
-        if ((tid & (G - 1)) == 0 && e0 < n) absmax[e0 >> kLog2Bs] = m;
-        const u32 w0 = pack8<QT>(tab, v, 0, r, steps);
-        const u32 w1 = pack8<QT>(tab, v, 8, r, steps);
-        const i64 b0 = e0 >> 1;
-        if (whole) {
-            asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(packed + b0), "r"(w0), "r"(w1) : "memory");
-        } else {
-            const i64 nbytes = (n + 1) >> 1;
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-                if (b0 + i < nbytes) packed[b0 + i] = (u8)((i < 4 ? w0 : w1) >> (8 * (i & 3)));
-        }
+        const bool lead = (tid & (G - 1)) == 0 && e0 < n;
+        codes16<QT>(tab, steps, v, m, lead ? absmax + (e0 >> kLog2Bs) : nullptr, packed, e0 >> 1, whole,
+                    (n + 1) >> 1);
     }
     cp_async_wait<0>();
 }

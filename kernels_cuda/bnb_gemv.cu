@@ -35,7 +35,7 @@ constexpr int kGvLutWords = 256 * 64;
 template <int V>
 struct GvGeo {
     static constexpr int kSps = kGvKC / (8 * V);  // super-pieces per stage: 8 (V = 8) or 16 (V = 4)
-    static constexpr int kSpLog2 = V == 8 ? 6 : 5;  // log2 of a super-piece's 8 V elements
+    static constexpr int kSpLog2 = ilog2(8 * V);  // log2 of a super-piece's 8 V elements
     static_assert(8 * V == 1 << kSpLog2, "a super-piece is 8 V elements");
     static constexpr int kGroups = kSps / kGvU;
     static constexpr int kRounds = kSps / kGvSc;

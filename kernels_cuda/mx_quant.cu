@@ -172,13 +172,8 @@ __device__ __forceinline__ void mx_quantize_impl(const typename T::S* __restrict
 // faster than version 1's 194 us, so it is opt-in (QUANTCORE_CUDA_TUNE=mx_quant_layout=2).
 #define QCMX_V2_THREADS 256
 
-__device__ __forceinline__ void cp_async16(u32 smem_addr, const void* gptr) {
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(smem_addr), "l"(gptr) : "memory");
-}
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
+__device__ __forceinline__ void cp_async16(u32 dst, const void* gptr) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(dst), "l"(gptr) : "memory");
 }
 
 // max of two packed pairs of unsigned 16-bit integers
@@ -515,7 +510,7 @@ __device__ __forceinline__ void mx_quantize_v2_impl(const typename T::S* __restr
     // j ^ ((unit >> s) % CPU); for CPU = 4 that slot does not depend on i, so copy i sits at
     // dst0 + 512 i (immediate offsets); the global address is always src + 512 i.
     const int lane = tid & 31, warp = tid >> 5;
-    const u32 sbase = smem_u32(qcmx_v2_smem);
+    const u32 sbase = smem_addr(qcmx_v2_smem);
     auto dst_off = [&](int i) -> u32 {
         const u32 c = lane + 32 * i, u = warp * 32 + c / CPU, j = c % CPU;
         return u * UB + 16 * (j ^ ((u >> kSwzShift) % CPU));

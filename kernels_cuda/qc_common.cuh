@@ -19,6 +19,9 @@ typedef unsigned long long u64;
 typedef long long i64;
 typedef signed char i8;
 
+// log2 of a power of two, at compile time
+__host__ __device__ constexpr int ilog2(unsigned v) { return v > 1u ? 1 + ilog2(v >> 1) : 0; }
+
 constexpr u32 kFullMask = 0xffffffffu;
 
 struct alignas(8) Pair {

@@ -107,12 +107,12 @@ def _q4(tag: str, qt: str, nested: bool = False) -> str:
     return f"qc::{name}<{tag}, {QUANT_TYPE_CODE[qt]}>"
 
 
-# quantize_4bit version 3 (kernels_cuda/bnb_4bit.cu): G = blocksize / 16 threads per block up to
-# _Q4V3_MAX_G, S pipeline stages of one 4096-element tile (QUANTCORE_CUDA_TUNE q4_stages for 16-bit
-# input, q4_stages32 for fp32; at most 3 for fp32, what 4 CTAs per multiprocessor can hold)
-_Q4V3_MAX_G = 32
+# quantize_4bit version 3 (kernels_cuda/bnb_4bit.cu): G = blocksize / 16 threads per block (its
+# instances, _Q4V3_G), S pipeline stages of one tile of 256 x 16 elements (QUANTCORE_CUDA_TUNE
+# q4_stages for 16-bit input, q4_stages32 for fp32; at most 3 for fp32, what 4 CTAs per
+# multiprocessor can hold)
+_Q4V3_G = (2, 4, 8, 16, 32)
 _Q4V3_STAGES = 3
-_Q4V3_TILE = 4096
 
 
 def _q4v3(tag: str, qt: str, g: int, stages: int) -> str:
@@ -185,10 +185,7 @@ def kernel_instances() -> list[tuple[str, str]]:
     for qt in bnb.QUANT_TYPES:
         for tag in tags:
             out += [(_F4, _q4(tag, qt)), (_F4, _q4(tag, qt, nested=True))]
-            g = 2
-            while g <= _Q4V3_MAX_G:
-                out.append((_F4, _q4v3(tag, qt, g, _q4v3_stages(tag))))
-                g *= 2
+            out += [(_F4, _q4v3(tag, qt, g, _q4v3_stages(tag))) for g in _Q4V3_G]
             for nested in (False, True):
                 out.append((_F4, _dq4(tag, qt, nested)))
                 out.append((_F4, _gemv(tag, qt, nested)))
@@ -412,12 +409,12 @@ class CudaBackend(Backend):
         threads, elems, per_sm = 256, 16, 4
         vec = aligned(x, 16) and aligned(packed, 8)
         g, tag = blocksize // elems, _tag(x)
-        if g <= _Q4V3_MAX_G and rt.tune("q4_v", 3) == 3:  # version 3: tiles of 4096 elements
-            stages = _q4v3_stages(tag)
-            grid = max(1, min(_cdiv(n, _Q4V3_TILE), per_sm * rt.sm_count(launch.device)))
+        if g in _Q4V3_G and rt.tune("q4_v", 3) == 3:  # version 3: tiles of threads x elems
+            stages, tile = _q4v3_stages(tag), threads * elems
+            grid = max(1, min(_cdiv(n, tile), per_sm * rt.sm_count(launch.device)))
             launch(_F4, _q4v3(tag, quant_type, g, stages), (grid,), threads,
                    (ptr_arg(x), ptr_arg(packed), ptr_arg(absmax), i64(n), i32(vec)),
-                   shared_mem=stages * _Q4V3_TILE * (4 if tag == TYPE_TAG["float32"] else 2))
+                   shared_mem=stages * tile * as_dtype(dtype_name(x.dtype)).itemsize)
             return
         grid = max(1, min(_cdiv(_cdiv(n, elems), threads), per_sm * rt.sm_count(launch.device)))
         launch(_F4, _q4(tag, quant_type), (grid,), threads,

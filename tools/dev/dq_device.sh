@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for double_quantize / quantize_blockwise (versions 1-3, QUANTCORE_CUDA_TUNE
 # "dq_v=V,qbw_v=V"; 3 the default): GPU tests, the conformance suite for the ops, kernel times side by side
-# (CUDA events behind a sleep kernel, as tools/dev/bnb4_time.py), the bench rows of quantize_4bit
+# (CUDA events behind a sleep kernel: tools/dev/bnb4_time.py's timer and buffers), the bench rows of quantize_4bit
 # and an ncu profile of one launch of each kernel. Every step has a timeout inside one overall
 # budget (BUDGET seconds, default 225). Run from the repository root; logs under $OUT.
 set -u
@@ -30,33 +30,15 @@ from quantcore.backends import cuda
 from quantcore.backends.cuda import runtime as rt
 from quantcore.formats import bnb
 
-TUNE = "QUANTCORE_CUDA_TUNE"
+sys.path.insert(0, "tools/dev")
+from bnb4_time import BS, buffers, timed  # noqa: E402
+
+TUNE = rt.ENV_TUNE
 be = qc.get_backend("cuda")
-
-
-def timed(fn, reps=40):
-    out = []
-    for _ in range(reps):
-        torch.cuda._sleep(2_000_000)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1e3)
-    return out
-
-
-r = c = 16384
-n, bs = r * c, 64
-nb = n // bs
+bs = BS
+x, packed, absmax, q, a2, off = buffers()
+nb = absmax.numel()
 g = torch.Generator(device="cuda").manual_seed(0)
-x = torch.randn((r, c), device="cuda", generator=g, dtype=torch.float32).to(torch.bfloat16)
-packed = torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, device="cuda")
-absmax = torch.empty((nb,), dtype=torch.float32, device="cuda")
-q = torch.empty((nb,), dtype=torch.uint8, device="cuda")
-a2 = torch.empty((bnb.nblocks(nb, 256),), dtype=torch.float32, device="cuda")
-off = torch.empty((1,), dtype=torch.float32, device="cuda")
 thr = torch.from_numpy(bnb.DYNAMIC_THRESHOLDS.astype(np.float32)).cuda()
 x8 = torch.randn((4096, 16384), device="cuda", generator=g, dtype=torch.float32).to(torch.bfloat16)
 c8 = torch.empty(x8.numel(), dtype=torch.uint8, device="cuda")
@@ -112,18 +94,18 @@ big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
 big2 = torch.empty_like(big)
 res = {}
 for _ in range(2):
-    res.setdefault("copy 2 GiB d2d", []).append(statistics.median(timed(lambda: big2.copy_(big))))
+    res.setdefault("copy 2 GiB d2d", []).append(statistics.median(timed(lambda: big2.copy_(big), 40)))
     for v in VERSIONS:
         os.environ[TUNE] = f"dq_v={v},qbw_v={min(v, 3)}"
-        res.setdefault(f"double_quantize nb=4M v{v}", []).append(statistics.median(timed(dq)))
-        res.setdefault(f"quantize_4bit + double_quantize v{v}", []).append(statistics.median(timed(q4dq)))
+        res.setdefault(f"double_quantize nb=4M v{v}", []).append(statistics.median(timed(dq, 40)))
+        res.setdefault(f"quantize_4bit + double_quantize v{v}", []).append(statistics.median(timed(q4dq, 40)))
         if v == 4:
             continue
-        res.setdefault(f"quantize_blockwise bf16 64M bs256 v{v}", []).append(statistics.median(timed(qbw)))
-        res.setdefault(f"quantize_blockwise f32 4M bs4096 v{v}", []).append(statistics.median(timed(qbwf)))
-    res.setdefault("quantize_4bit kernel alone", []).append(statistics.median(timed(q4)))
-    res.setdefault("v2 chunk-sum kernel alone (nb=4M)", []).append(statistics.median(timed(sums)))
-    res.setdefault("v3 chunk-sum kernel alone (nb=4M)", []).append(statistics.median(timed(sums3)))
+        res.setdefault(f"quantize_blockwise bf16 64M bs256 v{v}", []).append(statistics.median(timed(qbw, 40)))
+        res.setdefault(f"quantize_blockwise f32 4M bs4096 v{v}", []).append(statistics.median(timed(qbwf, 40)))
+    res.setdefault("quantize_4bit kernel alone", []).append(statistics.median(timed(q4, 40)))
+    res.setdefault("v2 chunk-sum kernel alone (nb=4M)", []).append(statistics.median(timed(sums, 40)))
+    res.setdefault("v3 chunk-sum kernel alone (nb=4M)", []).append(statistics.median(timed(sums3, 40)))
 copy = 2 * (1 << 30) / (min(res["copy 2 GiB d2d"]) * 1e-6) / 1e9
 nbytes = {"double_quantize": 4 * nb + nb + 4 * (nb // 256), "quantize_blockwise bf16": 3 * x8.numel(),
           "quantize_blockwise f32": 5 * nb, "v2 chunk": 4 * nb, "v3 chunk": 4 * nb}
