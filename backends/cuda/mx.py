@@ -44,6 +44,9 @@ GEMM_MODES = ("auto", "ws", "wgmma", "mma")
 #: whole conformance suite and the memcheck runs certify as the default, stays.
 GEMM_AUTO_SM90 = "wgmma"
 THREADS = 256
+#: Block sizes of the wgmma kernel: 256 (two warpgroups of 128 rows) or 512 (four of 64 rows;
+#: ``QUANTCORE_CUDA_TUNE=mx_gemm_threads=512``).
+GEMM_WG_THREADS = (256, 512)
 #: Dynamic shared memory of the GEMM kernels (kSmemBytes in mx_gemm.cu; the tests check the
 #: kernel reports the same number).
 GEMM_SMEM_BYTES = 1024 + 3 * 128 * 128 + 4 * (256 * 64 + 128 * 64 + 4 * 512 + 2 * 512) + 1024
@@ -416,11 +419,14 @@ def unswizzle_scales(be, swz, out, *, rows: int, cols: int) -> None:
     _launch(fn, grid, block, args, stream_for(out), dev)
 
 
-def gemm_kernel_name(fmt: str, wgmma: bool, cpw: int, ws: bool = False) -> str:
-    """Entry point of mx_gemm.cu: ``ws`` the warp-specialized kernel (wgmma only)."""
+def gemm_kernel_name(fmt: str, wgmma: bool, cpw: int, ws: bool = False, threads: int = THREADS) -> str:
+    """Entry point of mx_gemm.cu: ``ws`` the warp-specialized kernel (wgmma only); ``threads``
+    512 the wgmma kernel with four warpgroups of 64 rows."""
     if ws:
         return f"qc_mx_gemm_ws_{fmt}_cp{cpw}"
-    return f"qc_mx_gemm_{'wgmma' if wgmma else 'mma'}_{fmt}_cp{cpw}"
+    if wgmma:
+        return f"qc_mx_gemm_wgmma{'' if threads == THREADS else threads}_{fmt}_cp{cpw}"
+    return f"qc_mx_gemm_mma_{fmt}_cp{cpw}"
 
 
 def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: int, k: int, fmt: str,
@@ -459,8 +465,12 @@ def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: in
         grid = max(1, min(ntiles, ctas if ctas > 0 else sms))
         _launch(fn, (grid, 1, 1), (GEMM_WS_THREADS, 1, 1), args, stream_for(out), dev, GEMM_WS_SMEM_BYTES)
         return
-    fn = function(dev, GEMM_SOURCE, arch, gemm_kernel_name(fmt, wgmma, cpw) + variant, GEMM_SMEM_BYTES)
-    _launch(fn, (ntiles, 1, 1), (THREADS, 1, 1), args, stream_for(out), dev, GEMM_SMEM_BYTES)
+    threads = rt.tune("mx_gemm_threads", THREADS) if wgmma else THREADS
+    if threads not in GEMM_WG_THREADS:
+        raise KernelError(f"mx_gemm_threads={threads}: expected one of {GEMM_WG_THREADS}")
+    name = gemm_kernel_name(fmt, wgmma, cpw, threads=threads) + variant
+    fn = function(dev, GEMM_SOURCE, arch, name, GEMM_SMEM_BYTES)
+    _launch(fn, (ntiles, 1, 1), (threads, 1, 1), args, stream_for(out), dev, GEMM_SMEM_BYTES)
 
 
 def quant_arch(device: int) -> str:
