@@ -101,12 +101,6 @@ __device__ __forceinline__ void copy16(u32 dst, const u8* src, int valid) {
 __device__ __forceinline__ void lds128(u32 addr, u32& a, u32& b, u32& c, u32& d) {
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(addr));
 }
-__device__ __forceinline__ void lds64(u32 addr, u32& a, u32& b) {
-    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "r"(addr));
-}
-__device__ __forceinline__ void sts64(u32 addr, u32 a, u32 b) {
-    asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(addr), "r"(a), "r"(b) : "memory");
-}
 __device__ __forceinline__ u32 lds32(u32 addr) {
     u32 v;
     asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
@@ -212,7 +206,8 @@ __device__ __forceinline__ void NAME(float (&d)[64], const u32 (&a)[4], u64 desc
 QCMX_WGMMA_RS(wgmma_m64n128k16_rs_bf16, "bf16")
 QCMX_WGMMA_RS(wgmma_m64n128k16_rs_f16, "f16")
 #undef QCMX_WGMMA_RS
-// both operands from shared memory: timing experiment DBG 8 only
+#if defined(QCMX_TIMING_VARIANTS)
+// both operands from shared memory: the timing variants _ss / _ssnodq only
 #define QCMX_WGMMA_SS(NAME, TY) \
 __device__ __forceinline__ void NAME(float (&d)[64], u64 adesc, u64 desc) { \
     asm volatile( \
@@ -236,6 +231,9 @@ __device__ __forceinline__ void NAME(float (&d)[64], u64 adesc, u64 desc) { \
 }
 QCMX_WGMMA_SS(wgmma_m64n128k16_ss_f16, "f16")
 #undef QCMX_WGMMA_SS
+#else
+__device__ __forceinline__ void wgmma_m64n128k16_ss_f16(float (&)[64], u64, u64) {}
+#endif
 // F16: fp16 operands (the NVFP4 decode above), else bf16
 template <bool F16>
 __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&a)[4], u64 desc) {
@@ -248,18 +246,16 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&
 #endif
 
 // -- the kernel -----------------------------------------------------------------------------------
-// DBG (timing experiments only, never launched by the backend): 1 leaves the main loop's
-// dequantization out (the MMAs run on stale tiles), 2 leaves the MMAs out (the A fragments are
-// XORed into a sink instead, one LOP3 per register: without a use the compiler drops their
-// dequantization, which made session 2's "dequantization alone" figure B's only).
-template <int FMT, bool WG, int DBG = 0, int NT = kThreads>
+// DBG (timing experiments only, never launched by the backend; their entry points are compiled
+// only with QCMX_TIMING_VARIANTS): 1 leaves the main loop's dequantization out (the MMAs run on
+// stale tiles), 2 leaves the MMAs out (the A fragments are XORed into a sink instead, one LOP3 per
+// register: without a use the compiler drops their dequantization, which made session 2's
+// "dequantization alone" figure B's only); 3 and 4 below; 5 and 6 at cvt / mul; 8 reads A from
+// shared memory (the MMAs' A operand is the B tile; the A fragments still decoded, kept by an IMAD
+// sink) and 9 is 8 with no dequantization (docs/performance.md, GEMM-X, GEMM-pipe and GEMM-SS).
+template <int FMT, bool WG, int DBG = 0>
 struct Gemm {
     using F = GemmFmt<FMT>;
-    static_assert(NT == kThreads || (WG && NT == 2 * kThreads), "256 threads, or 512 on the wgmma back end");
-    // 64-row MMA tiles per warpgroup (wgmma: 2 with 256 threads, 1 with 512) or 16-row slices per
-    // warp (mma.sync, 256 threads)
-    static constexpr int kMT = 2 * kThreads / NT;
-    static constexpr int kLdRows = NT / 4;  // rows one copy instruction of every thread covers
     static constexpr bool kNv = FMT == QC_FMT_NVFP4;
     static constexpr u32 kTwo126 = 0x7e807e80u;  // bf16x2 (2^126, 2^126)
 
@@ -272,11 +268,11 @@ struct Gemm {
     static constexpr float kAccScale = kF16 ? 4096.0f : (kNv ? 262144.0f : 1.0f);
 
     // epilogue of one warp's two 16-row slices x 128 columns: out = bf16(alpha * acc (+ bias))
-    static __device__ __forceinline__ void store_acc(const float (&acc)[kMT][64], int warp, int m0, int n0, int g,
+    static __device__ __forceinline__ void store_acc(const float (&acc)[2][64], int warp, int m0, int n0, int g,
                                                      int t, float a, const u16* bias, u16* out, int M, int N,
                                                      int out_vec) {
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
+        for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
             for (int rr = 0; rr < 2; ++rr) {
                 const int row = m0 + row_base(warp, mt) + g + 8 * rr;
@@ -308,17 +304,17 @@ struct Gemm {
 
     // first CTA-local row of the 16-row slice this warp owns in row tile mt (0, 1)
     static __device__ __forceinline__ int row_base(int warp, int mt) {
-        return WG ? (warp >> 2) * (64 * kMT) + mt * 64 + (warp & 3) * 16 : warp * 32 + mt * 16;
+        return WG ? (warp >> 2) * 128 + mt * 64 + (warp & 3) * 16 : warp * 32 + mt * 16;
     }
 
     // The cp.async side of the pipeline. Every address and bound that does not change from stage to
     // stage is worked out once per CTA (kept in 6 registers): a stage then costs each thread a few
     // pointer increments besides its copies (recomputing the 64-bit row addresses and bounds per
     // stage cost ~260 instructions per thread and stage, a fifth of the main loop's instructions).
-    // Thread tid copies the 16-byte chunk c = tid % 4 of the A rows tid / 4 + R i (i < 256 / R) and of
-    // the B rows tid / 4 + R i (i < 128 / R), R = NT / 4 = kLdRows: the same chunk of rows R apart, so
-    // the swizzled destinations are R * 64 bytes apart and the sources R rows apart; threads below
-    // 3 * 32 * KT also copy one 16-byte piece of a 512-byte scale tile (A's row tiles first, then B's).
+    // Thread tid copies the 16-byte chunk c = tid % 4 of the A rows tid / 4 + 64 i (i < 4) and of the B
+    // rows tid / 4 + 64 i (i < 2): the same chunk of rows 64 apart, so the swizzled destinations are
+    // 4096 bytes apart and the sources 64 rows apart; threads below 3 * 32 * KT also copy one 16-byte
+    // piece of a 512-byte scale tile (A's row tiles first, then B's).
     struct Loader {
         const u8* a;   // A row tid / 4, chunk c of stage 0 (the base pointer where the row is past M)
         const u8* b;
@@ -327,7 +323,6 @@ struct Gemm {
         u32 sdst;      // shared offset of the scale piece
         int skt;       // the scale piece's tile column (stage 0), or a huge value where there is none
         u32 rows;      // bits 0..3: A row i inside M; bits 4..5: B row i inside N
-        static constexpr int kA = kBM / kLdRows, kB = kBN / kLdRows;  // copies per thread and stage
 
         __device__ __forceinline__ void init(const u8* A, const u8* B, const u8* SA, const u8* SB, int m0, int n0,
                                              int M, int N, int KB, int nkt, int nmt) {
@@ -335,9 +330,9 @@ struct Gemm {
             dst = r * kRowBytes + ((c ^ ((r >> 1) & 3)) << 4);
             rows = 0;
 #pragma unroll
-            for (int i = 0; i < kA; ++i) rows |= (m0 + r + kLdRows * i < M ? 1u : 0u) << i;
+            for (int i = 0; i < 4; ++i) rows |= (m0 + r + 64 * i < M ? 1u : 0u) << i;
 #pragma unroll
-            for (int i = 0; i < kB; ++i) rows |= (n0 + r + kLdRows * i < N ? 1u : 0u) << (4 + i);
+            for (int i = 0; i < 2; ++i) rows |= (n0 + r + 64 * i < N ? 1u : 0u) << (4 + i);
             a = (rows & 1u) ? A + (i64)(m0 + r) * KB + 16 * c : A;
             b = (rows & 16u) ? B + (i64)(n0 + r) * KB + 16 * c : B;
             constexpr int KT = F::kKTiles, kSaChunks = 2 * KT * 32, kSbChunks = KT * 32;
@@ -368,28 +363,25 @@ struct Gemm {
                                               int nkt, bool whole) {
             constexpr int KT = F::kKTiles, kScaleThreads = 3 * KT * 32;
             const u32 buf = s_stage + (st % kStages) * kStageBytes;
-            const i64 rowstep = (i64)KB * kLdRows;
-            constexpr u32 kDstStep = kLdRows * kRowBytes;
+            const i64 rowstep = (i64)KB * 64;  // 64 rows
             if (whole) {
                 const u8* pa = a + st * kRowBytes;
                 const u8* pb = b + st * kRowBytes;
 #pragma unroll
-                for (int i = 0; i < kA; ++i, pa += rowstep) copy16<CPW>(buf + dst + kDstStep * i, pa, 16);
+                for (int i = 0; i < 4; ++i, pa += rowstep) copy16<CPW>(buf + dst + 4096 * i, pa, 16);
 #pragma unroll
-                for (int i = 0; i < kB; ++i, pb += rowstep)
-                    copy16<CPW>(buf + kAStageBytes + dst + kDstStep * i, pb, 16);
+                for (int i = 0; i < 2; ++i, pb += rowstep) copy16<CPW>(buf + kAStageBytes + dst + 4096 * i, pb, 16);
             } else {
                 const int kv = min(max(KB - 16 * (int)(threadIdx.x & 3) - st * kRowBytes, 0), 16);
 #pragma unroll
-                for (int i = 0; i < kA; ++i) {
+                for (int i = 0; i < 4; ++i) {
                     const int v = (rows >> i) & 1u ? kv : 0;
-                    copy16<CPW>(buf + dst + kDstStep * i, v > 0 ? a + i * rowstep + st * kRowBytes : A, v);
+                    copy16<CPW>(buf + dst + 4096 * i, v > 0 ? a + i * rowstep + st * kRowBytes : A, v);
                 }
 #pragma unroll
-                for (int i = 0; i < kB; ++i) {
+                for (int i = 0; i < 2; ++i) {
                     const int v = (rows >> (4 + i)) & 1u ? kv : 0;
-                    copy16<CPW>(buf + kAStageBytes + dst + kDstStep * i,
-                                v > 0 ? b + i * rowstep + st * kRowBytes : B, v);
+                    copy16<CPW>(buf + kAStageBytes + dst + 4096 * i, v > 0 ? b + i * rowstep + st * kRowBytes : B, v);
                 }
             }
             if (threadIdx.x < kScaleThreads) {
@@ -427,13 +419,14 @@ struct Gemm {
         if (kF16) return cvt<0>(__byte_perm(w, 0u, (sh >> 3) * 0x11u));
         return lut(s_lut, w, sh);
     }
-    // DBG 5, 6, 7 (timing only): which instructions of the fp16 decode the MMAs slow down: 5 replaces
-    // the fp16x2 multiplies by an XOR, 6 the E4M3 conversions by a byte_perm, 7 both
+    // DBG 5 and 6 (timing only): which instructions of the fp16 decode cost time under the MMAs:
+    // 5 replaces each fp16x2 multiply (FMA pipe) by an XOR (integer ALU pipe), 6 each E4M3
+    // conversion by a byte_perm
     template <int H>
     static __device__ __forceinline__ u32 cvt(u32 w) {
-        return DBG == 6 || DBG == 7 ? __byte_perm(w, 0u, H ? 0x3424u : 0x1404u) : e4m3x2_f16x2<H>(w);
+        return DBG == 6 ? __byte_perm(w, 0u, H ? 0x3424u : 0x1404u) : e4m3x2_f16x2<H>(w);
     }
-    static __device__ __forceinline__ u32 mul(u32 a, u32 b) { return DBG == 5 || DBG == 7 ? a ^ b : hmul2(a, b); }
+    static __device__ __forceinline__ u32 mul(u32 a, u32 b) { return DBG == 5 ? a ^ b : hmul2(a, b); }
     // The 4 operand pairs of word q (8 codes) times S: pair s is k16 step s's register. The pairs
     // are a fixed permutation of the word's codes, the same for A and B: bf16 (p_s, p_{s+4}), fp16
     // (p0, p2), (p4, p6), (p1, p3), (p5, p7).
@@ -461,13 +454,13 @@ struct Gemm {
     // A fragments of step j (64 K-elements) for this thread's 4 rows. Thread t reads words t and
     // t + 4 (8-element groups) of each row's 32 bytes; register (k16 step s, half hh) is
     // W_s(q_{t+4hh}), i.e. logical k = 16s + 8hh + 2t (the B tile is stored to match).
-    static __device__ __forceinline__ void dequant_a(int j, u32 s_stage, u32 s_lut, int nkb, u32 (&af)[kMT][4][4]) {
+    static __device__ __forceinline__ void dequant_a(int j, u32 s_stage, u32 s_lut, int nkb, u32 (&af)[2][4][4]) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
         const int h = j & 1;
         const u32 buf = s_stage + ((j >> 1) % kStages) * kStageBytes;
         const int nval = nkb - j * F::kBlocksPerStep;
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
+        for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
             for (int rr = 0; rr < 2; ++rr) {
                 const int row = row_base(warp, mt) + g + 8 * rr;
@@ -499,94 +492,77 @@ struct Gemm {
         }
     }
 
-    // B tile of step j (128 x 64 bf16) into the swizzled buffer at bs. Row n's 16-byte chunk
-    // ch = 2h + part of the stage (32 codes) is decoded by one thread (256 threads) or by two, words
-    // 2 sub and 2 sub + 1 each (512 threads: sub = tid % 2, so a warp's 8-byte stores cover 16 rows
-    // x 16 bytes, every bank twice).
-    static constexpr int kBW = 4 * kThreads / NT;  // words of the chunk per thread
+    // B tile of step j (128 x 64 bf16) into the swizzled buffer at bs.
     static __device__ __forceinline__ void dequant_b(int j, u32 s_stage, u32 s_lut, int nkb, u32 bs) {
-        const int tid = threadIdx.x;
-        const int sub = kBW == 4 ? 0 : tid & 1;
-        const int n = (kBW == 4 ? tid : tid >> 1) & 127, part = kBW == 4 ? tid >> 7 : tid >> 8;
+        const int tid = threadIdx.x, n = tid & 127, part = tid >> 7;
         const int h = j & 1;
         const u32 buf = s_stage + ((j >> 1) % kStages) * kStageBytes;
         const int nval = nkb - j * F::kBlocksPerStep;
         const int ch = 2 * h + part;
-        u32 q[kBW];
+        u32 q[4];
         {
-            const u32 qa = buf + kAStageBytes + n * kRowBytes + ((ch ^ ((n >> 1) & 3)) << 4) + 4 * kBW * sub;
+            const u32 qa = buf + kAStageBytes + n * kRowBytes + ((ch ^ ((n >> 1) & 3)) << 4);
             if (DBG == 3) {
-#pragma unroll
-                for (int i = 0; i < kBW; ++i) q[i] = ldd(qa + 4 * i);
-            } else if (kBW == 4) {
-                lds128(qa, q[0], q[1], q[2], q[3]);
+                q[0] = ldd(qa), q[1] = ldd(qa + 4), q[2] = ldd(qa + 8), q[3] = ldd(qa + 12);
             } else {
-                lds64(qa, q[0], q[1]);
+                lds128(qa, q[0], q[1], q[2], q[3]);
             }
         }
         const u32 soff = (n & 31) * 16 + (n >> 5) * 4;
-        u32 S[kBW / 2];  // word i's multiplier: S[i / 2]
-        if (kNv) {       // word w of the chunk lies in block 2 part + w / 2 of the step
+        u32 S[2];
+        if (kNv) {
             const u32 sw = mask_blocks(ldd(buf + kAStageBytes + kBStageBytes + kSAStageBytes +
                                              h * QC_SWIZZLE_TILE_BYTES + soff), nval);
-#pragma unroll
-            for (int i = 0; i < kBW / 2; ++i) S[i] = lutd(s_lut, sw, 16 * part + 8 * (i + sub));
+            S[0] = lutd(s_lut, sw, 16 * part);
+            S[1] = lutd(s_lut, sw, 16 * part + 8);
         } else {
             const u32 sw = mask_blocks(ldd(buf + kAStageBytes + kBStageBytes + kSAStageBytes + soff) >> (16 * h),
                                        nval);
-            S[0] = lutd(s_lut, sw, 8 * part);
-#pragma unroll
-            for (int i = 1; i < kBW / 2; ++i) S[i] = S[0];
+            S[0] = S[1] = lutd(s_lut, sw, 8 * part);
         }
         // logical chunk 2s + part (k = 16s + 8part .. +7) = [W_s(q_0), W_s(q_1), W_s(q_2), W_s(q_3)],
         // matching the A fragments (position 2t <- group t + 4part)
-        u32 pr[kBW][4];
+        u32 pr[4][4];
 #pragma unroll
-        for (int i = 0; i < kBW; ++i) decode4(q[i], S[i >> 1], pr[i]);
+        for (int i = 0; i < 4; ++i) decode4(q[i], S[i >> 1], pr[i]);
 #pragma unroll
         for (int s4 = 0; s4 < 4; ++s4) {
             const int c = 2 * s4 + part;
-            const u32 dst = bs + n * 128 + ((c ^ (n & 7)) << 4) + 4 * kBW * sub;
-            if (kBW == 4) {
-                if (DBG != 3 || (pr[0][s4] ^ pr[1][s4] ^ pr[2][s4] ^ pr[3][s4]) == 0x9e3779b9u)
-                    sts128(dst, pr[0][s4], pr[1][s4], pr[2][s4], pr[3][s4]);
-            } else {
-                if (DBG != 3 || (pr[0][s4] ^ pr[1][s4]) == 0x9e3779b9u) sts64(dst, pr[0][s4], pr[1][s4]);
-            }
+            if (DBG != 3 || (pr[0][s4] ^ pr[1][s4] ^ pr[2][s4] ^ pr[3][s4]) == 0x9e3779b9u)
+                sts128(bs + n * 128 + ((c ^ (n & 7)) << 4), pr[0][s4], pr[1][s4], pr[2][s4], pr[3][s4]);
         }
     }
 
     // The MMAs of one step: A from af, B from the tile at bs.
-    static __device__ __forceinline__ void fence_accs(float (&acc)[kMT][64]) {
-#if defined(QCMX_HAS_WGMMA)
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) fence_acc(acc[mt]);
-#endif
-    }
-    static __device__ __forceinline__ void mma_step(const u32 (&af)[kMT][4][4], u32 bs, float (&acc)[kMT][64]) {
+    static __device__ __forceinline__ void mma_step(const u32 (&af)[2][4][4], u32 bs, float (&acc)[2][64]) {
 #if defined(QCMX_HAS_WGMMA)
         if (WG) {
-            fence_accs(acc);
+            fence_acc(acc[0]);
+            fence_acc(acc[1]);
             wgmma_fence();
             // K step s starts 32 bytes on: 2 in the descriptor's address field (bs + 96 < 256 KiB, no
             // carry out of it), one add instead of the whole descriptor per MMA
             const u64 desc0 = desc_sw128(bs);
-            if (DBG == 8 || DBG == 9) {  // timing only: A from shared memory (the B tile's rows; sink_af keeps A's decode)
+            if (DBG == 8 || DBG == 9) {  // timing only: A from shared memory (the B tile's rows)
 #pragma unroll
-                for (int mt = 0; mt < kMT; ++mt)
+                for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
                     for (int s = 0; s < 4; ++s)
                         wgmma_m64n128k16_ss_f16(acc[mt], desc_sw128(bs + 8192u * mt) + 2u * s, desc0 + 2u * s);
                 wgmma_commit();
-                fence_accs(acc);
+                fence_acc(acc[0]);
+                fence_acc(acc[1]);
                 return;
             }
+            // the four K steps of one accumulator, then of the other (alternating the accumulators
+            // per K step measured 2-3% slower: docs/performance.md, GEMM-chain)
 #pragma unroll
-            for (int mt = 0; mt < kMT; ++mt)
+            for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
                 for (int s = 0; s < 4; ++s) wgmma_m64n128k16_rs<kF16>(acc[mt], af[mt][s], desc0 + 2u * s);
             wgmma_commit();
-            fence_accs(acc);
+            fence_acc(acc[0]);
+            fence_acc(acc[1]);
             return;
         }
 #endif
@@ -609,23 +585,23 @@ struct Gemm {
         }
     }
 
-    static __device__ __forceinline__ void sink_af(const u32 (&af)[kMT][4][4], u32& sink) {
+    static __device__ __forceinline__ void sink_af(const u32 (&af)[2][4][4], u32& sink) {
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
+        for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
             for (int s = 0; s < 4; ++s)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     if (DBG == 8) {
-                        sink = sink * 0x9e3779b1u + af[mt][s][i];  // IMAD: not on the integer ALU pipe (DBG 8)
+                        sink = sink * 0x9e3779b1u + af[mt][s][i];  // IMAD: on the FMA pipe, not the ALU pipe
                     } else {
                         sink ^= af[mt][s][i];
                     }
                 }
     }
-    static __device__ __forceinline__ void fence_af(u32 (&af)[kMT][4][4]) {
+    static __device__ __forceinline__ void fence_af(u32 (&af)[2][4][4]) {
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
+        for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
             for (int s = 0; s < 4; ++s)
 #pragma unroll
@@ -658,7 +634,7 @@ struct Gemm {
         {  // scale byte -> bf16x2 multiplier (see the file comment)
             const float v = kNv ? __fmul_rn(e4m3_value(tid), __uint_as_float((117u + 127u) << 23)) : e8m0_value(tid);
             const u32 hb = __float_as_uint(v) >> 16;
-            if (NT == kThreads || tid < 256) sts32(s_lut + tid * 4, hb | (hb << 16));
+            sts32(s_lut + tid * 4, hb | (hb << 16));
         }
 
         const bool full = m0 + kBM <= M && n0 + kBN <= N;  // no row of the tile is past M or N
@@ -672,12 +648,12 @@ struct Gemm {
             if (st < nstage) ld.template issue<CPW>(st, s_stage, A, B, SA, KB, nkt, full && (st + 1) * kRowBytes <= KB);
             cp_async_commit();
         }
-        float acc[kMT][64];
+        float acc[2][64];
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
+        for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
             for (int i = 0; i < 64; ++i) acc[mt][i] = 0.0f;
-        u32 af[2][kMT][4][4];
+        u32 af[2][2][4][4];
 
         cp_async_wait<kStages - 1>();  // stage 0 landed
         __syncthreads();
@@ -716,7 +692,8 @@ struct Gemm {
 #define QCMX_WAIT1()                 \
     if (WG) {                        \
         wgmma_wait<1>();             \
-        fence_accs(acc);             \
+        fence_acc(acc[0]);           \
+        fence_acc(acc[1]);           \
     }
 #define QCMX_FENCE_PROXY() \
     if (WG) fence_proxy_async();
@@ -734,7 +711,8 @@ struct Gemm {
 #if defined(QCMX_HAS_WGMMA)
         if (WG) {
             wgmma_wait<0>();
-            fence_accs(acc);
+            fence_acc(acc[0]);
+            fence_acc(acc[1]);
         }
 #endif
 
@@ -1181,15 +1159,6 @@ QCMX_GEMM_WG(nvfp4, QC_FMT_NVFP4, 16)
 QCMX_GEMM_WG(nvfp4, QC_FMT_NVFP4, 4)
 QCMX_GEMM_WG(mxfp4, QC_FMT_MXFP4, 16)
 QCMX_GEMM_WG(mxfp4, QC_FMT_MXFP4, 4)
-// the same with 512 threads: four warpgroups of 64 rows (twice the warps per scheduler)
-#define QCMX_GEMM_WG512(FMTNAME, FMT, CPW)                                                                 \
-    extern "C" __global__ void __launch_bounds__(512, 1) qc_mx_gemm_wgmma512_##FMTNAME##_cp##CPW(QCMX_GEMM_ARGS) { \
-        qcmx::Gemm<FMT, true, 0, 512>::run<CPW>(QCMX_GEMM_PASS);                                           \
-    }
-QCMX_GEMM_WG512(nvfp4, QC_FMT_NVFP4, 16)
-QCMX_GEMM_WG512(nvfp4, QC_FMT_NVFP4, 4)
-QCMX_GEMM_WG512(mxfp4, QC_FMT_MXFP4, 16)
-QCMX_GEMM_WG512(mxfp4, QC_FMT_MXFP4, 4)
 // warp-specialized persistent back end: 384 threads, grid <= number of tiles, kWsSmemBytes
 #define QCMX_GEMM_WS(FMTNAME, FMT, CPW)                                                                    \
     extern "C" __global__ void __launch_bounds__(qcmx::kWsThreads, 1)                                      \
@@ -1201,7 +1170,13 @@ QCMX_GEMM_WS(nvfp4, QC_FMT_NVFP4, 4)
 QCMX_GEMM_WS(mxfp4, QC_FMT_MXFP4, 16)
 QCMX_GEMM_WS(mxfp4, QC_FMT_MXFP4, 4)
 extern "C" __global__ void qc_mx_gemm_ws_smem_bytes(int* out) { *out = qcmx::kWsSmemBytes; }
-// timing experiments: no A dequantization (consumers) / no B dequantization (producer)
+
+// -- timing experiments (tools/dev/mxgemm_time.py, tools/cuda_mx_bench.py --experiments): NVFP4,
+// 16-byte copies, wrong results by design. Compiled only with QCMX_TIMING_VARIANTS (the backend
+// builds them into a separate module when scaled_fp4_mm is asked for a variant), so the module
+// users build does not spend NVRTC time on them.
+#if defined(QCMX_TIMING_VARIANTS)
+// ws: no A dequantization (consumers) / no B dequantization (producer) / neither
 extern "C" __global__ void __launch_bounds__(qcmx::kWsThreads, 1) qc_mx_gemm_ws_nvfp4_cp16_noadq(QCMX_GEMM_ARGS) {
     qcmx::GemmWS<QC_FMT_NVFP4, 16, 1>::run(QCMX_GEMM_PASS);
 }
@@ -1211,7 +1186,7 @@ extern "C" __global__ void __launch_bounds__(qcmx::kWsThreads, 1) qc_mx_gemm_ws_
 extern "C" __global__ void __launch_bounds__(qcmx::kWsThreads, 1) qc_mx_gemm_ws_nvfp4_cp16_nodq(QCMX_GEMM_ARGS) {
     qcmx::GemmWS<QC_FMT_NVFP4, 16, 3>::run(QCMX_GEMM_PASS);
 }
-// timing experiments (tools/cuda_mx_bench.py --experiments): no dequantization / no MMA in the loop
+// wgmma: no dequantization / no MMA in the loop
 extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_nvfp4_cp16_nodq(QCMX_GEMM_ARGS) {
     qcmx::Gemm<QC_FMT_NVFP4, true, 1>::run<16>(QCMX_GEMM_PASS);
 }
@@ -1226,24 +1201,23 @@ extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_nvfp4_cp16
 extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_nvfp4_cp16_smem(QCMX_GEMM_ARGS) {
     qcmx::Gemm<QC_FMT_NVFP4, true, 4>::run<16>(QCMX_GEMM_PASS);
 }
-// which instructions of the fp16 decode: no multiplies, no conversions, neither (DBG 5 / 6 / 7)
+// which pipe: the fp16 multiplies moved to the integer ALU pipe (_nohmul), the E4M3 conversions
+// replaced by byte_perm (_nof2fp) (DBG 5 / 6)
 extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_nvfp4_cp16_nohmul(QCMX_GEMM_ARGS) {
     qcmx::Gemm<QC_FMT_NVFP4, true, 5>::run<16>(QCMX_GEMM_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_nvfp4_cp16_nof2fp(QCMX_GEMM_ARGS) {
     qcmx::Gemm<QC_FMT_NVFP4, true, 6>::run<16>(QCMX_GEMM_PASS);
 }
-extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_nvfp4_cp16_noconv(QCMX_GEMM_ARGS) {
-    qcmx::Gemm<QC_FMT_NVFP4, true, 7>::run<16>(QCMX_GEMM_PASS);
-}
-// A read by the MMAs from shared memory instead of registers (its dequantization still runs), and
-// the same with no dequantization at all (DBG 8 / 9)
+// A read by the MMAs from shared memory instead of registers, with its dequantization still done
+// (_ss) and with no dequantization at all (_ssnodq) (DBG 8 / 9)
 extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_nvfp4_cp16_ss(QCMX_GEMM_ARGS) {
     qcmx::Gemm<QC_FMT_NVFP4, true, 8>::run<16>(QCMX_GEMM_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_nvfp4_cp16_ssnodq(QCMX_GEMM_ARGS) {
     qcmx::Gemm<QC_FMT_NVFP4, true, 9>::run<16>(QCMX_GEMM_PASS);
 }
-#endif
+#endif  // QCMX_TIMING_VARIANTS
+#endif  // QCMX_HAS_WGMMA
 
 extern "C" __global__ void qc_mx_gemm_smem_bytes(int* out) { *out = qcmx::kSmemBytes; }

@@ -44,10 +44,10 @@ def _gencode(arch: str) -> list[str]:
     return [f"-gencode=arch=compute_{num},code={arch}"]
 
 
-def _nvcc(tmp_path: Path, source: str, arch: str) -> str:
+def _nvcc(tmp_path: Path, source: str, arch: str, *defines: str) -> str:
     kernel_defines.write_header(tmp_path)
     cmd = [NVCC, "-std=c++17", "-cubin", *_gencode(arch), "-ftz=false", "--fmad=false", "-prec-div=true",
-           f"-I{tmp_path}", f"-DQCMX_EXPECT_SMEM={cmx.GEMM_SMEM_BYTES}", "-Xptxas", "-v",
+           f"-I{tmp_path}", f"-DQCMX_EXPECT_SMEM={cmx.GEMM_SMEM_BYTES}", *defines, "-Xptxas", "-v",
            str(KDIR / source), "-o", str(tmp_path / "k.cubin")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout}\n{res.stderr}"
@@ -73,16 +73,23 @@ def test_quant_source_compiles(tmp_path, arch):
         assert "0 bytes spill stores" in text, (name, text)
 
 
+TIMING_VARIANTS = ("_nodq", "_nomma", "_alu", "_smem", "_nohmul", "_nof2fp", "_ss", "_ssnodq")
+
+
 @needs_nvcc
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_90a"])
-def test_gemm_source_compiles(tmp_path, arch):
-    log = _nvcc(tmp_path, cmx.GEMM_SOURCE, arch)
+@pytest.mark.parametrize("arch,timing", [("sm_80", False), ("sm_90", False), ("sm_90a", False), ("sm_90a", True)])
+def test_gemm_source_compiles(tmp_path, arch, timing):
+    """The GEMM builds for each target; with -DQCMX_TIMING_VARIANTS (the module the timing tools
+    load) its experiment entry points too, and only then."""
+    log = _nvcc(tmp_path, cmx.GEMM_SOURCE, arch, *(["-DQCMX_TIMING_VARIANTS"] if timing else []))
     ents = _entries(log)
     wg = arch == "sm_90a"
     for fmt in mx.FP4_FORMATS:
         for cpw in (16, 4):
             assert cmx.gemm_kernel_name(fmt, False, cpw) in ents
             assert (cmx.gemm_kernel_name(fmt, True, cpw) in ents) == wg
+    for var in TIMING_VARIANTS:
+        assert (cmx.gemm_kernel_name("nvfp4", True, 16) + var in ents) == (wg and timing), var
     for name, text in ents.items():
         # registers sit near the 255 limit: a spill would mean local-memory traffic in the main
         # loop. The sm_80 build of the mma.sync path (bf16x2 multiplies as fma) may spill a few

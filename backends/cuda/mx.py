@@ -44,9 +44,6 @@ GEMM_MODES = ("auto", "ws", "wgmma", "mma")
 #: whole conformance suite and the memcheck runs certify as the default, stays.
 GEMM_AUTO_SM90 = "wgmma"
 THREADS = 256
-#: Block sizes of the wgmma kernel: 256 (two warpgroups of 128 rows) or 512 (four of 64 rows;
-#: ``QUANTCORE_CUDA_TUNE=mx_gemm_threads=512``).
-GEMM_WG_THREADS = (256, 512)
 #: Dynamic shared memory of the GEMM kernels (kSmemBytes in mx_gemm.cu; the tests check the
 #: kernel reports the same number).
 GEMM_SMEM_BYTES = 1024 + 3 * 128 * 128 + 4 * (256 * 64 + 128 * 64 + 4 * 512 + 2 * 512) + 1024
@@ -59,8 +56,8 @@ GEMM_WS_SMEM_BYTES = 1024 + 4 * 128 * 128 + 4 * (256 * 64 + 128 * 64 + 4 * 512 +
 
 
 _lock = threading.Lock()
-_modules: dict[tuple[int, str, str], Any] = {}
-_functions: dict[tuple[int, str, str, str], Any] = {}
+_modules: dict[tuple[int, str, str, bool], Any] = {}
+_functions: dict[tuple[int, str, str, str, bool], Any] = {}
 _streams: dict[tuple[int, int], Any] = {}
 
 
@@ -84,21 +81,23 @@ def cache_dir() -> str:
     return os.path.join(base, "cuda-mx")
 
 
-def compile_cubin(source: str, arch: str, use_cache: bool = True) -> bytes:
+def compile_cubin(source: str, arch: str, use_cache: bool = True, timing: bool = False) -> bytes:
     """NVRTC build of ``kernels_cuda/<source>`` for ``arch`` ("sm_90a", "sm_80" ...) -> cubin.
 
     Cached on disk under :func:`cache_dir`, keyed by the source, headers, options, target and
-    NVRTC version, so a new process does not rebuild (the GEMM takes tens of seconds)."""
+    NVRTC version, so a new process does not rebuild (the GEMM takes tens of seconds).
+    ``timing`` also builds the GEMM's timing experiments (``-DQCMX_TIMING_VARIANTS``)."""
     try:
         from cupy_backends.cuda.libs import nvrtc
     except ImportError as exc:  # pragma: no cover - the backend is unavailable without CuPy
         raise KernelError(f"CuPy's NVRTC binding is missing: {exc}") from exc
     contents, names = headers()
     text = kernel_text(source)
-    options = [*NVRTC_OPTIONS, f"-DQCMX_EXPECT_SMEM={GEMM_SMEM_BYTES}", f"--gpu-architecture={arch}"]
+    options = [*NVRTC_OPTIONS, f"-DQCMX_EXPECT_SMEM={GEMM_SMEM_BYTES}", f"--gpu-architecture={arch}",
+               *(["-DQCMX_TIMING_VARIANTS"] if timing else [])]
     key = hashlib.sha256("\0".join([text, *contents, *names, *options, repr(nvrtc.getVersion())])
                          .encode()).hexdigest()[:32]
-    path = os.path.join(cache_dir(), f"{os.path.splitext(source)[0]}-{arch}-{key}.cubin")
+    path = os.path.join(cache_dir(), f"{os.path.splitext(source)[0]}{'-timing' if timing else ''}-{arch}-{key}.cubin")
     if use_cache:
         try:
             with open(path, "rb") as f:
@@ -160,14 +159,14 @@ def gemm_arch(device: int, mode: str | None = None) -> tuple[str, bool]:
     return f"sm_{major}{minor}", False
 
 
-def _module(device: int, source: str, arch: str):
-    key = (device, source, arch)
+def _module(device: int, source: str, arch: str, timing: bool = False):
+    key = (device, source, arch, timing)
     mod = _modules.get(key)
     if mod is None:
         with _lock:
             mod = _modules.get(key)
             if mod is None:
-                cubin = compile_cubin(source, arch)
+                cubin = compile_cubin(source, arch, timing=timing)
                 cp = _cupy()
                 with cp.cuda.Device(device):
                     mod = cp.cuda.function.Module()
@@ -176,12 +175,13 @@ def _module(device: int, source: str, arch: str):
     return mod
 
 
-def function(device: int, source: str, arch: str, name: str, smem: int = 0):
-    """A kernel of the module (loaded once per device / source / arch)."""
-    key = (device, source, arch, name)
+def function(device: int, source: str, arch: str, name: str, smem: int = 0, timing: bool = False):
+    """A kernel of the module (loaded once per device / source / arch; ``timing``: of the module
+    built with the GEMM's timing experiments)."""
+    key = (device, source, arch, name, timing)
     fn = _functions.get(key)
     if fn is None:
-        mod = _module(device, source, arch)
+        mod = _module(device, source, arch, timing)
         fn = mod.get_function(name)
         if smem > 48 * 1024:  # above the default 48 KiB a kernel must opt in
             drv = _cupy().cuda.driver
@@ -419,14 +419,11 @@ def unswizzle_scales(be, swz, out, *, rows: int, cols: int) -> None:
     _launch(fn, grid, block, args, stream_for(out), dev)
 
 
-def gemm_kernel_name(fmt: str, wgmma: bool, cpw: int, ws: bool = False, threads: int = THREADS) -> str:
-    """Entry point of mx_gemm.cu: ``ws`` the warp-specialized kernel (wgmma only); ``threads``
-    512 the wgmma kernel with four warpgroups of 64 rows."""
+def gemm_kernel_name(fmt: str, wgmma: bool, cpw: int, ws: bool = False) -> str:
+    """Entry point of mx_gemm.cu: ``ws`` the warp-specialized kernel (wgmma only)."""
     if ws:
         return f"qc_mx_gemm_ws_{fmt}_cp{cpw}"
-    if wgmma:
-        return f"qc_mx_gemm_wgmma{'' if threads == THREADS else threads}_{fmt}_cp{cpw}"
-    return f"qc_mx_gemm_mma_{fmt}_cp{cpw}"
+    return f"qc_mx_gemm_{'wgmma' if wgmma else 'mma'}_{fmt}_cp{cpw}"
 
 
 def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: int, k: int, fmt: str,
@@ -435,8 +432,9 @@ def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: in
 
     ``mode`` ("auto", "ws", "wgmma", "mma") overrides ``QUANTCORE_CUDA_MX_GEMM`` (tests,
     benchmarks); "auto" is :data:`GEMM_AUTO_SM90` on compute capability 9.0, else "mma".
-    ``variant`` selects a timing experiment (nvfp4, 16-byte copies only; wrong results by design):
-    "_nodq" / "_nomma" of the wgmma kernel, "_noadq" / "_nobdq" / "_nodq" of the ws kernel.
+    ``variant`` selects a timing experiment (nvfp4, 16-byte copies only; wrong results by design;
+    built into a separate module, see mx_gemm.cu): "_nodq", "_nomma", "_alu", "_smem", "_nohmul",
+    "_nof2fp", "_ss", "_ssnodq" of the wgmma kernel, "_noadq" / "_nobdq" / "_nodq" of the ws kernel.
     """
     from quantcore.backends.cuda import runtime as rt
 
@@ -457,7 +455,8 @@ def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: in
     args = (_u64(ptrs[0]), _u64(ptrs[1]), _u64(ptrs[2]), _u64(ptrs[3]), _u64(ptr(alpha)), _u64(ptr(bias)),
             _u64(ptr(out)), np.int32(m), np.int32(n), np.int32(k), np.int32(out_vec))
     if ws:  # persistent: one CTA per SM (at most one per tile)
-        fn = function(dev, GEMM_SOURCE, arch, gemm_kernel_name(fmt, True, cpw, ws=True) + variant, GEMM_WS_SMEM_BYTES)
+        fn = function(dev, GEMM_SOURCE, arch, gemm_kernel_name(fmt, True, cpw, ws=True) + variant, GEMM_WS_SMEM_BYTES,
+                      timing=bool(variant))
         sms = _sm_count.get(dev)
         if sms is None:
             sms = _sm_count[dev] = int(_cupy().cuda.Device(dev).attributes["MultiProcessorCount"])
@@ -465,12 +464,9 @@ def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: in
         grid = max(1, min(ntiles, ctas if ctas > 0 else sms))
         _launch(fn, (grid, 1, 1), (GEMM_WS_THREADS, 1, 1), args, stream_for(out), dev, GEMM_WS_SMEM_BYTES)
         return
-    threads = rt.tune("mx_gemm_threads", THREADS) if wgmma else THREADS
-    if threads not in GEMM_WG_THREADS:
-        raise KernelError(f"mx_gemm_threads={threads}: expected one of {GEMM_WG_THREADS}")
-    name = gemm_kernel_name(fmt, wgmma, cpw, threads=threads) + variant
-    fn = function(dev, GEMM_SOURCE, arch, name, GEMM_SMEM_BYTES)
-    _launch(fn, (ntiles, 1, 1), (threads, 1, 1), args, stream_for(out), dev, GEMM_SMEM_BYTES)
+    fn = function(dev, GEMM_SOURCE, arch, gemm_kernel_name(fmt, wgmma, cpw) + variant, GEMM_SMEM_BYTES,
+                  timing=bool(variant))
+    _launch(fn, (ntiles, 1, 1), (THREADS, 1, 1), args, stream_for(out), dev, GEMM_SMEM_BYTES)
 
 
 def quant_arch(device: int) -> str:

@@ -16,7 +16,6 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from mxgemm_time import operands  # noqa: E402
-
 from quantcore.backends.cuda import mx as cmx
 from quantcore.backends.cuda import runtime as rt
 

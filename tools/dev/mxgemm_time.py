@@ -2,8 +2,8 @@
 process: the full kernel (NVFP4, MXFP4) and the timing variants of the NVFP4 one, _nodq (MMAs on
 stale tiles, no dequantization), _nomma (dequantization only), _alu (the MMAs with the
 dequantization's arithmetic but not its shared-memory traffic) and _smem (the MMAs with that
-traffic but one XOR per pair for the decode), _nohmul / _nof2fp / _noconv (the fp16 decode's
-multiplies, its E4M3 conversions or both replaced by one integer instruction each), _ss (A read by
+traffic but one XOR per pair for the decode), _nohmul / _nof2fp (the fp16 decode's multiplies
+or its E4M3 conversions replaced by one integer-pipe instruction each), _ss (A read by
 the MMAs from shared memory, its dequantization still done) and _ssnodq (the same, no
 dequantization). CUDA events around one call
 queued behind a 1 ms sleep kernel, median of 15. argv[1] (optional): the back ends to time, comma
@@ -44,7 +44,7 @@ def main() -> None:
     tt = timed(lambda: torch.matmul(a16, b16.t()), 15)
     print(f"torch bf16 matmul {tt:.4f} ms {flops / tt / 1e9:.0f} TFLOPS")
     out = torch.empty((M, N), dtype=torch.bfloat16, device=dev)
-    variants = {"wgmma": ("", "_nodq", "_nomma", "_alu", "_smem", "_nohmul", "_nof2fp", "_noconv", "_ss", "_ssnodq"), "ws": ("", "_nodq", "_noadq", "_nobdq")}
+    variants = {"wgmma": ("", "_nodq", "_nomma", "_alu", "_smem", "_nohmul", "_nof2fp", "_ss", "_ssnodq"), "ws": ("", "_nodq", "_noadq", "_nobdq")}
     for mode in (sys.argv[1] if len(sys.argv) > 1 else "wgmma").split(","):
         for fmt in ("nvfp4", "mxfp4"):
             ac, bc, sa, sb, alpha = operands(fmt, dev)
