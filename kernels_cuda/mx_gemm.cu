@@ -182,17 +182,11 @@ __device__ __forceinline__ void fence_acc(float (&d)[64]) {
 #pragma unroll
     for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-#define QCMX_WGMMA_RS(NAME, TY) \
-__device__ __forceinline__ void NAME(float (&d)[64], const u32 (&a)[4], u64 desc) { \
-    asm volatile( \
-        "{\n" \
-        ".reg .pred p;\n" \
-        "setp.ne.b32 p, %69, 0;\n" \
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " \
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
-        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n" \
-        "}\n" \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+// the 64 fp32 accumulators of m64n128 (the PTX operand list and the asm outputs), shared by the
+// register-A and shared-memory-A forms
+#define QCMX_ACC64_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+#define QCMX_ACC64_OUTS \
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
           "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), \
           "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), \
@@ -200,40 +194,32 @@ __device__ __forceinline__ void NAME(float (&d)[64], const u32 (&a)[4], u64 desc
           "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), \
           "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), \
           "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), \
-          "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1)); \
+          "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define QCMX_WGMMA_RS(NAME, TY) \
+__device__ __forceinline__ void NAME(float (&d)[64], const u32 (&a)[4], u64 desc) { \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " QCMX_ACC64_REGS \
+                 "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n" \
+                 : QCMX_ACC64_OUTS \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1)); \
 }
 QCMX_WGMMA_RS(wgmma_m64n128k16_rs_bf16, "bf16")
 QCMX_WGMMA_RS(wgmma_m64n128k16_rs_f16, "f16")
 #undef QCMX_WGMMA_RS
 #if defined(QCMX_TIMING_VARIANTS)
 // both operands from shared memory: the timing variants _ss / _ssnodq only
-#define QCMX_WGMMA_SS(NAME, TY) \
-__device__ __forceinline__ void NAME(float (&d)[64], u64 adesc, u64 desc) { \
-    asm volatile( \
-        "{\n" \
-        ".reg .pred p;\n" \
-        "setp.ne.b32 p, %66, 0;\n" \
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " \
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
-        "%64, %65, p, 1, 1, 0, 0;\n" \
-        "}\n" \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
-          "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), \
-          "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), \
-          "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), \
-          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), \
-          "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), \
-          "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), \
-          "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
-        : "l"(adesc), "l"(desc), "r"(1)); \
+__device__ __forceinline__ void wgmma_m64n128k16_ss_f16(float (&d)[64], u64 adesc, u64 desc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " QCMX_ACC64_REGS
+                 "%64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : QCMX_ACC64_OUTS
+                 : "l"(adesc), "l"(desc), "r"(1));
 }
-QCMX_WGMMA_SS(wgmma_m64n128k16_ss_f16, "f16")
-#undef QCMX_WGMMA_SS
 #else
 __device__ __forceinline__ void wgmma_m64n128k16_ss_f16(float (&)[64], u64, u64) {}
 #endif
+#undef QCMX_ACC64_REGS
+#undef QCMX_ACC64_OUTS
 // F16: fp16 operands (the NVFP4 decode above), else bf16
 template <bool F16>
 __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&a)[4], u64 desc) {
@@ -549,17 +535,14 @@ struct Gemm {
 #pragma unroll
                     for (int s = 0; s < 4; ++s)
                         wgmma_m64n128k16_ss_f16(acc[mt], desc_sw128(bs + 8192u * mt) + 2u * s, desc0 + 2u * s);
-                wgmma_commit();
-                fence_acc(acc[0]);
-                fence_acc(acc[1]);
-                return;
+            } else {
+                // the four K steps of one accumulator, then of the other (alternating the
+                // accumulators per K step measured 2-3% slower: docs/performance.md, GEMM-chain)
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                    for (int s = 0; s < 4; ++s) wgmma_m64n128k16_rs<kF16>(acc[mt], af[mt][s], desc0 + 2u * s);
             }
-            // the four K steps of one accumulator, then of the other (alternating the accumulators
-            // per K step measured 2-3% slower: docs/performance.md, GEMM-chain)
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                for (int s = 0; s < 4; ++s) wgmma_m64n128k16_rs<kF16>(acc[mt], af[mt][s], desc0 + 2u * s);
             wgmma_commit();
             fence_acc(acc[0]);
             fence_acc(acc[1]);
@@ -1142,7 +1125,7 @@ struct GemmWS {
 #define QCMX_GEMM_PASS A, B, SA, SB, alpha, bias, out, M, N, K, out_vec
 
 #define QCMX_GEMM_MMA(FMTNAME, FMT, CPW)                                                                   \
-    extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_mma_##FMTNAME##_cp##CPW(QCMX_GEMM_ARGS) { \
+    extern "C" __global__ void __launch_bounds__(qcmx::kThreads, 1) qc_mx_gemm_mma_##FMTNAME##_cp##CPW(QCMX_GEMM_ARGS) { \
         qcmx::Gemm<FMT, false>::run<CPW>(QCMX_GEMM_PASS);                                                  \
     }
 QCMX_GEMM_MMA(nvfp4, QC_FMT_NVFP4, 16)
@@ -1152,7 +1135,7 @@ QCMX_GEMM_MMA(mxfp4, QC_FMT_MXFP4, 4)
 
 #if defined(QCMX_HAS_WGMMA)
 #define QCMX_GEMM_WG(FMTNAME, FMT, CPW)                                                                    \
-    extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_##FMTNAME##_cp##CPW(QCMX_GEMM_ARGS) { \
+    extern "C" __global__ void __launch_bounds__(qcmx::kThreads, 1) qc_mx_gemm_wgmma_##FMTNAME##_cp##CPW(QCMX_GEMM_ARGS) { \
         qcmx::Gemm<FMT, true>::run<CPW>(QCMX_GEMM_PASS);                                                   \
     }
 QCMX_GEMM_WG(nvfp4, QC_FMT_NVFP4, 16)
@@ -1176,47 +1159,37 @@ extern "C" __global__ void qc_mx_gemm_ws_smem_bytes(int* out) { *out = qcmx::kWs
 // builds them into a separate module when scaled_fp4_mm is asked for a variant), so the module
 // users build does not spend NVRTC time on them.
 #if defined(QCMX_TIMING_VARIANTS)
+#define QCMX_WS_VARIANT(SUFFIX, DBG)                                                                       \
+    extern "C" __global__ void __launch_bounds__(qcmx::kWsThreads, 1)                                      \
+        qc_mx_gemm_ws_nvfp4_cp16_##SUFFIX(QCMX_GEMM_ARGS) {                                                \
+        qcmx::GemmWS<QC_FMT_NVFP4, 16, DBG>::run(QCMX_GEMM_PASS);                                          \
+    }
+#define QCMX_WG_VARIANT(SUFFIX, DBG)                                                                       \
+    extern "C" __global__ void __launch_bounds__(qcmx::kThreads, 1)                                        \
+        qc_mx_gemm_wgmma_nvfp4_cp16_##SUFFIX(QCMX_GEMM_ARGS) {                                             \
+        qcmx::Gemm<QC_FMT_NVFP4, true, DBG>::run<16>(QCMX_GEMM_PASS);                                      \
+    }
 // ws: no A dequantization (consumers) / no B dequantization (producer) / neither
-extern "C" __global__ void __launch_bounds__(qcmx::kWsThreads, 1) qc_mx_gemm_ws_nvfp4_cp16_noadq(QCMX_GEMM_ARGS) {
-    qcmx::GemmWS<QC_FMT_NVFP4, 16, 1>::run(QCMX_GEMM_PASS);
-}
-extern "C" __global__ void __launch_bounds__(qcmx::kWsThreads, 1) qc_mx_gemm_ws_nvfp4_cp16_nobdq(QCMX_GEMM_ARGS) {
-    qcmx::GemmWS<QC_FMT_NVFP4, 16, 2>::run(QCMX_GEMM_PASS);
-}
-extern "C" __global__ void __launch_bounds__(qcmx::kWsThreads, 1) qc_mx_gemm_ws_nvfp4_cp16_nodq(QCMX_GEMM_ARGS) {
-    qcmx::GemmWS<QC_FMT_NVFP4, 16, 3>::run(QCMX_GEMM_PASS);
-}
+QCMX_WS_VARIANT(noadq, 1)
+QCMX_WS_VARIANT(nobdq, 2)
+QCMX_WS_VARIANT(nodq, 3)
 // wgmma: no dequantization / no MMA in the loop
-extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_nvfp4_cp16_nodq(QCMX_GEMM_ARGS) {
-    qcmx::Gemm<QC_FMT_NVFP4, true, 1>::run<16>(QCMX_GEMM_PASS);
-}
-extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_nvfp4_cp16_nomma(QCMX_GEMM_ARGS) {
-    qcmx::Gemm<QC_FMT_NVFP4, true, 2>::run<16>(QCMX_GEMM_PASS);
-}
+QCMX_WG_VARIANT(nodq, 1)
+QCMX_WG_VARIANT(nomma, 2)
 // which part of the dequantization the MMAs slow down: _alu its arithmetic alone, _smem its shared
 // traffic alone (DBG 3 / 4 above)
-extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_nvfp4_cp16_alu(QCMX_GEMM_ARGS) {
-    qcmx::Gemm<QC_FMT_NVFP4, true, 3>::run<16>(QCMX_GEMM_PASS);
-}
-extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_nvfp4_cp16_smem(QCMX_GEMM_ARGS) {
-    qcmx::Gemm<QC_FMT_NVFP4, true, 4>::run<16>(QCMX_GEMM_PASS);
-}
+QCMX_WG_VARIANT(alu, 3)
+QCMX_WG_VARIANT(smem, 4)
 // which pipe: the fp16 multiplies moved to the integer ALU pipe (_nohmul), the E4M3 conversions
 // replaced by byte_perm (_nof2fp) (DBG 5 / 6)
-extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_nvfp4_cp16_nohmul(QCMX_GEMM_ARGS) {
-    qcmx::Gemm<QC_FMT_NVFP4, true, 5>::run<16>(QCMX_GEMM_PASS);
-}
-extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_nvfp4_cp16_nof2fp(QCMX_GEMM_ARGS) {
-    qcmx::Gemm<QC_FMT_NVFP4, true, 6>::run<16>(QCMX_GEMM_PASS);
-}
+QCMX_WG_VARIANT(nohmul, 5)
+QCMX_WG_VARIANT(nof2fp, 6)
 // A read by the MMAs from shared memory instead of registers, with its dequantization still done
 // (_ss) and with no dequantization at all (_ssnodq) (DBG 8 / 9)
-extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_nvfp4_cp16_ss(QCMX_GEMM_ARGS) {
-    qcmx::Gemm<QC_FMT_NVFP4, true, 8>::run<16>(QCMX_GEMM_PASS);
-}
-extern "C" __global__ void __launch_bounds__(256, 1) qc_mx_gemm_wgmma_nvfp4_cp16_ssnodq(QCMX_GEMM_ARGS) {
-    qcmx::Gemm<QC_FMT_NVFP4, true, 9>::run<16>(QCMX_GEMM_PASS);
-}
+QCMX_WG_VARIANT(ss, 8)
+QCMX_WG_VARIANT(ssnodq, 9)
+#undef QCMX_WS_VARIANT
+#undef QCMX_WG_VARIANT
 #endif  // QCMX_TIMING_VARIANTS
 #endif  // QCMX_HAS_WGMMA
 
