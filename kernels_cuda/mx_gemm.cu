@@ -239,7 +239,13 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&
 // "dequantization alone" figure B's only); 3 and 4 below; 5 and 6 at cvt / mul; 8 reads A from
 // shared memory (the MMAs' A operand is the B tile; the A fragments still decoded, kept by an IMAD
 // sink) and 9 is 8 with no dequantization (docs/performance.md, GEMM-X, GEMM-pipe and GEMM-SS).
-template <int FMT, bool WG, int DBG = 0>
+// MXFP4 on the wgmma back end takes the fp16 decode of NVFP4 (below) in the CTAs whose scale bytes
+// all lie in [kE8F16Lo, kE8F16Hi]: there each operand, E2M1 x 2^-6 x 2^(b-127), is a multiple of
+// 2^-24 (0.5 x 2^-6 x 2^-17) below 6 x 2^-6 x 2^14, and each scale 2^(b-127) an fp16 value, so the
+// fp16 tensor cores see the same exact values as the bf16 ones; other CTAs keep the bf16 decode.
+constexpr int kE8F16Lo = 110, kE8F16Hi = 141;
+
+template <int FMT, bool WG, int DBG = 0, bool F16 = FMT == QC_FMT_NVFP4 && WG>
 struct Gemm {
     using F = GemmFmt<FMT>;
     static constexpr bool kNv = FMT == QC_FMT_NVFP4;
@@ -247,9 +253,11 @@ struct Gemm {
 
     // NVFP4 on the wgmma back end: fp16 operands (e2m1_e4m3_bytes), exact - an E2M1 value times an
     // E4M3 scale has at most 6 significant bits and, with the decode's 2^-6, lies in [2^-16, 42]:
-    // within fp16 (subnormals from 2^-24) - so the fp16 tensor cores see the same values
-    static constexpr bool kF16 = kNv && WG;
-    // The accumulator's scale: the fp16 NVFP4 operands carry 2^-6 each (2^12 back); the bf16 ones
+    // within fp16 (subnormals from 2^-24) - so the fp16 tensor cores see the same values. MXFP4 on
+    // the wgmma back end where its scales allow (kE8F16Lo above, the scale table then holds fp16)
+    static constexpr bool kF16 = F16;
+    static_assert(!F16 || WG, "the fp16 decode is the wgmma back end's");
+    // The accumulator's scale: the fp16 operands carry 2^-6 each (2^12 back); the bf16 NVFP4 ones
     // 2^-9 each (the scale table holds e4m3(b) * 2^117 times the decoded code's 2^-126: 2^18 back)
     static constexpr float kAccScale = kF16 ? 4096.0f : (kNv ? 262144.0f : 1.0f);
 
@@ -286,6 +294,45 @@ struct Gemm {
                 }
             }
         }
+    }
+
+    // CTA raster: groups of kGroupM row tiles walk the column tiles together
+    static __device__ __forceinline__ void origin(int M, int N, int& m0, int& n0) {
+        const int num_m = (M + kBM - 1) / kBM, num_n = (N + kBN - 1) / kBN;
+        const int per_group = kGroupM * num_n, pid = blockIdx.x;
+        const int first_m = (pid / per_group) * kGroupM, gsz = min(num_m - first_m, kGroupM);
+        m0 = (first_m + (pid % per_group) % gsz) * kBM;
+        n0 = ((pid % per_group) / gsz) * kBN;
+    }
+
+    // MXFP4: may this CTA take the fp16 decode? Every scale byte of its A rows and B rows (those
+    // inside M / N and K/32; the swizzled padding is not read) must lie in [kE8F16Lo, kE8F16Hi].
+    // Chunk ch of a 512-byte tile holds rows ch + 32 i (word i), columns 4 kt + c (byte c). Byte test
+    // without carries between bytes: (b + 18) mod 256 has top bits 100 exactly for b in [110, 141].
+    // One vote per CTA (__syncthreads_or). Needs 16-byte aligned scale pointers.
+    static __device__ bool scales_fit_f16(const u8* SA, const u8* SB, int M, int N, int K) {
+        static_assert(kE8F16Lo == 110 && kE8F16Hi == 141, "the byte test below encodes this range");
+        int m0, n0;
+        origin(M, N, m0, n0);
+        const int nkb = K / QC_MX_BLOCK, nkt = (nkb + QC_SWIZZLE_COLS - 1) / QC_SWIZZLE_COLS;
+        const int nmt = (M + QC_SWIZZLE_ROWS - 1) / QC_SWIZZLE_ROWS;
+        u32 bad = 0;
+        for (int c = threadIdx.x; c < 3 * nkt * 32; c += kThreads) {
+            const int tile = c >> 5, ch = c & 31, which = tile / nkt, kt = tile - which * nkt;
+            const int gr = which < 2 ? (m0 / QC_SWIZZLE_ROWS) + which : n0 / QC_SWIZZLE_ROWS;
+            if (which < 2 && gr >= nmt) continue;
+            const u8* base = (which < 2 ? SA : SB) + ((i64)gr * nkt + kt) * QC_SWIZZLE_TILE_BYTES + ch * 16;
+            const uint4 v = __ldg(reinterpret_cast<const uint4*>(base));
+            const u32 w4[4] = {v.x, v.y, v.z, v.w};
+            const int ncol = nkb - QC_SWIZZLE_COLS * kt, rows = which < 2 ? M : N;
+            const u32 cmask = ncol >= 4 ? 0xffffffffu : (1u << (8 * ncol)) - 1u;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const u32 w = w4[i], sum = ((w & 0x7f7f7f7fu) + 0x12121212u) ^ (w & 0x80808080u);
+                if (gr * QC_SWIZZLE_ROWS + ch + 32 * i < rows) bad |= ((sum & 0xe0e0e0e0u) ^ 0x80808080u) & cmask;
+            }
+        }
+        return __syncthreads_or(bad != 0u) == 0;
     }
 
     // first CTA-local row of the 16-row slice this warp owns in row tile mt (0, 1)
@@ -400,9 +447,10 @@ struct Gemm {
         return DBG == 3 ? (w >> (sh & 31u)) | 0x3f803f80u : scale(s_lut, w, sh);
     }
     // The multiplier pair of the scale byte at bits sh .. sh + 7 of w: fp16x2 (e4m3(b), e4m3(b))
-    // on the fp16 path (one byte_perm, one conversion), else the bf16x2 table entry.
+    // on NVFP4's fp16 path (one byte_perm, one conversion), else the table entry (bf16x2, or
+    // fp16x2 on MXFP4's fp16 path).
     static __device__ __forceinline__ u32 scale(u32 s_lut, u32 w, u32 sh) {
-        if (kF16) return cvt<0>(__byte_perm(w, 0u, (sh >> 3) * 0x11u));
+        if (kF16 && kNv) return cvt<0>(__byte_perm(w, 0u, (sh >> 3) * 0x11u));
         return lut(s_lut, w, sh);
     }
     // DBG 5 and 6 (timing only): which instructions of the fp16 decode cost time under the MMAs:
@@ -603,18 +651,17 @@ struct Gemm {
         const u32 s_lut = s_stage + kStages * kStageBytes;
         const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
 
-        // CTA raster: groups of kGroupM row tiles walk the column tiles together
-        const int num_m = (M + kBM - 1) / kBM, num_n = (N + kBN - 1) / kBN;
-        const int per_group = kGroupM * num_n, pid = blockIdx.x;
-        const int first_m = (pid / per_group) * kGroupM, gsz = min(num_m - first_m, kGroupM);
-        const int pm = first_m + (pid % per_group) % gsz, pn = (pid % per_group) / gsz;
-        const int m0 = pm * kBM, n0 = pn * kBN;
+        int m0, n0;
+        origin(M, N, m0, n0);
 
         const int KB = K / 2, nkb = K / F::kBlk, nkt = (nkb + QC_SWIZZLE_COLS - 1) / QC_SWIZZLE_COLS;
         const int nmt = (M + QC_SWIZZLE_ROWS - 1) / QC_SWIZZLE_ROWS;
         const int nsub = (K + 63) / 64, nstage = (K + kStageK - 1) / kStageK;
 
-        {  // scale byte -> bf16x2 multiplier (see the file comment)
+        if (kF16 && !kNv) {  // E8M0 byte -> fp16x2 (2^(b-127), 2^(b-127)) for the admitted bytes, else 0
+            const u32 h = tid < kE8F16Lo || tid > kE8F16Hi ? 0u : tid >= 113 ? (u32)(tid - 112) << 10 : 1u << (tid - 103);
+            sts32(s_lut + tid * 4, h | (h << 16));
+        } else {  // scale byte -> bf16x2 multiplier (see the file comment)
             const float v = kNv ? __fmul_rn(e4m3_value(tid), __uint_as_float((117u + 127u) << 23)) : e8m0_value(tid);
             const u32 hb = __float_as_uint(v) >> 16;
             sts32(s_lut + tid * 4, hb | (hb << 16));
@@ -1140,8 +1187,17 @@ QCMX_GEMM_MMA(mxfp4, QC_FMT_MXFP4, 4)
     }
 QCMX_GEMM_WG(nvfp4, QC_FMT_NVFP4, 16)
 QCMX_GEMM_WG(nvfp4, QC_FMT_NVFP4, 4)
-QCMX_GEMM_WG(mxfp4, QC_FMT_MXFP4, 16)
 QCMX_GEMM_WG(mxfp4, QC_FMT_MXFP4, 4)
+// MXFP4 with 16-byte copies: bit 1 of out_vec allows the fp16 decode in the CTAs whose scales fit
+// it (Gemm::scales_fit_f16); the others, and all with the bit clear, decode to bf16
+extern "C" __global__ void __launch_bounds__(qcmx::kThreads, 1) qc_mx_gemm_wgmma_mxfp4_cp16(QCMX_GEMM_ARGS) {
+    using G16 = qcmx::Gemm<QC_FMT_MXFP4, true, 0, true>;
+    if ((out_vec & 2) && G16::scales_fit_f16(SA, SB, M, N, K)) {
+        G16::run<16>(A, B, SA, SB, alpha, bias, out, M, N, K, out_vec & 1);
+    } else {
+        qcmx::Gemm<QC_FMT_MXFP4, true>::run<16>(A, B, SA, SB, alpha, bias, out, M, N, K, out_vec & 1);
+    }
+}
 // warp-specialized persistent back end: 384 threads, grid <= number of tiles, kWsSmemBytes
 #define QCMX_GEMM_WS(FMTNAME, FMT, CPW)                                                                    \
     extern "C" __global__ void __launch_bounds__(qcmx::kWsThreads, 1)                                      \

@@ -363,6 +363,35 @@ def test_scaled_fp4_mm_within_bound(fmt, mode, rng):
 
 
 @needs_gpu
+@pytest.mark.parametrize("f16", [1, 0])
+def test_scaled_fp4_mm_mxfp4_scale_ranges(f16, rng, monkeypatch):
+    """MXFP4 on the wgmma kernel decodes to fp16 only in the CTAs whose scale bytes all lie in
+    110..141 (mx_gemm.cu, kE8F16Lo): row tiles whose scales sit far below or above that range, next
+    to ones inside it, and B rows likewise, stay within the bound with the fp16 decode allowed
+    (mx_gemm_f16=1, the default) and with it off."""
+    if "wgmma" not in _gemm_modes():
+        pytest.skip("the fp16 MXFP4 decode is the wgmma back end's (compute capability 9.0)")
+    from quantcore.conformance.families.mx import mm_bound
+
+    monkeypatch.setenv("QUANTCORE_CUDA_TUNE", f"mx_gemm_f16={f16}")
+    m, n, k = 700, 300, 1024
+    xa = rng.standard_normal((m, k))
+    xa[:256] *= 2.0 ** -30  # the first row tile: scale bytes ~97, below the range
+    xa[512:600] *= 2.0 ** 25  # part of the third: bytes ~152, above it
+    xb = rng.standard_normal((n, k))
+    xb[128:256] *= 2.0 ** -20  # the second column tile: bytes ~107
+    a, sa_ = mx.quantize(xa.astype(np.float32), "mxfp4")
+    b, sb_ = mx.quantize(xb.astype(np.float32), "mxfp4")
+    sa, sb = mx.swizzle(sa_), mx.swizzle(sb_)
+    A, B = mx.fp4_operand(a, sa, "mxfp4"), mx.fp4_operand(b, sb, "mxfp4")
+    ref, bound = mm_bound(A, B, 1.0, None)
+    got = _run_mm("mxfp4", a, b, sa, sb, np.float32(1.0), None, "wgmma")
+    assert np.isfinite(got).all()
+    worst = float(np.max(np.abs(got - ref) / np.maximum(bound.max_abs, 1e-300)))
+    assert worst <= 1.0, f"error {worst:.3g} x the bound"
+
+
+@needs_gpu
 @pytest.mark.parametrize("fmt", mx.FP4_FORMATS)
 @pytest.mark.parametrize("mode", _gemm_modes())
 def test_scaled_fp4_mm_nan_scale_and_garbage_padding(fmt, mode, rng):

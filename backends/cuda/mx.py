@@ -435,6 +435,8 @@ def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: in
     ``variant`` selects a timing experiment (nvfp4, 16-byte copies only; wrong results by design;
     built into a separate module, see mx_gemm.cu): "_nodq", "_nomma", "_alu", "_smem", "_nohmul",
     "_nof2fp", "_ss", "_ssnodq" of the wgmma kernel, "_noadq" / "_nobdq" / "_nodq" of the ws kernel.
+    MXFP4 on the wgmma kernel (16-byte copies) decodes to fp16 in the CTAs whose scale bytes all lie
+    in 110..141 (exact there; bf16 elsewhere); ``QUANTCORE_CUDA_TUNE=mx_gemm_f16=0`` keeps bf16.
     """
     from quantcore.backends.cuda import runtime as rt
 
@@ -452,6 +454,8 @@ def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: in
                           "offset); pass contiguous arrays that start at an aligned address")
     ntiles = -(-m // GEMM_BM) * -(-n // GEMM_BN)
     out_vec = int(n % 2 == 0 and ptr(out) % 4 == 0)
+    if wgmma and not ws and fmt == "mxfp4" and cpw == 16 and not variant and rt.tune("mx_gemm_f16", 1):
+        out_vec |= 2  # the fp16 decode where the CTA's scales allow it (mx_gemm.cu, kE8F16Lo)
     args = (_u64(ptrs[0]), _u64(ptrs[1]), _u64(ptrs[2]), _u64(ptrs[3]), _u64(ptr(alpha)), _u64(ptr(bias)),
             _u64(ptr(out)), np.int32(m), np.int32(n), np.int32(k), np.int32(out_vec))
     if ws:  # persistent: one CTA per SM (at most one per tile)
