@@ -7,7 +7,8 @@
 // times an E4M3 or E8M0 scale has at most 6 significant bits) feeding the tensor cores with fp32
 // accumulation; nothing is dequantized into device memory. bf16 everywhere except NVFP4 on the
 // wgmma back ends, which use fp16 (below: the E2M1 x E4M3 products also lie within fp16's range,
-// so the operands are the same values, and the decode is half the integer instructions).
+// so the operands are the same values, and the decode is half the integer instructions), and
+// MXFP4 on the wgmma kernel in the CTAs whose scales fit fp16 (kE8F16Lo below).
 //
 // CTA tile 256 (M) x 128 (N), 256 threads, a 4-stage cp.async pipeline of the PACKED operands and
 // their 512-byte scale tiles (128 K-elements per stage), the main loop in steps of 64 K-elements:
