@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tools/: cuda_mx_bench
 from cuda_mx_bench import timed  # noqa: E402  (median ms behind a sleep kernel)
-from mxgemm_time import operands  # noqa: E402
+from mxgemm_time import operands, torch_matmul_ms  # noqa: E402
 from quantcore.backends.cuda import mx as cmx
 from quantcore.backends.cuda import runtime as rt
 
@@ -73,10 +73,7 @@ def main() -> None:
                 print(f"{m}x{n}x{k} {name} bias={b is not None}: fp16 == bf16 bit for bit: {same}; fp16 {ref}")
     m = n = k = 8192
     flops = 2.0 * m * n * k
-    a16 = torch.randn((m, k), device=dev, dtype=torch.bfloat16)
-    b16 = torch.randn((n, k), device=dev, dtype=torch.bfloat16)
-    tt = timed(lambda: torch.matmul(a16, b16.t()), 15)
-    print(f"torch bf16 matmul {tt:.4f} ms {flops / tt / 1e9:.0f} TFLOPS")
+    tt = torch_matmul_ms(dev, m, n, k)
     out = torch.empty((m, n), dtype=torch.bfloat16, device=dev)
     ops = operands("mxfp4", dev)
     for rnd in range(3):

@@ -36,13 +36,20 @@ def operands(fmt: str, dev: torch.device, m: int = M, n: int = N, k: int = K) ->
     return ac, bc, sa, sb, torch.ones(1, dtype=torch.float32, device=dev)
 
 
+def torch_matmul_ms(dev: torch.device, m: int = M, n: int = N, k: int = K) -> float:
+    """torch's bf16 matmul of random [m, k] x [n, k]^T: median ms, printed with its TFLOPS (also
+    used by mxgemm_f16.py)."""
+    a16 = torch.randn((m, k), device=dev, dtype=torch.bfloat16)
+    b16 = torch.randn((n, k), device=dev, dtype=torch.bfloat16)
+    tt = timed(lambda: torch.matmul(a16, b16.t()), 15)
+    print(f"torch bf16 matmul {tt:.4f} ms {2.0 * m * n * k / tt / 1e9:.0f} TFLOPS")
+    return tt
+
+
 def main() -> None:
     dev = torch.device("cuda")
     flops = 2.0 * M * N * K
-    a16 = torch.randn((M, K), device=dev, dtype=torch.bfloat16)
-    b16 = torch.randn((N, K), device=dev, dtype=torch.bfloat16)
-    tt = timed(lambda: torch.matmul(a16, b16.t()), 15)
-    print(f"torch bf16 matmul {tt:.4f} ms {flops / tt / 1e9:.0f} TFLOPS")
+    tt = torch_matmul_ms(dev)
     out = torch.empty((M, N), dtype=torch.bfloat16, device=dev)
     variants = {"wgmma": ("", "_nodq", "_nomma", "_alu", "_smem", "_nohmul", "_nof2fp", "_ss", "_ssnodq"), "ws": ("", "_nodq", "_noadq", "_nobdq")}
     for mode in (sys.argv[1] if len(sys.argv) > 1 else "wgmma").split(","):
