@@ -1167,10 +1167,12 @@ struct GemmWS {
 // -- entry points ---------------------------------------------------------------------------------
 // qc_mx_gemm_{wgmma|mma}_{nvfp4|mxfp4}_cp{16|4}: cp16 needs K/2 % 16 == 0 and 16-byte aligned
 // operand and scale pointers, cp4 4-byte alignment. Dynamic shared memory: qc_mx_gemm_smem_bytes.
+// flags: bit 0 the output may be stored as bf16 pairs (N even, 4-byte aligned), bit 1 (MXFP4,
+// wgmma, cp16 only) the fp16 decode is allowed.
 #define QCMX_GEMM_ARGS                                                                                     \
     const qcmx::u8 *A, const qcmx::u8 *B, const qcmx::u8 *SA, const qcmx::u8 *SB, const float *alpha,      \
-        const qcmx::u16 *bias, qcmx::u16 *out, int M, int N, int K, int out_vec
-#define QCMX_GEMM_PASS A, B, SA, SB, alpha, bias, out, M, N, K, out_vec
+        const qcmx::u16 *bias, qcmx::u16 *out, int M, int N, int K, int flags
+#define QCMX_GEMM_PASS A, B, SA, SB, alpha, bias, out, M, N, K, flags & 1
 
 #define QCMX_GEMM_MMA(FMTNAME, FMT, CPW)                                                                   \
     extern "C" __global__ void __launch_bounds__(qcmx::kThreads, 1) qc_mx_gemm_mma_##FMTNAME##_cp##CPW(QCMX_GEMM_ARGS) { \
@@ -1189,14 +1191,14 @@ QCMX_GEMM_MMA(mxfp4, QC_FMT_MXFP4, 4)
 QCMX_GEMM_WG(nvfp4, QC_FMT_NVFP4, 16)
 QCMX_GEMM_WG(nvfp4, QC_FMT_NVFP4, 4)
 QCMX_GEMM_WG(mxfp4, QC_FMT_MXFP4, 4)
-// MXFP4 with 16-byte copies: bit 1 of out_vec allows the fp16 decode in the CTAs whose scales fit
-// it (Gemm::scales_fit_f16); the others, and all with the bit clear, decode to bf16
+// MXFP4 with 16-byte copies: flags bit 1 allows the fp16 decode in the CTAs whose scales fit it
+// (Gemm::scales_fit_f16); the others, and all with the bit clear, decode to bf16
 extern "C" __global__ void __launch_bounds__(qcmx::kThreads, 1) qc_mx_gemm_wgmma_mxfp4_cp16(QCMX_GEMM_ARGS) {
     using G16 = qcmx::Gemm<QC_FMT_MXFP4, true, 0, true>;
-    if ((out_vec & 2) && G16::scales_fit_f16(SA, SB, M, N, K)) {
-        G16::run<16>(A, B, SA, SB, alpha, bias, out, M, N, K, out_vec & 1);
+    if ((flags & 2) && G16::scales_fit_f16(SA, SB, M, N, K)) {
+        G16::run<16>(QCMX_GEMM_PASS);
     } else {
-        qcmx::Gemm<QC_FMT_MXFP4, true>::run<16>(A, B, SA, SB, alpha, bias, out, M, N, K, out_vec & 1);
+        qcmx::Gemm<QC_FMT_MXFP4, true>::run<16>(QCMX_GEMM_PASS);
     }
 }
 // warp-specialized persistent back end: 384 threads, grid <= number of tiles, kWsSmemBytes

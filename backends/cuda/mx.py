@@ -453,11 +453,11 @@ def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: in
         raise KernelError("scaled_fp4_mm needs its operands and scales 4-byte aligned (got a view at an odd "
                           "offset); pass contiguous arrays that start at an aligned address")
     ntiles = -(-m // GEMM_BM) * -(-n // GEMM_BN)
-    out_vec = int(n % 2 == 0 and ptr(out) % 4 == 0)
+    flags = int(n % 2 == 0 and ptr(out) % 4 == 0)  # bit 0: bf16 pairs may be stored
     if wgmma and not ws and fmt == "mxfp4" and cpw == 16 and not variant and rt.tune("mx_gemm_f16", 1):
-        out_vec |= 2  # the fp16 decode where the CTA's scales allow it (mx_gemm.cu, kE8F16Lo)
+        flags |= 2  # the fp16 decode where the CTA's scales allow it (mx_gemm.cu, kE8F16Lo)
     args = (_u64(ptrs[0]), _u64(ptrs[1]), _u64(ptrs[2]), _u64(ptrs[3]), _u64(ptr(alpha)), _u64(ptr(bias)),
-            _u64(ptr(out)), np.int32(m), np.int32(n), np.int32(k), np.int32(out_vec))
+            _u64(ptr(out)), np.int32(m), np.int32(n), np.int32(k), np.int32(flags))
     if ws:  # persistent: one CTA per SM (at most one per tile)
         fn = function(dev, GEMM_SOURCE, arch, gemm_kernel_name(fmt, True, cpw, ws=True) + variant, GEMM_WS_SMEM_BYTES,
                       timing=bool(variant))
