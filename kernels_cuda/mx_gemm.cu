@@ -246,6 +246,15 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&
 // fp16 tensor cores see the same exact values as the bf16 ones; other CTAs keep the bf16 decode.
 constexpr int kE8F16Lo = 110, kE8F16Hi = 141;
 
+// CTA raster of both GEMM kernels: groups of kGroupM row tiles walk the column tiles together;
+// (m0, n0) of tile number `tile` in a grid of num_m x num_n tiles
+__device__ __forceinline__ void tile_origin(int num_m, int num_n, int tile, int& m0, int& n0) {
+    const int per_group = kGroupM * num_n;
+    const int first_m = (tile / per_group) * kGroupM, gsz = min(num_m - first_m, kGroupM);
+    m0 = (first_m + (tile % per_group) % gsz) * kBM;
+    n0 = ((tile % per_group) / gsz) * kBN;
+}
+
 template <int FMT, bool WG, int DBG = 0, bool F16 = FMT == QC_FMT_NVFP4 && WG>
 struct Gemm {
     using F = GemmFmt<FMT>;
@@ -297,13 +306,9 @@ struct Gemm {
         }
     }
 
-    // CTA raster: groups of kGroupM row tiles walk the column tiles together
+    // this CTA's tile (one tile per CTA)
     static __device__ __forceinline__ void origin(int M, int N, int& m0, int& n0) {
-        const int num_m = (M + kBM - 1) / kBM, num_n = (N + kBN - 1) / kBN;
-        const int per_group = kGroupM * num_n, pid = blockIdx.x;
-        const int first_m = (pid / per_group) * kGroupM, gsz = min(num_m - first_m, kGroupM);
-        m0 = (first_m + (pid % per_group) % gsz) * kBM;
-        n0 = ((pid % per_group) / gsz) * kBN;
+        tile_origin((M + kBM - 1) / kBM, (N + kBN - 1) / kBN, blockIdx.x, m0, n0);
     }
 
     // MXFP4: may this CTA take the fp16 decode? Every scale byte of its A rows and B rows (those
@@ -659,13 +664,12 @@ struct Gemm {
         const int nmt = (M + QC_SWIZZLE_ROWS - 1) / QC_SWIZZLE_ROWS;
         const int nsub = (K + 63) / 64, nstage = (K + kStageK - 1) / kStageK;
 
-        if (kF16 && !kNv) {  // E8M0 byte -> fp16x2 (2^(b-127), 2^(b-127)) for the admitted bytes, else 0
-            const u32 h = tid < kE8F16Lo || tid > kE8F16Hi ? 0u : tid >= 113 ? (u32)(tid - 112) << 10 : 1u << (tid - 103);
-            sts32(s_lut + tid * 4, h | (h << 16));
-        } else {  // scale byte -> bf16x2 multiplier (see the file comment)
+        {  // scale byte -> multiplier pair (see the file comment): bf16x2, or on MXFP4's fp16 path
+           // fp16x2 2^(b-127) for the admitted bytes (exact) and 0 for the others
             const float v = kNv ? __fmul_rn(e4m3_value(tid), __uint_as_float((117u + 127u) << 23)) : e8m0_value(tid);
-            const u32 hb = __float_as_uint(v) >> 16;
-            sts32(s_lut + tid * 4, hb | (hb << 16));
+            const u32 h = !(kF16 && !kNv) ? __float_as_uint(v) >> 16
+                          : tid < kE8F16Lo || tid > kE8F16Hi ? 0u : (u32)f32_to_f16(v);
+            sts32(s_lut + tid * 4, h | (h << 16));
         }
 
         const bool full = m0 + kBM <= M && n0 + kBN <= N;  // no row of the tile is past M or N
@@ -824,10 +828,7 @@ struct GemmWS {
     };
 
     static __device__ __forceinline__ void origin(const P& p, int tile, int& m0, int& n0) {
-        const int per_group = kGroupM * p.num_n;
-        const int first_m = (tile / per_group) * kGroupM, gsz = min(p.num_m - first_m, kGroupM);
-        m0 = (first_m + (tile % per_group) % gsz) * kBM;
-        n0 = ((tile % per_group) / gsz) * kBN;
+        tile_origin(p.num_m, p.num_n, tile, m0, n0);
     }
 
     // stage st (128 K) of the tile at (m0, n0) into buf, by the 32 lanes of the loader warp

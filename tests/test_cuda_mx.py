@@ -28,6 +28,7 @@ from quantcore.arrays import BF16, as_dtype
 from quantcore.backend import Availability, Backend
 from quantcore.errors import DeviceError
 from quantcore.formats import kernel_defines, mx
+from tests.cuda_arrays import TUNE
 
 NVCC = shutil.which("nvcc") or (shutil.which("/usr/local/cuda/bin/nvcc"))
 KDIR = Path(str(importlib.resources.files("quantcore.kernels_cuda")))
@@ -330,6 +331,14 @@ def _operand(fmt, rng, rows, k, random_codes):
     return codes, mx.swizzle(scales), g
 
 
+def _assert_within_bound(got, ref, bound, what):
+    """Every element within the fp64 bound's max_abs; returns |got - ref|."""
+    err = np.abs(got - ref)
+    worst = float(np.max(err / np.maximum(bound.max_abs, 1e-300)))
+    assert worst <= 1.0, f"{what}: error {worst:.3g} x the bound"
+    return err
+
+
 def _run_mm(fmt, a, b, sa, sb, alpha, bias, mode):
     m, n, k = a.shape[0], b.shape[0], 2 * a.shape[1]
     out = empty_dev((m, n), BF16)
@@ -355,9 +364,7 @@ def test_scaled_fp4_mm_within_bound(fmt, mode, rng):
             got = _run_mm(fmt, a, b, sa, sb, alpha, bias, mode)
             what = f"{fmt} {mode} m={m} n={n} k={k} bias={with_bias} random_codes={random_codes}"
             assert np.isfinite(got).all(), what
-            err = np.abs(got - ref)
-            worst = float(np.max(err / np.maximum(bound.max_abs, 1e-300)))
-            assert worst <= 1.0, f"{what}: error {worst:.3g} x the bound"
+            err = _assert_within_bound(got, ref, bound, what)
             nmse = float(np.sum(err**2) / max(np.sum(ref**2), 1e-300))
             assert nmse <= bound.nmse, f"{what}: NMSE {nmse:.3g} > {bound.nmse:.3g}"
 
@@ -373,7 +380,7 @@ def test_scaled_fp4_mm_mxfp4_scale_ranges(f16, rng, monkeypatch):
         pytest.skip("the fp16 MXFP4 decode is the wgmma back end's (compute capability 9.0)")
     from quantcore.conformance.families.mx import mm_bound
 
-    monkeypatch.setenv("QUANTCORE_CUDA_TUNE", f"mx_gemm_f16={f16}")
+    monkeypatch.setenv(TUNE, f"mx_gemm_f16={f16}")
     m, n, k = 700, 300, 1024
     xa = rng.standard_normal((m, k))
     xa[:256] *= 2.0 ** -30  # the first row tile: scale bytes ~97, below the range
@@ -387,8 +394,7 @@ def test_scaled_fp4_mm_mxfp4_scale_ranges(f16, rng, monkeypatch):
     ref, bound = mm_bound(A, B, 1.0, None)
     got = _run_mm("mxfp4", a, b, sa, sb, np.float32(1.0), None, "wgmma")
     assert np.isfinite(got).all()
-    worst = float(np.max(np.abs(got - ref) / np.maximum(bound.max_abs, 1e-300)))
-    assert worst <= 1.0, f"error {worst:.3g} x the bound"
+    _assert_within_bound(got, ref, bound, f"mxfp4 wgmma mx_gemm_f16={f16}")
 
 
 @needs_gpu
