@@ -27,10 +27,11 @@ def _backend(backend: str | Backend | None) -> Backend:
     return backend if isinstance(backend, Backend) else get_backend(backend)
 
 
-#: Eager launch plans (on by default; QUANTCORE_EAGER_PLANS=0 at import, or setting this to False,
-#: turns them off). After a call has been validated and run, a backend with a ``plan_<op>``
-#: method may return a plan: a callable ``plan(*args)`` that gives the result of the same call for
-#: arguments it recognises and None for anything else. It is kept on the QuantState
+#: Eager launch plans for gemv_4bit and dequantize_4bit (on by default; QUANTCORE_EAGER_PLANS=0 at
+#: import, or setting this to False, turns them off). After a call has been validated and run, a
+#: backend with a ``plan_<op>`` method may return a plan: a callable ``plan(*args)`` that gives the
+#: result of the same call for arguments it recognises and None for anything else. It is kept on
+#: the QuantState
 #: (``state._plans``: dropped when a field of the state is assigned, never copied or pickled), so
 #: a repeated call with the same state and input geometry skips the validation and the launch
 #: set-up. The plan must recognise only arguments for which the core's checks, the backend's
@@ -153,6 +154,10 @@ def dequantize_4bit(
     """Inverse of :func:`quantize_4bit`: an array of ``state.shape`` in ``out_dtype`` (default the
     original dtype). ``out = T(code[q] * absmax)``; nested statistics are decoded in the same op."""
     be = _backend(backend)
+    if EAGER_PLANS:
+        res = _planned("dequantize_4bit", be, state, (packed, state, out_dtype))
+        if res is not None:
+            return res
     _check_packed(packed, state)
     dt = v.out_dtype(out_dtype if out_dtype is not None else state.dtype)
     be.require("dequantize_4bit", state.quant_type, dt, state.blocksize)
@@ -160,7 +165,10 @@ def dequantize_4bit(
     out = be.empty(tuple(state.shape), as_dtype(dt), like=pn)
     be.dequantize_4bit(pn, be.prepare(state.absmax), out, blocksize=state.blocksize,
                        quant_type=state.quant_type, nested=_nested(be, state))
-    return be.finish(out, packed)
+    res = be.finish(out, packed)
+    if EAGER_PLANS:
+        _keep_plan("dequantize_4bit", be, state, (packed, state, out_dtype), dtype=dt)
+    return res
 
 
 def gemv_4bit(A: Any, packed: Any, state: QuantState, *, backend: str | Backend | None = None) -> Any:

@@ -1,4 +1,5 @@
-"""Eager launch plans of the public API (quantcore.api.EAGER_PLANS; the cuda backend's gemv_4bit).
+"""Eager launch plans of the public API (quantcore.api.EAGER_PLANS; the cuda backend's gemv_4bit
+and dequantize_4bit).
 
 CPU part (runs in CI): the plan slot on QuantState (dropped when a field is assigned, never
 copied or pickled); the core's protocol with a planning backend built on the cpu reference (a
@@ -177,6 +178,58 @@ def test_core_plans_only_quantstates_themselves(rng):
     assert be.asked == [] and mine._plans is None
 
 
+class _DequantPlanCpu:
+    """Recognises one packed object (by identity) and one out_dtype; runs the kernel-level op."""
+
+    def __init__(self, be, packed, out_dtype, dtype):
+        self.be, self.packed, self.out_dtype, self.dtype = be, packed, out_dtype, dtype
+        self.hits = 0
+
+    def __call__(self, packed, state, out_dtype=None):
+        if packed is not self.packed or out_dtype != self.out_dtype:
+            return None
+        self.hits += 1
+        out = np.empty(state.shape, self.dtype)
+        self.be.dequantize_4bit(packed, state.absmax, out, blocksize=state.blocksize, quant_type=state.quant_type,
+                                nested=api._nested(self.be, state))
+        return out
+
+
+class _PlanningCpuDequant(CpuBackend):
+    name = "cpu-planning-dequant"
+
+    def __init__(self):
+        super().__init__()
+        self.asked = []
+
+    def plan_dequantize_4bit(self, packed, state, out_dtype, *, previous, dtype):
+        self.asked.append((previous, out_dtype, dtype))
+        return _DequantPlanCpu(self, packed, out_dtype, np.dtype(np.float16) if dtype == "float16" else np.float32)
+
+
+def test_core_plans_dequantize(rng):
+    be = _PlanningCpuDequant()
+    _, packed, st = _np_state(rng)
+    ref = qc.dequantize_4bit(packed, st, backend="cpu")
+    ref16 = qc.dequantize_4bit(packed, st, "float16", backend="cpu")
+    assert np.array_equal(qc.dequantize_4bit(packed, st, backend=be), ref)
+    assert be.asked == [(None, None, "float32")]
+    plan = st._plans["dequantize_4bit"][1]
+    for _ in range(2):
+        assert np.array_equal(qc.dequantize_4bit(packed, st, backend=be), ref)
+    assert plan.hits == 2 and len(be.asked) == 1
+    # another out_dtype: the full path runs and the planner is asked again with the old plan
+    assert np.array_equal(qc.dequantize_4bit(packed, st, "float16", backend=be), ref16)
+    assert be.asked[1] == (plan, "float16", "float16")
+    # errors are those of the full path (the plan is not consulted for what it does not recognise)
+    bad = {"out_dtype": lambda P, S: qc.dequantize_4bit(P, S, "int8", backend=be),
+           "packed": lambda P, S: qc.dequantize_4bit(P[:-1], S, backend=be),
+           "state": lambda P, S: qc.dequantize_4bit(P, {"absmax": S.absmax}, backend=be)}
+    cold = {name: _error(lambda f=f: f(packed, copy.copy(st))) for name, f in bad.items()}
+    for name, f in bad.items():
+        assert cold[name] is not None and _error(lambda f=f: f(packed, st)) == cold[name], name
+
+
 # -- CPU: the cuda plan's matching rules (torch CPU tensors stand for the device's) -------------------
 def _torch():
     return pytest.importorskip("torch")
@@ -260,6 +313,37 @@ def test_cuda_planner_declines_what_it_cannot_plan():
     _, _, a, packed, st = _cpu_plan(torch)
     assert cuda._plan_gemv_4bit(a, packed, st, None, 32, 256) is None
     assert cuda._plan_gemv_4bit(a.float().numpy(), packed, st, None, 32, 256) is None
+
+
+def _cpu_dequant_plan(torch):
+    _, _, a, packed, st = _cpu_plan(torch)
+    plan = cuda._DequantPlan(packed.get_device(), 0, packed, st, rt.tune_spec(), lambda device: 0, lambda: 0)
+    entry = (tuple(st.shape), torch.bfloat16, "launch")
+    plan.entries[None] = entry
+    return plan, entry, packed, st
+
+
+def test_cuda_dequant_plan_matches_only_what_it_was_made_for(monkeypatch):
+    torch = _torch()
+    plan, entry, packed, st = _cpu_dequant_plan(torch)
+    assert plan.match(packed, st, None) is entry
+    assert plan.match(packed, st, torch.float16) is None  # another out_dtype (its own entry)
+    assert plan.match(packed, st, [1]) is None  # unhashable: the full path reports it
+    assert plan.match(packed.clone(), st, None) is None  # another weight buffer
+    assert plan.match(packed.numpy(), st, None) is None  # another array kind
+    assert plan.match(packed.view(-1), st, None) is None  # another shape
+    monkeypatch.setenv(TUNE, "gemv_kernel=1")
+    assert plan.match(packed, st, None) is None  # another tuning
+    monkeypatch.delenv(TUNE)
+    st.absmax.set_(st.absmax.clone())  # in place: no field assignment
+    assert plan.match(packed, st, None) is None
+
+
+def test_cuda_dequant_planner_declines_what_it_cannot_plan():
+    torch = _torch()
+    _, _, _, packed, st = _cpu_plan(torch)
+    assert cuda._plan_dequantize_4bit(packed, st, None, None, "float32") is None  # a CPU tensor
+    assert cuda._plan_dequantize_4bit(packed.numpy(), st, None, None, "float32") is None
 
 
 # -- CPU: the launch argument buffer, with a fake driver ------------------------------------------------
@@ -482,3 +566,101 @@ def test_planned_call_captures_in_a_cuda_graph(torch_cuda):
     torch.cuda.synchronize()
     assert torch.equal(out, qc.gemv_4bit(A, packed, st, backend="cuda"))
 
+
+
+# -- GPU: dequantize_4bit's plans ----------------------------------------------------------------------------
+def _dq_plan_of(st):
+    return st._plans["dequantize_4bit"][1]
+
+
+def _full_dq(packed, st, out_dtype, monkeypatch):
+    monkeypatch.setattr(api, "EAGER_PLANS", False)
+    try:
+        return qc.dequantize_4bit(packed, st, out_dtype, backend="cuda")
+    finally:
+        monkeypatch.setattr(api, "EAGER_PLANS", True)
+
+
+@gpu
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("nested", [False, True])
+def test_planned_dequantize_equals_full_path_and_is_reused(torch_cuda, monkeypatch, quant_type, nested):
+    torch = torch_cuda
+    # 4096^2 (the vector stores), an odd element count (a half-filled last byte, scalar stores),
+    # blocksize 4096 with fp32 (one block per row and more)
+    for shape, bs, dtype in [((4096, 4096), 64, torch.bfloat16), ((37, 51), 32, torch.float16),
+                             ((3, 5000), 4096, torch.float32)]:
+        g = torch.Generator(device="cuda").manual_seed(shape[1])
+        w = torch.randn(shape, device="cuda", generator=g).to(dtype)
+        packed, st = qc.quantize_4bit(w, bs, quant_type, nested, backend="cuda")
+        plan = None
+        for out_dtype in (None, "float32", torch.float16, "bfloat16"):
+            ref = _full_dq(packed, st, out_dtype, monkeypatch)
+            first = qc.dequantize_4bit(packed, st, out_dtype, backend="cuda")
+            plan = _dq_plan_of(st)
+            hits = plan.hits
+            got = qc.dequantize_4bit(packed, st, out_dtype, backend="cuda")
+            assert plan.hits == hits + 1, (shape, out_dtype)
+            assert got.shape == ref.shape == shape and got.dtype == ref.dtype and got.device == packed.device
+            assert torch.equal(_bits(got), _bits(ref)) and torch.equal(_bits(first), _bits(ref)), (shape, out_dtype)
+        assert len(plan.entries) == 4
+
+
+@gpu
+def test_planned_dequantize_rebuilt_errors_stream_and_graph(torch_cuda, monkeypatch):
+    torch = torch_cuda
+    w = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16)
+    packed, st = qc.quantize_4bit(w, 64, "nf4", True, backend="cuda")
+    ref = _full_dq(packed, st, None, monkeypatch)
+    for _ in range(2):
+        qc.dequantize_4bit(packed, st, backend="cuda")
+    plan = _dq_plan_of(st)
+    assert plan.hits == 1
+    # a field replaced: the plan is dropped and made again for the new arrays
+    st.state2.absmax = st.state2.absmax.clone()
+    assert torch.equal(qc.dequantize_4bit(packed, st, backend="cuda"), ref) and _dq_plan_of(st) is not plan
+    # another packed buffer holding the same codes: another plan
+    plan = _dq_plan_of(st)
+    assert torch.equal(qc.dequantize_4bit(packed.clone(), st, backend="cuda"), ref) and _dq_plan_of(st) is not plan
+    # errors are those of the full path
+    bad = {"out_dtype": lambda: qc.dequantize_4bit(packed, st, torch.int8, backend="cuda"),
+           "host packed": lambda: qc.dequantize_4bit(packed.cpu(), st, backend="cuda"),
+           "packed size": lambda: qc.dequantize_4bit(packed[:-1], st, backend="cuda"),
+           "state type": lambda: qc.dequantize_4bit(packed, {"absmax": st.absmax}, backend="cuda")}
+    monkeypatch.setattr(api, "EAGER_PLANS", False)
+    cold = {name: _error(f) for name, f in bad.items()}
+    monkeypatch.setattr(api, "EAGER_PLANS", True)
+    for name, f in bad.items():
+        assert cold[name] is not None and _error(f) == cold[name], name
+    # the caller's current stream, read at the call: the packed codes written on a side stream after
+    # a long sleep are seen only by a launch on that stream
+    P = torch.zeros_like(packed)
+    src = packed.clone()
+    zeros = _full_dq(P, st, None, monkeypatch)
+    for _ in range(2):
+        qc.dequantize_4bit(P, st, backend="cuda")
+    plan = _dq_plan_of(st)
+    hits = plan.hits
+    s = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(200_000_000)
+        P.copy_(src)
+        got = qc.dequantize_4bit(P, st, backend="cuda")
+    s.synchronize()
+    assert plan.hits == hits + 1 and torch.equal(got, ref) and not torch.equal(zeros, ref)
+    # a planned call captures in a CUDA graph
+    P.zero_()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = qc.dequantize_4bit(P, st, backend="cuda")
+    assert plan.hits == hits + 2
+    P.copy_(src)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    # a state made invalid in place (no field assignment) is validated again
+    st.absmax.resize_(1)
+    with pytest.raises(QuantcoreError):
+        qc.dequantize_4bit(packed, st, backend="cuda")

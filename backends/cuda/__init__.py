@@ -21,6 +21,7 @@ different streams never share memory.
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -243,10 +244,10 @@ def _coop_ctas_per_sm(launch: Launcher, filename: str, expr: str, block: int, sh
 _coop_occupancy: dict[tuple[int, str, int, int], int] = {}
 
 
-def _resident(launch: Launcher, ctas: int, threads: int) -> int:
+def _resident(device: int, ctas: int, threads: int) -> int:
     """Grid of a persistent kernel: ``ctas`` pieces of work, at most what the device holds at once
     (2048 threads per multiprocessor), so per-CTA table set-up is paid once per CTA."""
-    return max(1, min(ctas, rt.sm_count(launch.device) * (2048 // threads)))
+    return max(1, min(ctas, rt.sm_count(device) * (2048 // threads)))
 
 
 def _gemv_ksplit(ntiles: int, nsp: int, sms: int) -> int:
@@ -466,12 +467,14 @@ class CudaBackend(Backend):
         n = rt.numel(out)
         if n == 0:
             return
-        vec = aligned(packed, 4) and aligned(out, 16)
-        nest = (ptr_arg(nested.absmax2), ptr_arg(nested.code2), ptr_arg(nested.offset)) if nested else (NULL,) * 3
         launch = Launcher(out)
-        grid = _resident(launch, _cdiv(_cdiv(n, 8), _DEQUANT_THREADS * _DEQUANT_WORDS), _DEQUANT_THREADS)
-        launch(_F4, _dq4(_tag(out), quant_type, nested is not None), (grid,), _DEQUANT_THREADS,
-               (ptr_arg(packed), ptr_arg(absmax)) + nest + (ptr_arg(out), i64(n), i32(_log2(blocksize)), i32(vec)))
+        launch(*_dequantize_launch(launch.device, packed, absmax, out, n=n, tag=_tag(out), out_aligned=aligned(out, 16),
+                                   blocksize=blocksize, quant_type=quant_type, nested=nested))
+
+    def plan_dequantize_4bit(self, packed, state, out_dtype, *, previous, dtype):
+        """A launch plan for repeated public ``dequantize_4bit`` calls (see
+        ``quantcore.api.EAGER_PLANS``): torch CUDA tensors only; None where the call is not planned."""
+        return _plan_dequantize_4bit(packed, state, out_dtype, previous, dtype)
 
     def gemv_4bit(self, a, packed, absmax, out, *, n, k, blocksize, quant_type, nested: Nested | None):
         rows = rt.numel(a) // k
@@ -552,7 +555,7 @@ class CudaBackend(Backend):
                     i32(vec)) + extra)
             return
         threads = max(256, blocksize // 8)
-        launch(_F8, _qbw(_tag(x)), (_resident(launch, _cdiv(_cdiv(n, 8), threads), threads),), threads,
+        launch(_F8, _qbw(_tag(x)), (_resident(launch.device, _cdiv(_cdiv(n, 8), threads), threads),), threads,
                (ptr_arg(x), thresholds, ptr_arg(codes), ptr_arg(absmax), center, i64(n),
                 i32(_log2(blocksize)), i32(vec)))
 
@@ -783,6 +786,22 @@ def _gemv_launch(device, a, packed, absmax, out, *, rows, n, k, blocksize, quant
     return _F4, _gemv(_tag(a), quant_type, nested is not None), grid, 256, common, 0
 
 
+# -- dequantize_4bit: the launch (shared by the launcher and the eager launch plans) ---------------------
+#: positions of packed and out in the dequantize kernel's parameter list
+_DEQUANT_SLOTS = (0, 5)
+
+
+def _dequantize_launch(device, packed, absmax, out, *, n, tag, out_aligned, blocksize, quant_type, nested):
+    """(file, kernel, grid, block, arguments) of dequantize_4bit; ``out`` None leaves its pointer 0
+    (a plan fills it per call) and ``out_aligned`` says whether it is 16-byte aligned."""
+    vec = aligned(packed, 4) and out_aligned
+    nest = (ptr_arg(nested.absmax2), ptr_arg(nested.code2), ptr_arg(nested.offset)) if nested else (NULL,) * 3
+    grid = _resident(device, _cdiv(_cdiv(n, 8), _DEQUANT_THREADS * _DEQUANT_WORDS), _DEQUANT_THREADS)
+    return (_F4, _dq4(tag, quant_type, nested is not None), (grid,), _DEQUANT_THREADS,
+            (ptr_arg(packed), ptr_arg(absmax)) + nest + (ptr_arg(out) if out is not None else NULL, i64(n),
+                                                         i32(_log2(blocksize)), i32(vec)))
+
+
 # -- eager launch plans (quantcore.api keeps them on the QuantState) ---------------------------------
 _TENSOR: Any = None  # torch.Tensor, set when the first plan is made (torch is imported by then)
 _MAX_GEOMETRIES = 8  # input geometries one plan keeps
@@ -806,10 +825,11 @@ def _state_fp(s: Any) -> tuple:
             None if s2 is None else (s2.blocksize, _tfp(s2.absmax), _tfp(s2.code)))
 
 
-class _GemvPlan:
-    """gemv_4bit launches for one state and one packed weight on one device under one tuning
-    setting, one per input geometry: (shape, dtype, 16-byte alignment), all that the core's
-    checks and the kernel choice read from the input besides its device and contiguity."""
+class _StatePlan:
+    """Launches of one op for one state and one packed weight on one device under one tuning
+    setting, one per call geometry: ``entries`` maps a call's key (what the core's checks and the
+    kernel choice read from the arguments besides the state, the packed weight and the devices)
+    to what the call needs (output shape, dtype, launch). Subclasses say what the key is."""
 
     __slots__ = ("device", "ctx", "tune", "packed_fp", "state_fp", "entries", "hits", "_stream", "_ctx_now")
 
@@ -826,58 +846,139 @@ class _GemvPlan:
         return (device == self.device and tune == self.tune and _tfp(packed) == self.packed_fp
                 and _state_fp(state) == self.state_fp)
 
-    def match(self, A: Any, packed: Any, state: Any) -> Any:
-        """The (output shape, launch) for these arguments, or None."""
-        if type(A) is not _TENSOR:
-            return None
-        entry = self.entries.get((A.shape, A.dtype, not A.data_ptr() & 15))
-        if (entry is None or not A.is_contiguous() or A.get_device() != self.device
-                or _tfp(packed) != self.packed_fp or _state_fp(state) != self.state_fp
+    def _entry(self, key: Any, packed: Any, state: Any) -> Any:
+        """The entry of ``key`` while the packed weight, the state's arrays and the tuning are
+        those the plan was made for, else None."""
+        entry = self.entries.get(key)
+        if (entry is None or _tfp(packed) != self.packed_fp or _state_fp(state) != self.state_fp
                 or rt.tune_spec() != self.tune):
             return None
         return entry
 
-    def __call__(self, A: Any, packed: Any, state: Any) -> Any:
-        entry = self.match(A, packed, state)
-        if entry is None or self._ctx_now() != self.ctx:  # another device's context: the full path
+    def _launch(self, launch: Any, first: Any, out: Any) -> Any:
+        """Run a matched entry's launch on the caller's stream with these two arrays; None (the
+        full path runs) when the thread's current context is another device's."""
+        if self._ctx_now() != self.ctx:
             return None
-        out = A.new_empty(entry[0])
-        entry[1](self._stream(self.device), A.data_ptr(), out.data_ptr())
+        launch(self._stream(self.device), first.data_ptr(), out.data_ptr())
         self.hits += 1
         return out
+
+    def add(self, key: Any, value: tuple) -> None:
+        if len(self.entries) >= _MAX_GEOMETRIES and key not in self.entries:
+            self.entries.clear()
+        self.entries[key] = value
+
+
+class _GemvPlan(_StatePlan):
+    """gemv_4bit's plan; a call's key is the input's (shape, dtype, 16-byte alignment), all that
+    the core's checks and the kernel choice read from the input besides its device and contiguity."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def key(A: Any) -> tuple:
+        return A.shape, A.dtype, not A.data_ptr() & 15
+
+    def match(self, A: Any, packed: Any, state: Any) -> Any:
+        """The (output shape, launch) for these arguments, or None."""
+        if type(A) is not _TENSOR or not A.is_contiguous() or A.get_device() != self.device:
+            return None
+        return self._entry(self.key(A), packed, state)
+
+    def __call__(self, A: Any, packed: Any, state: Any) -> Any:
+        entry = self.match(A, packed, state)
+        if entry is None:
+            return None
+        return self._launch(entry[1], A, A.new_empty(entry[0]))
+
+
+class _DequantPlan(_StatePlan):
+    """dequantize_4bit's plan; a call's key is its ``out_dtype`` argument as given (the output's
+    shape is the state's, its 16-byte alignment is checked per call)."""
+
+    __slots__ = ()
+
+    def match(self, packed: Any, state: Any, out_dtype: Any) -> Any:
+        """The (output shape, torch dtype, launch) for these arguments, or None."""
+        try:
+            return self._entry(out_dtype, packed, state)
+        except TypeError:  # an unhashable out_dtype: the full path reports it
+            return None
+
+    def __call__(self, packed: Any, state: Any, out_dtype: Any = None) -> Any:
+        entry = self.match(packed, state, out_dtype)
+        if entry is None:
+            return None
+        out = packed.new_empty(entry[0], dtype=entry[1])
+        if out.data_ptr() & 15:  # the launch was set up for 16-byte stores
+            return None
+        return self._launch(entry[2], packed, out)
+
+
+def _plannable(torch: Any, state: Any, arrays: tuple) -> bool:
+    """May a call on these arrays and this state be planned? Only where prepare() hands the arrays
+    through as they are (contiguous CUDA tensors) and the checks read nothing that can change
+    without a field assignment or a new pointer: a host code table is compared by value on every
+    call, a list shape can change in place."""
+    s2 = state.state2
+    need = arrays + (state.absmax,) + ((state.offset, s2.absmax, s2.code) if s2 is not None else ())
+    if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.is_contiguous() for t in need):
+        return False
+    if state.code is not None and not (isinstance(state.code, torch.Tensor) and state.code.is_cuda):
+        return False
+    return type(state.shape) is tuple and all(isinstance(d, (int, np.integer)) for d in state.shape)
+
+
+def _plan_for(cls: type, previous: Any, device: int, packed: Any, state: Any) -> Any:
+    """``previous`` when it was made for the same weight, state and tuning, else a new plan."""
+    tune = rt.tune_spec()
+    if isinstance(previous, cls) and previous.same(device, packed, state, tune):
+        return previous
+    return cls(device, rt.device_context(device), packed, state, tune, rt.raw_stream_getter(),
+               rt.cupy().cuda.driver.ctxGetCurrent)
+
+
+def _state_nested(state: Any) -> Nested | None:
+    s2 = state.state2
+    return Nested(absmax2=s2.absmax, code2=s2.code, offset=state.offset) if s2 is not None else None
 
 
 def _plan_gemv_4bit(A: Any, packed: Any, state: Any, previous: Any, n: int, k: int) -> _GemvPlan | None:
     torch = rt.torch_module()
-    if torch is None or type(A) is not torch.Tensor or n == 0:
-        return None
-    tensor = torch.Tensor
-    s2 = state.state2
-    need = (A, packed, state.absmax) + ((state.offset, s2.absmax, s2.code) if s2 is not None else ())
-    # planned only where prepare() hands the arrays through as they are (contiguous CUDA tensors)
-    # and the checks read nothing that can change without a field assignment or a new pointer:
-    # a host code table is compared by value on every call, a list shape can change in place
-    if not all(isinstance(t, tensor) and t.is_cuda and t.is_contiguous() for t in need):
-        return None
-    if state.code is not None and not (isinstance(state.code, tensor) and state.code.is_cuda):
-        return None
-    if type(state.shape) is not tuple or not all(isinstance(d, (int, np.integer)) for d in state.shape):
+    if torch is None or type(A) is not torch.Tensor or n == 0 or not _plannable(torch, state, (A, packed)):
         return None
     rows = A.numel() // k
     if rows == 0:
         return None
-    device, tune = A.get_device(), rt.tune_spec()
-    plan = previous if isinstance(previous, _GemvPlan) and previous.same(device, packed, state, tune) else None
-    if plan is None:
-        plan = _GemvPlan(device, rt.device_context(device), packed, state, tune, rt.raw_stream_getter(),
-                         rt.cupy().cuda.driver.ctxGetCurrent)
-    elif (A.shape, A.dtype, not A.data_ptr() & 15) in plan.entries:
+    device = A.get_device()
+    plan = _plan_for(_GemvPlan, previous, device, packed, state)
+    if _GemvPlan.key(A) in plan.entries:
         return plan  # it had this call: the thread's current context was another device's
-    elif len(plan.entries) >= _MAX_GEOMETRIES:
-        plan.entries.clear()
-    nested = Nested(absmax2=s2.absmax, code2=s2.code, offset=state.offset) if s2 is not None else None
     spec = _gemv_launch(device, A, packed, state.absmax, None, rows=rows, n=n, k=k, blocksize=state.blocksize,
-                        quant_type=state.quant_type, nested=nested)
+                        quant_type=state.quant_type, nested=_state_nested(state))
     launch = rt.PlannedLaunch(device, *spec[:5], shared_mem=spec[5], slots=_GEMV_SLOTS)
-    plan.entries[(A.shape, A.dtype, not A.data_ptr() & 15)] = (tuple(A.shape[:-1]) + (n,), launch)
+    plan.add(_GemvPlan.key(A), (tuple(A.shape[:-1]) + (n,), launch))
+    return plan
+
+
+def _plan_dequantize_4bit(packed: Any, state: Any, out_dtype: Any, previous: Any, dtype: str) -> _DequantPlan | None:
+    torch = rt.torch_module()
+    if torch is None or not isinstance(packed, torch.Tensor) or not _plannable(torch, state, (packed,)):
+        return None
+    n = math.prod(state.shape)
+    if n == 0:
+        return None
+    try:
+        hash(out_dtype)
+    except TypeError:
+        return None
+    device = packed.get_device()
+    plan = _plan_for(_DequantPlan, previous, device, packed, state)
+    if out_dtype in plan.entries:
+        return plan  # it had this call: the thread's current context was another device's
+    spec = _dequantize_launch(device, packed, state.absmax, None, n=n, tag=TYPE_TAG[dtype], out_aligned=True,
+                              blocksize=state.blocksize, quant_type=state.quant_type, nested=_state_nested(state))
+    launch = rt.PlannedLaunch(device, *spec, slots=_DEQUANT_SLOTS)
+    plan.add(out_dtype, (tuple(state.shape), _torch_dtype(as_dtype(dtype)), launch))
     return plan
