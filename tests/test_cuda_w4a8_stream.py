@@ -110,3 +110,48 @@ def test_cp_async_filler_unaligned_activation(be, rng, dtype, monkeypatch):
         old = _run(be, _t(wq), _t(a), m, n, "w4s_load=0", monkeypatch)
         _gemm_check(wq, ggml.quantize_q8_1(a), new)
         assert np.array_equal(bits(new), bits(old)), (m, n, k)
+
+
+@gpu
+def test_repeated_calls_launch_from_the_cache(be, rng, monkeypatch):
+    """A second call with the same geometry, activation dtype and alignment and tuning launches
+    from cuda._W4_LAUNCHES with the new arrays' pointers in its slots: the same bits as the full
+    launch; another N, alignment or tuning gets its own entry."""
+    monkeypatch.delenv(TUNE, raising=False)
+    monkeypatch.setattr(cuda, "_W4_LAUNCHES", {})
+    m, k = 300, 2048
+    wq = ggml.quantize_q4_0(_randn(rng, (m, k), "float32", scale_groups=32))
+    calls = []
+
+    class Counting:
+        def __init__(self, launch):
+            self.launch = launch
+
+        def __call__(self, *args):
+            calls.append(args)
+            self.launch(*args)
+
+    def place(a, unaligned):  # a fresh device copy of a, one element into its buffer if unaligned
+        flat = _t(a.reshape(-1))
+        buf = torch.empty(flat.numel() + 1, dtype=flat.dtype, device="cuda")
+        buf[int(unaligned):int(unaligned) + flat.numel()].copy_(flat)
+        out = buf[int(unaligned):int(unaligned) + flat.numel()].view(a.shape)
+        assert (out.data_ptr() % 16 != 0) == unaligned
+        return out
+
+    seen = set()
+    for n, tune, unaligned in ((1, "", False), (5, "", False), (5, "", True), (5, "w4s_kc=64", False)):
+        a = _randn(rng, (n, k), "bfloat16", scale_groups=32)
+        first = _run(be, _t(wq), place(a, unaligned), m, n, tune, monkeypatch)
+        new = set(cuda._W4_LAUNCHES) - seen
+        assert len(new) == 1, (n, tune, unaligned)  # the full launch kept one entry
+        key = new.pop()
+        seen.add(key)
+        cuda._W4_LAUNCHES[key] = Counting(cuda._W4_LAUNCHES[key])
+        before = len(calls)
+        wq2, a2 = _t(wq), place(a, unaligned)  # other buffers, same geometry and alignment
+        again = _run(be, wq2, a2, m, n, tune, monkeypatch)
+        assert len(calls) == before + 1 and calls[-1][1:] == (wq2.data_ptr(), a2.data_ptr(), calls[-1][3])
+        _gemm_check(wq, ggml.quantize_q8_1(a), again)
+        assert np.array_equal(bits(again), bits(first)), (n, tune, unaligned)
+    assert len(cuda._W4_LAUNCHES) == 4

@@ -379,6 +379,14 @@ class Launcher:
         self.stream = stream_for(like, self.device)
         self._switch = cupy().cuda.runtime.getDevice() != self.device
 
+    def raw_stream(self) -> int | None:
+        """The launch stream as a ``cudaStream_t`` value for a :class:`PlannedLaunch`, or None where
+        a planned launch cannot be used (the caller's current device is another one, so its
+        context is not the function's)."""
+        if self._switch:
+            return None
+        return int(self.stream.ptr) if self.stream is not None else int(cupy().cuda.get_current_stream().ptr)
+
     def __call__(self, filename: str, expr: str, grid: tuple[int, ...], block: int, args: tuple,
                  shared_mem: int = 0) -> None:
         fn = kernel_function(self.device, filename, expr, shared_mem)
