@@ -82,6 +82,23 @@ class _Plan:
         return out
 
 
+class _DequantPlanCpu:
+    """Recognises one packed object (by identity) and one out_dtype; runs the kernel-level op."""
+
+    def __init__(self, be, packed, out_dtype, dtype):
+        self.be, self.packed, self.out_dtype, self.dtype = be, packed, out_dtype, dtype
+        self.hits = 0
+
+    def __call__(self, packed, state, out_dtype=None):
+        if packed is not self.packed or out_dtype != self.out_dtype:
+            return None
+        self.hits += 1
+        out = np.empty(state.shape, self.dtype)
+        self.be.dequantize_4bit(packed, state.absmax, out, blocksize=state.blocksize, quant_type=state.quant_type,
+                                nested=api._nested(self.be, state))
+        return out
+
+
 class _PlanningCpu(CpuBackend):
     name = "cpu-planning"
 
@@ -92,6 +109,10 @@ class _PlanningCpu(CpuBackend):
     def plan_gemv_4bit(self, A, packed, state, *, previous, n, k):
         self.asked.append((previous, n, k))
         return _Plan(self, A, packed, state, n, k)
+
+    def plan_dequantize_4bit(self, packed, state, out_dtype, *, previous, dtype):
+        self.asked.append((previous, out_dtype, dtype))
+        return _DequantPlanCpu(self, packed, out_dtype, np.dtype(np.float16) if dtype == "float16" else np.float32)
 
 
 def test_core_keeps_and_reuses_a_plan(rng):
@@ -178,37 +199,8 @@ def test_core_plans_only_quantstates_themselves(rng):
     assert be.asked == [] and mine._plans is None
 
 
-class _DequantPlanCpu:
-    """Recognises one packed object (by identity) and one out_dtype; runs the kernel-level op."""
-
-    def __init__(self, be, packed, out_dtype, dtype):
-        self.be, self.packed, self.out_dtype, self.dtype = be, packed, out_dtype, dtype
-        self.hits = 0
-
-    def __call__(self, packed, state, out_dtype=None):
-        if packed is not self.packed or out_dtype != self.out_dtype:
-            return None
-        self.hits += 1
-        out = np.empty(state.shape, self.dtype)
-        self.be.dequantize_4bit(packed, state.absmax, out, blocksize=state.blocksize, quant_type=state.quant_type,
-                                nested=api._nested(self.be, state))
-        return out
-
-
-class _PlanningCpuDequant(CpuBackend):
-    name = "cpu-planning-dequant"
-
-    def __init__(self):
-        super().__init__()
-        self.asked = []
-
-    def plan_dequantize_4bit(self, packed, state, out_dtype, *, previous, dtype):
-        self.asked.append((previous, out_dtype, dtype))
-        return _DequantPlanCpu(self, packed, out_dtype, np.dtype(np.float16) if dtype == "float16" else np.float32)
-
-
 def test_core_plans_dequantize(rng):
-    be = _PlanningCpuDequant()
+    be = _PlanningCpu()
     _, packed, st = _np_state(rng)
     ref = qc.dequantize_4bit(packed, st, backend="cpu")
     ref16 = qc.dequantize_4bit(packed, st, "float16", backend="cpu")
@@ -408,12 +400,17 @@ def _bits(t):
     return t.view(torch.int32 if t.element_size() == 4 else torch.int16).cpu()
 
 
-def _full(A, packed, st, monkeypatch):
+def _unplanned(monkeypatch, op, *args):
+    """The full path's result of ``op(*args)`` on cuda (plans off for this call)."""
     monkeypatch.setattr(api, "EAGER_PLANS", False)
     try:
-        return qc.gemv_4bit(A, packed, st, backend="cuda")
+        return op(*args, backend="cuda")
     finally:
         monkeypatch.setattr(api, "EAGER_PLANS", True)
+
+
+def _full(A, packed, st, monkeypatch):
+    return _unplanned(monkeypatch, qc.gemv_4bit, A, packed, st)
 
 
 def _gpu_case(torch, n, k, bs, nested, dtype):
@@ -498,6 +495,19 @@ def test_plan_rebuilt_when_state_or_tuning_changes(torch_cuda, monkeypatch):
     assert len(exprs) == 2  # the register-fed mma kernel and the default one
 
 
+def _on_side_stream(torch, dst, src, call):
+    """``call()`` on a side stream right after that stream sleeps and then copies src into dst:
+    only a launch on that stream sees the copied values."""
+    s = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(200_000_000)
+        dst.copy_(src)
+        got = call()
+    s.synchronize()
+    return got
+
+
 @gpu
 def test_planned_launch_follows_the_current_stream(torch_cuda, monkeypatch):
     """A hot plan, then the input written on a side stream after a long sleep: only a launch on
@@ -511,13 +521,7 @@ def test_planned_launch_follows_the_current_stream(torch_cuda, monkeypatch):
     qc.gemv_4bit(A, packed, st, backend="cuda")
     plan = _plan_of(st)
     hits = plan.hits
-    s = torch.cuda.Stream()
-    torch.cuda.synchronize()
-    with torch.cuda.stream(s):
-        torch.cuda._sleep(200_000_000)
-        A.copy_(src)
-        got = qc.gemv_4bit(A, packed, st, backend="cuda")
-    s.synchronize()
+    got = _on_side_stream(torch, A, src, lambda: qc.gemv_4bit(A, packed, st, backend="cuda"))
     assert plan.hits == hits + 1
     assert torch.equal(_bits(got), _bits(ref))
 
@@ -574,11 +578,7 @@ def _dq_plan_of(st):
 
 
 def _full_dq(packed, st, out_dtype, monkeypatch):
-    monkeypatch.setattr(api, "EAGER_PLANS", False)
-    try:
-        return qc.dequantize_4bit(packed, st, out_dtype, backend="cuda")
-    finally:
-        monkeypatch.setattr(api, "EAGER_PLANS", True)
+    return _unplanned(monkeypatch, qc.dequantize_4bit, packed, st, out_dtype)
 
 
 @gpu
@@ -641,13 +641,7 @@ def test_planned_dequantize_rebuilt_errors_stream_and_graph(torch_cuda, monkeypa
         qc.dequantize_4bit(P, st, backend="cuda")
     plan = _dq_plan_of(st)
     hits = plan.hits
-    s = torch.cuda.Stream()
-    torch.cuda.synchronize()
-    with torch.cuda.stream(s):
-        torch.cuda._sleep(200_000_000)
-        P.copy_(src)
-        got = qc.dequantize_4bit(P, st, backend="cuda")
-    s.synchronize()
+    got = _on_side_stream(torch, P, src, lambda: qc.dequantize_4bit(P, st, backend="cuda"))
     assert plan.hits == hits + 1 and torch.equal(got, ref) and not torch.equal(zeros, ref)
     # a planned call captures in a CUDA graph
     P.zero_()
