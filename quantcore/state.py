@@ -133,6 +133,9 @@ class QuantState:
             })
         if not packed:
             return d
+        if self.quant_type is None:  # the key names the 4-bit type; bitsandbytes has no 8-bit packed form
+            raise StateError("as_dict(packed=True) is the layout of 4-bit states (nf4 / fp4); "
+                             "this 8-bit state has no quant_type: use as_dict()")
         arrays = {k: v for k, v in d.items() if _is_array(v)}
         rest = {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if not _is_array(v)}
         raw = np.frombuffer(json.dumps(rest).encode("utf-8"), dtype=np.uint8).copy()
@@ -192,7 +195,7 @@ class QuantState:
         )
         state.validate()
         # validate() checks host maps; a map loaded onto a device is read back once, here
-        if (state.code is not None and not _on_host(state.code)
+        if (state.quant_type is not None and state.code is not None and not _on_host(state.code)
                 and not _code_matches(_host(state.code), state.quant_type)):
             raise StateError(f"quant_map does not match the {state.quant_type} table; "
                              "custom 4-bit maps are not supported")

@@ -98,6 +98,24 @@ def test_state_dict_round_trip_and_bad_states(rng):
         qc.QuantState.from_dict(wrong_map)
 
 
+def test_8bit_state_dicts(monkeypatch):
+    codes, state = qc.quantize_blockwise(np.linspace(-1, 1, 256, dtype=np.float32), 64)
+    assert state.quant_type is None
+    # the packed layout's key names the 4-bit type: an 8-bit state gets a StateError, not a TypeError
+    with pytest.raises(qc.StateError, match="8-bit"):
+        state.as_dict(packed=True)
+    d = state.as_dict()
+    # a 256-entry map on a device must not be compared with a 4-bit table (quant_type None)
+    monkeypatch.setattr("quantcore.state._on_host", lambda v: False)
+    back = qc.QuantState.from_dict(d)
+    assert np.array_equal(qc.dequantize_blockwise(codes, back), qc.dequantize_blockwise(codes, state))
+    _, state4 = qc.quantize_4bit(np.ones((4, 64), np.float32), 64, "nf4")
+    wrong_map = state4.as_dict()
+    wrong_map["quant_map"] = bnb.FP4_CODE  # a 4-bit map off the host is still checked
+    with pytest.raises(qc.StateError, match="quant_map"):
+        qc.QuantState.from_dict(wrong_map)
+
+
 def test_safetensors_round_trip(tmp_path, rng):
     from quantcore.io import load_safetensors, save_safetensors
 

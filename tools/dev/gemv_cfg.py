@@ -25,13 +25,14 @@ def main() -> None:
         sets = weight_sets(n, k, g)
         a = torch.randn(b, k, dtype=torch.bfloat16, device="cuda", generator=g)
         wb = torch.randn(n, k, dtype=torch.bfloat16, device="cuda", generator=g)
-        print(f"B{b} {n}x{k}: torch bf16 {med(lambda i: torch.nn.functional.linear(a, wb)):7.1f} us", flush=True)
+        t_torch = med(lambda i, a=a, wb=wb: torch.nn.functional.linear(a, wb))
+        print(f"B{b} {n}x{k}: torch bf16 {t_torch:7.1f} us", flush=True)
         first = None
         for cfg in configs:
             os.environ[ENV_TUNE] = cfg
             out = torch.full((b, n), float("nan"), dtype=torch.bfloat16, device="cuda")
 
-            def call(i: int, out=out) -> None:
+            def call(i: int, out=out, a=a, sets=sets, n=n, k=k) -> None:
                 packed, qabs, nest = sets[i % len(sets)]
                 be.gemv_4bit(a, packed, qabs, out, n=n, k=k, blocksize=64, quant_type="nf4", nested=nest)
 
