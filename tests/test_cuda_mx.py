@@ -74,9 +74,6 @@ def test_quant_source_compiles(tmp_path, arch):
         assert "0 bytes spill stores" in text, (name, text)
 
 
-TIMING_VARIANTS = ("_nodq", "_nomma", "_alu", "_smem", "_nohmul", "_nof2fp", "_ss", "_ssnodq")
-
-
 @needs_nvcc
 @pytest.mark.parametrize("arch,timing", [("sm_80", False), ("sm_90", False), ("sm_90a", False), ("sm_90a", True)])
 def test_gemm_source_compiles(tmp_path, arch, timing):
@@ -89,7 +86,7 @@ def test_gemm_source_compiles(tmp_path, arch, timing):
         for cpw in (16, 4):
             assert cmx.gemm_kernel_name(fmt, False, cpw) in ents
             assert (cmx.gemm_kernel_name(fmt, True, cpw) in ents) == wg
-    for var in TIMING_VARIANTS:
+    for var in cmx.GEMM_TIMING_VARIANTS["wgmma"]:
         assert (cmx.gemm_kernel_name("nvfp4", True, 16) + var in ents) == (wg and timing), var
     for name, text in ents.items():
         # registers sit near the 255 limit: a spill would mean local-memory traffic in the main

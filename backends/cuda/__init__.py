@@ -82,6 +82,7 @@ _W4_SMEM_MAX = 227 * 1024  # dynamic shared memory per CTA on sm_90
 #: gemm_w4a8_stream_kernel launches kept per (device, M, N, K, activation dtype, its 16-byte alignment,
 #: QUANTCORE_CUDA_TUNE): everything of the launch but the three array pointers
 _W4_LAUNCHES: dict[tuple, Any] = {}
+_W4_MAX_LAUNCHES = 64  # kept at most (the cache starts over when full)
 _W4_FLY = 64 * 1024  # LD 1: weight bytes in flight per CTA the ring should allow (~4.3 TB/s x ~2 us / 132 SMs)
 #: the N <= 8 kernels as (NB, CL, LD) keys: CL = 0 the version-12 kernel, else the stream kernel's
 #: cluster; LD its ring filler (0 bulk copies by a producer warp, 1 cp.async by every warp)
@@ -247,10 +248,11 @@ def _coop_ctas_per_sm(launch: Launcher, filename: str, expr: str, block: int, sh
 _coop_occupancy: dict[tuple[int, str, int, int], int] = {}
 
 
-def _resident(device: int, ctas: int, threads: int) -> int:
+def _resident(device: int, ctas: int, per_sm: int) -> int:
     """Grid of a persistent kernel: ``ctas`` pieces of work, at most what the device holds at once
-    (2048 threads per multiprocessor), so per-CTA table set-up is paid once per CTA."""
-    return max(1, min(ctas, rt.sm_count(device) * (2048 // threads)))
+    (``per_sm`` CTAs per multiprocessor: the kernel's launch bounds, or 2048 threads' worth), so
+    per-CTA set-up is paid once per CTA and every CTA is in the one wave."""
+    return max(1, min(ctas, rt.sm_count(device) * per_sm))
 
 
 def _gemv_ksplit(ntiles: int, nsp: int, sms: int) -> int:
@@ -415,12 +417,12 @@ class CudaBackend(Backend):
         g, tag = blocksize // elems, _tag(x)
         if g in _Q4V3_G and rt.tune("q4_v", 3) == 3:  # version 3: tiles of threads x elems
             stages, tile = _q4v3_stages(tag), threads * elems
-            grid = max(1, min(_cdiv(n, tile), per_sm * rt.sm_count(launch.device)))
+            grid = _resident(launch.device, _cdiv(n, tile), per_sm)
             launch(_F4, _q4v3(tag, quant_type, g, stages), (grid,), threads,
                    (ptr_arg(x), ptr_arg(packed), ptr_arg(absmax), i64(n), i32(vec)),
                    shared_mem=stages * tile * as_dtype(dtype_name(x.dtype)).itemsize)
             return
-        grid = max(1, min(_cdiv(_cdiv(n, elems), threads), per_sm * rt.sm_count(launch.device)))
+        grid = _resident(launch.device, _cdiv(_cdiv(n, elems), threads), per_sm)
         launch(_F4, _q4(tag, quant_type), (grid,), threads,
                (ptr_arg(x), ptr_arg(packed), ptr_arg(absmax), i64(n), i32(_log2(blocksize)), i32(vec)))
 
@@ -550,7 +552,7 @@ class CudaBackend(Backend):
         version = version or rt.tune("qbw_v", 3)
         if version in (2, 3):
             threads = 512  # kernel bounds: 512 threads, 2 CTAs per multiprocessor
-            grid = max(1, min(_cdiv(_cdiv(n, 8), threads), 2 * rt.sm_count(launch.device)))
+            grid = _resident(launch.device, _cdiv(_cdiv(n, 8), threads), 2)
             none = (NULL, i32(0), i32(0)) + ((NULL,) if version == 2 else ()) + (NULL, i64(0), i32(0))
             extra = tree if tree is not None else none
             launch(_F8, _qbw(_tag(x), version), (grid,), threads,
@@ -558,7 +560,7 @@ class CudaBackend(Backend):
                     i32(vec)) + extra)
             return
         threads = max(256, blocksize // 8)
-        launch(_F8, _qbw(_tag(x)), (_resident(launch.device, _cdiv(_cdiv(n, 8), threads), threads),), threads,
+        launch(_F8, _qbw(_tag(x)), (_resident(launch.device, _cdiv(_cdiv(n, 8), threads), 2048 // threads),), threads,
                (ptr_arg(x), thresholds, ptr_arg(codes), ptr_arg(absmax), center, i64(n),
                 i32(_log2(blocksize)), i32(vec)))
 
@@ -684,7 +686,7 @@ class CudaBackend(Backend):
                 smem = fixed + nstage * stage
                 launch(*spec, (ptr_arg(wq), ptr_arg(a), ptr_arg(out)) + geometry, shared_mem=smem)
                 if stream is not None:
-                    if len(_W4_LAUNCHES) >= _MAX_GEOMETRIES * 8:
+                    if len(_W4_LAUNCHES) >= _W4_MAX_LAUNCHES:
                         _W4_LAUNCHES.clear()
                     _W4_LAUNCHES[key] = rt.PlannedLaunch(launch.device, *spec, (NULL,) * 3 + geometry,
                                                          shared_mem=smem, slots=(0, 1, 2))
@@ -812,7 +814,7 @@ def _dequantize_launch(device, packed, absmax, out, *, n, tag, out_aligned, bloc
     (a plan fills it per call) and ``out_aligned`` says whether it is 16-byte aligned."""
     vec = aligned(packed, 4) and out_aligned
     nest = (ptr_arg(nested.absmax2), ptr_arg(nested.code2), ptr_arg(nested.offset)) if nested else (NULL,) * 3
-    grid = _resident(device, _cdiv(_cdiv(n, 8), _DEQUANT_THREADS * _DEQUANT_WORDS), _DEQUANT_THREADS)
+    grid = _resident(device, _cdiv(_cdiv(n, 8), _DEQUANT_THREADS * _DEQUANT_WORDS), 2048 // _DEQUANT_THREADS)
     return (_F4, _dq4(tag, quant_type, nested is not None), (grid,), _DEQUANT_THREADS,
             (ptr_arg(packed), ptr_arg(absmax)) + nest + (ptr_arg(out) if out is not None else NULL, i64(n),
                                                          i32(_log2(blocksize)), i32(vec)))

@@ -55,6 +55,12 @@ GEMM_WS_THREADS = 384
 GEMM_WS_SMEM_BYTES = 1024 + 4 * 128 * 128 + 4 * (256 * 64 + 128 * 64 + 4 * 512 + 2 * 512) + 1024 + 256
 
 
+#: the GEMM's timing experiments per back end (entry-point suffixes, compiled only with
+#: -DQCMX_TIMING_VARIANTS; mx_gemm.cu QCMX_WG_VARIANT / QCMX_WS_VARIANT)
+GEMM_TIMING_VARIANTS = {"wgmma": ("_nodq", "_nomma", "_alu", "_smem", "_nohmul", "_nof2fp", "_ss", "_ssnodq"),
+                        "ws": ("_nodq", "_noadq", "_nobdq")}
+
+
 _lock = threading.Lock()
 _modules: dict[tuple[int, str, str, bool], Any] = {}
 _functions: dict[tuple[int, str, str, str, bool], Any] = {}
@@ -433,8 +439,8 @@ def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: in
     ``mode`` ("auto", "ws", "wgmma", "mma") overrides ``QUANTCORE_CUDA_MX_GEMM`` (tests,
     benchmarks); "auto" is :data:`GEMM_AUTO_SM90` on compute capability 9.0, else "mma".
     ``variant`` selects a timing experiment (nvfp4, 16-byte copies only; wrong results by design;
-    built into a separate module, see mx_gemm.cu): "_nodq", "_nomma", "_alu", "_smem", "_nohmul",
-    "_nof2fp", "_ss", "_ssnodq" of the wgmma kernel, "_noadq" / "_nobdq" / "_nodq" of the ws kernel.
+    built into a separate module, see mx_gemm.cu): one of :data:`GEMM_TIMING_VARIANTS` for the
+    back end ("wgmma" or "ws").
     MXFP4 on the wgmma kernel (16-byte copies) decodes to fp16 in the CTAs whose scale bytes all lie
     in 110..141 (exact there; bf16 elsewhere); ``QUANTCORE_CUDA_TUNE=mx_gemm_f16=0`` keeps bf16.
     """

@@ -51,7 +51,7 @@ def main() -> None:
     flops = 2.0 * M * N * K
     tt = torch_matmul_ms(dev)
     out = torch.empty((M, N), dtype=torch.bfloat16, device=dev)
-    variants = {"wgmma": ("", "_nodq", "_nomma", "_alu", "_smem", "_nohmul", "_nof2fp", "_ss", "_ssnodq"), "ws": ("", "_nodq", "_noadq", "_nobdq")}
+    variants = {mode: ("",) + v for mode, v in cmx.GEMM_TIMING_VARIANTS.items()}
     for mode in (sys.argv[1] if len(sys.argv) > 1 else "wgmma").split(","):
         for fmt in ("nvfp4", "mxfp4"):
             ac, bc, sa, sb, alpha = operands(fmt, dev)
