@@ -1,0 +1,493 @@
+"""quantcore's ops as PyTorch custom ops (``torch.ops.quantcore.*``), imported only when used.
+
+Every public op is defined once here with a schema, a fake (meta) implementation that gives
+shapes and dtypes without running anything (so ``torch.compile(fullgraph=True)`` traces through
+it), and one implementation that routes by the tensors' device type to the backend that serves it
+(:func:`backend_for`): ``cpu`` tensors -> the cpu backend, ``cuda`` tensors -> the cuda backend (or
+maca where the MetaX SDK is installed, whose PyTorch calls its devices "cuda"), ``xpu`` tensors ->
+the sycl backend. :func:`set_backend_for` changes a route (for example ``("cpu", "sycl")`` runs torch
+CPU tensors on the SYCL CPU device through host copies: a validation path, not a fast one).
+
+The ops take and return plain tensors (a bitsandbytes state is passed as its arrays), so they
+work on tensors torch made and inside CUDA graphs. The linear ops (``linear_4bit``,
+``linear_q4_0``, ``linear_fp4``) choose their path by row count (:func:`linear_path`) and carry
+an autograd formula for the input and the bias (a frozen quantized weight, as QLoRA trains).
+
+Ops are defined with ``torch.library.Library`` rather than ``torch.library.custom_op``: the same
+registration (schema, fake, autograd), at about half the eager dispatch cost. The module layer
+(:mod:`quantcore.nn`) calls the same implementations directly for eager calls that need no
+autograd graph (:func:`linear_4bit_eager`), which keeps the dispatcher out of the hot path.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .. import api, api_mx
+from ..errors import DTypeError, ParameterError, ShapeError
+from ..formats import bnb, ggml, mx
+from ..registry import get_backend
+from ..state import QuantState
+
+NAMESPACE = "quantcore"
+
+#: linear_4bit / linear_q4_0 use the batch kernels (weights read once for all rows) up to this
+#: many rows, dequantize + matmul above (PERFORMANCE: gemv_4bit equals torch bf16 at 16 rows and
+#: falls to 0.36x at 64, where dequantize + cuBLAS gives 0.50x)
+GEMV_MAX_ROWS = 16
+#: gemm_w4a8's stream kernel reads the weight once for up to 8 activation rows
+W4A8_MAX_ROWS = 8
+
+#: QUANTCORE_TORCH_DEBUG=1 prints each linear op's path choice (rows, path) to stderr
+DEBUG = os.environ.get("QUANTCORE_TORCH_DEBUG", "0") == "1"
+
+# -- routing ----------------------------------------------------------------------------------------
+_ROUTES: dict[str, str] = {"cpu": "cpu", "xpu": "sycl"}
+_BACKENDS: dict[str, Any] = {}
+
+
+def _default_cuda_backend() -> str:
+    # MetaX's PyTorch names its devices "cuda": tell MetaX from NVIDIA by the SDK, not by torch
+    from ..backends.maca import build
+
+    return "maca" if build.find_maca_path() is not None else "cuda"
+
+
+def set_backend_for(device_type: str, name: str | None) -> None:
+    """Route tensors of ``device_type`` ("cpu", "cuda", "xpu", ...) to backend ``name``; None
+    restores the default route."""
+    if not isinstance(device_type, str):
+        raise ParameterError(f"device_type must be a string such as 'cuda', got {device_type!r}")
+    if name is None:
+        _ROUTES.pop(device_type, None)
+        _ROUTES.update({k: v for k, v in (("cpu", "cpu"), ("xpu", "sycl")) if k == device_type})
+    else:
+        get_backend(name)  # unknown or unavailable: the registry's error, now
+        _ROUTES[device_type] = name
+    _BACKENDS.pop(device_type, None)
+
+
+def backend_for(device: torch.device | str) -> Any:
+    """The backend that serves tensors on ``device`` (a torch device or its type)."""
+    dtype = device if isinstance(device, str) else device.type
+    be = _BACKENDS.get(dtype)
+    if be is None:
+        name = _ROUTES.get(dtype) or (_default_cuda_backend() if dtype == "cuda" else None)
+        if name is None:
+            raise ParameterError(f"no quantcore backend serves torch '{dtype}' tensors; route one "
+                                 "with quantcore.torch.set_backend_for(device_type, backend_name)")
+        be = _BACKENDS[dtype] = get_backend(name)
+    return be
+
+
+def _host_route(be: Any, device: torch.device) -> bool:
+    """True when CPU tensors were routed to a device backend (sycl's CPU device): its arrays are
+    its own (USM), so the tensors travel through host copies, explicitly asked for by the route."""
+    return device.type == "cpu" and be.name != "cpu"
+
+
+def _moved(be: Any, obj: Any) -> Any:
+    """``obj`` (a CPU tensor, a QuantState of them, or anything else) as ``be``'s arrays."""
+    from ..arrays import torch_to_numpy
+
+    if isinstance(obj, torch.Tensor):
+        return be.from_numpy(torch_to_numpy(obj))
+    if isinstance(obj, QuantState):
+        return QuantState(absmax=_moved(be, obj.absmax), shape=obj.shape, code=_moved(be, obj.code),
+                          blocksize=obj.blocksize, quant_type=obj.quant_type, dtype=obj.dtype,
+                          offset=_moved(be, obj.offset), state2=_moved(be, obj.state2))
+    return obj
+
+
+def _run(device: torch.device, fn, args: tuple, **kw) -> Any:
+    """``fn(*args, backend=be, **kw)`` (a public API function) on the backend routed for ``device``."""
+    be = backend_for(device)
+    if not _host_route(be, device):
+        return fn(*args, backend=be, **kw)
+    from ..arrays import numpy_to_torch
+
+    kw = {k: _moved(be, v) for k, v in kw.items()}
+    res = fn(*(_moved(be, a) for a in args), backend=be, **kw)
+    if isinstance(res, tuple):
+        return tuple(numpy_to_torch(be.to_numpy(r)) for r in res)
+    return numpy_to_torch(be.to_numpy(res))
+
+
+# -- the library --------------------------------------------------------------------------------------
+_LIB = torch.library.Library(NAMESPACE, "DEF")
+
+
+def _define(schema: str, impl, fake, autograd: tuple | None = None) -> None:
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema)
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
+    if autograd is not None:
+        torch.library.register_autograd(f"{NAMESPACE}::{name}", autograd[0], setup_context=autograd[1],
+                                        lib=_LIB)
+
+
+def _np_dtype(dt: torch.dtype) -> str:
+    return str(dt).rsplit(".", 1)[-1]
+
+
+_TORCH_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_float(x: torch.Tensor, what: str) -> None:
+    if x.dtype not in _TORCH_FLOATS:
+        raise DTypeError(f"{what} must be float32, float16 or bfloat16, got {x.dtype}")
+
+
+# -- QuantState from tensors (kept per packed weight so eager launch plans survive across calls) ----
+_STATES = WeakIdKeyDictionary()
+
+
+def _fp(t: torch.Tensor | None) -> Any:
+    return None if t is None else (t.data_ptr(), t.shape, t.dtype, t.device)
+
+
+def state_of(packed: torch.Tensor, absmax: torch.Tensor, absmax2: torch.Tensor | None,
+             code2: torch.Tensor | None, offset: torch.Tensor | None, shape: tuple[int, ...],
+             blocksize: int, quant_type: str, dtype: str = "float32") -> QuantState:
+    """The :class:`QuantState` of a 4-bit weight given as tensors (nested when ``absmax2`` is given).
+
+    The same state object comes back while the tensors (pointers, shapes) and parameters are the
+    same, so the backend's launch plans kept on it are reused; it lives as long as ``packed``."""
+    key = (_fp(absmax), _fp(absmax2), _fp(code2), _fp(offset), tuple(shape), blocksize, quant_type, dtype)
+    hit = _STATES.get(packed)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    if not isinstance(quant_type, str) or quant_type not in bnb.QUANT_TYPES:
+        raise ParameterError(f"quant_type must be one of {bnb.QUANT_TYPES}, got {quant_type!r}")
+    # the code tables in the tensors' own kind and device (a host route moves the whole state)
+    be = get_backend("cpu") if packed.device.type == "cpu" else backend_for(packed.device)
+    state = QuantState(absmax=absmax, shape=tuple(int(s) for s in shape),
+                       code=api._const(be, quant_type, bnb.code_4bit(quant_type), packed),
+                       blocksize=int(blocksize), quant_type=quant_type, dtype=dtype)
+    if absmax2 is not None:
+        if offset is None:
+            raise ParameterError("a nested 4-bit state needs its offset with absmax2")
+        if code2 is None:
+            code2 = api._const(be, "dynamic_map", bnb.DYNAMIC_MAP, packed)
+        state.offset = offset
+        state.state2 = QuantState(absmax=absmax2, code=code2, blocksize=bnb.NESTED_BLOCKSIZE, dtype="float32")
+    _STATES[packed] = (key, state)
+    return state
+
+
+# -- quantize_4bit ----------------------------------------------------------------------------------
+def _quantize_4bit(x, blocksize, quant_type, compress_statistics):
+    packed, st = _run(x.device, api.quantize_4bit, (x,), blocksize=blocksize, quant_type=quant_type,
+                      compress_statistics=compress_statistics)
+    if st.nested:
+        return packed, st.absmax, st.state2.absmax, st.offset.reshape(1)
+    return packed, st.absmax, x.new_empty((0,), dtype=torch.float32), x.new_empty((0,), dtype=torch.float32)
+
+
+def _quantize_4bit_fake(x, blocksize, quant_type, compress_statistics):
+    n = x.numel()
+    nb = bnb.nblocks(n, blocksize)
+    packed = x.new_empty(((n + 1) // 2, 1), dtype=torch.uint8)
+    if compress_statistics:
+        return (packed, x.new_empty((nb,), dtype=torch.uint8),
+                x.new_empty((bnb.nblocks(nb, bnb.NESTED_BLOCKSIZE),), dtype=torch.float32),
+                x.new_empty((1,), dtype=torch.float32))
+    empty = x.new_empty((0,), dtype=torch.float32)
+    return packed, x.new_empty((nb,), dtype=torch.float32), empty, empty.clone()
+
+
+_define("quantize_4bit(Tensor x, int blocksize, str quant_type, bool compress_statistics) "
+        "-> (Tensor packed, Tensor absmax, Tensor absmax2, Tensor offset)", _quantize_4bit, _quantize_4bit_fake)
+
+
+def quantize_4bit(x: torch.Tensor, blocksize: int = 64, quant_type: str = "nf4",
+                  compress_statistics: bool = True) -> tuple[torch.Tensor, QuantState]:
+    """:func:`quantcore.quantize_4bit` through the custom op: ``(packed, QuantState)``."""
+    packed, absmax, absmax2, offset = torch.ops.quantcore.quantize_4bit(x, blocksize, quant_type,
+                                                                        compress_statistics)
+    nested = compress_statistics
+    return packed, state_of(packed, absmax, absmax2 if nested else None, None, offset if nested else None,
+                            tuple(x.shape), blocksize, quant_type, _np_dtype(x.dtype))
+
+
+# -- dequantize_4bit / gemv_4bit ----------------------------------------------------------------------
+def _dequantize_4bit(packed, absmax, absmax2, code2, offset, shape, blocksize, quant_type, out_dtype):
+    state = state_of(packed, absmax, absmax2, code2, offset, tuple(shape), blocksize, quant_type)
+    return _run(packed.device, api.dequantize_4bit, (packed, state), out_dtype=out_dtype)
+
+
+def _dequantize_4bit_fake(packed, absmax, absmax2, code2, offset, shape, blocksize, quant_type, out_dtype):
+    return packed.new_empty(tuple(shape), dtype=out_dtype)
+
+
+_STATE_ARGS = "Tensor packed, Tensor absmax, Tensor? absmax2, Tensor? code2, Tensor? offset"
+_define(f"dequantize_4bit({_STATE_ARGS}, SymInt[] shape, int blocksize, str quant_type, ScalarType out_dtype) "
+        "-> Tensor", _dequantize_4bit, _dequantize_4bit_fake)
+
+
+def _gemv_4bit(A, packed, absmax, absmax2, code2, offset, n, k, blocksize, quant_type):
+    state = state_of(packed, absmax, absmax2, code2, offset, (n, k), blocksize, quant_type)
+    return _run(A.device, api.gemv_4bit, (A, packed, state))
+
+
+def _gemv_4bit_fake(A, packed, absmax, absmax2, code2, offset, n, k, blocksize, quant_type):
+    _check_float(A, "A")
+    return A.new_empty(tuple(A.shape[:-1]) + (n,))
+
+
+_define(f"gemv_4bit(Tensor A, {_STATE_ARGS}, int n, int k, int blocksize, str quant_type) -> Tensor",
+        _gemv_4bit, _gemv_4bit_fake)
+
+
+# -- linear_4bit ----------------------------------------------------------------------------------------
+def linear_path(rows: int, op: str = "linear_4bit") -> str:
+    """The path a linear op takes for ``rows`` input rows: "gemv" (the batch kernels read the weight
+    once for all rows) or "dequantize+matmul" (the weight dequantized into a temporary, then
+    torch's matmul on tensor cores)."""
+    limit = W4A8_MAX_ROWS if op == "linear_q4_0" else GEMV_MAX_ROWS
+    path = "gemv" if 0 < rows <= limit else "dequantize+matmul"
+    if op == "linear_fp4":
+        path = "dequantize+matmul"  # no weight-only MX kernel yet
+    if DEBUG:
+        print(f"quantcore.torch: {op} rows={rows} -> {path}", file=sys.stderr)
+    return path
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+
+
+def _check_linear(x: torch.Tensor, k: int, bias: torch.Tensor | None, n: int) -> None:
+    _check_float(x, "x")
+    if x.dim() == 0 or x.shape[-1] != k:
+        raise ShapeError(f"x must have {k} elements in its last dimension (the weight's K), got shape "
+                         f"{tuple(x.shape)}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
+        raise ShapeError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y.add_(bias.to(y.dtype))
+
+
+def linear_4bit_eager(x, packed, absmax, absmax2, code2, offset, n, k, blocksize, quant_type, bias=None):
+    """``x @ W.T + bias`` for a 4-bit W [n, k]: the implementation behind ``quantcore::linear_4bit``
+    (the module layer calls it directly for eager calls that build no autograd graph)."""
+    _check_linear(x, k, bias, n)
+    state = state_of(packed, absmax, absmax2, code2, offset, (n, k), blocksize, quant_type)
+    rows = _rows(x)
+    if linear_path(rows) == "gemv":
+        x2 = x if x.is_contiguous() else x.contiguous()
+        return _add_bias(_run(x.device, api.gemv_4bit, (x2, packed, state)), bias)
+    w = _run(x.device, api.dequantize_4bit, (packed, state), out_dtype=x.dtype)
+    return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def _linear_4bit_fake(x, packed, absmax, absmax2, code2, offset, n, k, blocksize, quant_type, bias=None):
+    _check_linear(x, k, bias, n)
+    return x.new_empty(tuple(x.shape[:-1]) + (n,))
+
+
+def _linear_setup(ctx, inputs, output):
+    ctx.inputs = inputs  # the weight's tensors are frozen; only x and bias get gradients
+    ctx.x_meta = (inputs[0].dtype, inputs[0].shape)
+
+
+def _bias_grad(ctx, grad, bias):
+    if bias is None or not ctx.needs_input_grad[-1]:
+        return None
+    return grad.reshape(-1, grad.shape[-1]).sum(0).to(bias.dtype)
+
+
+def _linear_4bit_backward(ctx, grad):
+    x, packed, absmax, absmax2, code2, offset, n, k, blocksize, quant_type, bias = ctx.inputs
+    gx = None
+    if ctx.needs_input_grad[0]:
+        w = torch.ops.quantcore.dequantize_4bit(packed, absmax, absmax2, code2, offset, [n, k], blocksize,
+                                                quant_type, grad.dtype)
+        gx = (grad @ w).to(x.dtype)
+    return gx, None, None, None, None, None, None, None, None, None, _bias_grad(ctx, grad, bias)
+
+
+_define(f"linear_4bit(Tensor x, {_STATE_ARGS}, int n, int k, int blocksize, str quant_type, Tensor? bias=None) "
+        "-> Tensor", linear_4bit_eager, _linear_4bit_fake, (_linear_4bit_backward, _linear_setup))
+
+
+# -- ggml: gemm_w4a8 and linear_q4_0 ----------------------------------------------------------------------
+def _gemm_w4a8(wq, a, M, N, K):
+    return _run(wq.device, api.gemm_w4a8, (wq, a, M, N, K))
+
+
+def _gemm_w4a8_fake(wq, a, M, N, K):
+    return wq.new_empty((M, N), dtype=torch.float32)
+
+
+_define("gemm_w4a8(Tensor wq, Tensor a, int M, int N, int K) -> Tensor", _gemm_w4a8, _gemm_w4a8_fake)
+
+
+def _dequantize_q4_0(wq, out_dtype):
+    return _run(wq.device, api.dequantize_q4_0, (wq,), out_dtype=out_dtype)
+
+
+def _dequantize_q4_0_fake(wq, out_dtype):
+    return wq.new_empty((wq.shape[0], wq.shape[1] * ggml.QK), dtype=out_dtype)
+
+
+_define("dequantize_q4_0(Tensor wq, ScalarType out_dtype) -> Tensor", _dequantize_q4_0, _dequantize_q4_0_fake)
+
+
+def _quantize_q4_0(w):
+    return _run(w.device, api.quantize_q4_0, (w,))
+
+
+def _quantize_q4_0_fake(w):
+    return w.new_empty((w.shape[0], w.shape[1] // ggml.QK, ggml.BLOCK_BYTES["q4_0"]), dtype=torch.uint8)
+
+
+_define("quantize_q4_0(Tensor w) -> Tensor", _quantize_q4_0, _quantize_q4_0_fake)
+
+
+def _check_q4_0(wq: torch.Tensor) -> tuple[int, int]:
+    if wq.dim() != 3 or wq.shape[2] != ggml.BLOCK_BYTES["q4_0"] or wq.dtype != torch.uint8:
+        raise ShapeError(f"wq must be uint8 [M, K/32, 18] (ggml Q4_0 blocks), got {wq.dtype} {tuple(wq.shape)}")
+    return int(wq.shape[0]), int(wq.shape[1]) * ggml.QK
+
+
+def linear_q4_0_eager(x, wq, bias=None):
+    """``x @ W.T + bias`` for a ggml Q4_0 weight ``wq [M, K/32, 18]``: W4A8 (the activation quantized
+    to Q8_1 inside the kernel) up to :data:`W4A8_MAX_ROWS` rows, dequantize + matmul above."""
+    m, k = _check_q4_0(wq)
+    _check_linear(x, k, bias, m)
+    rows = _rows(x)
+    if linear_path(rows, "linear_q4_0") == "gemv":
+        x2 = x.reshape(rows, k)
+        y = _run(wq.device, api.gemm_w4a8, (wq, x2 if x2.is_contiguous() else x2.contiguous(), m, rows, k))
+        y = y.t().to(dtype=x.dtype, memory_format=torch.contiguous_format)
+        return _add_bias(y.reshape(tuple(x.shape[:-1]) + (m,)), bias)
+    w = _dequantize_q4_0(wq, x.dtype)
+    return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def _linear_q4_0_fake(x, wq, bias=None):
+    m, k = _check_q4_0(wq)
+    _check_linear(x, k, bias, m)
+    return x.new_empty(tuple(x.shape[:-1]) + (m,))
+
+
+def _linear_q4_0_backward(ctx, grad):
+    x, wq, bias = ctx.inputs
+    gx = None
+    if ctx.needs_input_grad[0]:
+        gx = (grad @ torch.ops.quantcore.dequantize_q4_0(wq, grad.dtype)).to(x.dtype)
+    return gx, None, _bias_grad(ctx, grad, bias)
+
+
+_define("linear_q4_0(Tensor x, Tensor wq, Tensor? bias=None) -> Tensor", linear_q4_0_eager, _linear_q4_0_fake,
+        (_linear_q4_0_backward, _linear_setup))
+
+
+# -- MX: quantize / dequantize / scaled_fp4_mm / linear_fp4 ---------------------------------------------------
+def _quantize_mx(x, fmt, scale_mode, global_scale, swizzle):
+    return _run(x.device, api_mx.quantize_mx, (x,), fmt=fmt, scale_mode=scale_mode,
+                global_scale=global_scale, swizzle=swizzle)
+
+
+def _quantize_mx_fake(x, fmt, scale_mode, global_scale, swizzle):
+    fmt = _mx_fmt(fmt)
+    k = x.shape[-1]
+    blk = mx.block_size(fmt)
+    lead = tuple(x.shape[:-1])
+    rows = math.prod(lead)
+    codes = x.new_empty(lead + (mx.codes_cols(fmt, k),), dtype=torch.uint8)
+    sshape = mx.swizzled_shape(rows, k // blk) if swizzle else lead + (k // blk,)
+    return codes, x.new_empty(sshape, dtype=torch.uint8)
+
+
+def _mx_fmt(fmt: str) -> str:
+    if fmt not in mx.FORMATS:
+        raise ParameterError(f"fmt must be one of {mx.FORMATS}, got {fmt!r}")
+    return fmt
+
+
+_define("quantize_mx(Tensor x, str fmt, str scale_mode, Tensor? global_scale, bool swizzle) "
+        "-> (Tensor codes, Tensor scales)", _quantize_mx, _quantize_mx_fake)
+
+
+def _dequantize_mx(codes, scales, fmt, out_dtype, global_scale, swizzled):
+    return _run(codes.device, api_mx.dequantize_mx, (codes, scales), fmt=fmt, out_dtype=out_dtype,
+                global_scale=global_scale, swizzled=swizzled)
+
+
+def _dequantize_mx_fake(codes, scales, fmt, out_dtype, global_scale, swizzled):
+    fmt = _mx_fmt(fmt)
+    k = codes.shape[-1] * (2 if fmt in mx.FP4_FORMATS else 1)
+    return codes.new_empty(tuple(codes.shape[:-1]) + (k,), dtype=out_dtype)
+
+
+_define("dequantize_mx(Tensor codes, Tensor scales, str fmt, ScalarType out_dtype, Tensor? global_scale, "
+        "bool swizzled) -> Tensor", _dequantize_mx, _dequantize_mx_fake)
+
+
+def _scaled_fp4_mm(a, b, scale_a, scale_b, alpha, bias, fmt):
+    return _run(a.device, api_mx.scaled_fp4_mm, (a, b, scale_a, scale_b, alpha, bias), fmt=fmt)
+
+
+def _scaled_fp4_mm_fake(a, b, scale_a, scale_b, alpha, bias, fmt):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.bfloat16)
+
+
+_define("scaled_fp4_mm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor alpha, Tensor? bias, str fmt) "
+        "-> Tensor", _scaled_fp4_mm, _scaled_fp4_mm_fake)
+
+
+def _check_fp4(codes: torch.Tensor, fmt: str) -> tuple[int, int]:
+    if fmt not in mx.FP4_FORMATS:
+        raise ParameterError(f"fmt must be one of {mx.FP4_FORMATS}, got {fmt!r}")
+    if codes.dim() != 2 or codes.dtype != torch.uint8:
+        raise ShapeError(f"codes must be uint8 [N, K/2], got {codes.dtype} {tuple(codes.shape)}")
+    return int(codes.shape[0]), 2 * int(codes.shape[1])
+
+
+def linear_fp4_eager(x, codes, scales, global_scale, fmt, bias=None):
+    """``x @ W.T + bias`` for an NVFP4 / MXFP4 weight (codes uint8 [N, K/2], row-major scales
+    [N, K/blk], NVFP4's global scale fp32 [1]) with float activations: the weight dequantized into
+    x's dtype, then torch's matmul."""
+    n, k = _check_fp4(codes, fmt)
+    _check_linear(x, k, bias, n)
+    linear_path(_rows(x), "linear_fp4")
+    w = _dequantize_mx(codes, scales, fmt, x.dtype, global_scale, False)
+    return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def _linear_fp4_fake(x, codes, scales, global_scale, fmt, bias=None):
+    n, k = _check_fp4(codes, fmt)
+    _check_linear(x, k, bias, n)
+    return x.new_empty(tuple(x.shape[:-1]) + (n,))
+
+
+def _linear_fp4_backward(ctx, grad):
+    x, codes, scales, global_scale, fmt, bias = ctx.inputs
+    gx = None
+    if ctx.needs_input_grad[0]:
+        w = torch.ops.quantcore.dequantize_mx(codes, scales, fmt, grad.dtype, global_scale, False)
+        gx = (grad @ w).to(x.dtype)
+    return gx, None, None, None, None, _bias_grad(ctx, grad, bias)
+
+
+_define("linear_fp4(Tensor x, Tensor codes, Tensor scales, Tensor? global_scale, str fmt, Tensor? bias=None) "
+        "-> Tensor", linear_fp4_eager, _linear_fp4_fake, (_linear_fp4_backward, _linear_setup))
+
+
+#: every op this module defines, as ``torch.ops.quantcore.<name>``
+OPS = ("quantize_4bit", "dequantize_4bit", "gemv_4bit", "linear_4bit", "gemm_w4a8", "quantize_q4_0",
+       "dequantize_q4_0", "linear_q4_0", "quantize_mx", "dequantize_mx", "scaled_fp4_mm", "linear_fp4")
+
+__all__ = ["GEMV_MAX_ROWS", "OPS", "W4A8_MAX_ROWS", "backend_for", "linear_4bit_eager", "linear_fp4_eager",
+           "linear_path", "linear_q4_0_eager", "quantize_4bit", "set_backend_for", "state_of"]

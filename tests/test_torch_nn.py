@@ -1,0 +1,398 @@
+"""quantcore.torch (custom ops) and quantcore.nn (modules) on torch tensors.
+
+CPU tests run on the cpu backend with torch CPU tensors (in CI); the GPU tests at the end run the
+same checks on CUDA tensors (the cuda backend), under torch.compile and CUDA graphs, on the device
+machine through the same pytest command.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed: the PyTorch layer needs it")
+
+import quantcore as qc  # noqa: E402
+import quantcore.nn as qnn  # noqa: E402
+import quantcore.torch as qct  # noqa: E402
+
+OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device: the cuda-backend checks run on the GPU machine")
+
+
+@pytest.fixture
+def gen(request):
+    g = torch.Generator().manual_seed(int.from_bytes(request.node.name.encode()[:4].ljust(4, b"\0"), "little"))
+    return g
+
+
+def _randn(gen, *shape, dtype=torch.float32, device="cpu"):
+    return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+
+
+def _linear(gen, k, n, dtype=torch.bfloat16, bias=True, device="cpu"):
+    lin = torch.nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(_randn(gen, n, k) * 0.05)
+        if bias:
+            lin.bias.copy_(_randn(gen, n) * 0.1)
+    return lin.to(device=device, dtype=dtype)
+
+
+def _state_args(packed, st):
+    nested = st.state2 is not None
+    return (packed, st.absmax, st.state2.absmax if nested else None, None, st.offset if nested else None)
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+# -- ops -------------------------------------------------------------------------------------------------
+def _op_cases(gen, device):
+    x = _randn(gen, 64, 128, device=device)
+    packed, st = qct.quantize_4bit(x, 64, "nf4", True)
+    sa = _state_args(packed, st)
+    p2, st2 = qct.quantize_4bit(x.half(), 128, "fp4", False)
+    sa2 = _state_args(p2, st2)
+    wq = torch.ops.quantcore.quantize_q4_0(x)
+    gs = torch.tensor([float(qc.nvfp4_global_scale(float(x.abs().max())))], device=device)
+    codes, scales = torch.ops.quantcore.quantize_mx(x, "nvfp4", "floor", gs, False)
+    a4, sa4 = torch.ops.quantcore.quantize_mx(_randn(gen, 16, 128, device=device), "nvfp4", "floor", gs, True)
+    b4, sb4 = torch.ops.quantcore.quantize_mx(x, "nvfp4", "floor", gs, True)
+    alpha = (1.0 / (gs * gs)).float()
+    xb = _randn(gen, 3, 128, dtype=torch.bfloat16, device=device)
+    bias = _randn(gen, 64, device=device).requires_grad_()
+    return [
+        ("quantize_4bit", (x, 64, "nf4", True)),
+        ("quantize_4bit", (x.bfloat16(), 256, "fp4", False)),
+        ("dequantize_4bit", (*sa, [64, 128], 64, "nf4", torch.bfloat16)),
+        ("dequantize_4bit", (*sa2, [64, 128], 128, "fp4", torch.float32)),
+        ("gemv_4bit", (xb, *sa, 64, 128, 64, "nf4")),
+        ("linear_4bit", (xb.clone().requires_grad_(), *sa, 64, 128, 64, "nf4", bias)),
+        ("linear_4bit", (_randn(gen, 2, 20, 128, device=device).requires_grad_(), *sa2, 64, 128, 128, "fp4", None)),
+        ("quantize_q4_0", (x,)),
+        ("dequantize_q4_0", (wq, torch.float16)),
+        ("gemm_w4a8", (wq, _randn(gen, 4, 128, device=device), 64, 4, 128)),
+        ("linear_q4_0", (xb.clone().requires_grad_(), wq, bias)),
+        ("linear_q4_0", (_randn(gen, 24, 128, device=device).requires_grad_(), wq, None)),
+        ("quantize_mx", (x, "mxfp4", "floor", None, True)),
+        ("quantize_mx", (x.bfloat16(), "mxfp8", "rceil", None, False)),
+        ("quantize_mx", (x, "nvfp4", "floor", gs, False)),
+        ("dequantize_mx", (codes, scales, "nvfp4", torch.bfloat16, gs, False)),
+        ("scaled_fp4_mm", (a4, b4, sa4, sb4, alpha, None, "nvfp4")),
+        ("linear_fp4", (xb.clone().requires_grad_(), codes, scales, gs, "nvfp4", bias)),
+    ]
+
+
+def _opcheck_all(gen, device):
+    for name, args in _op_cases(gen, device):
+        torch.library.opcheck(getattr(torch.ops.quantcore, name), args, test_utils=OPCHECK_TESTS)
+
+
+def test_every_op_is_registered():
+    for name in qct.OPS:
+        assert hasattr(torch.ops.quantcore, name), name
+    assert {name for name, _ in _op_cases(torch.Generator().manual_seed(0), "cpu")} == set(qct.OPS)
+
+
+def test_opcheck_cpu(gen):
+    _opcheck_all(gen, "cpu")
+
+
+def test_ops_equal_the_functional_api(gen):
+    """The ops run the public API on the routed backend: the same bytes and values."""
+    x = _randn(gen, 64, 128, dtype=torch.bfloat16)
+    packed, st = qct.quantize_4bit(x, 64, "nf4", True)
+    ref_p, ref_st = qc.quantize_4bit(x, 64, "nf4", True)
+    assert torch.equal(packed, ref_p) and torch.equal(st.absmax, ref_st.absmax)
+    w = torch.ops.quantcore.dequantize_4bit(*_state_args(packed, st), [64, 128], 64, "nf4", torch.bfloat16)
+    assert torch.equal(w, qc.dequantize_4bit(ref_p, ref_st))
+    a = _randn(gen, 2, 128, dtype=torch.bfloat16)
+    y = torch.ops.quantcore.gemv_4bit(a, *_state_args(packed, st), 64, 128, 64, "nf4")
+    assert torch.equal(y, qc.gemv_4bit(a, ref_p, ref_st))
+
+
+def test_linear_path_by_rows(monkeypatch, capsys):
+    assert qct.linear_path(1) == "gemv" and qct.linear_path(qct.GEMV_MAX_ROWS) == "gemv"
+    assert qct.linear_path(qct.GEMV_MAX_ROWS + 1) == "dequantize+matmul"
+    assert qct.linear_path(9, "linear_q4_0") == "dequantize+matmul"
+    monkeypatch.setattr(qct, "DEBUG", True)
+    qct.linear_path(3)
+    assert "linear_4bit rows=3 -> gemv" in capsys.readouterr().err
+
+
+# -- modules ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", qnn.FORMATS)
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_module_matches_its_dequantized_weight(gen, fmt, rows):
+    lin = _linear(gen, 256, 96)
+    mod = qnn.quantize_model(torch.nn.Sequential(copy.deepcopy(lin)), fmt=fmt, skip=(), progress=False)[0]
+    assert type(mod).__name__ == {"q4_0": "LinearQ4_0", "nvfp4": "LinearFP4", "mxfp4": "LinearFP4"}.get(fmt, "Linear4bit")
+    x = _randn(gen, rows, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = mod(x)
+        ref = x.double() @ mod.dequantize(torch.float32).double().T + lin.bias.double()
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 96)
+    # bf16 output; q4_0 also rounds the activation to 8 bits (W4A8)
+    assert _rel(y, ref) < (2e-2 if fmt == "q4_0" else 8e-3)
+    # and the quantization error against the float layer is what the format gives
+    full = x.double() @ lin.weight.double().T + lin.bias.double()
+    assert _rel(y, full) < 0.2
+
+
+def test_eager_path_equals_the_op(gen):
+    lin = _linear(gen, 128, 64)
+    mod = qnn.Linear4bit.from_linear(lin)
+    x = _randn(gen, 4, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = mod(x)
+        op = torch.ops.quantcore.linear_4bit(x, *mod._state_args(), 64, 128, 64, "nf4", mod.bias)
+    assert torch.equal(eager, op)
+
+
+def test_quantize_model_skips_and_reports(gen, capsys):
+    model = torch.nn.Sequential()
+    model.add_module("proj", _linear(gen, 64, 64))
+    model.add_module("lm_head", _linear(gen, 64, 32))
+    inner = torch.nn.Module()
+    inner.gate = _linear(gen, 64, 64)
+    model.add_module("mlp", inner)
+    qnn.quantize_model(model, "nf4", skip=("lm_head", "*.gate"), progress=True)
+    assert isinstance(model.proj, qnn.Linear4bit)
+    assert type(model.lm_head) is torch.nn.Linear and type(model.mlp.gate) is torch.nn.Linear
+    assert [n for n, _ in qnn.quantized_modules(model)] == ["proj"]
+    with pytest.raises(qc.ParameterError, match="fmt"):
+        qnn.quantize_model(model, "int3")
+
+
+def test_module_bad_input_is_a_quantcore_error(gen):
+    mod = qnn.Linear4bit.from_linear(_linear(gen, 128, 64))
+    with pytest.raises(qc.ShapeError, match="last dimension"):
+        mod(_randn(gen, 2, 100))
+    with pytest.raises(qc.DTypeError):
+        mod(torch.ones(2, 128, dtype=torch.int32))
+    with pytest.raises(qc.ParameterError):
+        qnn.Linear4bit(128, 64, quant_type="int4")
+    with pytest.raises(qc.ParameterError):
+        qnn.Linear4bit(0, 64)
+    with pytest.raises(qc.ShapeError):
+        qnn.LinearQ4_0(100, 64)
+    with pytest.raises(qc.ParameterError):
+        qnn.Linear4bit.from_linear(torch.nn.Conv1d(4, 4, 1))
+
+
+def test_module_moves_and_copies(gen):
+    mod = qnn.Linear4bit.from_linear(_linear(gen, 128, 64))
+    x = _randn(gen, 2, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = mod(x)
+        twin = copy.deepcopy(mod)
+        assert torch.equal(twin(x), y)
+        assert torch.equal(mod.to("cpu")(x), y)
+
+
+# -- checkpoints: bitsandbytes' keys both ways --------------------------------------------------------------
+BNB_KEYS = {"weight", "bias", "weight.absmax", "weight.quant_map", "weight.nested_absmax",
+            "weight.nested_quant_map", "weight.quant_state.bitsandbytes__nf4"}
+
+
+def test_state_dict_round_trip(gen):
+    mod = qnn.Linear4bit.from_linear(_linear(gen, 128, 64))
+    sd = mod.state_dict()
+    assert set(sd) == BNB_KEYS
+    fresh = qnn.Linear4bit(128, 64, quant_type="fp4", compress_statistics=False, dtype=torch.bfloat16)
+    fresh.load_state_dict(sd)  # the checkpoint's type and nesting win
+    assert fresh.quant_type == "nf4" and fresh.compress_statistics
+    x = _randn(gen, 3, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), mod(x))
+    # from the meta device with assign=True (how loaders build models)
+    meta = qnn.Linear4bit(128, 64, device="meta", dtype=torch.bfloat16)
+    meta.load_state_dict(sd, assign=True)
+    with torch.no_grad():
+        assert torch.equal(meta(x), mod(x))
+
+
+def test_state_dict_errors_name_the_layer(gen):
+    sd = qnn.Linear4bit.from_linear(_linear(gen, 128, 64)).state_dict()
+    with pytest.raises(RuntimeError, match="quant state is for a weight of shape"):
+        qnn.Linear4bit(64, 128).load_state_dict(sd)
+    bad = dict(sd)
+    del bad["weight.quant_state.bitsandbytes__nf4"]
+    with pytest.raises(RuntimeError, match="weight"):
+        qnn.Linear4bit(128, 64).load_state_dict(bad)
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_bitsandbytes_checkpoints_both_ways(gen, quant_type):
+    bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed")
+    lin = _linear(gen, 256, 64)
+    # bitsandbytes quantizes (CPU): its checkpoint loads into quantcore's module
+    b = bnb.nn.Linear4bit(256, 64, quant_type=quant_type, compute_dtype=torch.bfloat16)
+    b.load_state_dict(lin.state_dict())
+    b = b.to("cpu")
+    ours = qnn.Linear4bit(256, 64, quant_type=quant_type)
+    ours.load_state_dict(b.state_dict())
+    ref_w = bnb.functional.dequantize_4bit(b.weight.data, b.weight.quant_state).to(torch.bfloat16)
+    assert torch.equal(ours.dequantize(torch.bfloat16), ref_w)
+    # quantcore quantizes: the checkpoint loads into bitsandbytes as transformers loads it
+    mine = qnn.Linear4bit.from_linear(lin, quant_type=quant_type)
+    sd = mine.state_dict()
+    stats = {k[len("weight."):]: v for k, v in sd.items() if k.startswith("weight.")}
+    b2 = bnb.nn.Linear4bit(256, 64, quant_type=quant_type, compute_dtype=torch.bfloat16)
+    b2.weight = bnb.nn.Params4bit.from_prequantized(sd["weight"], stats, requires_grad=False, device="cpu")
+    got = bnb.functional.dequantize_4bit(b2.weight.data, b2.weight.quant_state).to(torch.bfloat16)
+    assert torch.equal(got, mine.dequantize(torch.bfloat16))
+
+
+# -- training through the frozen weight (QLoRA) ---------------------------------------------------------------
+class _LoRA(torch.nn.Module):
+    def __init__(self, base: torch.nn.Module, r: int, gen):
+        super().__init__()
+        self.base = base
+        self.a = torch.nn.Parameter(_randn(gen, r, base.in_features) * 0.01)
+        self.b = torch.nn.Parameter(torch.zeros(base.out_features, r))
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.a.T) @ self.b.T
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "q4_0", "nvfp4"])
+def test_lora_trains_through_the_quantized_layer(gen, fmt):
+    teacher = _linear(gen, 128, 32, dtype=torch.float32)
+    student = qnn.quantize_model(torch.nn.Sequential(_linear(gen, 128, 32, dtype=torch.float32)), fmt,
+                                 skip=(), progress=False)[0]
+    student.bias.requires_grad_(False)
+    model = _LoRA(student, 8, gen)
+    opt = torch.optim.Adam([model.a, model.b], lr=1e-2)
+    x = _randn(gen, 64, 128)
+    with torch.no_grad():
+        target = teacher(x)
+    losses = []
+    for _ in range(25):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), target)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert model.a.grad is not None and student.weight.grad is None
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_input_gradient_is_the_dequantized_weights(gen):
+    mod = qnn.Linear4bit.from_linear(_linear(gen, 128, 64, dtype=torch.float32))
+    x = _randn(gen, 3, 128).requires_grad_()
+    g = _randn(gen, 3, 64)
+    mod(x).backward(g)
+    ref = g.double() @ mod.dequantize(torch.float32).double()
+    assert _rel(x.grad, ref) < 1e-6
+    assert torch.allclose(mod.bias.grad, g.sum(0))
+
+
+# -- torch.compile ---------------------------------------------------------------------------------------------
+def _tiny_mlp(gen, fmt, dtype=torch.float32, device="cpu"):
+    model = torch.nn.Sequential(_linear(gen, 128, 256, dtype, device=device), torch.nn.SiLU(),
+                                _linear(gen, 256, 128, dtype, device=device))
+    return qnn.quantize_model(model, fmt, skip=(), progress=False)
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "q4_0", "mxfp4"])
+def test_compile_fullgraph_aot_eager(gen, fmt):
+    model = _tiny_mlp(gen, fmt)
+    x = _randn(gen, 2, 128)
+    with torch.no_grad():
+        ref = model(x)
+        got = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+    assert torch.equal(got, ref)
+
+
+def test_compile_fullgraph_inductor_cpu(gen):
+    model = _tiny_mlp(gen, "nf4")
+    x = _randn(gen, 2, 128)
+    with torch.no_grad():
+        ref = model(x)
+        try:
+            compiled = torch.compile(model, fullgraph=True)
+            got = compiled(x)
+        except Exception as exc:  # noqa: BLE001 - inductor needs a working C++ toolchain on CPU
+            if "CppCompileError" in type(exc).__name__ or "InvalidCxxCompiler" in type(exc).__name__:
+                pytest.skip(f"the CPU inductor cannot compile here: {type(exc).__name__}")
+            raise
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+# -- routing ------------------------------------------------------------------------------------------------------
+def test_routing(monkeypatch):
+    assert qct.backend_for("cpu").name == "cpu"
+    with pytest.raises(qc.ParameterError, match="set_backend_for"):
+        qct.backend_for("mps")
+    with pytest.raises(qc.QuantcoreError):
+        qct.set_backend_for("cpu", "no-such-backend")
+    assert qct.backend_for("cpu").name == "cpu"
+
+
+def test_sycl_route_for_cpu_tensors(gen):
+    if not qc.available_backends()["sycl"].ok:
+        pytest.skip("the sycl backend is not available here (pip install 'quantcore[sycl]')")
+    mod = qnn.Linear4bit.from_linear(_linear(gen, 128, 64))
+    x = _randn(gen, 3, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = mod(x)
+        qct.set_backend_for("cpu", "sycl")
+        try:
+            got = mod(x)
+        finally:
+            qct.set_backend_for("cpu", None)
+    assert qct.backend_for("cpu").name == "cpu"
+    assert _rel(got, ref) < 1e-2
+
+
+# -- on the GPU --------------------------------------------------------------------------------------------------
+@needs_cuda
+def test_opcheck_cuda(gen):
+    _opcheck_all(gen, "cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt", qnn.FORMATS)
+def test_cuda_module_matches_cpu_module(gen, fmt):
+    lin = _linear(gen, 512, 256)
+    cpu = qnn.quantize_model(torch.nn.Sequential(copy.deepcopy(lin)), fmt, skip=(), progress=False)[0]
+    gpu = qnn.quantize_model(torch.nn.Sequential(copy.deepcopy(lin).cuda()), fmt, skip=(), progress=False)[0]
+    for (name, a), (_, b) in zip(cpu.state_dict().items(), gpu.state_dict().items()):
+        assert torch.equal(a, b.cpu()), f"{fmt}: {name} differs between the cpu and cuda backends"
+    for rows in (1, 8, 40):
+        x = _randn(gen, rows, 512, dtype=torch.bfloat16)
+        with torch.no_grad():
+            assert _rel(gpu(x.cuda()).cpu(), cpu(x)) < 1e-2
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["nf4", "q4_0", "nvfp4"])
+def test_cuda_compile_reduce_overhead(gen, fmt):
+    model = _tiny_mlp(gen, fmt, torch.bfloat16, "cuda")
+    x = _randn(gen, 1, 128, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        ref = model(x)
+        compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+        for _ in range(3):  # warm-up, record, replay
+            got = compiled(x)
+        torch.cuda.synchronize()
+    assert torch.equal(got, ref)
+
+
+@needs_cuda
+def test_cuda_eager_calls_reuse_the_launch_plan(gen):
+    mod = qnn.Linear4bit.from_linear(_linear(gen, 1024, 512, device="cuda"))
+    x = _randn(gen, 1, 1024, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        first = mod(x)
+        for _ in range(3):
+            assert torch.equal(mod(x), first)
+    plan = mod.quant_state._plans["gemv_4bit"][1]
+    assert plan.hits >= 3
