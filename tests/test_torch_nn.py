@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed: the PyTorch layer needs it")

@@ -134,9 +134,16 @@ class Linear4bit(nn.Module):
     def quant_state(self) -> QuantState:
         """This weight's :class:`QuantState` (torch tensors on the module's device; the same object
         while the tensors are, so the backend's launch plans kept on it are reused)."""
-        return qct.state_of(self.weight, self.absmax, self.nested_absmax, self.nested_quant_map, self.offset,
-                            (self.out_features, self.in_features), self.blocksize, self.quant_type,
-                            self.weight_dtype)
+        tensors = self._state_args()
+        key = (tuple(map(id, tensors)), self.blocksize, self.quant_type, self.weight_dtype)
+        cached = self.__dict__.get("_state_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        state = qct.state_of(*tensors, (self.out_features, self.in_features), self.blocksize, self.quant_type,
+                             self.weight_dtype)
+        # no tensor is kept in the key (ids only); the state holds the statistics, not the weight
+        self.__dict__["_state_cache"] = (key, state)
+        return state
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, quant_type: str = "nf4", blocksize: int = 64,
@@ -167,7 +174,7 @@ class Linear4bit(nn.Module):
         args = (inp, *self._state_args(), self.out_features, self.in_features, self.blocksize, self.quant_type,
                 self.bias)
         if _eager(x, self.bias):
-            y = qct.linear_4bit_eager(*args)
+            y = qct.linear_4bit_eager(*args, state=self.quant_state)
         else:
             y = torch.ops.quantcore.linear_4bit(*args)
         return y if y.dtype == x.dtype else y.to(x.dtype)

@@ -155,14 +155,16 @@ def _fp(t: torch.Tensor | None) -> Any:
 
 def state_of(packed: torch.Tensor, absmax: torch.Tensor, absmax2: torch.Tensor | None,
              code2: torch.Tensor | None, offset: torch.Tensor | None, shape: tuple[int, ...],
-             blocksize: int, quant_type: str, dtype: str = "float32") -> QuantState:
+             blocksize: int, quant_type: str, dtype: str | None = None) -> QuantState:
     """The :class:`QuantState` of a 4-bit weight given as tensors (nested when ``absmax2`` is given).
 
     The same state object comes back while the tensors (pointers, shapes) and parameters are the
-    same, so the backend's launch plans kept on it are reused; it lives as long as ``packed``."""
-    key = (_fp(absmax), _fp(absmax2), _fp(code2), _fp(offset), tuple(shape), blocksize, quant_type, dtype)
+    same, so the backend's launch plans kept on it are reused; it lives as long as ``packed``.
+    ``dtype`` (the dtype the weight had, which only a default ``out_dtype`` and a checkpoint read)
+    None takes any: the ops always name their output dtype."""
+    key = (_fp(absmax), _fp(absmax2), _fp(code2), _fp(offset), tuple(shape), blocksize, quant_type)
     hit = _STATES.get(packed)
-    if hit is not None and hit[0] == key:
+    if hit is not None and hit[0] == key and (dtype is None or hit[1].dtype == dtype):
         return hit[1]
     if not isinstance(quant_type, str) or quant_type not in bnb.QUANT_TYPES:
         raise ParameterError(f"quant_type must be one of {bnb.QUANT_TYPES}, got {quant_type!r}")
@@ -170,7 +172,7 @@ def state_of(packed: torch.Tensor, absmax: torch.Tensor, absmax2: torch.Tensor |
     be = get_backend("cpu") if packed.device.type == "cpu" else backend_for(packed.device)
     state = QuantState(absmax=absmax, shape=tuple(int(s) for s in shape),
                        code=api._const(be, quant_type, bnb.code_4bit(quant_type), packed),
-                       blocksize=int(blocksize), quant_type=quant_type, dtype=dtype)
+                       blocksize=int(blocksize), quant_type=quant_type, dtype=dtype or "float32")
     if absmax2 is not None:
         if offset is None:
             raise ParameterError("a nested 4-bit state needs its offset with absmax2")
@@ -277,11 +279,14 @@ def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y.add_(bias.to(y.dtype))
 
 
-def linear_4bit_eager(x, packed, absmax, absmax2, code2, offset, n, k, blocksize, quant_type, bias=None):
+def linear_4bit_eager(x, packed, absmax, absmax2, code2, offset, n, k, blocksize, quant_type, bias=None, *,
+                      state: QuantState | None = None):
     """``x @ W.T + bias`` for a 4-bit W [n, k]: the implementation behind ``quantcore::linear_4bit``
-    (the module layer calls it directly for eager calls that build no autograd graph)."""
+    (the module layer calls it directly for eager calls that build no autograd graph, with the
+    ``state`` it keeps for these tensors)."""
     _check_linear(x, k, bias, n)
-    state = state_of(packed, absmax, absmax2, code2, offset, (n, k), blocksize, quant_type)
+    if state is None:
+        state = state_of(packed, absmax, absmax2, code2, offset, (n, k), blocksize, quant_type)
     rows = _rows(x)
     if linear_path(rows) == "gemv":
         x2 = x if x.is_contiguous() else x.contiguous()
