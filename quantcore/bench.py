@@ -27,6 +27,7 @@ import json
 import math
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -537,6 +538,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS), help="ops to measure")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per case")
     p.add_argument("-v", "--verbose", action="store_true", help="print each case as it is measured")
+    p.add_argument("--e2e", action="store_true",
+                   help="the end-to-end model benchmark instead (quantcore.bench_e2e; every other option goes "
+                        "to it: quantcore bench --e2e --help)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--e2e" in argv:
+        from . import bench_e2e  # noqa: PLC0415 - needs torch and transformers
+
+        return bench_e2e.main([a for a in argv if a != "--e2e"])
     args = p.parse_args(argv)
     run(args.backend, args.ops, None, args.json, args.png, args.quick, args.reps, args.verbose)
     return 0

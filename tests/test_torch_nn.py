@@ -217,6 +217,22 @@ def test_state_dict_round_trip(gen):
         assert torch.equal(meta(x), mod(x))
 
 
+def test_state_dicts_hold_no_shared_tensors(gen, tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is not installed")
+    model = qnn.quantize_model(torch.nn.Sequential(_linear(gen, 64, 64), _linear(gen, 64, 64)), "nf4", skip=(),
+                               progress=False)
+    sd = model.state_dict()
+    ptrs = [t.data_ptr() for t in sd.values() if t.numel()]
+    assert len(set(ptrs)) == len(ptrs)
+    safetensors_torch.save_file(sd, str(tmp_path / "m.safetensors"))  # refuses aliasing tensors
+    back = safetensors_torch.load_file(str(tmp_path / "m.safetensors"))
+    fresh = torch.nn.Sequential(qnn.Linear4bit(64, 64), qnn.Linear4bit(64, 64))
+    fresh.load_state_dict(back)
+    x = _randn(gen, 2, 64)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), model(x))
+
+
 def test_state_dict_errors_name_the_layer(gen):
     sd = qnn.Linear4bit.from_linear(_linear(gen, 128, 64)).state_dict()
     with pytest.raises(RuntimeError, match="quant state is for a weight of shape"):

@@ -125,7 +125,9 @@ class Linear4bit(nn.Module):
         self.quant_map = torch.tensor(bnb.code_4bit(state.quant_type), device=dev)
         if state.nested:
             self.nested_absmax = state.state2.absmax.to(dev)
-            self.nested_quant_map = state.state2.code.to(dev, torch.float32)
+            # a copy per module: the quantizer's table is shared, and checkpoint writers refuse
+            # tensors that alias each other
+            self.nested_quant_map = state.state2.code.to(dev, torch.float32, copy=True)
             self.offset = state.offset.reshape(1).to(dev, torch.float32)
         else:
             self.nested_absmax = self.nested_quant_map = self.offset = None
@@ -182,7 +184,9 @@ class Linear4bit(nn.Module):
     # bitsandbytes' checkpoint keys
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        for key, v in self.quant_state.as_dict(packed=True).items():
+        entries = self.quant_state.as_dict(packed=True)
+        entries["quant_map"] = self.quant_map  # the module's own table (the state's is shared)
+        for key, v in entries.items():
             destination[prefix + _QS_PREFIX + key] = v if keep_vars else v.detach()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
