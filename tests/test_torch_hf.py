@@ -85,7 +85,8 @@ def _save_bnb(float_dir, path, **kw):
     from transformers import BitsAndBytesConfig
 
     cfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32, **kw)
-    model = AutoModelForCausalLM.from_pretrained(float_dir, quantization_config=cfg)
+    # on the CPU also where a GPU is (the same reference on every machine; quantcore loads to the CPU)
+    model = AutoModelForCausalLM.from_pretrained(float_dir, quantization_config=cfg, device_map="cpu")
     model.save_pretrained(path)
     _bnb_exact_cpu_path(model)
     return model

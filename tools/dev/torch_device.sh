@@ -21,7 +21,7 @@ print(f"precompiled {rt.precompile(cuda.kernel_instances(), 0, workers=16)} kern
 PY
 for step in ${STEPS:-tests host}; do
   case $step in
-    tests) timeout ${PYTEST_LIMIT:-300} python3 -m pytest ${TESTS:-tests/test_torch_nn.py} -q -rs -p no:cacheprovider -p no:logging \
+    tests) timeout ${PYTEST_LIMIT:-300} python3 -m pytest ${TESTS:-tests/test_torch_nn.py} -q -rs -p no:cacheprovider \
              > "$OUT/pytest_torch.log" 2>&1
            echo "pytest: rc=$? $(tail -1 "$OUT/pytest_torch.log") [+$(( $(date +%s) - t0 ))s]"
            grep -E "^(FAILED|ERROR)" "$OUT/pytest_torch.log" | head -20;;
