@@ -235,8 +235,8 @@ def build_model(config, device, seed: int = SEED):
 
     torch.manual_seed(seed)
     old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
+    try:  # restored however the build ends (a --timeout-per-variant alarm included)
+        torch.set_default_dtype(torch.bfloat16)
         with torch.device(device):
             model = LlamaForCausalLM(config)
     finally:

@@ -4,6 +4,7 @@ JSON / table / ratios / merge are written, a failing variant is recorded and the
 timings are meaningless here; the compiled mode (inductor on the CPU) is in the slow test."""
 
 import json
+import time
 
 import pytest
 
@@ -118,9 +119,12 @@ def test_failure_is_recorded_and_merge(tmp_path, monkeypatch, capsys):
     assert any("not merged" in n for n in report["notes"])
 
 
-def test_timeout_per_variant(tmp_path):
-    """--timeout-per-variant stops a variant (SIGALRM) and the run goes on to the next."""
-    rc, report = _run(tmp_path, "--variants", "bf16", "--timeout-per-variant", "0.001")
+def test_timeout_per_variant(tmp_path, monkeypatch):
+    """--timeout-per-variant stops a variant (SIGALRM) and the run goes on to the next. The alarm
+    fires in a stand-in build that sleeps: at a random point of a real build it could interrupt
+    torch or transformers half-way through a change of global state (the default dtype)."""
+    monkeypatch.setattr(bench_e2e, "build_model", lambda *a, **k: time.sleep(30))
+    rc, report = _run(tmp_path, "--variants", "bf16", "--timeout-per-variant", "0.2")
     (v,) = report["variants"]
     assert rc == 1 and v["status"] == "timeout" and "timeout-per-variant" in v["error"]
 

@@ -59,7 +59,7 @@ def _op_cases(gen, device):
     p2, st2 = qct.quantize_4bit(x.half(), 128, "fp4", False)
     sa2 = _state_args(p2, st2)
     wq = torch.ops.quantcore.quantize_q4_0(x)
-    gs = torch.tensor([float(qc.nvfp4_global_scale(float(x.abs().max())))], device=device)
+    gs = torch.tensor([float(qc.nvfp4_global_scale(float(x.abs().max())))], dtype=torch.float32, device=device)
     codes, scales = torch.ops.quantcore.quantize_mx(x, "nvfp4", "floor", gs, False)
     a4, sa4 = torch.ops.quantcore.quantize_mx(_randn(gen, 16, 128, device=device), "nvfp4", "floor", gs, True)
     b4, sb4 = torch.ops.quantcore.quantize_mx(x, "nvfp4", "floor", gs, True)
@@ -271,7 +271,7 @@ class _LoRA(torch.nn.Module):
         super().__init__()
         self.base = base
         self.a = torch.nn.Parameter(_randn(gen, r, base.in_features) * 0.01)
-        self.b = torch.nn.Parameter(torch.zeros(base.out_features, r))
+        self.b = torch.nn.Parameter(torch.zeros(base.out_features, r, dtype=torch.float32))
 
     def forward(self, x):
         return self.base(x) + (x @ self.a.T) @ self.b.T
