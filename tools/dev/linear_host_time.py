@@ -1,12 +1,15 @@
 """Host time of one eager linear call at batch 1: quantcore.nn modules against torch's F.linear (bf16)
 and bnb.nn.Linear4bit, on the GPU machine.
 
-Each figure is the wall time of many back-to-back calls divided by their count (the GPU's time per
-call is below the host's at these shapes, so this is the host's cost), median of 5 rounds; the
-op-dispatch path (torch.ops.quantcore.linear_4bit) is timed too, and a cProfile of the module call
+Each figure is the host's time per call: 200 calls queued behind a sleep kernel that keeps the GPU
+busy (so no call waits for the GPU, whatever its kernels take), median of 9 rounds, the rounds of
+all implementations taken in turn; the op-dispatch path (torch.ops.quantcore.linear_4bit) is timed too, and a cProfile of the module call
 goes to $OUT/linear_host_profile.txt.
 
-    python3 tools/dev/linear_host_time.py [--shapes 4096x4096,14336x4096]
+    python3 tools/dev/linear_host_time.py [--shapes 4096x4096,14336x4096] [--breakdown]
+
+--breakdown first times each layer of the eager Linear4bit path, the launch alone (CuPy's driver
+binding, ctypes) and torch's own launch of an empty kernel, at the first shape.
 """
 
 from __future__ import annotations
@@ -38,28 +41,52 @@ def per_call_us(fn, calls: int = 2000, rounds: int = 5) -> float:
     return statistics.median(out)
 
 
+SLEEP_CYCLES = 200_000_000  #: ~100 ms of GPU sleep: longer than the host needs to queue one round
+
+
+def interleaved(fns: dict, calls: int = 200, rounds: int = 9) -> dict[str, float]:
+    """Host us per call of each function: the wall time of ``calls`` calls queued while a sleep
+    kernel keeps the GPU busy (fewer calls than the launch queue holds, so no call waits for the
+    GPU: the host's cost alone, whatever the kernels take), median of ``rounds``, the rounds of
+    all functions taken in turn (host noise hits all alike)."""
+    for fn in fns.values():
+        for _ in range(50):
+            fn()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            torch.cuda._sleep(SLEEP_CYCLES)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - t0) / calls * 1e6)
+            torch.cuda.synchronize()
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def measure_shape(shape: str, bnb, profile: bool) -> dict[str, float]:
     """Host us per call of each implementation at ``shape`` ("NxK"), batch 1, bf16."""
     n, k = (int(s) for s in shape.split("x"))
     lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     w = lin.weight.detach()
-    res = {}
+    fns = {}
     with torch.no_grad():
-        res["torch F.linear bf16"] = per_call_us(lambda: torch.nn.functional.linear(x, w))
+        fns["torch F.linear bf16"] = lambda: torch.nn.functional.linear(x, w)
         m = qnn.Linear4bit.from_linear(lin)
-        res["quantcore Linear4bit nf4"] = per_call_us(lambda: m(x))
+        fns["quantcore Linear4bit nf4"] = lambda: m(x)
         sa = m._state_args()
         op = torch.ops.quantcore.linear_4bit.default
-        res["torch.ops.quantcore.linear_4bit"] = per_call_us(
-            lambda: op(x, *sa, n, k, m.blocksize, m.quant_type, None))
+        fns["torch.ops.quantcore.linear_4bit"] = lambda: op(x, *sa, n, k, m.blocksize, m.quant_type, None)
         q = qnn.LinearQ4_0.from_linear(lin)
-        res["quantcore LinearQ4_0"] = per_call_us(lambda: q(x))
+        fns["quantcore LinearQ4_0"] = lambda: q(x)
         if bnb is not None:
             b = bnb.nn.Linear4bit(k, n, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
             b.load_state_dict(lin.state_dict())
             b = b.cuda()
-            res["bnb Linear4bit nf4"] = per_call_us(lambda: b(x))
+            fns["bnb Linear4bit nf4"] = lambda: b(x)
+        res = interleaved(fns)
         if profile:
             prof = cProfile.Profile()
             prof.enable()
@@ -73,10 +100,68 @@ def measure_shape(shape: str, bnb, profile: bool) -> dict[str, float]:
     return res
 
 
+def breakdown(shape: str) -> dict[str, float]:
+    """Host us per call of each layer of the eager Linear4bit path, outermost first (4-bit nf4, B1)."""
+    from quantcore.backends.cuda import runtime as rt
+
+    import quantcore as qc
+    import quantcore.torch as qct
+
+    n, k = (int(s) for s in shape.split("x"))
+    lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    m = qnn.Linear4bit.from_linear(lin)
+    sa = m._state_args()
+    be = qct.backend_for(x.device)
+    res = {}
+
+    def per_call_us(fn):  # noqa: F811 - the host-only timing, one function at a time
+        return interleaved({"f": fn})["f"]
+
+    with torch.no_grad():
+        st = m.quant_state
+        res["module forward"] = per_call_us(lambda: m(x))
+        res["qct.linear_4bit_eager(state=)"] = per_call_us(
+            lambda: qct.linear_4bit_eager(x, *sa, n, k, 64, "nf4", None, state=st))
+        res["api.gemv_4bit(backend=)"] = per_call_us(lambda: qc.gemv_4bit(x, m.weight, st, backend=be))
+        plan = st._plans["gemv_4bit"][1]
+        res["plan(A, packed, state)"] = per_call_us(lambda: plan(x, m.weight, st))
+        res["plan.match"] = per_call_us(lambda: plan.match(x, m.weight, st))
+        entry = plan.match(x, m.weight, st)
+        launch, stream = entry[1], rt.raw_stream_getter()
+        out = x.new_empty((1, n))
+        res["launch only (stream getter + PlannedLaunch)"] = per_call_us(
+            lambda: launch(stream(0), x.data_ptr(), out.data_ptr()))
+        gx, gy, gz = launch.grid
+        raw = (launch._fn, gx, gy, gz, launch.block, 1, 1, launch.shared_mem, stream(0), launch._params_ptr, 0)
+        res["cupy driver.launchKernel alone"] = per_call_us(lambda: launch._launch(*raw))
+        slot = launch._slots[0]
+        import ctypes
+
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        cu_launch = libcuda.cuLaunchKernel
+        cu_launch.restype = ctypes.c_int
+        cu_launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 6 + [ctypes.c_uint, ctypes.c_void_p,
+                                                                      ctypes.c_void_p, ctypes.c_void_p]
+        res["ctypes cuLaunchKernel alone"] = per_call_us(lambda: cu_launch(*raw))
+        res["torch.cuda._sleep(0) (a runtime launch through torch)"] = per_call_us(lambda: torch.cuda._sleep(0))
+        res["one ctypes slot write"] = per_call_us(lambda: setattr(slot, "value", 12345))
+        res["stream getter"] = per_call_us(lambda: stream(0))
+        res["x.new_empty"] = per_call_us(lambda: x.new_empty((1, n)))
+        res["m.quant_state"] = per_call_us(lambda: m.quant_state)
+        res["torch.compiler.is_compiling"] = per_call_us(torch.compiler.is_compiling)
+        res["F.linear bf16"] = per_call_us(lambda: torch.nn.functional.linear(x, lin.weight))
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="4096x4096,14336x4096,1024x4096")
+    p.add_argument("--breakdown", action="store_true", help="also time each layer of the eager path")
     args = p.parse_args()
+    if args.breakdown:
+        for name, us in breakdown(args.shapes.split(",")[0]).items():
+            print(f"breakdown {name:48} {us:8.2f} us")
     try:
         import bitsandbytes as bnb
     except ImportError:

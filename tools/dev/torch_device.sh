@@ -25,7 +25,7 @@ for step in ${STEPS:-tests host}; do
              > "$OUT/pytest_torch.log" 2>&1
            echo "pytest: rc=$? $(tail -1 "$OUT/pytest_torch.log") [+$(( $(date +%s) - t0 ))s]"
            grep -E "^(FAILED|ERROR)" "$OUT/pytest_torch.log" | head -20;;
-    host) timeout 200 python3 tools/dev/linear_host_time.py 2>&1 | tee "$OUT/host_time.txt"
+    host) timeout 200 python3 tools/dev/linear_host_time.py ${HOST_ARGS:-} 2>&1 | tee "$OUT/host_time.txt"
           echo "[+$(( $(date +%s) - t0 ))s]";;
     e2e) timeout ${E2E_LIMIT:-400} python3 -m quantcore.bench --e2e ${E2E:-} 2>&1 | tee "$OUT/e2e.log" | tail -60
          echo "[+$(( $(date +%s) - t0 ))s]";;
