@@ -60,6 +60,7 @@ def compat_build(tmp_path_factory):
     toolchain = build.Toolchain(build.MODE_NVCC_COMPAT, NVCC, archs=("sm_90",))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(cache))
+        mp.delenv("QUANTCORE_CACHE_DIR", raising=False)
         path = build.build_library(toolchain)
         mtime = path.stat().st_mtime_ns
         again = build.build_library(toolchain)
@@ -318,6 +319,7 @@ def test_build_on_metax_runs_exactly_the_pinned_mxcc_commands(monkeypatch, tmp_p
         out.write_bytes(b"")
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("QUANTCORE_CACHE_DIR", raising=False)
     monkeypatch.setattr(build, "_run", fake_run)
     tc = build.Toolchain(build.MODE_MXCC, build.mxcc_path("/opt/maca"), maca_path="/opt/maca")
     lib = build.build_library(tc)

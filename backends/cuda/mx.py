@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from quantcore import cache
 from quantcore.arrays import as_dtype, dtype_name
 from quantcore.errors import DeviceError, KernelError, UnsupportedError
 from quantcore.formats import kernel_defines, mx
@@ -81,17 +82,16 @@ def headers() -> tuple[list[str], list[str]]:
 
 def cache_dir() -> str:
     """Where built cubins are kept: $QUANTCORE_CACHE_DIR, else $XDG_CACHE_HOME/quantcore, else
-    ~/.cache/quantcore (a subfolder cuda-mx)."""
-    base = os.environ.get("QUANTCORE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "quantcore")
-    return os.path.join(base, "cuda-mx")
+    ~/.cache/quantcore (a subfolder cuda-mx; :func:`quantcore.cache.cache_root`)."""
+    return str(cache.cache_root() / "cuda-mx")
 
 
 def compile_cubin(source: str, arch: str, use_cache: bool = True, timing: bool = False) -> bytes:
     """NVRTC build of ``kernels_cuda/<source>`` for ``arch`` ("sm_90a", "sm_80" ...) -> cubin.
 
     Cached on disk under :func:`cache_dir`, keyed by the source, headers, options, target and
-    NVRTC version, so a new process does not rebuild (the GEMM takes tens of seconds).
+    NVRTC version, so a new process does not rebuild (the GEMM takes tens of seconds); a cached
+    cubin is used only when it matches its sidecar checksum (:mod:`quantcore.cache`).
     ``timing`` also builds the GEMM's timing experiments (``-DQCMX_TIMING_VARIANTS``)."""
     try:
         from cupy_backends.cuda.libs import nvrtc
@@ -103,13 +103,12 @@ def compile_cubin(source: str, arch: str, use_cache: bool = True, timing: bool =
                *(["-DQCMX_TIMING_VARIANTS"] if timing else [])]
     key = hashlib.sha256("\0".join([text, *contents, *names, *options, repr(nvrtc.getVersion())])
                          .encode()).hexdigest()[:32]
-    path = os.path.join(cache_dir(), f"{os.path.splitext(source)[0]}{'-timing' if timing else ''}-{arch}-{key}.cubin")
+    name = f"{os.path.splitext(source)[0]}{'-timing' if timing else ''}-{arch}-{key}.cubin"
     if use_cache:
-        try:
-            with open(path, "rb") as f:
-                return f.read()
-        except OSError:
-            pass
+        path = cache.private_dir("cuda-mx") / name
+        cached = cache.read_verified(path)
+        if cached:
+            return cached
     # CuPy's binding takes the header texts and names as bytes
     prog = nvrtc.createProgram(text, source, [c.encode() for c in contents], [n.encode() for n in names])
     try:
@@ -122,12 +121,8 @@ def compile_cubin(source: str, arch: str, use_cache: bool = True, timing: bool =
     finally:
         nvrtc.destroyProgram(prog)
     if use_cache:
-        try:  # write-then-rename: concurrent processes never read a partial file
-            os.makedirs(cache_dir(), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(cubin)
-            os.replace(tmp, path)
+        try:  # write-then-rename, then the sidecar checksum: a partial file is never read
+            cache.write_artifact(path, cubin)
         except OSError:
             pass
     return cubin

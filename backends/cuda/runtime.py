@@ -26,13 +26,14 @@ from typing import Any
 
 import numpy as np
 
+from quantcore import cache
 from quantcore.errors import BackendUnavailableError, DeviceError, KernelError
 from quantcore.formats import kernel_defines
 
 #: the options every kernel is compiled with (besides the architecture and include paths):
 #: IEEE arithmetic with subnormals, no a*b+c contraction (kernels write fmaf where they want it)
 COMPILE_OPTIONS = ("-std=c++17", "-ftz=false", "-prec-div=true", "-prec-sqrt=true", "--fmad=false")
-ENV_CACHE = "QUANTCORE_CACHE_DIR"
+ENV_CACHE = cache.ENV_CACHE
 
 _lock = threading.RLock()
 
@@ -55,9 +56,8 @@ def kernel_dir() -> str:
 
 
 def cache_dir() -> str:
-    base = os.environ.get(ENV_CACHE) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "quantcore")
-    return os.path.join(base, "cuda")
+    """The cubin cache's folder, ``<cache root>/cuda`` (:func:`quantcore.cache.cache_root`)."""
+    return str(cache.cache_root() / "cuda")
 
 
 _header_dirs: set[str] = set()
@@ -69,6 +69,7 @@ def header_dir() -> str:
     if d not in _header_dirs:
         with _lock:
             if d not in _header_dirs:
+                cache.private_dir("cuda", "include")
                 kernel_defines.write_header(d)
                 _header_dirs.add(d)
     return d
@@ -218,26 +219,19 @@ class KernelCache:
                                            f"-I{kernel_dir()}"]
         key_src = "\n".join([self._digest, filename, expr, str(arch), str(comp.version)] + list(COMPILE_OPTIONS))
         key = hashlib.sha256(key_src.encode()).hexdigest()[:40]
-        d = cache_dir()
-        cubin_path, name_path = os.path.join(d, key + ".cubin"), os.path.join(d, key + ".name")
-        try:
-            with open(cubin_path, "rb") as f:
-                cubin = f.read()
-            with open(name_path) as f:
-                lowered = f.read().strip()
-            if cubin and lowered:
+        d = cache.private_dir("cuda")
+        cubin_path, name_path = d / (key + ".cubin"), d / (key + ".name")
+        # used only when both files match their sidecar checksums (else compiled afresh)
+        cubin, name = cache.read_verified(cubin_path), cache.read_verified(name_path)
+        if cubin and name:
+            lowered = name.decode(errors="replace").strip()
+            if lowered:
                 return cubin, lowered
-        except OSError:
-            pass
         with open(os.path.join(kernel_dir(), filename)) as f:
             source = f.read()
         cubin, lowered, _ = comp.compile(source, filename, expr, options)
-        os.makedirs(d, exist_ok=True)
-        for path, data, mode in ((cubin_path, cubin, "wb"), (name_path, lowered, "w")):
-            tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-            with open(tmp, mode) as f:
-                f.write(data)
-            os.replace(tmp, path)
+        cache.write_artifact(cubin_path, cubin)
+        cache.write_artifact(name_path, lowered.encode())
         return cubin, lowered
 
     def function(self, device: int, filename: str, expr: str) -> Any:

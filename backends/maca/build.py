@@ -12,15 +12,16 @@ device "cuda"):
   ``<maca_fp16.h>`` and ``<maca_bfloat16.h>`` resolve to the CUDA mappings there.
 
 The command lines come from pure functions (a unit test pins them). The library is cached under
-``$XDG_CACHE_HOME/quantcore/maca`` (default ``~/.cache/quantcore/maca``), keyed by a hash of the
-sources, the generated constants header, the compiler's version, the mode and the target, and
-is written atomically (built in a private folder, then renamed into place).
+``<cache root>/maca/<key>/`` (``$QUANTCORE_CACHE_DIR``, else ``$XDG_CACHE_HOME/quantcore``, else
+``~/.cache/quantcore``: :mod:`quantcore.cache`), keyed by a hash of the sources, the generated
+constants header, the compiler's version, the mode and the target; it is written atomically
+(built in a private folder, then renamed into place) with a sidecar checksum that is checked
+before the library is loaded (a mismatch builds it afresh).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import shutil
 import subprocess
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from quantcore import cache
 from quantcore.errors import KernelError
 from quantcore.formats import kernel_defines
 
@@ -56,8 +58,10 @@ def sources() -> list[Path]:
 
 
 def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "quantcore" / "maca"
+    """The library cache's folder, ``<cache root>/maca``: ``$QUANTCORE_CACHE_DIR/maca``, else
+    ``$XDG_CACHE_HOME/quantcore/maca``, else ``~/.cache/quantcore/maca``
+    (:func:`quantcore.cache.cache_root`; nothing is created)."""
+    return cache.cache_root() / "maca"
 
 
 def mxcc_path(maca_path: str) -> str:
@@ -224,31 +228,31 @@ def compile_sources(toolchain: Toolchain, out_dir: Path, srcs: list[Path] | None
 
 
 def cache_key(toolchain: Toolchain) -> str:
-    h = hashlib.sha256()
-    h.update(repr(toolchain).encode())
-    h.update(compiler_version(toolchain.compiler).encode())
-    h.update(kernel_defines.constants_header().encode())
+    parts: list[str | bytes] = [repr(toolchain), compiler_version(toolchain.compiler),
+                                kernel_defines.constants_header()]
     files = sources() + sorted(kernel_dir().glob("*.h")) + sorted(compat_dir().glob("*.h"))
     for f in files:
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
-    h.update(repr(toolchain.compile_command("SRC", "OBJ", ["INC"])).encode())
-    h.update(repr(toolchain.link_command(["OBJ"], "LIB")).encode())
-    return h.hexdigest()[:24]
+        parts += [f.name, f.read_bytes()]
+    parts += [repr(toolchain.compile_command("SRC", "OBJ", ["INC"])),
+              repr(toolchain.link_command(["OBJ"], "LIB"))]
+    return cache.digest(*parts, length=24)
 
 
 def build_library(toolchain: Toolchain) -> Path:
-    """Path of the cached ``libqc_maca.so`` for this toolchain, building it first if needed."""
-    final_dir = cache_root() / cache_key(toolchain)
+    """Path of the cached ``libqc_maca.so`` for this toolchain, building it first if needed.
+
+    A cached library is used only when its sidecar checksum (``libqc_maca.so.sha256``, written
+    after the library) matches the file; otherwise it is built afresh. The cache folders must be
+    private (:func:`quantcore.cache.private_dir`: BackendUnavailableError otherwise)."""
+    key = cache_key(toolchain)
+    final_dir = cache.private_dir("maca", key)
     final = final_dir / LIBRARY_NAME
-    if final.is_file():
+    if cache.verified(final) is not None:
         return final
-    cache_root().mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="build-", dir=cache_root()) as tmp:
+    with tempfile.TemporaryDirectory(prefix="build-", dir=cache.private_dir("maca")) as tmp:
         tmp_dir = Path(tmp)
         objects = compile_sources(toolchain, tmp_dir)
         lib = tmp_dir / LIBRARY_NAME
         _run(toolchain.link_command(objects, str(lib)), "link libqc_maca.so")
-        final_dir.mkdir(parents=True, exist_ok=True)
-        os.replace(lib, final)  # atomic: readers see the whole library or none
+        cache.install_artifact(lib, final)  # atomic: readers see the whole library or none
     return final

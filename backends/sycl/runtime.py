@@ -12,7 +12,6 @@ Nothing here imports dpctl at module import time: :func:`setup_opencl_icd` must 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import re
 import shutil
@@ -23,13 +22,14 @@ from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
+from quantcore import cache
 from quantcore.errors import BackendUnavailableError, KernelError
 from quantcore.formats import kernel_defines
 
 #: dpctl filter string of the device the backend uses by default (e.g. "opencl:cpu:0", "level_zero:gpu").
 ENV_DEVICE = "QUANTCORE_SYCL_DEVICE"
 #: Where built artefacts are cached (default $XDG_CACHE_HOME/quantcore or ~/.cache/quantcore).
-ENV_CACHE = "QUANTCORE_CACHE_DIR"
+ENV_CACHE = cache.ENV_CACHE
 
 # Kinds of kernel arguments (keep in sync with ArgKind in shim.cpp).
 ARG_PTR, ARG_I32, ARG_I64, ARG_F32 = 0, 1, 2, 3
@@ -123,11 +123,8 @@ def import_dpctl() -> Any:
 
 # -- the host shim -----------------------------------------------------------------------------------
 def cache_dir() -> Path:
-    base = os.environ.get(ENV_CACHE)
-    if base:
-        return Path(base) / "sycl"
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "quantcore" / "sycl"
+    """The shim's cache folder, ``<cache root>/sycl`` (:func:`quantcore.cache.cache_root`)."""
+    return cache.cache_root() / "sycl"
 
 
 def _compiler() -> str:
@@ -144,44 +141,56 @@ def _shim_source() -> Path:
     return Path(__file__).with_name("shim.cpp")
 
 
+#: Flags of the shim's build (besides the include / library paths, the source and the output).
+SHIM_FLAGS = ("-std=c++17", "-O2", "-shared", "-fPIC", "-DSYCL_DISABLE_FSYCL_SYCLHPP_WARNING")
+
+
+def shim_build_command(compiler: str, include_dir: Path, lib_dir: Path, output: str) -> list[str]:
+    return [compiler, *SHIM_FLAGS, f"-I{include_dir}", str(_shim_source()), f"-L{lib_dir}", "-lsycl",
+            f"-Wl,-rpath,{lib_dir}", "-o", output]
+
+
 def shim_cache_key(compiler: str, include_dir: Path, lib_dir: Path) -> str:
-    """Hash of everything the shim binary depends on: its source, the compiler, the runtime."""
-    h = hashlib.sha256()
-    h.update(_shim_source().read_bytes())
-    h.update(compiler.encode())
+    """Hash of everything the shim binary depends on: its source, the build command (flags), the
+    compiler and its ``--version``, the runtime's version and paths."""
     try:
         out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
-        h.update(out.stdout.encode())
+        version = out.stdout
     except (OSError, subprocess.SubprocessError):
-        pass
-    for part in (sycl_runtime_version(), str(include_dir), str(lib_dir)):
-        h.update(b"\0" + part.encode())
-    return h.hexdigest()[:20]
+        version = ""
+    return cache.digest(_shim_source().read_bytes(), compiler, version,
+                        *shim_build_command(compiler, include_dir, lib_dir, "OUT"),
+                        sycl_runtime_version(), str(include_dir), str(lib_dir), length=20)
+
+
+def _compile_shim(cmd: list[str]) -> None:
+    """Run the shim's build command (KernelError with the compiler's log on failure)."""
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        raise KernelError(f"building the SYCL host shim failed:\n$ {' '.join(cmd)}\n"
+                          f"{res.stdout}{res.stderr}")
 
 
 def build_shim(force: bool = False) -> Path:
-    """Path of the shim shared library, built now if no cached build matches its inputs.
+    """Path of the shim shared library, built now unless a cached build matches its inputs.
 
-    The build goes to a temporary file in the cache folder and is renamed into place, so two
-    processes building at once both end with a complete library.
+    A cached library is used only when its sidecar checksum (``<name>.sha256``, written after the
+    library) matches the file; otherwise it is built afresh. The cache folder must be private
+    (:func:`quantcore.cache.private_dir`: BackendUnavailableError otherwise). The build goes to a
+    temporary file in the cache folder and is renamed into place, so two processes building at
+    once both end with a complete library.
     """
     include_dir, lib_dir = sycl_runtime_dirs()
     cxx = _compiler()
-    target = cache_dir() / f"qc_sycl_shim-{shim_cache_key(cxx, include_dir, lib_dir)}.so"
-    if target.exists() and not force:
+    folder = cache.private_dir("sycl")
+    target = folder / f"qc_sycl_shim-{shim_cache_key(cxx, include_dir, lib_dir)}.so"
+    if not force and cache.verified(target) is not None:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=folder)
     os.close(fd)
-    cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-DSYCL_DISABLE_FSYCL_SYCLHPP_WARNING",
-           f"-I{include_dir}", str(_shim_source()), f"-L{lib_dir}", "-lsycl",
-           f"-Wl,-rpath,{lib_dir}", "-o", tmp]
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if res.returncode != 0:
-            raise KernelError(f"building the SYCL host shim failed:\n$ {' '.join(cmd)}\n"
-                              f"{res.stdout}{res.stderr}")
-        os.replace(tmp, target)
+        _compile_shim(shim_build_command(cxx, include_dir, lib_dir, tmp))
+        cache.install_artifact(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
