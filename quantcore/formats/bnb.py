@@ -1,7 +1,11 @@
 """bitsandbytes formats: 4-bit NF4 / FP4, blockwise 8-bit (dynamic map), double quantization.
 
 The rules are those of ``shared/design/FORMATS.md`` sections 1 and 2; the numpy functions here
-are the reference semantics every backend must reproduce bit for bit. All work is vectorized.
+are the reference semantics every backend must reproduce bit for bit. All work is vectorized, in
+chunks of whole blocks (:data:`CHUNK_ELEMS`), so the temporaries stay a few tens of MB whatever the
+tensor's size. Chunking changes no bit: every code and absmax is a function of its own block alone,
+and the double-quantization offset (the mean of all absmax) is the same pairwise tree, summed an
+aligned power-of-two chunk at a time (:func:`pairwise_sum_f64`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ BLOCKSIZES_4BIT = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 BLOCKSIZES_8BIT = (64, 128, 256, 512, 1024, 2048, 4096)
 #: Block size of the second-level (nested) quantization of absmax in double quantization.
 NESTED_BLOCKSIZE = 256
+#: Elements per chunk in the loops below (rounded down to whole blocks, at least one). The
+#: temporaries of one chunk are about 25 bytes per element (quantize_4bit), ~26 MB at 2^20.
+#: Read at call time: tests lower it to check that chunking changes nothing.
+CHUNK_ELEMS = 1 << 20
 QUANT_TYPES = ("nf4", "fp4")
 
 #: NF4 code table, index = 4-bit code (bitsandbytes' ``get_4bit_type("nf4")``).
@@ -129,6 +137,25 @@ def nblocks(n: int, blocksize: int) -> int:
     return -(-n // blocksize)
 
 
+def chunk_elems(blocksize: int) -> int:
+    """Elements per chunk for ``blocksize``: whole blocks (so an even number), at least one block."""
+    return max(1, CHUNK_ELEMS // blocksize) * blocksize
+
+
+def _flat(x: np.ndarray) -> np.ndarray:
+    """The flattened input without a dtype conversion (a view when ``x`` is contiguous)."""
+    return np.asarray(x).reshape(-1)
+
+
+def _target(out: np.ndarray | None, size: int, dtype) -> np.ndarray:
+    """A flat ``size``-element output: a fresh array, or ``out``'s flat view (contiguous, ``dtype``)."""
+    if out is None:
+        return np.empty(size, dtype=dtype)
+    if out.size != size or out.dtype != np.dtype(dtype) or not out.flags.c_contiguous:
+        raise AssertionError(f"out must be a contiguous {np.dtype(dtype)} array of {size} elements")
+    return out.reshape(-1)
+
+
 def _blocks_f32(x: np.ndarray, blocksize: int) -> np.ndarray:
     """Flattened input as fp32, zero padded to whole blocks, shape [nblocks, blocksize]."""
     xf = np.ascontiguousarray(x).reshape(-1).astype(F32)
@@ -180,52 +207,119 @@ def unpack_4bit_bnb(packed: np.ndarray, n: int) -> np.ndarray:
     return q[:n]
 
 
-def quantize_4bit(x: np.ndarray, blocksize: int, quant_type: str) -> tuple[np.ndarray, np.ndarray]:
+def quantize_4bit(
+    x: np.ndarray, blocksize: int, quant_type: str, packed: np.ndarray | None = None,
+    absmax: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Reference 4-bit quantization of the flattened ``x`` (fp32 / fp16 / bf16).
 
-    Returns ``(packed uint8 [(n+1)//2, 1], absmax fp32 [ceil(n/blocksize)])``. The odd element's
+    Returns ``(packed uint8 [(n+1)//2, 1], absmax fp32 [ceil(n/blocksize)])``, written into
+    ``packed`` / ``absmax`` when given (contiguous, of those dtypes and sizes). The odd element's
     partner nibble is the block's quantization of 0.0 (normally the code of zero).
     """
-    n = int(np.asarray(x).size)
-    blocks = _blocks_f32(x, blocksize)
-    absmax, scaled = _absmax_and_scaled(blocks)
-    q = _round_4bit(scaled, quant_type).reshape(-1)
-    q = q[: n + (n % 2)]
-    return pack_4bit_bnb(q), absmax
+    xf = _flat(x)
+    n = int(xf.size)
+    packed_out = np.empty(((n + 1) // 2, 1), dtype=np.uint8) if packed is None else packed
+    pk = _target(packed_out, (n + 1) // 2, np.uint8)
+    am = _target(absmax, nblocks(n, blocksize), F32)
+    step = chunk_elems(blocksize)
+    for s in range(0, n, step):
+        m = min(step, n - s)
+        a, scaled = _absmax_and_scaled(_blocks_f32(xf[s : s + m], blocksize))
+        q = _round_4bit(scaled, quant_type).reshape(-1)[: m + (m % 2)]
+        del scaled
+        pk[s // 2 : s // 2 + (m + 1) // 2] = pack_4bit_bnb(q).reshape(-1)
+        am[s // blocksize : s // blocksize + a.size] = a
+    return packed_out, am
+
+
+def dequantize_range_4bit(
+    packed: np.ndarray, absmax: np.ndarray, start: int, stop: int, blocksize: int, code: np.ndarray
+) -> np.ndarray:
+    """fp32 ``code[q_i] * absmax[i // blocksize]`` for ``start <= i < stop`` of flat ``packed``
+    (uint8, 1-D) and ``absmax`` (fp32, 1-D); any ``start``, odd or not."""
+    p0, p1 = start // 2, (stop + 1) // 2
+    q = unpack_4bit_bnb(packed[p0:p1], 2 * (p1 - p0))[start - 2 * p0 : stop - 2 * p0]
+    vals = code[q]
+    b0 = start // blocksize
+    scale = np.repeat(absmax[b0 : nblocks(stop, blocksize)], blocksize)
+    scale = scale[start - b0 * blocksize : stop - b0 * blocksize]
+    return (vals * scale).astype(F32)
 
 
 def dequantize_4bit(
-    packed: np.ndarray, absmax: np.ndarray, n: int, blocksize: int, quant_type: str, out_dtype
+    packed: np.ndarray, absmax: np.ndarray, n: int, blocksize: int, quant_type: str, out_dtype,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """``out[i] = T(code[q_i] * absmax[i // blocksize])``: one fp32 multiply, one RNE rounding."""
-    q = unpack_4bit_bnb(packed, n)
-    absmax = np.asarray(absmax, dtype=F32)
-    vals = code_4bit(quant_type)[q]
-    scale = np.repeat(absmax, blocksize)[:n]
-    return (vals * scale).astype(F32).astype(out_dtype)
+    """``out[i] = T(code[q_i] * absmax[i // blocksize])``: one fp32 multiply, one RNE rounding.
+
+    Returns a flat ``[n]`` array of ``out_dtype``, or fills ``out`` (contiguous, ``n`` elements).
+    """
+    p = np.asarray(packed, dtype=np.uint8).reshape(-1)
+    absmax = np.asarray(absmax, dtype=F32).reshape(-1)
+    if 2 * p.size < n or absmax.size * blocksize < n:
+        raise ValueError(f"{p.size} packed bytes and {absmax.size} absmax values cannot hold {n} elements")
+    code = code_4bit(quant_type)
+    res = _target(out, n, out_dtype)
+    step = chunk_elems(blocksize)
+    for s in range(0, n, step):
+        e = min(s + step, n)
+        res[s:e] = dequantize_range_4bit(p, absmax, s, e, blocksize, code).astype(out_dtype)
+    return res if out is None else out
 
 
 def quantize_blockwise(
-    x: np.ndarray, blocksize: int, thresholds: np.ndarray = DYNAMIC_THRESHOLDS
+    x: np.ndarray, blocksize: int, thresholds: np.ndarray = DYNAMIC_THRESHOLDS,
+    codes: np.ndarray | None = None, absmax: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Reference blockwise 8-bit: ``(codes uint8 [n], absmax fp32 [nblocks])``.
+    """Reference blockwise 8-bit: ``(codes uint8 [n], absmax fp32 [nblocks])``, written into
+    ``codes`` / ``absmax`` when given.
 
     Nearest code value (ties to the lower index, NaN to index 0) of ``x * (1/absmax)``.
     """
-    n = int(np.asarray(x).size)
-    absmax, scaled = _absmax_and_scaled(_blocks_f32(x, blocksize))
-    q = np.searchsorted(thresholds, scaled.reshape(-1)[:n], side="left").astype(np.uint8)
-    q[np.isnan(scaled.reshape(-1)[:n])] = 0
-    return q, absmax
+    xf = _flat(x)
+    n = int(xf.size)
+    q = _target(codes, n, np.uint8)
+    am = _target(absmax, nblocks(n, blocksize), F32)
+    step = chunk_elems(blocksize)
+    for s in range(0, n, step):
+        m = min(step, n - s)
+        a, scaled = _absmax_and_scaled(_blocks_f32(xf[s : s + m], blocksize))
+        scaled = scaled.reshape(-1)[:m]
+        qc = np.searchsorted(thresholds, scaled, side="left").astype(np.uint8)
+        qc[np.isnan(scaled)] = 0
+        q[s : s + m] = qc
+        am[s // blocksize : s // blocksize + a.size] = a
+    return (q if codes is None else codes), am
 
 
 def dequantize_blockwise(
-    codes: np.ndarray, absmax: np.ndarray, blocksize: int, out_dtype, code: np.ndarray = DYNAMIC_MAP
+    codes: np.ndarray, absmax: np.ndarray, blocksize: int, out_dtype, code: np.ndarray = DYNAMIC_MAP,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """``out[i] = T(code[q_i] * absmax[i // blocksize])``."""
+    """``out[i] = T(code[q_i] * absmax[i // blocksize])``; flat, or written into ``out``."""
     codes = np.asarray(codes, dtype=np.uint8).reshape(-1)
-    scale = np.repeat(np.asarray(absmax, dtype=F32), blocksize)[: codes.size]
-    return (np.asarray(code, dtype=F32)[codes] * scale).astype(F32).astype(out_dtype)
+    absmax = np.asarray(absmax, dtype=F32).reshape(-1)
+    code = np.asarray(code, dtype=F32)
+    n = codes.size
+    if absmax.size * blocksize < n:
+        raise ValueError(f"{absmax.size} absmax values cannot cover {n} codes in blocks of {blocksize}")
+    res = _target(out, n, out_dtype)
+    step = chunk_elems(blocksize)
+    for s in range(0, n, step):
+        e = min(s + step, n)
+        scale = np.repeat(absmax[s // blocksize : nblocks(e, blocksize)], blocksize)[: e - s]
+        res[s:e] = (code[codes[s:e]] * scale).astype(F32).astype(out_dtype)
+    return res if out is None else out
+
+
+def _tree_sum_f64(v: np.ndarray, size: int) -> np.float64:
+    """Perfect-binary-tree sum of fp64 ``v`` zero padded to ``size`` (a power of two >= v.size)."""
+    if size != v.size:
+        v = np.concatenate([v, np.zeros(size - v.size)])
+    while v.size > 1:
+        v = v[0::2] + v[1::2]
+    return np.float64(v[0])
 
 
 def pairwise_sum_f64(values: np.ndarray) -> np.float64:
@@ -233,17 +327,19 @@ def pairwise_sum_f64(values: np.ndarray) -> np.float64:
 
     Level by level, element i becomes ``v[2i] + v[2i+1]``. This is the one summation order all
     backends use for the double-quantization offset, so the offset is bit-identical everywhere
-    (a GPU reduces aligned power-of-two chunks with the same tree, then the chunk sums).
+    (a GPU reduces aligned power-of-two chunks with the same tree, then the chunk sums). Here
+    too: the tree's subtrees over aligned chunks of a power-of-two size (the last chunk zero
+    padded to the full size) are summed one at a time, then the tree over the chunk sums.
     """
-    v = np.asarray(values, dtype=np.float64).reshape(-1)
+    v = _flat(values)
     if v.size == 0:
         return np.float64(0.0)
-    size = 1 << (v.size - 1).bit_length()
-    if size != v.size:
-        v = np.concatenate([v, np.zeros(size - v.size)])
-    while v.size > 1:
-        v = v[0::2] + v[1::2]
-    return np.float64(v[0])
+    chunk = 1 << (max(CHUNK_ELEMS, 1).bit_length() - 1)  # a power of two <= CHUNK_ELEMS
+    if v.size <= chunk:
+        return _tree_sum_f64(v.astype(np.float64), 1 << (v.size - 1).bit_length())
+    sums = np.array([_tree_sum_f64(v[s : s + chunk].astype(np.float64), chunk)
+                     for s in range(0, v.size, chunk)])
+    return _tree_sum_f64(sums, 1 << (sums.size - 1).bit_length())
 
 
 def absmax_offset(absmax: np.ndarray) -> np.float32:
@@ -252,12 +348,25 @@ def absmax_offset(absmax: np.ndarray) -> np.float32:
     return F32(pairwise_sum_f64(absmax) / np.float64(absmax.size))
 
 
-def double_quantize(absmax: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.float32]:
-    """Compress the fp32 absmax: ``(qabsmax uint8 [nb], absmax2 fp32 [ceil(nb/256)], offset)``."""
+def double_quantize(
+    absmax: np.ndarray, qabsmax: np.ndarray | None = None, absmax2: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.float32]:
+    """Compress the fp32 absmax: ``(qabsmax uint8 [nb], absmax2 fp32 [ceil(nb/256)], offset)``.
+
+    The offset is the mean of ALL absmax values; the centered values are then quantized chunk by
+    chunk (written into ``qabsmax`` / ``absmax2`` when given).
+    """
+    absmax = np.asarray(absmax, dtype=F32).reshape(-1)
     offset = absmax_offset(absmax)
-    centered = (np.asarray(absmax, dtype=F32) - offset).astype(F32)
-    qabsmax, absmax2 = quantize_blockwise(centered, NESTED_BLOCKSIZE)
-    return qabsmax, absmax2, offset
+    nb = absmax.size
+    q = _target(qabsmax, nb, np.uint8)
+    a2 = _target(absmax2, nblocks(nb, NESTED_BLOCKSIZE), F32)
+    step = chunk_elems(NESTED_BLOCKSIZE)
+    for s in range(0, nb, step):
+        centered = (absmax[s : s + step] - offset).astype(F32)
+        quantize_blockwise(centered, NESTED_BLOCKSIZE, codes=q[s : s + centered.size],
+                           absmax=a2[s // NESTED_BLOCKSIZE : nblocks(s + centered.size, NESTED_BLOCKSIZE)])
+    return (q if qabsmax is None else qabsmax), (a2 if absmax2 is None else absmax2), offset
 
 
 def dequantize_absmax(
