@@ -27,11 +27,10 @@ __device__ __forceinline__ void load_block(const typename T::S* x, bool vec, flo
     }
 }
 
-// C's float -> int8 with a GPU's behaviour off range, as the reference defines it: NaN -> 0,
-// +-inf -> +-127, finite values clipped to [-128, 127]. r is already an integer value.
+// C's float -> int8 as the reference defines it: NaN and +-inf -> 0 (ggml's C reference on x86,
+// gguf-py), finite values clipped to [-128, 127]. r is already an integer value.
 __device__ __forceinline__ int q8_from_rounded(float r) {
-    if (is_nan(r)) return 0;
-    if ((__float_as_uint(r) & 0x7fffffffu) == 0x7f800000u) return r > 0.0f ? QC_Q8_MAX : -QC_Q8_MAX;
+    if ((__float_as_uint(r) & 0x7fffffffu) >= 0x7f800000u) return 0;
     return (int)fminf(fmaxf(r, -128.0f), 127.0f);
 }
 
@@ -114,7 +113,9 @@ __global__ void __launch_bounds__(256) quantize_ggml_kernel(
         int q[kQK];
 #pragma unroll
         for (int j = 0; j < kQK; ++j) {
-            int t = __float2int_rz(__fadd_rn(__fmul_rn(v[j], id), QC_Q4_0_ROUND_BIAS));  // NaN -> 0
+            const float b = __fadd_rn(__fmul_rn(v[j], id), QC_Q4_0_ROUND_BIAS);
+            // NaN and +-inf -> 0 (the reference's rule; __float2int_rz would saturate +-inf)
+            int t = (__float_as_uint(b) & 0x7fffffffu) >= 0x7f800000u ? 0 : __float2int_rz(b);
             t = min(max(t, -128), 127);
             q[j] = min(15, t);
         }

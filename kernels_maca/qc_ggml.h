@@ -10,17 +10,16 @@
 
 // C float-to-int truncation with a GPU's behaviour off range: NaN -> 0, saturate to [lo, hi].
 __device__ __forceinline__ int qc_trunc_sat(float v, int lo, int hi) {
-  if (v != v) return 0;
+  if (!isfinite(v)) return 0;  // NaN and +-inf -> 0, as ggml's C reference on x86 and gguf-py
   if (v <= (float)lo) return lo;
   if (v >= (float)hi) return hi;
   return (int)v;
 }
 
-// C roundf (half away from zero), exact through fp64; NaN -> 0, +-inf -> +-QC_Q8_MAX, then
-// clamped to int8.
+// C roundf (half away from zero), exact through fp64; NaN and +-inf -> 0 (ggml's C reference on
+// x86, gguf-py), then clamped to int8.
 __device__ __forceinline__ int qc_round_q8(float v) {
-  if (v != v) return 0;
-  if (isinf(v)) return v > 0.0f ? QC_Q8_MAX : -QC_Q8_MAX;
+  if (!isfinite(v)) return 0;
   const double a = floor(fabs((double)v) + 0.5);
   double r = v < 0.0f ? -a : a;
   r = r < -128.0 ? -128.0 : (r > 127.0 ? 127.0 : r);

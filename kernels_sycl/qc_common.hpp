@@ -146,16 +146,16 @@ inline uint8_t quantize_4bit_code(float s, int quant_type) {
 
 // C's float-to-int truncation with a GPU's behaviour off range: NaN -> 0, saturate to [lo, hi].
 inline int trunc_saturate(float v, int lo, int hi) {
-  if (!(v == v)) return 0;
+  if (!sycl::isfinite(v)) return 0;  // NaN and +-inf -> 0, as ggml's C reference on x86 and gguf-py
   if (v >= static_cast<float>(hi)) return hi;
   if (v <= static_cast<float>(lo)) return lo;
   return static_cast<int>(v);
 }
 
-// roundf (half away from zero) to int8: NaN -> 0, +-inf -> +-127, finite values clamp to int8.
+// roundf (half away from zero) to int8: NaN and +-inf -> 0 (ggml's C reference on x86, gguf-py),
+// finite values clamp to int8.
 inline int round_q8(float v) {
-  if (!(v == v)) return 0;
-  if (sycl::isinf(v)) return v > 0.0f ? kQ8Max : -kQ8Max;
+  if (!sycl::isfinite(v)) return 0;
   const float r = sycl::round(v);
   return static_cast<int>(sycl::clamp(r, -128.0f, 127.0f));
 }

@@ -1,6 +1,8 @@
-"""The public API. Each function validates in the core, allocates outputs through the selected
-backend and calls one kernel-level op (see :mod:`quantcore.backend`). Results come back as the
-caller's array kind on the caller's device.
+"""The public API. Each function validates every argument in the core (:mod:`quantcore.validate`:
+the same exception type and message on every backend, before any allocation or launch),
+allocates outputs through the selected backend and calls one kernel-level op (see
+:mod:`quantcore.backend`) with plain Python parameters. Results come back as the caller's array
+kind on the caller's device.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from . import validate as v
-from .arrays import array_kind, as_dtype, device_of, meta
+from .arrays import array_kind, as_dtype, device_of, dtype_name, meta
 from .backend import Backend, Nested
-from .errors import ShapeError, StateError
+from .errors import DTypeError, ParameterError, ShapeError, StateError
 from .formats import bnb, ggml
 from .registry import get_backend
 from .state import QuantState
@@ -24,7 +26,12 @@ U8 = np.dtype(np.uint8)
 
 
 def _backend(backend: str | Backend | None) -> Backend:
-    return backend if isinstance(backend, Backend) else get_backend(backend)
+    if isinstance(backend, Backend):
+        return backend
+    if backend is not None and not isinstance(backend, str):
+        raise ParameterError(f"backend must be a backend name (str), a quantcore.Backend or None, "
+                             f"got {type(backend).__name__}")
+    return get_backend(backend)
 
 
 #: Eager launch plans for gemv_4bit and dequantize_4bit (on by default; QUANTCORE_EAGER_PLANS=0 at
@@ -103,8 +110,9 @@ def quantize_4bit(
     """
     be = _backend(backend)
     shape, dt = v.float_array(x, "x")
-    v.quant_type(quant_type)
-    v.blocksize_4bit(blocksize)
+    quant_type = v.quant_type(quant_type)
+    blocksize = v.blocksize_4bit(blocksize)
+    compress_statistics = v.flag(compress_statistics, "compress_statistics")
     be.require("quantize_4bit", quant_type, dt, blocksize)
     xn = be.prepare(x)
     n = math.prod(shape)
@@ -129,13 +137,34 @@ def quantize_4bit(
     return be.finish(packed, x), state
 
 
-def _check_packed(packed: Any, state: QuantState) -> None:
+def _check_state(state: Any) -> QuantState:
+    """``state.validate()`` (every field, the code table against quant_type) plus what the
+    backends rely on beyond it: a nested state's offset is a float32 array of one element."""
     if not isinstance(state, QuantState):
         raise StateError(f"expected a quantcore.QuantState, got {type(state).__name__}")
     state.validate()
+    if state.nested:
+        try:
+            oshape, odt = v.array(state.offset, "offset")
+        except DTypeError as exc:
+            raise StateError(f"a nested state's offset must be a float32 array of one element: {exc}") from exc
+        if odt != F32 or math.prod(oshape) != 1:
+            raise StateError(f"a nested state's offset must be a float32 array of one element, got "
+                             f"{dtype_name(odt)} of shape {oshape}; convert it (e.g. "
+                             "offset.astype(float32)) or rebuild the state with QuantState.from_dict")
+    return state
+
+
+def _geometry(state: QuantState) -> tuple[tuple[int, ...], int]:
+    """The validated state's shape and blocksize as plain ints (backends never see numpy scalars)."""
+    return tuple(int(s) for s in state.shape), int(state.blocksize)
+
+
+def _check_packed(packed: Any, state: QuantState) -> None:
+    _check_state(state)
     if state.quant_type is None:
         raise StateError("this state has no 4-bit quant_type (is it an 8-bit blockwise state?)")
-    shape = v.uint8_array(packed, "packed")
+    shape = v.uint8_array(packed, "packed", nonempty=True)
     if math.prod(shape) != (state.n + 1) // 2:
         raise ShapeError(f"packed holds {math.prod(shape)} bytes; the state describes {state.n} "
                          f"elements, which pack into {(state.n + 1) // 2}")
@@ -160,10 +189,11 @@ def dequantize_4bit(
             return res
     _check_packed(packed, state)
     dt = v.out_dtype(out_dtype if out_dtype is not None else state.dtype)
-    be.require("dequantize_4bit", state.quant_type, dt, state.blocksize)
+    shape, blocksize = _geometry(state)
+    be.require("dequantize_4bit", state.quant_type, dt, blocksize)
     pn = be.prepare(packed)
-    out = be.empty(tuple(state.shape), as_dtype(dt), like=pn)
-    be.dequantize_4bit(pn, be.prepare(state.absmax), out, blocksize=state.blocksize,
+    out = be.empty(shape, as_dtype(dt), like=pn)
+    be.dequantize_4bit(pn, be.prepare(state.absmax), out, blocksize=blocksize,
                        quant_type=state.quant_type, nested=_nested(be, state))
     res = be.finish(out, packed)
     if EAGER_PLANS:
@@ -183,18 +213,19 @@ def gemv_4bit(A: Any, packed: Any, state: QuantState, *, backend: str | Backend 
         if res is not None:
             return res
     _check_packed(packed, state)
-    if len(state.shape) != 2:
-        raise ShapeError(f"gemv_4bit needs a 2-D weight state [N, K], got shape {state.shape}")
-    n, k = state.shape
+    wshape, blocksize = _geometry(state)
+    if len(wshape) != 2:
+        raise ShapeError(f"gemv_4bit needs a 2-D weight state [N, K], got shape {wshape}")
+    n, k = wshape
     shape, dt = v.float_array(A, "A")
-    if shape[-1] != k:
-        raise ShapeError(f"A has {shape[-1]} elements in its last dimension; the weight has K = {k}")
-    be.require("gemv_4bit", state.quant_type, dt, state.blocksize)
+    if len(shape) == 0 or shape[-1] != k:
+        raise ShapeError(f"A must have shape [..., K] with K = {k} (the weight's), got shape {shape}")
+    be.require("gemv_4bit", state.quant_type, dt, blocksize)
     rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
     an = be.prepare(A)
     pn = be.prepare(packed)
     out = be.empty((rows, n), as_dtype(dt), like=an)
-    be.gemv_4bit(an, pn, be.prepare(state.absmax), out, n=n, k=k, blocksize=state.blocksize,
+    be.gemv_4bit(an, pn, be.prepare(state.absmax), out, n=n, k=k, blocksize=blocksize,
                  quant_type=state.quant_type, nested=_nested(be, state))
     res = be.finish(out, A).reshape(tuple(shape[:-1]) + (n,))
     if EAGER_PLANS:
@@ -209,7 +240,7 @@ def quantize_blockwise(
     """Blockwise 8-bit with the dynamic map: ``(codes uint8 of x's shape, QuantState)``."""
     be = _backend(backend)
     shape, dt = v.float_array(x, "x")
-    v.blocksize_8bit(blocksize)
+    blocksize = v.blocksize_8bit(blocksize)
     be.require("quantize_blockwise", "dynamic8", dt, blocksize)
     xn = be.prepare(x)
     n = math.prod(shape)
@@ -227,20 +258,24 @@ def dequantize_blockwise(
 ) -> Any:
     """``out = T(code[q] * absmax[i // blocksize])`` with the state's 256-entry code."""
     be = _backend(backend)
-    if not isinstance(state, QuantState):
-        raise StateError(f"expected a quantcore.QuantState, got {type(state).__name__}")
-    state.validate()
-    shape = v.uint8_array(codes, "codes")
+    _check_state(state)
+    if state.quant_type is not None:
+        raise StateError(f"this is a 4-bit ({state.quant_type}) state; use dequantize_4bit")
+    if state.nested:
+        raise StateError("an 8-bit blockwise state is not nested (its absmax is float32); "
+                         "dequantize_blockwise takes the state quantize_blockwise returns")
+    shape = v.uint8_array(codes, "codes", nonempty=True)
     if math.prod(shape) != state.n:
         raise ShapeError(f"codes hold {math.prod(shape)} values, the state describes {state.n}")
-    if state.code is None or meta(state.code) != ((256,), F32):
+    if state.code is None or v.array(state.code, "code") != ((256,), F32):
         raise StateError("an 8-bit state needs a float32 [256] code")
     dt = v.out_dtype(out_dtype if out_dtype is not None else state.dtype)
-    be.require("dequantize_blockwise", "dynamic8", dt, state.blocksize)
+    oshape, blocksize = _geometry(state)
+    be.require("dequantize_blockwise", "dynamic8", dt, blocksize)
     cn = be.prepare(codes)
-    out = be.empty(tuple(state.shape), as_dtype(dt), like=cn)
+    out = be.empty(oshape, as_dtype(dt), like=cn)
     be.dequantize_blockwise(cn, be.prepare(state.absmax), be.prepare(state.code), out,
-                            blocksize=state.blocksize)
+                            blocksize=blocksize)
     return be.finish(out, codes)
 
 
@@ -276,6 +311,9 @@ def _dequantize_ggml(fmt: str, q: Any, out_dtype: Any, backend) -> Any:
     shape = v.uint8_array(q, "q")
     if len(shape) not in (2, 3) or shape[-1] != ggml.BLOCK_BYTES[fmt]:
         raise ShapeError(f"{fmt} blocks must have shape [rows, K/32, {ggml.BLOCK_BYTES[fmt]}], got {shape}")
+    if math.prod(shape) == 0:
+        raise ShapeError(f"q is empty (shape {shape}); {fmt} blocks [rows, K/32, {ggml.BLOCK_BYTES[fmt]}] "
+                         "need rows >= 1 and K >= 32")
     rows = shape[0] if len(shape) == 3 else 1
     k = shape[-2] * ggml.QK
     dt = v.out_dtype(out_dtype)

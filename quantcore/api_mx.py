@@ -20,9 +20,9 @@ import numpy as np
 
 from . import validate as v
 from .api import _backend
-from .arrays import BF16, as_dtype, is_torch, meta
+from .arrays import BF16, as_dtype, dtype_name, is_torch
 from .backend import Backend
-from .errors import DTypeError, ParameterError, ShapeError, UnsupportedError
+from .errors import DeviceError, DTypeError, ParameterError, ShapeError, UnsupportedError
 from .formats import mx
 
 F32 = np.dtype(np.float32)
@@ -33,6 +33,8 @@ _BYTE_DTYPES = ("float8_e4m3fn", "float8_e8m0fnu", "float4_e2m1fn_x2")
 
 def _as_bytes(x: Any) -> Any:
     """uint8 view of codes / scales given in a one-byte float dtype (torch or ml_dtypes)."""
+    if not hasattr(x, "shape"):
+        return x  # not an array: the validation names it
     name = str(getattr(x, "dtype", "")).rsplit(".", 1)[-1]
     if name not in _BYTE_DTYPES:
         return x
@@ -41,9 +43,9 @@ def _as_bytes(x: Any) -> Any:
     return x.view(np.uint8)
 
 
-def _scalar(be: Backend, value: Any, like: Any, what: str) -> Any:
-    """fp32 [1] native array of a scalar given as a number or as a one-element fp32 array."""
-    host = v.f32_scalar(value, what, positive=(what == "global_scale"))
+def _scalar(be: Backend, value: Any, host: float | None, like: Any) -> Any:
+    """fp32 [1] native array of a scalar validated by ``v.f32_scalar`` (``host``: its value, or
+    None for a one-element fp32 array, used as it is)."""
     if host is None:
         return be.prepare(value)
     return be.from_numpy(np.array([host], dtype=F32), like=like)
@@ -70,23 +72,24 @@ def quantize_mx(
     be = _backend(backend)
     fmt = v.mx_format(fmt)
     shape, rows, k, dt = v.mx_input(x, fmt)
+    swizzle = v.flag(swizzle, "swizzle")
+    mode = v.scale_mode(scale_mode)  # checked for every format; NVFP4's kernels take none
     if fmt == "nvfp4":
         if global_scale is None:
             raise ParameterError("nvfp4 needs global_scale (2688 / amax(x); see nvfp4_global_scale)")
+        host_g = v.f32_scalar(global_scale, "global_scale", positive=True)
         mode = None
-    else:
-        if global_scale is not None:
-            raise ParameterError(f"{fmt} takes no global_scale (it is an NVFP4 parameter)")
-        mode = v.scale_mode(scale_mode)
+    elif global_scale is not None:
+        raise ParameterError(f"{fmt} takes no global_scale (it is an NVFP4 parameter)")
     blk = mx.block_size(fmt)
     be.require("mx_quantize", fmt, dt, blk)
     xn = be.prepare(x)
-    g = _scalar(be, global_scale, xn, "global_scale") if fmt == "nvfp4" else None
+    g = _scalar(be, global_scale, host_g, xn) if fmt == "nvfp4" else None
     codes = be.empty(_lead(shape) + (mx.codes_cols(fmt, k),), U8, like=xn)
     sshape = mx.swizzled_shape(rows, k // blk) if swizzle else _lead(shape) + (k // blk,)
     scales = be.empty(sshape, U8, like=xn)
     be.mx_quantize(xn, codes, scales, rows=rows, cols=k, fmt=fmt, scale_mode=mode,
-                   swizzled=bool(swizzle), global_scale=g)
+                   swizzled=swizzle, global_scale=g)
     return be.finish(codes, x), be.finish(scales, x)
 
 
@@ -119,7 +122,17 @@ def scaled_mxfp8_quant(x: Any, *, scale_mode: str = "floor", swizzle: bool = Tru
 
 
 def nvfp4_global_scale(amax: float) -> np.float32:
-    """``f32(2688 / amax)`` for a host number ``amax`` (the tensor's max |x|)."""
+    """``f32(2688 / amax)`` for a host number ``amax`` (the tensor's max |x|): a Python or numpy
+    number, or a real array of one element.
+
+    ``amax`` must be finite and > 0 (in float32), and ``2688 / amax`` a finite float32 (amax >=
+    about 7.9e-36); anything else is a :class:`~quantcore.errors.ParameterError`. A tensor holding
+    an Inf or a NaN, or only zeros, has no NVFP4 global scale (it would be 0, NaN or Inf and make
+    every value non-finite): replace the non-finite values first, or pass a global scale of your
+    choice to :func:`scaled_nvfp4_quant`. A global scale given to the quantize / dequantize
+    functions as a number must likewise be finite and > 0; one given as a float32 array of one
+    element is used as it is (its value is not read back from the device).
+    """
     return mx.nvfp4_global_scale(amax)
 
 
@@ -138,18 +151,20 @@ def dequantize_mx(
     codes, scales = _as_bytes(codes), _as_bytes(scales)
     shape, rows, k = v.mx_codes(codes, fmt)
     blk = mx.block_size(fmt)
-    v.mx_scales(scales, _lead(shape), rows, k // blk, bool(swizzled))
+    swizzled = v.flag(swizzled, "swizzled")
+    v.mx_scales(scales, _lead(shape), rows, k // blk, swizzled)
     if fmt == "nvfp4" and global_scale is None:
         raise ParameterError("nvfp4 needs the global_scale the codes were made with")
     if fmt != "nvfp4" and global_scale is not None:
         raise ParameterError(f"{fmt} takes no global_scale (it is an NVFP4 parameter)")
+    host_g = v.f32_scalar(global_scale, "global_scale", positive=True) if fmt == "nvfp4" else None
     dt = v.out_dtype(out_dtype)
     be.require("mx_dequantize", fmt, dt, blk)
     cn = be.prepare(codes)
-    g = _scalar(be, global_scale, cn, "global_scale") if fmt == "nvfp4" else None
+    g = _scalar(be, global_scale, host_g, cn) if fmt == "nvfp4" else None
     out = be.empty(_lead(shape) + (k,), as_dtype(dt), like=cn)
     be.mx_dequantize(cn, be.prepare(scales), out, rows=rows, cols=k, fmt=fmt,
-                     swizzled=bool(swizzled), global_scale=g)
+                     swizzled=swizzled, global_scale=g)
     return be.finish(out, codes)
 
 
@@ -193,16 +208,14 @@ def unswizzle_scales(swz: Any, rows: int, cols: int, *, backend: str | Backend |
     be = _backend(backend)
     swz = _as_bytes(swz)
     shape = v.uint8_array(swz, "swz")
-    for name, val in (("rows", rows), ("cols", cols)):
-        if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val <= 0:
-            raise ParameterError(f"{name} must be a positive integer, got {val!r}")
-    expect = mx.swizzled_shape(int(rows), int(cols))
+    rows, cols = v.positive_int(rows, "rows"), v.positive_int(cols, "cols")
+    expect = mx.swizzled_shape(rows, cols)
     if shape != expect:
         raise ShapeError(f"swz must have shape {expect} for [{rows}, {cols}] scales, got {shape}")
     be.require("unswizzle_scales", "scales128x4", "uint8", mx.SWIZZLE_TILE_BYTES)
     sn = be.prepare(swz)
-    out = be.empty((int(rows), int(cols)), U8, like=sn)
-    be.unswizzle_scales(sn, out, rows=int(rows), cols=int(cols))
+    out = be.empty((rows, cols), U8, like=sn)
+    be.unswizzle_scales(sn, out, rows=rows, cols=cols)
     return be.finish(out, swz)
 
 
@@ -233,15 +246,16 @@ def scaled_fp4_mm(
         raise ShapeError(f"K = {k} is not a multiple of the {fmt} block size {blk}")
     v.mx_scales(scale_a, (m,), m, k // blk, True, "scale_a")
     v.mx_scales(scale_b, (n,), n, k // blk, True, "scale_b")
+    host_alpha = v.f32_scalar(alpha, "alpha")
     if bias is not None:
-        bshape, bdt = meta(bias)
+        bshape, bdt = v.array(bias, "bias")
         if bdt != BF16:
-            raise DTypeError(f"bias must be bfloat16 (the output dtype), got {bdt}; convert it first")
+            raise DTypeError(f"bias must be bfloat16 (the output dtype), got {dtype_name(bdt)}; convert it first")
         if bshape not in ((n,), (1, n)):
             raise ShapeError(f"bias must have shape ({n},) or (1, {n}), got {bshape}")
     be.require("scaled_fp4_mm", fmt, "bfloat16", blk)
     an = be.prepare(a)
-    al = _scalar(be, alpha, an, "alpha")
+    al = _scalar(be, alpha, host_alpha, an)
     out = be.empty((m, n), BF16, like=an)
     be.scaled_fp4_mm(an, be.prepare(b), be.prepare(scale_a), be.prepare(scale_b), al,
                      None if bias is None else be.prepare(bias), out, m=m, n=n, k=k, fmt=fmt)
@@ -258,6 +272,11 @@ def _torch_view(x: Any, dtype_name: str) -> Any:
     if dtype is None:
         raise UnsupportedError(f"this torch ({torch.__version__}) has no torch.{dtype_name}")
     x = _as_bytes(x)
+    if not is_torch(x):
+        v.uint8_array(x, "the array to view")
+        if not isinstance(x, (np.ndarray, np.generic)):
+            raise DeviceError(f"torch dtype views take numpy arrays or torch tensors, got {type(x).__name__}; "
+                              "wrap it as a torch tensor first (torch.from_dlpack)")
     t = x if is_torch(x) else torch.from_numpy(np.ascontiguousarray(x))
     if t.dtype != torch.uint8:
         raise DTypeError(f"expected uint8 bytes to view as torch.{dtype_name}, got {t.dtype}")

@@ -14,6 +14,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from .errors import DTypeError
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BF16)
 _BY_NAME = {
@@ -61,7 +63,7 @@ def _as_dtype(d: Any) -> np.dtype:
     else:
         return np.dtype(d)
     if name not in _BY_NAME:
-        raise TypeError(f"unknown dtype {d!r}")
+        raise DTypeError(f"unknown dtype {d!r}: quantcore knows {', '.join(_BY_NAME)}")
     return _BY_NAME[name]
 
 
@@ -120,9 +122,10 @@ def device_of(x: Any) -> str:
 
 
 def meta(x: Any) -> tuple[tuple[int, ...], np.dtype]:
-    """``(shape, numpy dtype)`` of any supported array without moving it."""
+    """``(shape, numpy dtype)`` of any supported array without moving it (DTypeError, a TypeError,
+    for anything else; :func:`quantcore.validate.array` adds the checks of the public API)."""
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"expected an array (numpy, torch, cupy or USM), got {type(x).__name__}")
+        raise DTypeError(f"expected an array (numpy, torch, cupy or USM), got {type(x).__name__}")
     return tuple(int(s) for s in x.shape), as_dtype(x.dtype)
 
 

@@ -103,6 +103,7 @@ class SyclBackend(Backend):
         self._queue: Any = None
         self._programs: dict[tuple[Any, Any], runtime.Program] = {}
         self._used_queues: dict[int, Any] = {}  #: queues this backend submitted to (synchronize)
+        self._avail: Availability | None = None  #: a positive availability, once found
 
     # -- discovery -------------------------------------------------------------------------------
     def default_queue(self) -> Any:
@@ -124,6 +125,16 @@ class SyclBackend(Backend):
             return self._queue
 
     def availability(self) -> Availability:
+        """Probed once when it succeeds (the public API asks on every call with ``backend="sycl"``,
+        and the probe reads the wheels' file lists); a failure is probed again next time."""
+        if self._avail is None:
+            avail = self._probe()
+            if avail:
+                self._avail = avail
+            return avail
+        return self._avail
+
+    def _probe(self) -> Availability:
         try:
             dpctl = runtime.import_dpctl()
             if not dpctl.get_devices():
@@ -235,7 +246,8 @@ class SyclBackend(Backend):
         return SyclArray.empty(tuple(shape), dtype, self._queue_like(like))
 
     def from_numpy(self, a, like=None) -> SyclArray:
-        a = np.ascontiguousarray(a)
+        a = np.asarray(a)
+        a = np.ascontiguousarray(a).reshape(a.shape)  # ascontiguousarray makes a 0-d array 1-d
         out = SyclArray.empty(a.shape, a.dtype, self._queue_like(like))
         out.copy_from_numpy(a)
         return out

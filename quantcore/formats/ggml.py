@@ -1,8 +1,21 @@
 """ggml block formats Q4_0, Q8_0, Q8_1 and the W4A8 dot product (``shared/design/FORMATS.md`` §3).
 
 Bit for bit with ggml's ``quantize_row_*_ref`` C functions for finite input (fp32 arithmetic,
-no FMA contraction). Non-finite input, which ggml leaves undefined, is defined here the way a
-GPU's float-to-int conversion behaves: NaN converts to 0, out-of-range values saturate.
+no FMA contraction) and with gguf-py's ``quants.py``.
+
+NaN / Inf rules (identical on every backend). C leaves the float-to-int8 conversion of a
+non-finite value undefined; ggml's C reference compiled for x86 (``cvttss2si`` gives the "integer
+indefinite" 0x80000000, whose low byte is 0) and gguf-py (numpy's cast) both write 0, and so does
+quantcore: a scaled value ``x * id`` (Q8) or ``x * id + 8.5`` (Q4_0) that is NaN or +-Inf becomes
+the integer 0 (Q4_0 code 0 after ``min(15, .)``, Q8 code 0). This covers
+
+- NaN elements (``NaN * id``) and Inf elements (their block has ``d = +-inf``, ``id = +-0``, so
+  ``Inf * 0 = NaN``); the block maximum skips NaN (``amax`` is NaN-ignoring);
+- a block so small that ``1/d`` overflows fp32 (``d`` below ~2.9e-39: fp32 subnormals, and tiny
+  normals for Q8 where ``d = amax/127``): ``id = inf``, every ``x * id`` is +-Inf or NaN, every code 0
+  (the fp16 ``d`` of such a block is 0, so its values decode to 0 either way).
+
+Finite values never leave the code range (``|x * id| <= 127.0001`` for Q8, ``<= 8`` for Q4_0).
 """
 
 from __future__ import annotations
@@ -21,6 +34,62 @@ Q8_MAX = 127
 Q8_1_NAN_S_BITS = 0xFE00
 Q8_1_NAN_S_F32 = np.array(0xFFC00000, dtype=np.uint32).view(F32)
 BLOCK_BYTES = {"q4_0": Q4_0_BLOCK_BYTES, "q8_0": Q8_0_BLOCK_BYTES, "q8_1": Q8_1_BLOCK_BYTES}
+#: Blocks per chunk in the chunked loops (temporaries ~40 bytes per element: ~40 MB at 2^15
+#: blocks). Read at call time: tests lower it to check that chunking changes nothing.
+CHUNK_BLOCKS = (1 << 20) // QK
+
+
+def _chunk_blocks() -> int:
+    return max(1, int(CHUNK_BLOCKS))
+
+
+def _chunked_quantize(fn, x: np.ndarray, width: int, out: np.ndarray | None) -> np.ndarray:
+    """``fn`` (per-block math, [..., K] -> [..., K/32, width]) over ``x``'s blocks, chunk by chunk.
+
+    ``x`` [..., K] (K % 32 == 0) -> uint8 [..., K/32, width], written into ``out`` when given
+    (contiguous uint8 of that shape). Inputs it cannot split (0-d, K % 32, empty) go to ``fn``
+    whole, as before chunking.
+    """
+    x = np.asarray(x)
+    if x.ndim == 0 or x.shape[-1] % QK or x.size == 0:
+        res = fn(x)
+        if out is not None:
+            out[...] = res
+        return res if out is None else out
+    shape = x.shape[:-1] + (x.shape[-1] // QK, width)
+    flat = x.reshape(-1, QK)
+    res = np.empty(shape, dtype=np.uint8) if out is None else out
+    if res.shape != shape or res.dtype != np.uint8 or not res.flags.c_contiguous:
+        raise AssertionError(f"out must be a contiguous uint8 array of shape {shape}")
+    dst = res.reshape(-1, width)
+    step = _chunk_blocks()
+    for s in range(0, flat.shape[0], step):
+        dst[s : s + step] = fn(flat[s : s + step]).reshape(-1, width)
+    return res
+
+
+def _chunked_dequantize(fn, q: np.ndarray, width: int, out: np.ndarray | None) -> np.ndarray:
+    """``fn`` (per-block math, uint8 [..., nb, width] -> fp32 [..., nb*32]) chunk by chunk.
+
+    Returns fp32 ``[..., nb*32]``, or writes ``out`` (contiguous, that shape, any float dtype:
+    each chunk's fp32 values are cast to it). Inputs it cannot split go to ``fn`` whole.
+    """
+    q = np.asarray(q, dtype=np.uint8)
+    if q.ndim < 2 or q.shape[-1] != width or q.size == 0:
+        res = fn(q)
+        if out is not None:
+            out[...] = res.astype(out.dtype)
+        return res if out is None else out
+    shape = q.shape[:-2] + (q.shape[-2] * QK,)
+    flat = q.reshape(-1, 1, width)
+    res = np.empty(shape, dtype=F32) if out is None else out
+    if res.shape != shape or not res.flags.c_contiguous:
+        raise AssertionError(f"out must be a contiguous array of shape {shape}")
+    dst = res.reshape(-1, QK)
+    step = _chunk_blocks()
+    for s in range(0, flat.shape[0], step):
+        dst[s : s + step] = fn(flat[s : s + step]).reshape(-1, QK).astype(dst.dtype, copy=False)
+    return res
 
 
 def _blocks(x: np.ndarray) -> np.ndarray:
@@ -28,15 +97,21 @@ def _blocks(x: np.ndarray) -> np.ndarray:
     return x.astype(F32).reshape(*x.shape[:-1], x.shape[-1] // QK, QK)
 
 
+def _finite_or_zero(v: np.ndarray) -> np.ndarray:
+    """fp64 of ``v`` with NaN and +-Inf replaced by 0 (x86's and gguf-py's int8 conversion)."""
+    v64 = v.astype(np.float64)
+    return np.where(np.isfinite(v64), v64, 0.0)
+
+
 def _trunc_to_int(v: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """C's float-to-int truncation with a GPU's behaviour off range: NaN -> 0, saturate."""
-    t = np.trunc(np.nan_to_num(v.astype(np.float64), nan=0.0, posinf=hi, neginf=lo))
-    return np.clip(t, lo, hi).astype(np.int32)
+    """C's float-to-int truncation; NaN and +-Inf -> 0 (see the module docstring)."""
+    return np.clip(np.trunc(_finite_or_zero(v)), lo, hi).astype(np.int32)
 
 
 def _round_half_away(v: np.ndarray) -> np.ndarray:
-    """C ``roundf`` (half away from zero), exact: computed in fp64 on fp32 inputs."""
-    v64 = np.nan_to_num(v.astype(np.float64), nan=0.0, posinf=Q8_MAX, neginf=-Q8_MAX)
+    """C ``roundf`` (half away from zero), exact: computed in fp64 on fp32 inputs; NaN and
+    +-Inf -> 0 (see the module docstring)."""
+    v64 = _finite_or_zero(v)
     r = np.sign(v64) * np.floor(np.abs(v64) + 0.5)
     return np.clip(r, -128, 127).astype(np.int32)
 
@@ -46,8 +121,13 @@ def _inverse(d: np.ndarray) -> np.ndarray:
         return np.where(d != 0, F32(1.0) / np.where(d != 0, d, F32(1.0)), F32(0.0)).astype(F32)
 
 
-def quantize_q4_0(w: np.ndarray) -> np.ndarray:
-    """``w [..., K]`` (K % 32 == 0) -> uint8 ``[..., K/32, 18]``.
+def quantize_q4_0(w: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``w [..., K]`` (K % 32 == 0) -> uint8 ``[..., K/32, 18]`` (into ``out`` when given)."""
+    return _chunked_quantize(_quantize_q4_0, w, Q4_0_BLOCK_BYTES, out)
+
+
+def _quantize_q4_0(w: np.ndarray) -> np.ndarray:
+    """quantize_q4_0 over the whole of ``w``.
 
     Per block: ``max`` = the signed value of the first element of largest |x| (NaN skipped),
     ``d = max / -8``, ``id = 1/d`` (0 if d == 0), ``q = min(15, trunc(f32(x*id) + 8.5))``;
@@ -82,8 +162,12 @@ def _q8_core(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return b, d, q
 
 
-def quantize_q8_0(a: np.ndarray) -> np.ndarray:
+def quantize_q8_0(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """``a [..., K]`` -> uint8 ``[..., K/32, 34]``: ``d = amax/127``, ``q = roundf(x * (1/d))``."""
+    return _chunked_quantize(_quantize_q8_0, a, Q8_0_BLOCK_BYTES, out)
+
+
+def _quantize_q8_0(a: np.ndarray) -> np.ndarray:
     _, d, q = _q8_core(a)
     out = np.empty(d.shape + (Q8_0_BLOCK_BYTES,), dtype=np.uint8)
     out[..., 0:2] = d.astype(np.float16)[..., None].view(np.uint8)
@@ -91,8 +175,12 @@ def quantize_q8_0(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def quantize_q8_1(a: np.ndarray) -> np.ndarray:
+def quantize_q8_1(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """``a [..., K]`` -> uint8 ``[..., K/32, 36]``: Q8_0's d and q, plus ``s = fp16(f32(sum(q)) * d)``."""
+    return _chunked_quantize(_quantize_q8_1, a, Q8_1_BLOCK_BYTES, out)
+
+
+def _quantize_q8_1(a: np.ndarray) -> np.ndarray:
     _, d, q = _q8_core(a)
     with np.errstate(invalid="ignore"):
         s = (q.sum(axis=-1).astype(F32) * d).astype(F32)
@@ -127,15 +215,23 @@ def unpack_q8(aq: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.nda
     return _half(aq, 0), aq[..., 2:].view(np.int8), None
 
 
-def dequantize_q4_0(wq: np.ndarray) -> np.ndarray:
-    """uint8 ``[..., nb, 18]`` -> fp32 ``[..., nb*32]``: ``(q - 8) * d``."""
+def dequantize_q4_0(wq: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """uint8 ``[..., nb, 18]`` -> fp32 ``[..., nb*32]``: ``(q - 8) * d`` (cast into ``out`` if given)."""
+    return _chunked_dequantize(_dequantize_q4_0, wq, Q4_0_BLOCK_BYTES, out)
+
+
+def _dequantize_q4_0(wq: np.ndarray) -> np.ndarray:
     d, q = unpack_q4_0(wq)
     v = (q.astype(F32) - F32(Q4_0_OFFSET)) * d[..., None]
     return v.astype(F32).reshape(*v.shape[:-2], -1)
 
 
-def dequantize_q8(aq: np.ndarray, kind: str) -> np.ndarray:
-    """uint8 ``[..., nb, 34|36]`` -> fp32 ``[..., nb*32]``: ``q * d``."""
+def dequantize_q8(aq: np.ndarray, kind: str, out: np.ndarray | None = None) -> np.ndarray:
+    """uint8 ``[..., nb, 34|36]`` -> fp32 ``[..., nb*32]``: ``q * d`` (cast into ``out`` if given)."""
+    return _chunked_dequantize(lambda q: _dequantize_q8(q, kind), aq, BLOCK_BYTES[kind], out)
+
+
+def _dequantize_q8(aq: np.ndarray, kind: str) -> np.ndarray:
     d, q, _ = unpack_q8(aq, kind)
     v = q.astype(F32) * d[..., None]
     return v.astype(F32).reshape(*v.shape[:-2], -1)

@@ -42,9 +42,12 @@ tile element (r, c) at ``(r % 32) * 16 + (r // 32) * 4 + c``.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from ..arrays import BF16
+from ..arrays import BF16, as_dtype
+from ..errors import ParameterError
 
 F32 = np.float32
 F64 = np.float64
@@ -268,10 +271,54 @@ def dequantize_mx(codes: np.ndarray, scales: np.ndarray, fmt: str, out_dtype=F32
 
 
 # -- NVFP4 ---------------------------------------------------------------------------------------
-def nvfp4_global_scale(amax: float) -> np.float32:
-    """``f32(2688 / amax)``: the global scale that maps the tensor's amax to E4M3 max x E2M1 max."""
-    with np.errstate(divide="ignore"):
-        return F32(F32(NVFP4_GLOBAL_NUMERATOR) / F32(amax))
+def _amax_value(amax) -> float:
+    """A host number (Python or numpy int / float, or a one-element real array) as a float."""
+    if isinstance(amax, (bool, np.bool_)):
+        raise ParameterError(f"amax must be a number, got {amax!r}")
+    if isinstance(amax, (int, float, np.integer, np.floating)):
+        try:
+            return float(amax)
+        except OverflowError:  # a Python int beyond any float
+            return float("inf")
+    if hasattr(amax, "shape") and hasattr(amax, "dtype") and not isinstance(amax, np.generic):
+        try:
+            kind = as_dtype(amax.dtype).kind
+            size = int(np.prod(tuple(int(s) for s in amax.shape)))
+        except (TypeError, ValueError):
+            kind, size = "", 0
+        if kind in "fiu" and kind and size == 1:
+            return float(amax.reshape(-1)[0])
+        raise ParameterError(f"amax must be a number or a real array of one element, got "
+                             f"{type(amax).__name__} of dtype {amax.dtype} and shape {tuple(amax.shape)}")
+    raise ParameterError(f"amax must be a number (the tensor's max |x|), got {type(amax).__name__} {amax!r:.40}")
+
+
+def nvfp4_global_scale(amax) -> np.float32:
+    """``f32(2688 / amax)``: the global scale that maps the tensor's amax to E4M3 max x E2M1 max.
+
+    NaN / Inf rule: ``amax`` (a Python or numpy number, or a real array of one element) must be
+    finite and > 0 once rounded to fp32, and ``2688 / amax`` must be a finite fp32 (amax >= about
+    7.9e-36); anything else is a :class:`~quantcore.errors.ParameterError`. A tensor holding an Inf
+    or a NaN, or only zeros, has no NVFP4 global scale: its global scale would be 0, NaN or Inf and
+    every dequantized value non-finite. Replace the non-finite values first, or pass a global scale
+    of your choice to ``scaled_nvfp4_quant``.
+    """
+    a = _amax_value(amax)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        a32 = F32(a)
+        g = F32(F32(NVFP4_GLOBAL_NUMERATOR) / a32)
+    if math.isfinite(a) and a > 0 and not np.isfinite(a32):
+        raise ParameterError(f"amax {a!r} overflows float32; nvfp4_global_scale needs a finite "
+                             "positive float32 amax (the tensor's max |x|)")
+    if not (np.isfinite(a32) and a32 > 0):
+        raise ParameterError(
+            f"nvfp4_global_scale needs a finite positive amax (the tensor's max |x|), got {a!r}: "
+            "a tensor holding Inf or NaN, or only zeros, has no NVFP4 global scale; replace the "
+            "non-finite values or pass a global_scale of your choice")
+    if not np.isfinite(g):
+        raise ParameterError(f"amax {a!r} is too small: 2688 / amax overflows float32 (amax must be "
+                             f">= {float(F32(NVFP4_GLOBAL_NUMERATOR) / F32(np.finfo(F32).max)):.3g})")
+    return g
 
 
 def nvfp4_block_scales(amax_b: np.ndarray, g) -> np.ndarray:
