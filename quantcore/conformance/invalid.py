@@ -1,12 +1,14 @@
 """Safety tier through the public API: invalid inputs raise the same exception type on every
-backend, and a host array given to a device backend raises :class:`~quantcore.errors.DeviceError`.
+backend, with the same message, and a host array given to a device backend raises
+:class:`~quantcore.errors.DeviceError`.
 
 Each invalid input is built twice from the same numpy data: once as numpy arrays for the ``cpu``
 reference backend, once as the backend's own arrays (``be.from_numpy``), and the public function
-is called with ``backend=``. The exception *type* must be the one the cpu backend raises (the core
-validates before any kernel launch, so a difference means the core cannot read the backend's
-arrays, or the backend validates on its own with other types). A call that the cpu backend
-accepts must succeed on the backend too. The cpu reference declares exactly the capabilities of
+is called with ``backend=``. The cpu backend must raise a :class:`~quantcore.errors.QuantcoreError`
+subclass (never a built-in exception), and the backend the same type with the same message (the
+backend's name read as "cpu"): the core validates before any kernel launch, so a difference means
+the core cannot read the backend's arrays, or the backend validates on its own. A call that the
+cpu backend accepts must succeed on the backend too. The cpu reference declares exactly the capabilities of
 the backend under test, so a call outside them raises UnsupportedError on both.
 """
 
@@ -19,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import Backend, Capability
-from ..errors import DeviceError
+from ..errors import DeviceError, QuantcoreError
 from .harness import SAFETY, Case, Verdict, _describe_exception, declared_group
 
 #: ``build(arr, backend)`` returns a thunk making one public-API call; ``arr`` turns a numpy
@@ -48,26 +50,33 @@ def _reference_backend(declared: frozenset[Capability]) -> Backend:
     return Reference()
 
 
-def _outcome(thunk: Callable[[], Any]) -> tuple[type | None, str]:
+def _outcome(thunk: Callable[[], Any]) -> tuple[type | None, str, str]:
+    """(exception type or None, its description, its message)."""
     try:
         thunk()
     except Exception as exc:  # noqa: BLE001 - the exception type is what is compared
-        return type(exc), _describe_exception(exc)
-    return None, ""
+        return type(exc), _describe_exception(exc), str(exc)
+    return None, "", ""
 
 
 def _same_error(item: Invalid) -> Callable[[Backend, np.random.Generator], Verdict]:
     def run(be: Backend, rng: np.random.Generator) -> Verdict:
         v = Verdict()
-        expected, _ = _outcome(item.build(lambda a: a, _reference_backend(frozenset(be.capabilities()))))
-        got, text = _outcome(item.build(lambda a: be.from_numpy(np.ascontiguousarray(a)), be))
-        if expected is None and got is not None:
+        expected, etext, emsg = _outcome(item.build(lambda a: a, _reference_backend(frozenset(be.capabilities()))))
+        got, text, msg = _outcome(item.build(lambda a: be.from_numpy(np.ascontiguousarray(a)), be))
+        if expected is not None and not issubclass(expected, QuantcoreError):
+            v.fail(SAFETY, f"the cpu backend raised {etext}: invalid input must raise a QuantcoreError "
+                           "subclass (a defect of the core's validation)")
+        elif expected is None and got is not None:
             v.fail(SAFETY, f"a valid call raised {text} (the cpu backend accepts it)")
         elif expected is not None and got is None:
             v.fail(SAFETY, f"an invalid input was accepted; the cpu backend raises {expected.__name__}")
         elif expected is not got:
             v.fail(SAFETY, f"raised {text}; the cpu backend raises {expected.__name__} "
                            "(every backend must raise the same type)")
+        elif msg.replace(repr(be.name), "'cpu'") != emsg:
+            v.fail(SAFETY, f"raised {expected.__name__} with the message {msg!r}; the cpu backend's is "
+                           f"{emsg!r} (every backend must give the same message)")
         else:
             v.note(f"raised {expected.__name__ if expected else 'nothing'}, as the cpu backend does")
         return v
@@ -101,7 +110,7 @@ def host_array_case(family: str, op: str, declared: frozenset[Capability],
     def run(be: Backend, rng: np.random.Generator) -> Verdict:
         v = Verdict()
         host_native = isinstance(be.from_numpy(np.zeros(1, np.float32)), np.ndarray)
-        got, text = _outcome(lambda: call(be, group[0]))
+        got, text, _ = _outcome(lambda: call(be, group[0]))
         if host_native and got is not None:
             v.fail(SAFETY, f"numpy input raised {text}, but this backend's arrays are numpy arrays")
         elif not host_native and got is not DeviceError:

@@ -351,7 +351,8 @@ def main(argv: list[str] | None = None, prog: str = "quantcore check") -> int:
     parser.add_argument("-k", dest="select", action="append", default=[], metavar="SUBSTRING",
                         help="run only cases whose id contains SUBSTRING (repeatable)")
     parser.add_argument("--list", action="store_true", help="list the case ids and exit")
-    parser.add_argument("-v", "--verbose", action="store_true", help="print each op as it starts")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines, only the table")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print each op as it starts (the default)")
     args = parser.parse_args(argv)
     level = args.level or "quick"
     try:  # a crash inside a kernel then prints the Python stack, which names the case
@@ -369,6 +370,6 @@ def main(argv: list[str] | None = None, prog: str = "quantcore check") -> int:
         for c in cases:
             print(c.id)
         return 0
-    report = run(be, level, args.seed, args.json, verbose=args.verbose, select=args.select,
-                 out=print, command=prog)
+    report = run(be, level, args.seed, args.json, verbose=not args.quiet, select=args.select,
+                 out=lambda line: print(line, flush=True), command=prog)
     return 0 if report.ok else 1

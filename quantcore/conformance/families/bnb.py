@@ -475,6 +475,19 @@ def _state(arr, n: int = 100, bs: int = 64, qt: str = "nf4", **over) -> QuantSta
     return QuantState(**fields)
 
 
+def _nested(arr, n: int = 100, **over) -> QuantState:
+    """A nested (double-quantized) state of the same data as :func:`_state`, fields overridden."""
+    x = np.linspace(-1, 1, n, dtype=np.float32)
+    _, absmax = bnb.quantize_4bit(x, 64, "nf4")
+    qabsmax, absmax2, offset = bnb.double_quantize(absmax)
+    state2 = QuantState(absmax=arr(absmax2), code=arr(bnb.DYNAMIC_MAP), blocksize=bnb.NESTED_BLOCKSIZE,
+                        dtype="float32")
+    fields = dict(absmax=arr(qabsmax), shape=(n,), code=arr(bnb.NF4_CODE), blocksize=64, quant_type="nf4",
+                  dtype="float32", offset=arr(np.array([offset], np.float32)), state2=state2)
+    fields.update(over)
+    return QuantState(**fields)
+
+
 def _packed(n: int = 100) -> np.ndarray:
     return bnb.quantize_4bit(np.linspace(-1, 1, n, dtype=np.float32), 64, "nf4")[0]
 
@@ -526,6 +539,31 @@ def _invalid() -> list[Invalid]:
         Invalid("A-float64", gv, lambda arr, be: gemv_call(arr, be, np.ones((1, 64), np.float64))),
         Invalid("state-1d", gv, lambda arr, be: gemv_call(arr, be, np.ones((1, 64), np.float32),
                                                           state_shape=(512,))),
+        # hardening (the issue's hostile-user cases): built-in exceptions or silent acceptance before
+        Invalid("list-input", q4, lambda arr, be: lambda: api.quantize_4bit(
+            [0.5] * 64, compress_statistics=False, backend=be)),
+        Invalid("python-float-input", q4, lambda arr, be: lambda: api.quantize_4bit(1.5, backend=be)),
+        Invalid("blocksize-float", q4, lambda arr, be: lambda: api.quantize_4bit(arr(f32), 64.0, backend=be)),
+        Invalid("blocksize-numpy-int", q4, lambda arr, be: lambda: api.quantize_4bit(
+            arr(f32), np.int64(64), "nf4", False, backend=be)),  # valid: numpy integers are ints
+        Invalid("state-negative-shape", dq4, lambda arr, be: lambda: api.dequantize_4bit(
+            arr(_packed()), _state(arr, shape=(-100,)), backend=be)),
+        Invalid("state-float-shape", dq4, lambda arr, be: lambda: api.dequantize_4bit(
+            arr(_packed()), _state(arr, shape=(100.0,)), backend=be)),
+        Invalid("state-dtype-garbage", dq4, lambda arr, be: lambda: api.dequantize_4bit(
+            arr(_packed()), _state(arr, dtype="garbage"), backend=be)),
+        Invalid("state-blocksize-float", dq4, lambda arr, be: lambda: api.dequantize_4bit(
+            arr(_packed()), _state(arr, blocksize=64.5), backend=be)),
+        Invalid("state2-dict", dq4, lambda arr, be: lambda: api.dequantize_4bit(
+            arr(_packed()), _nested(arr, state2={"absmax": 1}), backend=be)),
+        Invalid("offset-float64", dq4, lambda arr, be: lambda: api.dequantize_4bit(
+            arr(_packed()), _nested(arr, offset=arr(np.array([0.5], np.float64))), backend=be)),
+        Invalid("offset-int32", dq4, lambda arr, be: lambda: api.dequantize_4bit(
+            arr(_packed()), _nested(arr, offset=arr(np.array([1], np.int32))), backend=be)),
+        Invalid("fp4-type-on-nf4-table", dq4, lambda arr, be: lambda: api.dequantize_4bit(
+            arr(_packed()), _state(arr, quant_type="fp4", code=arr(bnb.NF4_CODE)), backend=be)),
+        Invalid("reversed-nf4-table", dq4, lambda arr, be: lambda: api.dequantize_4bit(
+            arr(_packed()), _state(arr, code=arr(np.ascontiguousarray(bnb.NF4_CODE[::-1]))), backend=be)),
         Invalid("blocksize-32", "quantize_blockwise", lambda arr, be: lambda: api.quantize_blockwise(
             arr(f32), 32, backend=be)),
         Invalid("uint8-input", "quantize_blockwise", lambda arr, be: lambda: api.quantize_blockwise(

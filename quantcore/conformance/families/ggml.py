@@ -385,6 +385,12 @@ def _invalid() -> list[Invalid]:
             arr(np.zeros((2, 2, 34), np.float32)), backend=be)),
         Invalid("out-dtype-float64", "dequantize_ggml", lambda arr, be: lambda: api.dequantize_q8_1(
             arr(aq), "float64", backend=be)),
+        Invalid("empty-blocks", "dequantize_ggml", lambda arr, be: lambda: api.dequantize_q4_0(
+            arr(np.zeros((0, 4, 18), np.uint8)), backend=be)),
+        Invalid("list-input", "quantize_q4_0", lambda arr, be: lambda: api.quantize_q4_0(
+            [[0.5] * 64], backend=be)),
+        Invalid("M-numpy-int", g, lambda arr, be: lambda: api.gemm_q4_0_q8_1(  # valid: numpy ints are ints
+            arr(wq), arr(aq), np.int64(4), np.int32(2), np.int64(64), backend=be)),
         Invalid("M-0", g, lambda arr, be: lambda: api.gemm_q4_0_q8_1(arr(wq), arr(aq), 0, 2, 64, backend=be)),
         Invalid("M-float", g, lambda arr, be: lambda: api.gemm_q4_0_q8_1(arr(wq), arr(aq), 4.0, 2, 64,
                                                                           backend=be)),

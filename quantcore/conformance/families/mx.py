@@ -539,6 +539,12 @@ def _invalid() -> list[Invalid]:
             arr(x), arr(np.ones(2, np.float32)), backend=be)),
         Invalid("valid-call", "mx_quantize", lambda arr, be: lambda: q.scaled_nvfp4_quant(
             arr(x), arr(np.ones(1, np.float32)), backend=be)),
+        Invalid("global-scale-numpy-nan", "mx_quantize", lambda arr, be: lambda: q.scaled_nvfp4_quant(
+            arr(x), np.float32(np.nan), backend=be)),
+        Invalid("global-scale-numpy-inf", "mx_quantize", lambda arr, be: lambda: q.scaled_nvfp4_quant(
+            arr(x), np.float32(np.inf), backend=be)),
+        Invalid("global-scale-numpy-0", "mx_quantize", lambda arr, be: lambda: q.scaled_nvfp4_quant(
+            arr(x), np.float32(0.0), backend=be)),
         Invalid("scales-wrong-shape", d, lambda arr, be: lambda: q.dequantize_nvfp4(
             arr(c4), arr(s4z[:, :2]), 1.0, backend=be)),
         Invalid("row-major-scales-as-swizzled", d, lambda arr, be: lambda: q.dequantize_nvfp4(
@@ -555,6 +561,8 @@ def _invalid() -> list[Invalid]:
             arr(c4), arr(c4[:, :16]), arr(s4z), arr(s4z), 1.0, backend=be)),
         Invalid("fmt-mxfp8", "scaled_fp4_mm", lambda arr, be: lambda: q.scaled_fp4_mm(
             arr(c4), arr(c4), arr(s4z), arr(s4z), 1.0, fmt="mxfp8", backend=be)),
+        Invalid("bias-list", "scaled_fp4_mm", lambda arr, be: lambda: q.scaled_fp4_mm(
+            arr(c4), arr(c4), arr(s4z), arr(s4z), 1.0, [0.0] * 4, backend=be)),
         Invalid("bias-float32", "scaled_fp4_mm", lambda arr, be: lambda: q.scaled_fp4_mm(
             arr(c4), arr(c4), arr(s4z), arr(s4z), 1.0, arr(np.zeros(4, np.float32)), backend=be)),
         Invalid("row-major-scales", "scaled_fp4_mm", lambda arr, be: lambda: q.scaled_fp4_mm(
