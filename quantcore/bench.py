@@ -38,6 +38,7 @@ import numpy as np
 from . import __version__, api
 from .arrays import as_dtype
 from .backend import Nested
+from .errors import QuantcoreError
 from .formats import bnb as fbnb
 from .registry import get_backend
 
@@ -528,16 +529,30 @@ def run(backend: str = "cuda", ops: tuple[str, ...] | list[str] = OPS, sizes: di
     return report
 
 
+def default_backend() -> str:
+    """$QUANTCORE_BACKEND, else cuda where it is available, else cpu."""
+    import os  # noqa: PLC0415
+
+    from .registry import available_backends  # noqa: PLC0415
+
+    env = os.environ.get("QUANTCORE_BACKEND")
+    if env:
+        return env
+    return "cuda" if available_backends().get("cuda") and available_backends()["cuda"].ok else "cpu"
+
+
 def main(argv: list[str] | None = None) -> int:
     """``quantcore bench [--backend NAME] [--quick] [--json PATH] [--png PATH] [--ops ...]``."""
     p = argparse.ArgumentParser(prog="quantcore bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", default="cuda", help="backend to measure (default cuda)")
+    p.add_argument("--backend", default=None,
+                   help="backend to measure (default: $QUANTCORE_BACKEND, else cuda where available, else cpu)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     p.add_argument("--json", default="bench.json", help="JSON report path (default bench.json)")
     p.add_argument("--png", default="bench.png", help="plot path (default bench.png)")
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS), help="ops to measure")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per case")
-    p.add_argument("-v", "--verbose", action="store_true", help="print each case as it is measured")
+    p.add_argument("-v", "--verbose", action="store_true", help="print each case as it is measured (the default)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines, only the table")
     p.add_argument("--e2e", action="store_true",
                    help="the end-to-end model benchmark instead (quantcore.bench_e2e; every other option goes "
                         "to it: quantcore bench --e2e --help)")
@@ -547,7 +562,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_e2e.main([a for a in argv if a != "--e2e"])
     args = p.parse_args(argv)
-    run(args.backend, args.ops, None, args.json, args.png, args.quick, args.reps, args.verbose)
+    backend = args.backend or default_backend()
+    print(f"quantcore bench: backend {backend}", flush=True)
+    try:
+        run(backend, args.ops, None, args.json, args.png, args.quick, args.reps, not args.quiet)
+    except QuantcoreError as exc:
+        print(f"quantcore bench: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
