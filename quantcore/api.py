@@ -233,6 +233,19 @@ def gemv_4bit(A: Any, packed: Any, state: QuantState, *, backend: str | Backend 
     return res
 
 
+def bind_gemv_4bit(A: Any, packed: Any, state: QuantState, *, backend: str | Backend | None = None) -> Any:
+    """For a caller that repeats one ``gemv_4bit`` call (a module's eager forward): a callable
+    ``f(A2)`` that gives ``gemv_4bit(A2, packed, state)`` for an input of A's geometry while nothing
+    about ``packed`` and ``state`` has changed, and None otherwise (then call :func:`gemv_4bit`,
+    which validates everything). Returns None where the backend binds nothing. Made from the launch
+    plan that a previous ``gemv_4bit(A, packed, state)`` call left on the state."""
+    be = _backend(backend)
+    entry = (getattr(state, "_plans", None) or {}).get("gemv_4bit")
+    if not EAGER_PLANS or entry is None or entry[0] is not be or not hasattr(entry[1], "bind"):
+        return None
+    return entry[1].bind(A, packed, state)
+
+
 # -- bitsandbytes blockwise 8-bit --------------------------------------------------------------
 def quantize_blockwise(
     x: Any, blocksize: int = 4096, *, backend: str | Backend | None = None

@@ -411,3 +411,33 @@ def test_cuda_eager_calls_reuse_the_launch_plan(gen):
             assert torch.equal(mod(x), first)
     plan = mod.quant_state._plans["gemv_4bit"][1]
     assert plan.hits >= 3
+
+
+@needs_cuda
+def test_cuda_eager_forward_binds_its_launch(gen):
+    """After one eager call the module keeps the gemv launch bound to its tensors; later calls of the
+    same geometry run it (bitwise the op's result) and anything changed falls back and rebinds."""
+    mod = qnn.Linear4bit.from_linear(_linear(gen, 1024, 512, device="cuda"))
+    x = _randn(gen, 1, 1024, dtype=torch.bfloat16, device="cuda")
+    op = torch.ops.quantcore.linear_4bit
+    with torch.no_grad():
+        first = mod(x)
+        bound = mod._bound
+        assert bound is not None
+        hits = bound.plan.hits
+        for _ in range(3):
+            assert torch.equal(mod(x), first)
+        assert bound.plan.hits == hits + 3 and mod._bound is bound
+        assert torch.equal(first, op(x, *mod._state_args(), 512, 1024, 64, "nf4", mod.bias))
+        # another geometry: the full path, then a new binding
+        x2 = _randn(gen, 3, 1024, dtype=torch.bfloat16, device="cuda")
+        assert torch.equal(mod(x2), op(x2, *mod._state_args(), 512, 1024, 64, "nf4", mod.bias))
+        assert mod._bound is not bound
+        # the statistics changed in place: the bound launch declines, the result follows the change
+        mod(x2)
+        mod.absmax.copy_(torch.roll(mod.absmax, 1))
+        assert torch.equal(mod(x2), op(x2, *mod._state_args(), 512, 1024, 64, "nf4", mod.bias))
+        # a float32 input and an input with grad take their own paths
+        assert mod(x2.float()).dtype == torch.float32
+    y = mod(x2.clone().requires_grad_())
+    assert y.requires_grad

@@ -910,6 +910,49 @@ class _GemvPlan(_StatePlan):
             return None
         return self._launch(entry[1], A, A.new_empty(entry[0]))
 
+    def bind(self, A: Any, packed: Any, state: Any) -> _BoundGemv | None:
+        """This plan's launch for A's geometry bound to these tensors (see :class:`_BoundGemv`), or
+        None where the plan does not match them or a tensor counts no versions (inference tensors)."""
+        entry = self.match(A, packed, state)
+        if entry is None:
+            return None
+        s2 = state.state2
+        arrays = (packed, state.absmax, state.code, state.offset) + ((s2.absmax, s2.code) if s2 is not None else ())
+        try:
+            return _BoundGemv(self, self.key(A), entry, tuple(t for t in arrays if t is not None))
+        except RuntimeError:  # "Inference tensors do not track version counter"
+            return None
+
+
+class _BoundGemv:
+    """One gemv plan entry bound to one input geometry and to the weight's and the state's tensors
+    as they are now, for a caller that repeats the same call (a module's eager forward). A call
+    checks the input (exact tensor type, shape, dtype, device, contiguity, 16-byte alignment), that
+    the bound tensors keep their pointers and version counters (every in-place change, set_ /
+    resize_ included, bumps a version; ``.data =`` gives another pointer), the thread's context and
+    the tuning, then launches; anything else returns None and the caller takes the public path."""
+
+    __slots__ = ("key", "shape", "dtype", "align", "device", "out_shape", "launch", "tensors", "stamps", "plan")
+
+    def __init__(self, plan: Any, key: tuple, entry: tuple, tensors: tuple):
+        self.plan, self.key = plan, key
+        self.shape, self.dtype, self.align = key
+        self.device, self.out_shape, self.launch = plan.device, entry[0], entry[1]
+        self.tensors = tensors
+        self.stamps = tuple((t.data_ptr(), t._version) for t in tensors)
+
+    def __call__(self, A: Any) -> Any:
+        if (type(A) is not _TENSOR or A.shape != self.shape or A.dtype != self.dtype
+                or (not A.data_ptr() & 15) != self.align or not A.is_contiguous()
+                or A.get_device() != self.device):
+            return None
+        for t, (ptr, version) in zip(self.tensors, self.stamps):
+            if t.data_ptr() != ptr or t._version != version:
+                return None
+        if rt.tune_spec() != self.plan.tune:
+            return None
+        return self.plan._launch(self.launch, A, A.new_empty(self.out_shape))
+
 
 class _DequantPlan(_StatePlan):
     """dequantize_4bit's plan; a call's key is its ``out_dtype`` argument as given (the output's

@@ -180,9 +180,15 @@ class Linear4bit(nn.Module):
         inp = x if self.compute_dtype is None else x.to(self.compute_dtype)
         bias = self._parameters.get("bias")  # absent when built without a bias
         if _eager(x, bias):
-            state, tensors = self._state_and_tensors()
-            y = qct.linear_4bit_eager(inp, *tensors, self.out_features, self.in_features, self.blocksize,
-                                      self.quant_type, bias, state=state)
+            bound = self.__dict__.get("_bound")  # the last eager gemv's launch, bound to this module
+            y = bound(inp) if bound is not None else None
+            if y is not None:
+                y = qct.add_bias(y, bias)  # as linear_4bit_eager's gemv path adds it
+            else:
+                state, tensors = self._state_and_tensors()
+                y = qct.linear_4bit_eager(inp, *tensors, self.out_features, self.in_features, self.blocksize,
+                                          self.quant_type, bias, state=state)
+                self.__dict__["_bound"] = qct.bind_linear_4bit(inp, tensors[0], state)
         else:
             y = torch.ops.quantcore.linear_4bit(inp, *self._state_args(), self.out_features, self.in_features,
                                                 self.blocksize, self.quant_type, bias)

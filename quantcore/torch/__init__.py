@@ -275,7 +275,8 @@ def _check_linear(x: torch.Tensor, k: int, bias: torch.Tensor | None, n: int) ->
         raise ShapeError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
 
 
-def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``y += bias`` in y's dtype (the gemv paths' bias: a separate add after the product)."""
     return y if bias is None else y.add_(bias.to(y.dtype))
 
 
@@ -290,9 +291,22 @@ def linear_4bit_eager(x, packed, absmax, absmax2, code2, offset, n, k, blocksize
     rows = _rows(x)
     if linear_path(rows) == "gemv":
         x2 = x if x.is_contiguous() else x.contiguous()
-        return _add_bias(_run(x.device, api.gemv_4bit, (x2, packed, state)), bias)
+        return add_bias(_run(x.device, api.gemv_4bit, (x2, packed, state)), bias)
     w = _run(x.device, api.dequantize_4bit, (packed, state), out_dtype=x.dtype)
     return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def bind_linear_4bit(x: torch.Tensor, packed: torch.Tensor, state: QuantState) -> Any:
+    """The gemv path's launch bound to these tensors for x's geometry (``quantcore.bind_gemv_4bit``),
+    or None (more rows than the gemv path takes, a host route, a backend that binds nothing)."""
+    if linear_path(_rows(x)) != "gemv":
+        return None
+    be = backend_for(x.device)
+    if _host_route(be, x.device):
+        return None
+    from ..api import bind_gemv_4bit
+
+    return bind_gemv_4bit(x if x.is_contiguous() else x.contiguous(), packed, state, backend=be)
 
 
 def _linear_4bit_fake(x, packed, absmax, absmax2, code2, offset, n, k, blocksize, quant_type, bias=None):
@@ -375,7 +389,7 @@ def linear_q4_0_eager(x, wq, bias=None):
         x2 = x.reshape(rows, k)
         y = _run(wq.device, api.gemm_w4a8, (wq, x2 if x2.is_contiguous() else x2.contiguous(), m, rows, k))
         y = y.t().to(dtype=x.dtype, memory_format=torch.contiguous_format)
-        return _add_bias(y.reshape(tuple(x.shape[:-1]) + (m,)), bias)
+        return add_bias(y.reshape(tuple(x.shape[:-1]) + (m,)), bias)
     w = _dequantize_q4_0(wq, x.dtype)
     return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
 
@@ -494,5 +508,5 @@ _define("linear_fp4(Tensor x, Tensor codes, Tensor scales, Tensor? global_scale,
 OPS = ("quantize_4bit", "dequantize_4bit", "gemv_4bit", "linear_4bit", "gemm_w4a8", "quantize_q4_0",
        "dequantize_q4_0", "linear_q4_0", "quantize_mx", "dequantize_mx", "scaled_fp4_mm", "linear_fp4")
 
-__all__ = ["GEMV_MAX_ROWS", "OPS", "W4A8_MAX_ROWS", "backend_for", "linear_4bit_eager", "linear_fp4_eager",
+__all__ = ["GEMV_MAX_ROWS", "OPS", "W4A8_MAX_ROWS", "backend_for", "bind_linear_4bit", "linear_4bit_eager", "linear_fp4_eager",
            "linear_path", "linear_q4_0_eager", "quantize_4bit", "set_backend_for", "state_of"]
