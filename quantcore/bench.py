@@ -454,11 +454,8 @@ class Bench:
                           _f(r.gbps, 0 if (r.gbps or 0) >= 100 else 2),
                           _f(r.pct_copy, 1)] + [(_f(r.speedup[p], 2) + "x") if p in r.speedup else ""
                                                 for p in peers] + ([r.note] if r.note else []))
-        widths = [max(len(str(x[i])) for x in [header] + lines if i < len(x)) for i in range(len(header))]
-        fmt = lambda cells: "  ".join(str(c).ljust(widths[i]) if i < len(widths) else str(c)  # noqa: E731
-                                      for i, c in enumerate(cells))
         out = [f"quantcore {__version__} bench, backend {self.backend}, device: {self.device}",
-               fmt(header), fmt(["-" * w for w in widths])] + [fmt(x) for x in lines]
+               *table_lines(header, lines)]
         return "\n".join(out + self.notes)
 
     def as_dict(self) -> dict:
@@ -501,6 +498,15 @@ def _nested(state) -> Nested | None:
     if state.state2 is None:
         return None
     return Nested(absmax2=state.state2.absmax, code2=state.state2.code, offset=state.offset)
+
+
+def table_lines(header: list[str], lines: list[list[str]]) -> list[str]:
+    """A plain-text table: the header, a rule and one line per row, columns padded to the widest cell
+    (cells past the header's columns, such as a note, are appended as they are)."""
+    widths = [max(len(str(x[i])) for x in [header, *lines] if i < len(x)) for i in range(len(header))]
+    fmt = lambda cells: "  ".join(str(c).ljust(widths[i]) if i < len(widths) else str(c)  # noqa: E731
+                                  for i, c in enumerate(cells)).rstrip()
+    return [fmt(header), fmt(["-" * w for w in widths]), *map(fmt, lines)]
 
 
 def _f(v: float | None, nd: int) -> str:

@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import __version__
+from .bench import table_lines
 
 #: model shapes; ``llama3-8b`` is Meta-Llama-3-8B's config (rope theta 500000, untied lm_head)
 PRESETS: dict[str, dict[str, Any]] = {
@@ -686,13 +687,6 @@ def _num(v: float) -> str:
     return f"{v:.0f}" if v >= 100 else f"{v:.3g}"
 
 
-def _fmt_table(header: list[str], lines: list[list[str]]) -> list[str]:
-    widths = [max(len(str(x[i])) for x in [header, *lines] if i < len(x)) for i in range(len(header))]
-    fmt = lambda cells: "  ".join(str(c).ljust(widths[i]) if i < len(widths) else str(c)  # noqa: E731
-                                  for i, c in enumerate(cells)).rstrip()
-    return [fmt(header), fmt(["-" * w for w in widths]), *map(fmt, lines)]
-
-
 def table(report: dict, rows: list[VariantResult]) -> str:
     """The results table (tokens/s; GB = 1e9 bytes), then the ratios against bf16 and bnb-nf4."""
     keys = list(report["metrics"])
@@ -718,7 +712,7 @@ def table(report: dict, rows: list[VariantResult]) -> str:
                      + ["-" if r.elapsed_s is None else f"{r.elapsed_s:.0f}", "; ".join(notes)])
     out = [f"quantcore {__version__} bench --e2e: LlamaForCausalLM {m['preset']} {m['layers']} layers "
            f"({m['params'] / 1e9:.2f} B params), bf16 activations, device: {report['device']}",
-           *_fmt_table(header, lines)]
+           *table_lines(header, lines)]
     rkeys = keys + ["linear_weight_bytes", "mem_resident_bytes"]
     rlines = []
     for r in rows:
@@ -726,7 +720,7 @@ def table(report: dict, rows: list[VariantResult]) -> str:
             rlines.append([r.variant, ref] + [f"{d[k]:.2f}x" if k in d else "-" for k in rkeys])
     if rlines:
         rhead = ["variant", "ratio"] + [_metric_label(k) for k in keys] + ["linear bytes", "resident"]
-        out += ["", "ratios (tok/s: >1 is faster; bytes: <1 is smaller)", *_fmt_table(rhead, rlines)]
+        out += ["", "ratios (tok/s: >1 is faster; bytes: <1 is smaller)", *table_lines(rhead, rlines)]
     s = report["settings"]
     out += ["", f"decode: {s['new_tokens']} greedy steps after a {s['prompt_len']}-token prompt, StaticCache"
                 + (f"; prefill: {s['prefill_len']} tokens, batch 1" if s["prefill_len"] else "")

@@ -11,6 +11,7 @@ import numpy as np
 
 from . import __version__, api, registry
 from .errors import QuantcoreError
+from .formats import WEIGHT_FORMATS
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     q = sub.add_parser("quantize", help="quantize a safetensors checkpoint")
     q.add_argument("input")
     q.add_argument("-o", "--output", required=True)
-    q.add_argument("--format", required=True, choices=["nf4", "fp4", "q4_0", "mxfp4", "nvfp4"])
+    q.add_argument("--format", required=True, choices=list(WEIGHT_FORMATS))
     q.add_argument("--blocksize", type=int, default=64, help="4-bit block size (nf4/fp4)")
     q.add_argument("--backend", default=None)
     q.add_argument("--min-numel", type=int, default=4096,

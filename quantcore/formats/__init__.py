@@ -7,3 +7,9 @@
 Every constant of a format is defined once, here; kernel sources receive them from
 :func:`quantcore.formats.kernel_defines`.
 """
+
+from . import bnb as _bnb
+from . import mx as _mx
+
+#: the weight formats a linear layer or a checkpoint holds (quantcore.nn, quantcore.hf, quantcore quantize)
+WEIGHT_FORMATS = (*_bnb.QUANT_TYPES, "q4_0", *_mx.FP4_FORMATS)

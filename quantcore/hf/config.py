@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import DTypeError, ParameterError
-from ..formats import bnb, ggml, mx
+from ..formats import WEIGHT_FORMATS, bnb, ggml, mx
 
 try:
     from transformers.utils.quantization_config import QuantizationConfigMixin
@@ -18,7 +18,7 @@ except ImportError as exc:  # pragma: no cover - the package's import guard tell
 
 #: the ``quant_method`` quantcore registers with transformers (and writes into config.json)
 QUANT_METHOD = "quantcore"
-FORMATS = ("nf4", "fp4", "q4_0", "nvfp4", "mxfp4")
+FORMATS = WEIGHT_FORMATS
 FORMATS_4BIT = bnb.QUANT_TYPES
 #: the block size of the formats that fix theirs (nf4 / fp4 take any of bnb.BLOCKSIZES_4BIT)
 FIXED_BLOCKSIZE = {"q4_0": ggml.QK, "nvfp4": mx.block_size("nvfp4"), "mxfp4": mx.block_size("mxfp4")}

@@ -20,17 +20,18 @@ import fnmatch
 import sys
 from collections.abc import Iterable
 
-import numpy as np
 import torch
 from torch import nn
 
 from .. import torch as qct
+from .. import validate as v
+from ..arrays import dtype_name
 from ..errors import ParameterError, ShapeError, StateError, UnsupportedError
-from ..formats import bnb, ggml, mx
+from ..formats import WEIGHT_FORMATS, bnb, ggml, mx
 from ..state import QuantState
 
 FORMATS_4BIT = bnb.QUANT_TYPES  # ("fp4", "nf4")
-FORMATS = ("nf4", "fp4", "q4_0", "nvfp4", "mxfp4")
+FORMATS = WEIGHT_FORMATS  # every fmt quantize_model takes
 _QS_PREFIX = "weight."
 
 
@@ -44,10 +45,6 @@ def _eager(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
     return not (x.requires_grad or any(p is not None and p.requires_grad for p in params))
 
 
-def _dtype_name(dt: torch.dtype) -> str:
-    return str(dt).rsplit(".", 1)[-1]
-
-
 def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
@@ -56,10 +53,8 @@ def _new_bias(bias: bool, n: int, device, dtype) -> nn.Parameter | None:
     return nn.Parameter(torch.zeros(n, device=device, dtype=dtype or torch.float32)) if bias else None
 
 
-def _check_features(in_features: int, out_features: int) -> None:
-    for name, v in (("in_features", in_features), ("out_features", out_features)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-            raise ParameterError(f"{name} must be a positive integer, got {v!r}")
+def _check_features(in_features: int, out_features: int) -> tuple[int, int]:
+    return v.positive_int(in_features, "in_features"), v.positive_int(out_features, "out_features")
 
 
 def _check_linear(linear: nn.Module) -> None:
@@ -83,15 +78,10 @@ class Linear4bit(nn.Module):
                  compress_statistics: bool = True, quant_type: str = "nf4", blocksize: int = 64,
                  device=None, dtype=None):
         super().__init__()
-        _check_features(in_features, out_features)
-        if quant_type not in FORMATS_4BIT:
-            raise ParameterError(f"quant_type must be one of {FORMATS_4BIT}, got {quant_type!r}")
-        if blocksize not in bnb.BLOCKSIZES_4BIT:
-            raise ParameterError(f"blocksize must be one of {bnb.BLOCKSIZES_4BIT}, got {blocksize!r}")
-        self.in_features, self.out_features = int(in_features), int(out_features)
-        self.quant_type, self.blocksize = quant_type, int(blocksize)
+        self.in_features, self.out_features = _check_features(in_features, out_features)
+        self.quant_type, self.blocksize = v.quant_type(quant_type), v.blocksize_4bit(blocksize)
         self.compute_dtype = compute_dtype
-        self.weight_dtype = _dtype_name(dtype or torch.float32)  # the dtype W had (bitsandbytes' "dtype")
+        self.weight_dtype = dtype_name(dtype or torch.float32)  # the dtype W had (bitsandbytes' "dtype")
         n = self.in_features * self.out_features
         self.weight = _frozen(torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, device=device))
         self._empty_statistics(compress_statistics, device)
@@ -199,8 +189,8 @@ class Linear4bit(nn.Module):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         entries = self.quant_state.as_dict(packed=True)
         entries["quant_map"] = self.quant_map  # the module's own table (the state's is shared)
-        for key, v in entries.items():
-            destination[prefix + _QS_PREFIX + key] = v if keep_vars else v.detach()
+        for key, t in entries.items():
+            destination[prefix + _QS_PREFIX + key] = t if keep_vars else t.detach()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -280,8 +270,7 @@ class LinearFP4(nn.Module):
                  device=None, dtype=None):
         super().__init__()
         _check_features(in_features, out_features)
-        if fmt not in mx.FP4_FORMATS:
-            raise ParameterError(f"fmt must be one of {mx.FP4_FORMATS}, got {fmt!r}")
+        fmt = v.mx_format(fmt, mx.FP4_FORMATS)
         blk = mx.block_size(fmt)
         if in_features % blk:
             raise ShapeError(f"{fmt} needs in_features to be a multiple of {blk}, got {in_features}")
@@ -309,10 +298,9 @@ class LinearFP4(nn.Module):
         mod = cls(linear.in_features, linear.out_features, linear.bias is not None, fmt, device="meta")
         gs = None
         if fmt == "nvfp4":
-            amax = float(w.abs().max())
-            if not amax > 0 or amax == float("inf"):
-                raise ParameterError(f"nvfp4 needs a finite, non-zero weight (amax {amax})")
-            gs = torch.tensor([float(mx.nvfp4_global_scale(amax))], dtype=torch.float32, device=w.device)
+            # ParameterError for a weight holding Inf / NaN or only zeros (no NVFP4 global scale)
+            gs = torch.tensor([float(mx.nvfp4_global_scale(float(w.abs().max())))], dtype=torch.float32,
+                              device=w.device)
         codes, scales = torch.ops.quantcore.quantize_mx(w, fmt, "floor", gs, False)
         mod.weight_packed, mod.weight_scale = _frozen(codes), _frozen(scales)
         mod.weight_global_scale = None if gs is None else _frozen(gs)
@@ -371,8 +359,7 @@ def _targets(model: nn.Module, skip: Iterable[str]) -> list[tuple[nn.Module, str
 
 
 def _check_fmt(fmt: str, skip) -> tuple[str, ...]:
-    if fmt not in FORMATS:
-        raise ParameterError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    v.choice(fmt, FORMATS, "fmt")
     if isinstance(skip, str):
         skip = (skip,)
     return tuple(skip or ())

@@ -30,6 +30,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import api, api_mx
+from .. import validate as v
+from ..arrays import dtype_name
 from ..errors import DTypeError, ParameterError, ShapeError
 from ..formats import bnb, ggml, mx
 from ..registry import get_backend
@@ -133,10 +135,6 @@ def _define(schema: str, impl, fake, autograd: tuple | None = None) -> None:
                                         lib=_LIB)
 
 
-def _np_dtype(dt: torch.dtype) -> str:
-    return str(dt).rsplit(".", 1)[-1]
-
-
 _TORCH_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -166,8 +164,7 @@ def state_of(packed: torch.Tensor, absmax: torch.Tensor, absmax2: torch.Tensor |
     hit = _STATES.get(packed)
     if hit is not None and hit[0] == key and (dtype is None or hit[1].dtype == dtype):
         return hit[1]
-    if not isinstance(quant_type, str) or quant_type not in bnb.QUANT_TYPES:
-        raise ParameterError(f"quant_type must be one of {bnb.QUANT_TYPES}, got {quant_type!r}")
+    v.quant_type(quant_type)
     # the code tables in the tensors' own kind and device (a host route moves the whole state)
     be = get_backend("cpu") if packed.device.type == "cpu" else backend_for(packed.device)
     state = QuantState(absmax=absmax, shape=tuple(int(s) for s in shape),
@@ -216,7 +213,7 @@ def quantize_4bit(x: torch.Tensor, blocksize: int = 64, quant_type: str = "nf4",
                                                                         compress_statistics)
     nested = compress_statistics
     return packed, state_of(packed, absmax, absmax2 if nested else None, None, offset if nested else None,
-                            tuple(x.shape), blocksize, quant_type, _np_dtype(x.dtype))
+                            tuple(x.shape), blocksize, quant_type, dtype_name(x.dtype))
 
 
 # -- dequantize_4bit / gemv_4bit ----------------------------------------------------------------------
@@ -419,7 +416,7 @@ def _quantize_mx(x, fmt, scale_mode, global_scale, swizzle):
 
 
 def _quantize_mx_fake(x, fmt, scale_mode, global_scale, swizzle):
-    fmt = _mx_fmt(fmt)
+    fmt = v.mx_format(fmt)
     k = x.shape[-1]
     blk = mx.block_size(fmt)
     lead = tuple(x.shape[:-1])
@@ -427,12 +424,6 @@ def _quantize_mx_fake(x, fmt, scale_mode, global_scale, swizzle):
     codes = x.new_empty(lead + (mx.codes_cols(fmt, k),), dtype=torch.uint8)
     sshape = mx.swizzled_shape(rows, k // blk) if swizzle else lead + (k // blk,)
     return codes, x.new_empty(sshape, dtype=torch.uint8)
-
-
-def _mx_fmt(fmt: str) -> str:
-    if fmt not in mx.FORMATS:
-        raise ParameterError(f"fmt must be one of {mx.FORMATS}, got {fmt!r}")
-    return fmt
 
 
 _define("quantize_mx(Tensor x, str fmt, str scale_mode, Tensor? global_scale, bool swizzle) "
@@ -445,7 +436,7 @@ def _dequantize_mx(codes, scales, fmt, out_dtype, global_scale, swizzled):
 
 
 def _dequantize_mx_fake(codes, scales, fmt, out_dtype, global_scale, swizzled):
-    fmt = _mx_fmt(fmt)
+    fmt = v.mx_format(fmt)
     k = codes.shape[-1] * (2 if fmt in mx.FP4_FORMATS else 1)
     return codes.new_empty(tuple(codes.shape[:-1]) + (k,), dtype=out_dtype)
 
@@ -467,8 +458,7 @@ _define("scaled_fp4_mm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tenso
 
 
 def _check_fp4(codes: torch.Tensor, fmt: str) -> tuple[int, int]:
-    if fmt not in mx.FP4_FORMATS:
-        raise ParameterError(f"fmt must be one of {mx.FP4_FORMATS}, got {fmt!r}")
+    v.mx_format(fmt, mx.FP4_FORMATS)
     if codes.dim() != 2 or codes.dtype != torch.uint8:
         raise ShapeError(f"codes must be uint8 [N, K/2], got {codes.dtype} {tuple(codes.shape)}")
     return int(codes.shape[0]), 2 * int(codes.shape[1])

@@ -26,21 +26,6 @@ import torch
 
 import quantcore.nn as qnn
 
-
-def per_call_us(fn, calls: int = 2000, rounds: int = 5) -> float:
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(out)
-
-
 SLEEP_CYCLES = 200_000_000  #: ~100 ms of GPU sleep: longer than the host needs to queue one round
 
 
@@ -100,6 +85,11 @@ def measure_shape(shape: str, bnb, profile: bool) -> dict[str, float]:
     return res
 
 
+def per_call_us(fn) -> float:
+    """Host us per call of one function (the method of :func:`interleaved`)."""
+    return interleaved({"f": fn})["f"]
+
+
 def breakdown(shape: str) -> dict[str, float]:
     """Host us per call of each layer of the eager Linear4bit path, outermost first (4-bit nf4, B1)."""
     from quantcore.backends.cuda import runtime as rt
@@ -114,9 +104,6 @@ def breakdown(shape: str) -> dict[str, float]:
     sa = m._state_args()
     be = qct.backend_for(x.device)
     res = {}
-
-    def per_call_us(fn):  # noqa: F811 - the host-only timing, one function at a time
-        return interleaved({"f": fn})["f"]
 
     with torch.no_grad():
         st = m.quant_state
