@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from . import validate as v
-from .arrays import array_kind, as_dtype, device_of, dtype_name, meta
+from .arrays import array_kind, as_dtype, device_of, meta
 from .backend import Backend, Nested
-from .errors import DTypeError, ParameterError, ShapeError, StateError
+from .errors import ParameterError, ShapeError, StateError
 from .formats import bnb, ggml
 from .registry import get_backend
 from .state import QuantState
@@ -138,26 +138,18 @@ def quantize_4bit(
 
 
 def _check_state(state: Any) -> QuantState:
-    """``state.validate()`` (every field, the code table against quant_type) plus what the
-    backends rely on beyond it: a nested state's offset is a float32 array of one element."""
+    """``state.validate()``: every field (a nested state's offset a float32 array of one element
+    included), the code table against quant_type."""
     if not isinstance(state, QuantState):
         raise StateError(f"expected a quantcore.QuantState, got {type(state).__name__}")
     state.validate()
-    if state.nested:
-        try:
-            oshape, odt = v.array(state.offset, "offset")
-        except DTypeError as exc:
-            raise StateError(f"a nested state's offset must be a float32 array of one element: {exc}") from exc
-        if odt != F32 or math.prod(oshape) != 1:
-            raise StateError(f"a nested state's offset must be a float32 array of one element, got "
-                             f"{dtype_name(odt)} of shape {oshape}; convert it (e.g. "
-                             "offset.astype(float32)) or rebuild the state with QuantState.from_dict")
     return state
 
 
 def _geometry(state: QuantState) -> tuple[tuple[int, ...], int]:
-    """The validated state's shape and blocksize as plain ints (backends never see numpy scalars)."""
-    return tuple(int(s) for s in state.shape), int(state.blocksize)
+    """The validated state's shape and blocksize (validate() made them plain ints: backends never
+    see numpy scalars)."""
+    return state.shape, state.blocksize
 
 
 def _check_packed(packed: Any, state: QuantState) -> None:
@@ -274,14 +266,9 @@ def dequantize_blockwise(
     _check_state(state)
     if state.quant_type is not None:
         raise StateError(f"this is a 4-bit ({state.quant_type}) state; use dequantize_4bit")
-    if state.nested:
-        raise StateError("an 8-bit blockwise state is not nested (its absmax is float32); "
-                         "dequantize_blockwise takes the state quantize_blockwise returns")
     shape = v.uint8_array(codes, "codes", nonempty=True)
     if math.prod(shape) != state.n:
         raise ShapeError(f"codes hold {math.prod(shape)} values, the state describes {state.n}")
-    if state.code is None or v.array(state.code, "code") != ((256,), F32):
-        raise StateError("an 8-bit state needs a float32 [256] code")
     dt = v.out_dtype(out_dtype if out_dtype is not None else state.dtype)
     oshape, blocksize = _geometry(state)
     be.require("dequantize_blockwise", "dynamic8", dt, blocksize)

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import array_kind, as_dtype, dtype_name, meta
+from .arrays import FLOAT_DTYPES, array_kind, as_dtype, dtype_name, meta
 from .arrays import is_torch as _is_torch
 from .errors import DeviceError, StateError
 from .formats import bnb
@@ -50,7 +50,7 @@ _FIELD_KEYS = {
     "state2.quant_type": "nested_absmax", "state2.shape": "nested_absmax", "state2.offset": "nested_absmax",
     "state2.state2": "nested_absmax",
 }
-_FLOAT_NAMES = ("float32", "float16", "bfloat16")
+_FLOAT_NAMES = tuple(dtype_name(d) for d in FLOAT_DTYPES)
 _F32 = np.dtype(np.float32)
 _U8 = np.dtype(np.uint8)
 _ARRAY_KINDS = "numpy, torch, CuPy or SYCL USM"
@@ -651,10 +651,6 @@ def _dtype_from_name(name: Any, where: str = "'dtype'") -> str:
 
 
 # -- array helpers -------------------------------------------------------------------------------------
-def _on_host(v: Any) -> bool:
-    kind = array_kind(v)
-    return kind == "numpy" or (kind == "torch" and v.device.type == "cpu")
-
 
 def _is_array(v: Any) -> bool:
     return hasattr(v, "shape") and hasattr(v, "dtype")

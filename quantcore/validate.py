@@ -50,8 +50,6 @@ def describe(x: Any) -> str:
     return type(x).__name__
 
 
-_what_is = describe
-
 
 def array(x: Any, what: str) -> tuple[tuple[int, ...], np.dtype]:
     """``(shape, numpy dtype)`` of an array argument, without moving it.
@@ -66,7 +64,7 @@ def array(x: Any, what: str) -> tuple[tuple[int, ...], np.dtype]:
                              f"({what}.astype({what}.dtype.newbyteorder('=')))")
         return x.shape, dt
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-        raise DTypeError(f"{what} must be an array ({_ARRAY_KINDS}), got {_what_is(x)}; "
+        raise DTypeError(f"{what} must be an array ({_ARRAY_KINDS}), got {describe(x)}; "
                          f"wrap data in numpy.asarray(...) or torch.tensor(...) first")
     if is_torch(x):
         torch = sys.modules["torch"]
@@ -113,7 +111,7 @@ def out_dtype(d: Any) -> str:
     try:
         name = dtype_name(d)
     except (TypeError, ValueError) as exc:
-        raise DTypeError(f"output dtype must be float32, float16 or bfloat16, got {_what_is(d)} "
+        raise DTypeError(f"output dtype must be float32, float16 or bfloat16, got {describe(d)} "
                          f"({exc})") from exc
     if name not in ("float32", "float16", "bfloat16"):
         raise DTypeError(f"output dtype must be float32, float16 or bfloat16, got {name}")
@@ -125,7 +123,7 @@ def integer(value: Any, what: str) -> int:
     64.0, a bool, a string, an array) is a ParameterError."""
     if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
         return int(value)
-    raise ParameterError(f"{what} must be an integer (int or numpy integer), got {_what_is(value)}")
+    raise ParameterError(f"{what} must be an integer (int or numpy integer), got {describe(value)}")
 
 
 def positive_int(value: Any, what: str) -> int:
@@ -141,7 +139,7 @@ def flag(value: Any, what: str) -> bool:
         return bool(value)
     if isinstance(value, (int, np.integer)) and value in (0, 1):
         return bool(value)
-    raise ParameterError(f"{what} must be True or False, got {_what_is(value)}")
+    raise ParameterError(f"{what} must be True or False, got {describe(value)}")
 
 
 def choice(value: Any, allowed: Sequence[Any], what: str) -> Any:
@@ -152,11 +150,11 @@ def choice(value: Any, allowed: Sequence[Any], what: str) -> Any:
         value = str(value) if ok else value
     else:
         if not (isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))):
-            raise ParameterError(f"{what} must be one of {list(allowed)} (an integer), got {_what_is(value)}")
+            raise ParameterError(f"{what} must be one of {list(allowed)} (an integer), got {describe(value)}")
         value = int(value)
         ok = value in allowed
     if not ok:
-        raise ParameterError(f"{what} must be one of {list(allowed)}, got {_what_is(value)}")
+        raise ParameterError(f"{what} must be one of {list(allowed)}, got {describe(value)}")
     return value
 
 
@@ -268,7 +266,7 @@ def f32_scalar(v: Any, what: str, *, positive: bool = False) -> float | None:
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
         if isinstance(v, np.generic) or not (hasattr(v, "shape") and hasattr(v, "dtype")):
             raise ParameterError(f"{what} must be a number or a float32 array of one element, "
-                                 f"got {_what_is(v)}")
+                                 f"got {describe(v)}")
         shape, dt = array(v, what)
         if dt != np.float32:
             raise DTypeError(f"{what} must be a float32 array of one element, got {dtype_name(dt)}")
@@ -282,5 +280,5 @@ def f32_scalar(v: Any, what: str, *, positive: bool = False) -> float | None:
         f = math.inf
     if not np.isfinite(f) or (positive and f <= 0):
         raise ParameterError(f"{what} must be a finite{' positive' if positive else ''} number "
-                             f"(after rounding to float32), got {_what_is(v)}")
+                             f"(after rounding to float32), got {describe(v)}")
     return f

@@ -98,15 +98,14 @@ def test_state_dict_round_trip_and_bad_states(rng):
         qc.QuantState.from_dict(wrong_map)
 
 
-def test_8bit_state_dicts(monkeypatch):
+def test_8bit_state_dicts():
     codes, state = qc.quantize_blockwise(np.linspace(-1, 1, 256, dtype=np.float32), 64)
     assert state.quant_type is None
     # the packed layout's key names the 4-bit type: an 8-bit state gets a StateError, not a TypeError
     with pytest.raises(qc.StateError, match="8-bit"):
         state.as_dict(packed=True)
     d = state.as_dict()
-    # a 256-entry map on a device must not be compared with a 4-bit table (quant_type None)
-    monkeypatch.setattr("quantcore.state._on_host", lambda v: False)
+    # an 8-bit state's 256-entry map is never compared with a 4-bit table (quant_type None)
     back = qc.QuantState.from_dict(d)
     assert np.array_equal(qc.dequantize_blockwise(codes, back), qc.dequantize_blockwise(codes, state))
     _, state4 = qc.quantize_4bit(np.ones((4, 64), np.float32), 64, "nf4")

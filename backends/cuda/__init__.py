@@ -932,10 +932,10 @@ class _BoundGemv:
     resize_ included, bumps a version; ``.data =`` gives another pointer), the thread's context and
     the tuning, then launches; anything else returns None and the caller takes the public path."""
 
-    __slots__ = ("key", "shape", "dtype", "align", "device", "out_shape", "launch", "tensors", "stamps", "plan")
+    __slots__ = ("shape", "dtype", "align", "device", "out_shape", "launch", "tensors", "stamps", "plan")
 
     def __init__(self, plan: Any, key: tuple, entry: tuple, tensors: tuple):
-        self.plan, self.key = plan, key
+        self.plan = plan
         self.shape, self.dtype, self.align = key
         self.device, self.out_shape, self.launch = plan.device, entry[0], entry[1]
         self.tensors = tensors

@@ -80,16 +80,10 @@ def headers() -> tuple[list[str], list[str]]:
     return contents, [kernel_defines.HEADER_NAME, *HEADERS]
 
 
-def cache_dir() -> str:
-    """Where built cubins are kept: $QUANTCORE_CACHE_DIR, else $XDG_CACHE_HOME/quantcore, else
-    ~/.cache/quantcore (a subfolder cuda-mx; :func:`quantcore.cache.cache_root`)."""
-    return str(cache.cache_root() / "cuda-mx")
-
-
 def compile_cubin(source: str, arch: str, use_cache: bool = True, timing: bool = False) -> bytes:
     """NVRTC build of ``kernels_cuda/<source>`` for ``arch`` ("sm_90a", "sm_80" ...) -> cubin.
 
-    Cached on disk under :func:`cache_dir`, keyed by the source, headers, options, target and
+    Cached on disk under ``<cache root>/cuda-mx`` (:func:`quantcore.cache.cache_root`), keyed by the source, headers, options, target and
     NVRTC version, so a new process does not rebuild (the GEMM takes tens of seconds); a cached
     cubin is used only when it matches its sidecar checksum (:mod:`quantcore.cache`).
     ``timing`` also builds the GEMM's timing experiments (``-DQCMX_TIMING_VARIANTS``)."""

@@ -33,7 +33,6 @@ from quantcore.formats import kernel_defines
 #: the options every kernel is compiled with (besides the architecture and include paths):
 #: IEEE arithmetic with subnormals, no a*b+c contraction (kernels write fmaf where they want it)
 COMPILE_OPTIONS = ("-std=c++17", "-ftz=false", "-prec-div=true", "-prec-sqrt=true", "--fmad=false")
-ENV_CACHE = cache.ENV_CACHE
 
 _lock = threading.RLock()
 

@@ -122,11 +122,6 @@ def import_dpctl() -> Any:
 
 
 # -- the host shim -----------------------------------------------------------------------------------
-def cache_dir() -> Path:
-    """The shim's cache folder, ``<cache root>/sycl`` (:func:`quantcore.cache.cache_root`)."""
-    return cache.cache_root() / "sycl"
-
-
 def _compiler() -> str:
     for cand in (os.environ.get("CXX"), "g++", "c++", "clang++"):
         if cand and shutil.which(cand):

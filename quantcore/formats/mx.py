@@ -316,7 +316,7 @@ def nvfp4_global_scale(amax) -> np.float32:
             "a tensor holding Inf or NaN, or only zeros, has no NVFP4 global scale; replace the "
             "non-finite values or pass a global_scale of your choice")
     if not np.isfinite(g):
-        raise ParameterError(f"amax {a!r} is too small: 2688 / amax overflows float32 (amax must be "
+        raise ParameterError(f"amax {a!r} is too small: {NVFP4_GLOBAL_NUMERATOR:g} / amax overflows float32 (amax must be "
                              f">= {float(F32(NVFP4_GLOBAL_NUMERATOR) / F32(np.finfo(F32).max)):.3g})")
     return g
 
