@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import BF16, as_dtype
-from .errors import DTypeError, ShapeError
+from ..arrays import BF16, as_dtype
+from ..errors import DTypeError, ShapeError
 
 _ST_DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -49,7 +49,7 @@ def load_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], di
 
 def save_safetensors(path: str | os.PathLike, tensors: dict[str, Any], metadata: dict[str, str] | None = None) -> None:
     """Write ``name -> array`` (numpy, or torch CPU tensors) as safetensors, atomically."""
-    from .arrays import host_numpy
+    from ..arrays import host_numpy
 
     header: dict[str, Any] = {}
     if metadata:
