@@ -47,6 +47,7 @@ _F4 = "bnb_4bit.cu"
 _F8 = "bnb_8bit.cu"
 _FG = "ggml.cu"
 _FV = "bnb_gemv.cu"
+_FT = "bnb_gemv_tc.cu"
 
 # launch geometry, mirrored from the kernels' constants
 _DEQUANT_THREADS, _DEQUANT_WORDS = 256, 8
@@ -142,6 +143,10 @@ def _gemv_mma(tag: str, qt: str, nested: bool, v: int) -> str:
     return f"qc::gemv_4bit_mma_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {v}>"
 
 
+def _gemv_tc(tag: str, qt: str, nested: bool, nb: int) -> str:
+    return f"qc::gemv_4bit_tc_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}>"
+
+
 def _gemv_stream(tag: str, qt: str, nested: bool, v: int) -> str:
     return f"qc::gemv_4bit_stream_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {v}>"
 
@@ -197,6 +202,7 @@ def kernel_instances() -> list[tuple[str, str]]:
                 if tag != TYPE_TAG["float32"]:
                     out += [(_F4, _gemv_mma(tag, qt, nested, v)) for v in _GEMV_V]
                     out += [(_FV, _gemv_stream(tag, qt, nested, v)) for v in _GEMV_V]
+                    out += [(_FT, _gemv_tc(tag, qt, nested, nb)) for nb in (1, 2)]
     for tag in tags:
         out += [(_F8, _qbw(tag)), (_F8, _qbw(tag, 2)), (_F8, _qbw(tag, 3)), (_F8, _dqbw(tag))]
         for fmt in GGML_FMT:
@@ -487,7 +493,7 @@ class CudaBackend(Backend):
             return
         launch = Launcher(a)
         launch(*_gemv_launch(launch.device, a, packed, absmax, out, rows=rows, n=n, k=k, blocksize=blocksize,
-                             quant_type=quant_type, nested=nested))
+                             quant_type=quant_type, nested=nested)[:6])
 
     def plan_gemv_4bit(self, A, packed, state, *, previous, n, k):
         """A launch plan for repeated public ``gemv_4bit`` calls (see ``quantcore.api.EAGER_PLANS``):
@@ -766,14 +772,59 @@ def create() -> CudaBackend:
 
 
 # -- gemv_4bit: the kernel choice (shared by the launcher and the eager launch plans) ----------------
-#: positions of a and out in every gemv kernel's parameter list (the per-call slots of a plan)
+#: positions of a and out in the older gemv kernels' parameter lists (the per-call slots of a plan)
 _GEMV_SLOTS = (0, 6)
+# bnb_gemv_tc.cu: warps per CTA, weights per launch, input rows per launch; a and out are
+# parameters 0 and 1 + 6 * _GT_GROUPS
+_GT_WARPS, _GT_GROUPS, _GT_ROWS = 16, 4, 16
+_GT_SLOTS = (0, 1 + 6 * _GT_GROUPS)
+
+
+def _gt_smem(nb: int, device: int) -> int:
+    """Dynamic shared memory of the decode gemv: its 64 KiB table must start on a 64 KiB boundary of
+    the shared window (the kernel places its small arrays around that boundary and checks the fit):
+    the device's maximum, which covers the worst placement."""
+    need = 65536 + 4 * _GT_GROUPS * bnb.DYNAMIC_MAP.size + 4 * _GT_WARPS * 2 * nb * 128 + 8 * _GT_WARPS * 2
+    return max(need + 65536, int(rt.device_props(device).get("sharedMemPerBlockOptin", 0)))
+
+
+def _gemv_tc_applies(device: int, dt: str, a: Any, packeds: list, rows: int, k: int, blocksize: int) -> bool:
+    """Does the decode kernel (bnb_gemv_tc.cu) take this call? fp16 / bf16 input of at most 16 rows,
+    64-element chunks inside blocks, 16-byte input rows and 8-byte weight rows, sm_90."""
+    return (dt != "float32" and 0 < rows <= _GT_ROWS and k % 64 == 0 and blocksize >= 64
+            and aligned(a, 16) and all(aligned(p, 8) for p in packeds) and rt.device_arch(device) >= 90
+            and rt.tune("gemv_kernel", 0) == 0)
+
+
+def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, ldo):
+    """(file, kernel, grid, block, arguments, shared memory, slots) of the decode gemv over
+    ``weights`` [(packed, absmax, nested, n)] (one nestedness) into ``out`` [rows, ldo]."""
+    nested = weights[0][2] is not None
+    args = [ptr_arg(a)]
+    for i in range(_GT_GROUPS):
+        if i < len(weights):
+            p, am, nst, n = weights[i]
+            args += [ptr_arg(p), ptr_arg(am)]
+            args += [ptr_arg(nst.absmax2), ptr_arg(nst.code2), ptr_arg(nst.offset)] if nst else [NULL] * 3
+            args.append(i64(n))
+        else:
+            args += [NULL] * 5 + [i64(0)]
+    args += [ptr_arg(out) if out is not None else NULL, i64(ldo), i32(rows), i64(k), i32(_log2(blocksize)),
+             i32(len(weights))]
+    ntiles = sum(_cdiv(w[3], 16) for w in weights)
+    nb = 1 if rows <= 8 else 2
+    grid = (max(1, min(ntiles, rt.sm_count(device))),)
+    return (_FT, _gemv_tc(_tag(a), quant_type, nested, nb), grid, 32 * _GT_WARPS, tuple(args),
+            _gt_smem(nb, device), _GT_SLOTS)
 
 
 def _gemv_launch(device, a, packed, absmax, out, *, rows, n, k, blocksize, quant_type, nested):
-    """(file, kernel, grid, block, arguments, shared memory) of the gemv for these arrays; ``out``
-    None leaves its pointer 0 (a plan fills it per call)."""
+    """(file, kernel, grid, block, arguments, shared memory, slots) of the gemv for these arrays;
+    ``out`` None leaves its pointer 0 (a plan fills it per call)."""
     dt = dtype_name(a.dtype)
+    if _gemv_tc_applies(device, dt, a, [packed], rows, k, blocksize):
+        return _gemv_tc_launch(device, a, [(packed, absmax, nested, n)], out, rows=rows, k=k,
+                               blocksize=blocksize, quant_type=quant_type, ldo=n)
     nest = (ptr_arg(nested.absmax2), ptr_arg(nested.code2), ptr_arg(nested.offset)) if nested else (NULL,) * 3
     common = (ptr_arg(a), ptr_arg(packed), ptr_arg(absmax)) + nest + (
         ptr_arg(out) if out is not None else NULL, i32(rows), i64(n), i64(k), i32(_log2(blocksize)))
@@ -783,7 +834,7 @@ def _gemv_launch(device, a, packed, absmax, out, *, rows, n, k, blocksize, quant
     v = 8 if blocksize >= 64 and k % 64 == 0 else 4
     kernel = rt.tune("gemv_kernel", 0)  # 0: the best that applies, 1: the register-fed mma kernel
     # the streaming kernel counts super-pieces (8 v elements) over the matrix in 32 bits
-    if (kernel == 0 and dt != "float32" and k % (8 * v) == 0 and aligned(a, 16) and aligned(packed, 16)
+    if (kernel in (0, 2) and dt != "float32" and k % (8 * v) == 0 and aligned(a, 16) and aligned(packed, 16)
             and (n * k) // (8 * v) < 1 << 32 and rt.device_arch(device) >= 90):
         nsp, sps = k // (8 * v), _GV_KC // (8 * v)
         ntiles = _cdiv(n, 16)
@@ -792,16 +843,16 @@ def _gemv_launch(device, a, packed, absmax, out, *, rows, n, k, blocksize, quant
             ksplit //= 2
         grid = (min(ntiles, sms), _cdiv(rows, 8))
         return (_FV, _gemv_stream(_tag(a), quant_type, nested is not None, v), grid, 32 * _GV_WARPS,
-                common + (i32(ksplit),), _gv_smem(v, device))
+                common + (i32(ksplit),), _gv_smem(v, device), _GEMV_SLOTS)
     if dt != "float32" and k % (8 * v) == 0 and aligned(a, 16) and aligned(packed, v):
         ksplit = rt.tune("gemv_ksplit", 0) or _gemv_ksplit(_cdiv(n, 16), k // (8 * v), sms)
         ngroups = _cdiv(_cdiv(n, 16), _GEMV_WARPS // ksplit)
         cap = rt.tune("gemv_ctas_per_sm", 0) or 2
         grid = (min(ngroups, cap * sms), _cdiv(rows, 8))
         return (_F4, _gemv_mma(_tag(a), quant_type, nested is not None, v), grid, 32 * _GEMV_WARPS,
-                common + (i32(ksplit),), _GEMV_SMEM)
+                common + (i32(ksplit),), _GEMV_SMEM, _GEMV_SLOTS)
     grid = (min(_cdiv(n, 8), 16 * sms), _cdiv(rows, 8))
-    return _F4, _gemv(_tag(a), quant_type, nested is not None), grid, 256, common, 0
+    return _F4, _gemv(_tag(a), quant_type, nested is not None), grid, 256, common, 0, _GEMV_SLOTS
 
 
 # -- dequantize_4bit: the launch (shared by the launcher and the eager launch plans) ---------------------
@@ -1018,7 +1069,7 @@ def _plan_gemv_4bit(A: Any, packed: Any, state: Any, previous: Any, n: int, k: i
         return plan  # it had this call: the thread's current context was another device's
     spec = _gemv_launch(device, A, packed, state.absmax, None, rows=rows, n=n, k=k, blocksize=state.blocksize,
                         quant_type=state.quant_type, nested=_state_nested(state))
-    launch = rt.PlannedLaunch(device, *spec[:5], shared_mem=spec[5], slots=_GEMV_SLOTS)
+    launch = rt.PlannedLaunch(device, *spec[:5], shared_mem=spec[5], slots=spec[6])
     plan.add(_GemvPlan.key(A), (tuple(A.shape[:-1]) + (n,), launch))
     return plan
 
