@@ -8,14 +8,16 @@
 namespace qc {
 
 // Design (docs/performance.md, GV-30): a warp owns 16 rows (a tile) and a contiguous range of
-// 64-element chunks of K. For a chunk, lane (g, c) (g = lane / 4, c = lane % 4) loads 8 bytes of
-// rows g and g + 8 at byte 8 c of the chunk's 32 bytes (the codes of elements 16 c .. 16 c + 15):
-// a warp's load is 8 rows x 32 contiguous bytes, whole sectors, no shared-memory staging. The dot
-// product may take K in any order, so mma step m (0..3) of the chunk uses, as its k slots 2c, 2c+1
-// and 2c+8, 2c+9, the lane's bytes 2m and 2m+1 (elements 16 c + 4 m .. + 3); the activation
-// fragment of lane (g, c) is then the 4 consecutive inputs 16 c + 4 m .. + 3 of input row g: two
-// 16-byte loads per chunk give all four steps. Every element of a chunk lies in one block
-// (blocksize >= 64, K % 64 == 0), and each lane reads the absmax of its own two rows: no shuffles.
+// 64-element chunks of K. Its ring of kGtStages shared-memory slots (16 rows x kGtChunks chunks)
+// is filled by 16-byte cp.async copies (each copy instruction: 4 rows x 128 contiguous bytes), so
+// many bytes stay in flight without registers. For a chunk, lane (g, c) (g = lane / 4, c = lane %
+// 4) reads 8 bytes of rows g and g + 8 at byte 8 c of the chunk's 32 (the codes of elements 16 c ..
+// 16 c + 15). The dot product may take K in any order, so mma step m (0..3) of the chunk uses, as
+// its k slots 2c, 2c+1 and 2c+8, 2c+9, the lane's bytes 2m and 2m+1 (elements 16 c + 4 m .. + 3);
+// the activation fragment of lane (g, c) is then the 4 consecutive inputs 16 c + 4 m .. + 3 of
+// input row g: two 16-byte loads per chunk give all four steps. Every element of a chunk lies in
+// one block (blocksize >= 64, K % 64 == 0), and each lane reads the absmax of its own two rows
+// (loaded a stage ahead): no shuffles.
 //
 // Work: the tiles of all groups form one list; CTA b takes tiles [T b / G, T (b + 1) / G) and its
 // 16 warps split that range's (tile, chunk) list evenly, so any shape keeps every warp busy. A
@@ -27,13 +29,19 @@ namespace qc {
 // address (table + byte * 256 + lane * 4).
 constexpr int kGtWarps = 16;
 constexpr int kGtGroups = 4;   // weights per launch at most
-constexpr int kGtAhead = 4;    // chunks loaded ahead (a batch)
+constexpr int kGtChunks = 8;   // chunks per stage
+constexpr int kGtStages = 2;   // stages per warp ring
+constexpr int kGtPitch = 32 * kGtChunks + 32;  // bytes per row in a slot (rows g = 0..3 on distinct banks)
+constexpr int kGtSc = kGtChunks / 4;  // chunks whose scales one lane decodes per stage
+constexpr int kGtSlot = 16 * kGtPitch;
+constexpr int kGtRing = kGtStages * kGtSlot;
 
 template <int NB>
 struct GtGeo {
     static constexpr int kPart = NB * 128;  // floats of one warp's partial tile
-    // code2 tables, partial tiles (2 per warp), their tile ids
-    static constexpr int kSmall = 4 * kGtGroups * kDynCodes + 4 * kGtWarps * 2 * kPart + 8 * kGtWarps * 2;
+    // code2 tables, the partial tiles' ids and links (the partial tiles themselves go in the warp's ring)
+    static constexpr int kSmall = 4 * kGtGroups * kDynCodes + 8 * kGtWarps * 2 + 4 * kGtWarps * 2;
+    static_assert(2 * kPart * 4 <= kGtRing, "a warp's partial tiles fit in its ring");
 };
 
 template <int J>
@@ -43,8 +51,8 @@ __device__ __forceinline__ u32 gt_pair(u32 w, u32 lutx) {
     return r;
 }
 
-__device__ __forceinline__ void gt_ldg_v2(const void* p, u32& a, u32& b) {
-    asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "l"(p));
+__device__ __forceinline__ void gt_lds_v2(u32 addr, u32& a, u32& b) {
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "r"(addr));
 }
 
 __device__ __forceinline__ void grid_dep_wait() {
@@ -78,28 +86,40 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
     QC_GT_GROUP_PARAMS(3), u16* __restrict__ out, i64 ldo, int batch, i64 K, int log2bs, int ngroups) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     using G = GtGeo<NB>;
+    constexpr int S = kGtStages, CH = kGtChunks;
     extern __shared__ __align__(16) u8 gt_smem[];
+    // the table on the first 64 KiB boundary; the small arrays and as many rings as fit before it,
+    // the rest after it
     const u32 front = (0u - smem_addr(gt_smem)) & 0xffffu;
     u8* lut = gt_smem + front;
-    u8* small = front >= (u32)G::kSmall ? gt_smem : lut + 65536;
+    const bool small_front = front >= (u32)G::kSmall;
+    u8* small = small_front ? gt_smem : lut + 65536;
+    u8* ring_front = small_front ? gt_smem + G::kSmall : gt_smem;
+    const int nfront = min((int)((small_front ? front - G::kSmall : front) / kGtRing), kGtWarps);
+    u8* ring_back = lut + 65536 + (small_front ? 0 : G::kSmall);
     {
         u32 dyn;
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if ((u32)(small + G::kSmall - gt_smem) > dyn || (u32)(lut + 65536 - gt_smem) > dyn) __trap();  // launcher bug
+        if ((u32)(ring_back + (kGtWarps - nfront) * kGtRing - gt_smem) > dyn) __trap();  // launcher bug
     }
-    float* c2s = reinterpret_cast<float*>(small);          // [kGtGroups][kDynCodes]
-    float* part = c2s + kGtGroups * kDynCodes;             // [kGtWarps][2][kPart]
-    i64* ptile = reinterpret_cast<i64*>(part + kGtWarps * 2 * G::kPart);  // [kGtWarps][2]
+    float* c2s = reinterpret_cast<float*>(small);                            // [kGtGroups][kDynCodes]
+    i64* ptile = reinterpret_cast<i64*>(c2s + kGtGroups * kDynCodes);      // [kGtWarps][2]
 
     const int warp = threadIdx.x >> 5, lane = lane_id(), g = lane >> 2, c = lane & 3;
-    // the pair table: thread (warp w, lane l) fills bytes 16 w .. 16 w + 15 for lanes 4 (l & 7) ..
-    // + 3 (16-byte stores), two bytes per pass
+    u8* wring_p = warp < nfront ? ring_front + warp * kGtRing : ring_back + (warp - nfront) * kGtRing;
+    const u32 wring = smem_addr(wring_p);
+    // the pair table: warp w fills bytes 16 w .. 16 w + 15, lane l the 16 bytes of lanes 4 (l & 7)
+    // .. + 3 of byte 16 w + (l >> 3) + 4 i
     {
         u32* lw = reinterpret_cast<u32*>(lut);
         const int q4 = lane & 7;
-        for (int b = 16 * warp + (lane >> 3); b < 16 * warp + 16; b += 4) {
-            const u32 v = T::pack2(code_4bit<QT>(b >> 4), code_4bit<QT>(b & 15));
-            *reinterpret_cast<uint4*>(lw + b * 64 + 4 * q4) = make_uint4(v, v, v, v);
+        const float code = code_4bit<QT>(lane & 15);  // one load per lane; the table by shuffles
+        const float hi = __shfl_sync(kFullMask, code, warp);  // byte 16 w + ...: high nibble w
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int lo = (lane >> 3) + 4 * i;
+            const u32 v = T::pack2(hi, __shfl_sync(kFullMask, code, lo));
+            *reinterpret_cast<uint4*>(lw + (16 * warp + lo) * 64 + 4 * q4) = make_uint4(v, v, v, v);
         }
     }
     if (NESTED) {
@@ -142,158 +162,279 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
 
     const i64 row_bytes = K >> 1;
     const int bsh = log2bs - 6;  // chunks per block, log2
-    // input rows of this lane's B fragment columns (clamped: a lane past the batch reads row 0,
-    // its columns are never written)
+    const int Ci = (int)C;
+    // input rows of this lane's B fragment columns (clamped: a lane past the batch reads the last
+    // row, its columns are never written)
+    // grid.y takes the input rows in blocks of 8 NB (one launch for any row count; each block
+    // reads the weights once)
+    a += (i64)blockIdx.y * (8 * NB) * K;
+    out += (i64)blockIdx.y * (8 * NB) * ldo;
+    batch = min(batch - (int)blockIdx.y * (8 * NB), 8 * NB);
     const u16* arow[NB];
 #pragma unroll
     for (int h = 0; h < NB; ++h) arow[h] = a + (i64)min(8 * h + g, batch - 1) * K + 16 * c;
 
-    bool waited = false;
-    i64 pos = w0;
-    while (pos < w1) {
-        const i64 tile = t0 + pos / C;
-        const int j0 = (int)(pos % C);
-        const int j1 = (int)min(C, (i64)j0 + (w1 - pos));
+    // A stage: chunks [j, j + nch) of one tile (never crossing a tile). Producer and consumer walk
+    // the warp's range with the same steps; 32-bit counts (the launcher keeps N K / 64 < 2^31).
+    struct Cursor {
+        int tile, j, nch, left;  // left: chunks of the range from this stage on
+    };
+    auto stage_len = [&](int j, int left) { return min(CH, min(Ci - j, left)); };
+    const int r0w = (int)(w0 / C);
+    Cursor pq{(int)t0 + r0w, (int)(w0 - (i64)r0w * C), 0, (int)(w1 - w0)};
+    pq.nch = stage_len(pq.j, pq.left);
+    Cursor cq = pq;
+    auto advance = [&](Cursor& q) {  // true when the next stage starts a new tile
+        q.left -= q.nch;
+        q.j += q.nch;
+        const bool nt = q.j == Ci;
+        if (nt) {
+            q.j = 0;
+            ++q.tile;
+        }
+        q.nch = stage_len(q.j, q.left);
+        return nt;
+    };
+
+    // producer: lane l copies 16-byte pieces l + 32 i, i < 8 (row l / 16 + 2 i, bytes 16 (l % 16)
+    // of the stage's 256 per row); rows past N and chunks past the row are zero-filled
+    const u8* psrc = nullptr;
+    int prows = 0;
+    auto producer_tile = [&](int tile) {
         const GtW wt = weight_of(tile);
-        const i64 r0 = (tile - wt.tile0) * 16 + g;
-        const i64 ra = min(r0, wt.n - 1), rb = min(r0 + 8, wt.n - 1);
-        const u8* pa = wt.packed + ra * row_bytes + 8 * c;
-        const u8* pb = wt.packed + rb * row_bytes + 8 * c;
-        const i64 ea = ra * C, eb = rb * C;  // the rows' first chunk, counted over the matrix
-        const float off = NESTED ? ldg_f32(wt.offset) : 0.0f;
-        const float* c2 = c2s + wt.gi * kDynCodes;
-
-        float acc[NB][4];
+        const i64 r = (tile - wt.tile0) * 16;
+        prows = (int)min((i64)16, wt.n - r) - (lane >> 4);
+        psrc = wt.packed + (r + (lane >> 4)) * row_bytes + 16 * (lane & 15);
+    };
+    const u32 pdst = wring + (lane >> 4) * kGtPitch + 16 * (lane & 15);
+    const i64 rstep = 2 * row_bytes;
+    auto issue = [&](const Cursor& q, int s) {
+        if (q.left > 0) {
+            const bool col_ok = q.j + ((lane & 15) >> 1) < Ci;
+            const u8* src = psrc + 32 * q.j;
 #pragma unroll
-        for (int h = 0; h < NB; ++h) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.0f;
-
-        // a batch: kGtAhead chunks' weights and raw scales in registers, the next batch's loaded
-        // while this one is computed
-        u32 wq[2][kGtAhead][4];
-        u32 sq[2][kGtAhead][2];
-        float s2[2][kGtAhead][2];
-        auto load = [&](int buf, int j) {
-#pragma unroll
-            for (int u = 0; u < kGtAhead; ++u) {
-                const int jj = min(j + u, j1 - 1);  // past the range: a repeat of the last chunk
-                gt_ldg_v2(pa + 32 * (i64)jj, wq[buf][u][0], wq[buf][u][1]);
-                gt_ldg_v2(pb + 32 * (i64)jj, wq[buf][u][2], wq[buf][u][3]);
-                const i64 ba = (ea + jj) >> bsh, bb = (eb + jj) >> bsh;
-                if constexpr (NESTED) {
-                    sq[buf][u][0] = ldg_u8(wt.absmax + ba);
-                    sq[buf][u][1] = ldg_u8(wt.absmax + bb);
-                    s2[buf][u][0] = ldg_f32(wt.absmax2 + (ba >> kNestLog2));
-                    s2[buf][u][1] = ldg_f32(wt.absmax2 + (bb >> kNestLog2));
-                } else {
-                    sq[buf][u][0] = ldg_u32(reinterpret_cast<const float*>(wt.absmax) + ba);
-                    sq[buf][u][1] = ldg_u32(reinterpret_cast<const float*>(wt.absmax) + bb);
-                }
+            for (int i = 0; i < 8; ++i) {
+                const bool ok = col_ok && 2 * i < prows;
+                cp_async16(pdst + s * kGtSlot + 2 * i * kGtPitch, ok ? src : psrc, ok ? 16u : 0u);
+                src += rstep;
             }
-        };
-        auto compute = [&](int buf, int j) {
-#pragma unroll
-            for (int u = 0; u < kGtAhead; ++u) {
-                if (j + u >= j1) break;
-                const i64 e = (i64)(j + u) * 64;
-                u32 x[NB][8];
-#pragma unroll
-                for (int h = 0; h < NB; ++h) {
-                    ldg_v4(arow[h] + e, x[h][0], x[h][1], x[h][2], x[h][3]);
-                    ldg_v4(arow[h] + e + 8, x[h][4], x[h][5], x[h][6], x[h][7]);
-                }
-                float d[NB][4];
-#pragma unroll
-                for (int h = 0; h < NB; ++h) d[h][0] = d[h][1] = d[h][2] = d[h][3] = 0.0f;
-#pragma unroll
-                for (int m = 0; m < 4; ++m) {
-                    const u32 wa = wq[buf][u][m >> 1], wb = wq[buf][u][2 + (m >> 1)];
-                    u32 af[4];
-                    if (m & 1) {
-                        af[0] = gt_pair<2>(wa, lutx);
-                        af[1] = gt_pair<2>(wb, lutx);
-                        af[2] = gt_pair<3>(wa, lutx);
-                        af[3] = gt_pair<3>(wb, lutx);
-                    } else {
-                        af[0] = gt_pair<0>(wa, lutx);
-                        af[1] = gt_pair<0>(wb, lutx);
-                        af[2] = gt_pair<1>(wa, lutx);
-                        af[3] = gt_pair<1>(wb, lutx);
-                    }
-#pragma unroll
-                    for (int h = 0; h < NB; ++h) mma_16816<T>(d[h], af, x[h][2 * m], x[h][2 * m + 1]);
-                }
-                float sa, sb;
-                if constexpr (NESTED) {
-                    sa = __fadd_rn(__fmul_rn(c2[sq[buf][u][0]], s2[buf][u][0]), off);
-                    sb = __fadd_rn(__fmul_rn(c2[sq[buf][u][1]], s2[buf][u][1]), off);
-                } else {
-                    sa = __uint_as_float(sq[buf][u][0]);
-                    sb = __uint_as_float(sq[buf][u][1]);
-                }
-#pragma unroll
-                for (int h = 0; h < NB; ++h) {
-                    acc[h][0] = fmaf(d[h][0], sa, acc[h][0]);
-                    acc[h][1] = fmaf(d[h][1], sa, acc[h][1]);
-                    acc[h][2] = fmaf(d[h][2], sb, acc[h][2]);
-                    acc[h][3] = fmaf(d[h][3], sb, acc[h][3]);
-                }
-            }
-        };
+        }
+        cp_async_commit();  // one group per stage (empty past the end): wait_group counts stages
+    };
 
-        load(0, j0);
-        if (!waited) {  // the input (and out) may be written by the previous kernel (PDL)
-            grid_dep_wait();
-            waited = true;
-        }
-        int j = j0;
-        for (; j + kGtAhead < j1; j += 2 * kGtAhead) {
-            load(1, j + kGtAhead);
-            compute(0, j);
-            if (j + 2 * kGtAhead < j1) load(0, j + 2 * kGtAhead);
-            compute(1, j + kGtAhead);
-        }
-        if (j < j1) compute(0, j);
-
-        // the segment's result: C fragment (row g, col 2c), (g, 2c + 1), (g + 8, 2c), (g + 8, 2c + 1)
-        if (j0 == 0 && j1 == C) {
-#pragma unroll
-            for (int h = 0; h < NB; ++h)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const int col = 8 * h + 2 * c + (r & 1);
-                    const i64 row = r0 + 8 * (r >> 1);
-                    if (col < batch && row < wt.n) out[col * ldo + wt.col0 + row] = T::from_f(acc[h][r]);
-                }
-        } else {
-            const int slot = pos == w0 ? 0 : 1;
-            float* p = part + (2 * warp + slot) * G::kPart;
-#pragma unroll
-            for (int h = 0; h < NB; ++h)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) p[h * 128 + 4 * lane + r] = acc[h][r];
-            if (lane == 0) ptile[2 * warp + slot] = tile;
-        }
-        pos += j1 - j0;
+    if (pq.left > 0) producer_tile(pq.tile);
+    for (int s = 0; s < S; ++s) {
+        issue(pq, s);
+        if (pq.left > 0 && advance(pq) && pq.left > 0) producer_tile(pq.tile);
     }
-    if (!waited) grid_dep_wait();
+    grid_dep_wait();  // the input (and out) may be written by the previous kernel (PDL)
+
+    // consumer's tile: its weight, rows and the blocks of its two rows
+    GtW ct;
+    u32 ea = 0, eb = 0;  // first chunk of rows g and g + 8, counted over the matrix
+    float off = 0.0f;
+    const float* c2 = c2s;
+    auto consumer_tile = [&](int tile) {
+        ct = weight_of(tile);
+        const i64 r = (tile - ct.tile0) * 16 + g;
+        ea = (u32)(min(r, ct.n - 1) * C);
+        eb = (u32)(min(r + 8, ct.n - 1) * C);
+        off = NESTED ? ldg_f32(ct.offset) : 0.0f;
+        c2 = c2s + ct.gi * kDynCodes;
+    };
+    // raw scale data of a stage: lane (g, c) loads those of chunks c + 4 i (i < kGtSc) of rows g
+    // and g + 8; a chunk's scales reach the quad's other lanes by shuffles
+    u32 sq[kGtSc][2];
+    float s2[NESTED ? kGtSc : 1][2];
+    auto load_scales = [&](const Cursor& q) {
+        if (q.left <= 0) return;
+#pragma unroll
+        for (int i = 0; i < kGtSc; ++i) {
+            const u32 uu = (u32)(q.j + min(c + 4 * i, q.nch - 1));
+            const u32 ba = (ea + uu) >> bsh, bb = (eb + uu) >> bsh;
+            if constexpr (NESTED) {
+                sq[i][0] = ldg_u8(ct.absmax + ba);
+                sq[i][1] = ldg_u8(ct.absmax + bb);
+                s2[i][0] = ldg_f32(ct.absmax2 + (ba >> kNestLog2));
+                s2[i][1] = ldg_f32(ct.absmax2 + (bb >> kNestLog2));
+            } else {
+                sq[i][0] = ldg_u32(reinterpret_cast<const float*>(ct.absmax) + ba);
+                sq[i][1] = ldg_u32(reinterpret_cast<const float*>(ct.absmax) + bb);
+            }
+        }
+    };
+    if (cq.left > 0) {
+        consumer_tile(cq.tile);
+        load_scales(cq);
+    }
+
+    float acc[NB][4];
+#pragma unroll
+    for (int h = 0; h < NB; ++h) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.0f;
+    float keep[NB][4];
+    bool have_keep = false;
+    int last_slot = -1, nseg = 0;
+    int s = 0;
+    int seg_j0 = cq.j;  // first chunk of the current segment
+    while (cq.left > 0) {
+        float sc[kGtSc][2];  // this lane's chunks' scales (c + 4 i), rows g and g + 8
+#pragma unroll
+        for (int i = 0; i < kGtSc; ++i)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                sc[i][r] = NESTED ? __fadd_rn(__fmul_rn(c2[sq[i][r]], s2[i][r]), off) : __uint_as_float(sq[i][r]);
+        const int tile = cq.tile, j = cq.j, nch = cq.nch;
+        const GtW wt = ct;
+        const bool new_tile = advance(cq);  // cq is the next stage now
+        if (new_tile && cq.left > 0) consumer_tile(cq.tile);
+        load_scales(cq);
+
+        cp_async_wait<S - 1>();
+        __syncwarp();
+        const u32 slot = wring + s * kGtSlot + 8 * c;
+        // one chunk: weights from the slot, inputs, decode, mma, the scaled accumulation
+        auto run_chunk = [&](const int u) {
+            u32 wq[4];
+            gt_lds_v2(slot + g * kGtPitch + 32 * u, wq[0], wq[1]);
+            gt_lds_v2(slot + (g + 8) * kGtPitch + 32 * u, wq[2], wq[3]);
+            const int e = (j + u) * 64;
+            u32 x[NB][8];
+#pragma unroll
+            for (int h = 0; h < NB; ++h) {
+                ldg_v4(arow[h] + e, x[h][0], x[h][1], x[h][2], x[h][3]);
+                ldg_v4(arow[h] + e + 8, x[h][4], x[h][5], x[h][6], x[h][7]);
+            }
+            float d[NB][4];
+#pragma unroll
+            for (int h = 0; h < NB; ++h) d[h][0] = d[h][1] = d[h][2] = d[h][3] = 0.0f;
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                const u32 wa = wq[m >> 1], wb = wq[2 + (m >> 1)];
+                u32 af[4];
+                if (m & 1) {
+                    af[0] = gt_pair<2>(wa, lutx);
+                    af[1] = gt_pair<2>(wb, lutx);
+                    af[2] = gt_pair<3>(wa, lutx);
+                    af[3] = gt_pair<3>(wb, lutx);
+                } else {
+                    af[0] = gt_pair<0>(wa, lutx);
+                    af[1] = gt_pair<0>(wb, lutx);
+                    af[2] = gt_pair<1>(wa, lutx);
+                    af[3] = gt_pair<1>(wb, lutx);
+                }
+#pragma unroll
+                for (int h = 0; h < NB; ++h) mma_16816<T>(d[h], af, x[h][2 * m], x[h][2 * m + 1]);
+            }
+            static_assert(kGtSc == 2, "the scale selects below take two chunk sets");
+            const float sa = __shfl_sync(kFullMask, u < 4 ? sc[0][0] : sc[1][0], (lane & ~3) | (u & 3));
+            const float sb = __shfl_sync(kFullMask, u < 4 ? sc[0][1] : sc[1][1], (lane & ~3) | (u & 3));
+#pragma unroll
+            for (int h = 0; h < NB; ++h) {
+                acc[h][0] = fmaf(d[h][0], sa, acc[h][0]);
+                acc[h][1] = fmaf(d[h][1], sa, acc[h][1]);
+                acc[h][2] = fmaf(d[h][2], sb, acc[h][2]);
+                acc[h][3] = fmaf(d[h][3], sb, acc[h][3]);
+            }
+                };
+        if (nch == CH) {  // a whole stage: chunks in pairs with no branch between them (they interleave)
+#pragma unroll 1
+            for (int u = 0; u < CH; u += 2) {
+                run_chunk(u);
+                run_chunk(u + 1);
+            }
+        } else {
+#pragma unroll 1
+            for (int u = 0; u < nch; ++u) run_chunk(u);  // uniform over the warp: the shuffles stay full
+        }
+        __syncwarp();  // every lane has read the slot: refill it
+        issue(pq, s);
+        if (pq.left > 0 && advance(pq) && pq.left > 0) producer_tile(pq.tile);
+        s = s + 1 == S ? 0 : s + 1;
+
+        if (cq.left <= 0 || new_tile) {  // the segment ends: its result
+            const bool whole = seg_j0 == 0 && j + nch == Ci;
+            if (whole) {
+                // C fragment (row g, col 2c), (g, 2c + 1), (g + 8, 2c), (g + 8, 2c + 1)
+                const i64 r0 = (tile - wt.tile0) * 16 + g;
+#pragma unroll
+                for (int h = 0; h < NB; ++h)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const int col = 8 * h + 2 * c + (r & 1);
+                        const i64 row = r0 + 8 * (r >> 1);
+                        if (col < batch && row < wt.n) out[col * ldo + wt.col0 + row] = T::from_f(acc[h][r]);
+                    }
+            } else if (nseg == 0 && cq.left > 0) {  // the range's first piece: kept for the end
+#pragma unroll
+                for (int h = 0; h < NB; ++h)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) keep[h][r] = acc[h][r];
+                have_keep = true;
+                if (lane == 0) ptile[2 * warp] = tile;
+            } else {  // the range's last piece: stays in acc
+                last_slot = nseg == 0 ? 0 : 1;
+                if (lane == 0) ptile[2 * warp + last_slot] = tile;
+            }
+            ++nseg;
+            if (cq.left > 0) {
+#pragma unroll
+                for (int h = 0; h < NB; ++h) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.0f;
+            }
+            seg_j0 = 0;
+        }
+    }
+    // the pieces go to the warp's ring, drained now
+    cp_async_wait<0>();
+    __syncwarp();
+    {
+        float* part = reinterpret_cast<float*>(wring_p);
+#pragma unroll
+        for (int h = 0; h < NB; ++h)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                if (have_keep) part[h * 128 + 4 * lane + r] = keep[h][r];
+                if (last_slot >= 0) part[last_slot * G::kPart + h * 128 + 4 * lane + r] = acc[h][r];
+            }
+    }
     grid_dep_launch();
     __syncthreads();
-    // tiles shared by warps: add the pieces in warp order
-    for (int idx = threadIdx.x; idx < 2 * kGtWarps * G::kPart; idx += blockDim.x) {
-        const int ws = idx / G::kPart, e = idx % G::kPart;  // the piece (warp, slot) this thread may lead
-        const i64 tile = ptile[ws];
-        if (tile < 0) continue;
-        // the leader is the first piece of the tile (the pieces' tiles never decrease with the
-        // index; unused slots hold -1)
-        int prev = ws - 1;
-        while (prev >= 0 && ptile[prev] < 0) --prev;
-        if (prev >= 0 && ptile[prev] == tile) continue;
-        float sum = part[ws * G::kPart + e];
-        for (int k = ws + 1; k < 2 * kGtWarps; ++k) {
-            const i64 tk = ptile[k];
-            if (tk == tile) sum += part[k * G::kPart + e];
-            else if (tk >= 0) break;
+    // tiles shared by warps: the pieces added in warp order. A tile's pieces are the entries of
+    // consecutive warps (unused entries hold -1); entry k links to the tile's next piece.
+    int* link = reinterpret_cast<int*>(ptile + 2 * kGtWarps);  // [2 kGtWarps]: next piece, or -1
+    if (threadIdx.x < 2 * kGtWarps) {
+        const int k = threadIdx.x;
+        const i64 tile = ptile[k];
+        int nx = -1;
+        for (int q = k + 1; q < 2 * kGtWarps && tile >= 0; ++q) {
+            const i64 tq = ptile[q];
+            if (tq == tile) {
+                nx = q;
+                break;
+            }
+            if (tq >= 0) break;
         }
+        int prev = k - 1;
+        while (prev >= 0 && ptile[prev] < 0) --prev;
+        const bool lead = tile >= 0 && !(prev >= 0 && ptile[prev] == tile);
+        link[k] = tile < 0 ? -1 : (lead ? nx | 0x100 : nx);  // bit 8: the tile's first piece
+    }
+    __syncthreads();
+    auto part_of = [&](int k, int e) {
+        const int w = k >> 1;
+        const u8* ring = w < nfront ? ring_front + w * kGtRing : ring_back + (w - nfront) * kGtRing;
+        return reinterpret_cast<const float*>(ring)[(k & 1) * G::kPart + e];
+    };
+    for (int idx = threadIdx.x; idx < 2 * kGtWarps * G::kPart; idx += blockDim.x) {
+        const int ws = idx / G::kPart, e = idx % G::kPart;
+        const int l = link[ws];
+        if (l < 0 || !(l & 0x100)) continue;  // not the first piece of a tile
+        float sum = part_of(ws, e);
+        for (int k = (l & 0xff) == 0xff ? -1 : l & 0xff; k >= 0;) {
+            sum += part_of(k, e);
+            const int lk = link[k] & 0xff;
+            k = lk == 0xff ? -1 : lk;
+        }
+        const i64 tile = ptile[ws];
         const GtW wt = weight_of(tile);
         const int h = e >> 7, ln = (e >> 2) & 31, r = e & 3;
         const int col = 8 * h + 2 * (ln & 3) + (r & 1);
@@ -302,7 +443,6 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
     }
 #endif
 }
-
 #undef QC_GT_GROUP_PARAMS
 
 }  // namespace qc

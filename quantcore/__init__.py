@@ -25,6 +25,7 @@ from .api import (  # noqa: E402
     gemm_q4_0_q8_1,
     gemm_w4a8,
     gemv_4bit,
+    gemv_4bit_grouped,
     quantize_4bit,
     quantize_blockwise,
     quantize_q4_0,
@@ -61,7 +62,7 @@ __all__ = [
     "KernelError", "Nested", "ParameterError", "QuantState", "QuantcoreError", "ShapeError",
     "StateError", "UnsupportedError", "available_backends", "backend_names", "dequantize_4bit",
     "dequantize_blockwise", "dequantize_q4_0", "dequantize_q8_0", "dequantize_q8_1",
-    "gemm_q4_0_q8_1", "gemm_w4a8", "gemv_4bit", "get_backend", "quantize_4bit",
+    "gemm_q4_0_q8_1", "gemm_w4a8", "gemv_4bit", "gemv_4bit_grouped", "get_backend", "quantize_4bit",
     "quantize_blockwise", "quantize_q4_0", "quantize_q8_0", "quantize_q8_1", "register_backend",
     "set_backend", "unregister_backend", "use_backend", "__version__",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,7 @@ import numpy as np
 from . import validate as v
 from .arrays import array_kind, as_dtype, device_of, meta
 from .backend import Backend, Nested
-from .errors import ParameterError, ShapeError, StateError
+from .errors import ParameterError, ShapeError, StateError, UnsupportedError
 from .formats import bnb, ggml
 from .registry import get_backend
 from .state import QuantState
@@ -223,6 +224,73 @@ def gemv_4bit(A: Any, packed: Any, state: QuantState, *, backend: str | Backend 
     if EAGER_PLANS:
         _keep_plan("gemv_4bit", be, state, (A, packed, state), n=n, k=k)
     return res
+
+
+def gemv_4bit_grouped(A: Any, weights: Sequence[tuple[Any, QuantState]], *,
+                      backend: str | Backend | None = None) -> Any:
+    """Several 4-bit weights that share one input (an attention layer's q / k / v, an MLP's gate /
+    up) in one call: A [..., K] and ``weights`` [(packed_i, state_i)] with states of shape
+    [N_i, K] -> [..., N_1 + N_2 + ...] in A's dtype, equal to the concatenation of
+    ``gemv_4bit(A, packed_i, state_i)`` along the last dimension (each block within gemv_4bit's
+    tolerance). A backend that implements the grouped kernel-level op reads every weight in one
+    launch (cuda: up to 4 weights of one quant type, blocksize and nestedness per launch); the
+    others run gemv_4bit per weight and concatenate.
+    """
+    be = _backend(backend)
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence) or len(weights) == 0:
+        raise ParameterError("weights must be a non-empty sequence of (packed, QuantState) pairs, got "
+                             f"{v.describe(weights)}")
+    shape, dt = v.float_array(A, "A")
+    geo = []
+    for i, pair in enumerate(weights):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ParameterError(f"weights[{i}] must be a (packed, QuantState) pair, got {v.describe(pair)}")
+        packed, state = pair
+        _check_packed(packed, state)
+        wshape, blocksize = _geometry(state)
+        if len(wshape) != 2:
+            raise ShapeError(f"weights[{i}]: gemv_4bit_grouped needs 2-D weight states [N, K], got shape {wshape}")
+        geo.append((wshape[0], wshape[1], blocksize))
+    k = geo[0][1]
+    if any(g[1] != k for g in geo):
+        raise ShapeError(f"the weights must share K (the input's length), got shapes {[g[:2] for g in geo]}")
+    if len(shape) == 0 or shape[-1] != k:
+        raise ShapeError(f"A must have shape [..., K] with K = {k} (the weights'), got shape {shape}")
+    for (_, _, blocksize), (_, state) in zip(geo, weights):
+        be.require("gemv_4bit", state.quant_type, dt, blocksize)
+    rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+    ntot = sum(g[0] for g in geo)
+    lead = tuple(shape[:-1])
+    if type(be).gemv_4bit_grouped is Backend.gemv_4bit_grouped:
+        return concat_last([gemv_4bit(A, p, st, backend=be) for p, st in weights])
+    an = be.prepare(A)
+    out = be.empty((rows, ntot), as_dtype(dt), like=an)
+    if rows > 0 and ntot > 0:
+        groups = [(be.prepare(p), be.prepare(st.absmax), _nested(be, st), g[0], g[2], st.quant_type)
+                  for (p, st), g in zip(weights, geo)]
+        be.gemv_4bit_grouped(an, groups, out, k=k)
+    return be.finish(out, A).reshape(lead + (ntot,))
+
+
+def concat_last(results: Sequence[Any]) -> Any:
+    """Arrays of one kind (numpy, torch, CuPy, or any array-API namespace such as dpctl.tensor)
+    concatenated along the last dimension."""
+    first = results[0]
+    if isinstance(first, np.ndarray):
+        return np.concatenate(results, axis=-1)
+    mod = type(first).__module__.split(".")[0]
+    if mod == "torch":
+        import torch
+
+        return torch.cat(list(results), dim=-1)
+    if mod == "cupy":
+        import cupy
+
+        return cupy.concatenate(results, axis=-1)
+    ns = getattr(first, "__array_namespace__", None)
+    if ns is not None:
+        return ns().concat(list(results), axis=-1)
+    raise UnsupportedError(f"cannot concatenate arrays of type {type(first).__name__}")
 
 
 def bind_gemv_4bit(A: Any, packed: Any, state: QuantState, *, backend: str | Backend | None = None) -> Any:

@@ -162,6 +162,13 @@ class Backend:
         """a [B, K] float, weight [N, K] 4-bit -> out [B, N] in a's dtype (fp32 accumulation)."""
         raise NotImplementedError
 
+    def gemv_4bit_grouped(self, a, groups, out, *, k: int) -> None:
+        """Optional (``quantcore.gemv_4bit_grouped`` runs gemv_4bit per weight and concatenates
+        where a backend leaves this out): a [B, K] float and ``groups`` [(packed, absmax, nested,
+        n, blocksize, quant_type)] -> out [B, sum n] in a's dtype, group i's gemv_4bit in columns
+        [n_0 + ... + n_{i-1}, + n_i)."""
+        raise NotImplementedError
+
     # ggml family
     def quantize_q4_0(self, w, out) -> None:
         """w [R, K] float -> out uint8 [R, K/32, 18]."""

@@ -57,7 +57,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                  rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
 }
 #: variant -> quantcore.nn format (the qc-* ones); bf16 and bnb-* are built here
-QC_FORMATS = {"qc-nf4": "nf4", "qc-q4_0": "q4_0", "qc-mxfp4": "mxfp4", "qc-fp4": "fp4", "qc-nvfp4": "nvfp4"}
+QC_FORMATS = {"qc-nf4": "nf4", "qc-q4_0": "q4_0", "qc-mxfp4": "mxfp4", "qc-fp4": "fp4", "qc-nvfp4": "nvfp4",
+              "qc-nf4-grouped": "nf4"}
+#: the qc-* variants whose q/k/v and gate/up run as grouped gemvs (quantcore.nn.group_linears)
+QC_GROUPED = ("qc-nf4-grouped",)
 BNB_FORMATS = {"bnb-nf4": "nf4", "bnb-fp4": "fp4"}
 DEFAULT_VARIANTS = ("bf16", "bnb-nf4", "qc-nf4", "qc-q4_0", "qc-mxfp4")
 ALL_VARIANTS = ("bf16", *BNB_FORMATS, *QC_FORMATS)
@@ -406,6 +409,11 @@ class Runner:
                 self.log(f"{variant}: quantizing {len(names)} linear layers with quantcore.nn.quantize_model"
                          f"(fmt={QC_FORMATS[variant]!r}, skip=('lm_head',))")
                 model = quantize_qc(model, QC_FORMATS[variant])
+                if variant in QC_GROUPED:
+                    import quantcore.nn as qnn  # noqa: PLC0415
+
+                    self.log(f"{variant}: {qnn.group_linears(model)} groups (q/k/v, gate/up) made with "
+                             "quantcore.nn.group_linears")
             gc.collect()
             self.clock.sync()
             r.quantize_s = time.perf_counter() - t

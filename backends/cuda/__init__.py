@@ -495,6 +495,34 @@ class CudaBackend(Backend):
         launch(*_gemv_launch(launch.device, a, packed, absmax, out, rows=rows, n=n, k=k, blocksize=blocksize,
                              quant_type=quant_type, nested=nested)[:6])
 
+    def gemv_4bit_grouped(self, a, groups, out, *, k):
+        rows = rt.numel(a) // k
+        ntot = sum(g[3] for g in groups)
+        if rows == 0 or ntot == 0:
+            return
+        launch = Launcher(a)
+        dev, dt = launch.device, dtype_name(a.dtype)
+        col, i = 0, 0
+        while i < len(groups):
+            p, am, nst, n, bs, qt = groups[i]
+            if _gemv_tc_applies(dev, dt, a, [p], rows, k, bs):
+                # the following weights of the same kind go in the same launch (at most _GT_GROUPS)
+                j = i + 1
+                while (j < len(groups) and j - i < _GT_GROUPS and groups[j][4:] == (bs, qt)
+                       and (groups[j][2] is None) == (nst is None)
+                       and _gemv_tc_applies(dev, dt, a, [groups[j][0]], rows, k, bs)):
+                    j += 1
+                ws = [g[:4] for g in groups[i:j]]
+                launch(*_gemv_tc_launch(dev, a, ws, out[:, col:], rows=rows, k=k, blocksize=bs, quant_type=qt,
+                                        ldo=ntot)[:6])
+            else:
+                j = i + 1
+                tmp = self.empty((rows, n), as_dtype(dt), like=a)
+                self.gemv_4bit(a, p, am, tmp, n=n, k=k, blocksize=bs, quant_type=qt, nested=nst)
+                out[:, col:col + n] = tmp
+            col += sum(g[3] for g in groups[i:j])
+            i = j
+
     def plan_gemv_4bit(self, A, packed, state, *, previous, n, k):
         """A launch plan for repeated public ``gemv_4bit`` calls (see ``quantcore.api.EAGER_PLANS``):
         torch CUDA tensors only; None where the call is not planned (the full path runs)."""
@@ -776,24 +804,25 @@ def create() -> CudaBackend:
 _GEMV_SLOTS = (0, 6)
 # bnb_gemv_tc.cu: warps per CTA, weights per launch, input rows per launch; a and out are
 # parameters 0 and 1 + 6 * _GT_GROUPS
-_GT_WARPS, _GT_GROUPS, _GT_ROWS = 16, 4, 16
+_GT_WARPS, _GT_GROUPS = 16, 4
 _GT_SLOTS = (0, 1 + 6 * _GT_GROUPS)
+_GT_RING = 2 * 16 * (32 * 8 + 32)  # kGtStages x 16 rows x kGtPitch
 
 
 def _gt_smem(nb: int, device: int) -> int:
     """Dynamic shared memory of the decode gemv: its 64 KiB table must start on a 64 KiB boundary of
     the shared window (the kernel places its small arrays around that boundary and checks the fit):
     the device's maximum, which covers the worst placement."""
-    need = 65536 + 4 * _GT_GROUPS * bnb.DYNAMIC_MAP.size + 4 * _GT_WARPS * 2 * nb * 128 + 8 * _GT_WARPS * 2
-    return max(need + 65536, int(rt.device_props(device).get("sharedMemPerBlockOptin", 0)))
+    need = 65536 + 4 * _GT_GROUPS * bnb.DYNAMIC_MAP.size + 12 * _GT_WARPS * 2 + _GT_WARPS * _GT_RING
+    return max(need + _GT_RING, int(rt.device_props(device).get("sharedMemPerBlockOptin", 0)))
 
 
 def _gemv_tc_applies(device: int, dt: str, a: Any, packeds: list, rows: int, k: int, blocksize: int) -> bool:
-    """Does the decode kernel (bnb_gemv_tc.cu) take this call? fp16 / bf16 input of at most 16 rows,
-    64-element chunks inside blocks, 16-byte input rows and 8-byte weight rows, sm_90."""
-    return (dt != "float32" and 0 < rows <= _GT_ROWS and k % 64 == 0 and blocksize >= 64
+    """Does the decode kernel (bnb_gemv_tc.cu) take this call? fp16 / bf16 input (16 rows per
+    weight pass), 64-element chunks inside blocks, 16-byte input rows and 8-byte weight rows, sm_90."""
+    return (dt != "float32" and rows > 0 and k % 64 == 0 and blocksize >= 64
             and aligned(a, 16) and all(aligned(p, 8) for p in packeds) and rt.device_arch(device) >= 90
-            and rt.tune("gemv_kernel", 0) == 0)
+            and all(rt.numel(p) * 2 // 64 < 1 << 31 for p in packeds) and rt.tune("gemv_kernel", 0) == 0)
 
 
 def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, ldo):
@@ -813,7 +842,7 @@ def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, 
              i32(len(weights))]
     ntiles = sum(_cdiv(w[3], 16) for w in weights)
     nb = 1 if rows <= 8 else 2
-    grid = (max(1, min(ntiles, rt.sm_count(device))),)
+    grid = (max(1, min(ntiles, rt.sm_count(device))), _cdiv(rows, 8 * nb))
     return (_FT, _gemv_tc(_tag(a), quant_type, nested, nb), grid, 32 * _GT_WARPS, tuple(args),
             _gt_smem(nb, device), _GT_SLOTS)
 

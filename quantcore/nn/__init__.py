@@ -167,6 +167,11 @@ class Linear4bit(nn.Module):
         return p["weight"], b["absmax"], b["nested_absmax"], b["nested_quant_map"], b["offset"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.__dict__.get("_qc_group")  # quantcore.nn.group_linears
+        if group is not None:
+            y = group.forward(self, x)
+            if y is not None:
+                return y
         inp = x if self.compute_dtype is None else x.to(self.compute_dtype)
         bias = self._parameters.get("bias")  # absent when built without a bias
         if _eager(x, bias):
@@ -422,5 +427,8 @@ def quantized_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, (Linear4bit, LinearQ4_0, LinearFP4))]
 
 
-__all__ = ["FORMATS", "Linear4bit", "LinearFP4", "LinearQ4_0", "quantize_model", "quantized_modules",
+__all__ = ["FORMATS", "Linear4bit", "LinearFP4", "LinearGroup", "LinearQ4_0", "group_linears", "quantize_model",
+           "quantized_modules", "ungroup_linears",
            "replace_linear"]
+
+from .grouped import LinearGroup, group_linears, ungroup_linears  # noqa: E402

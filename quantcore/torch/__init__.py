@@ -100,6 +100,8 @@ def _moved(be: Any, obj: Any) -> Any:
 
     if isinstance(obj, torch.Tensor):
         return be.from_numpy(torch_to_numpy(obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_moved(be, o) for o in obj)
     if isinstance(obj, QuantState):
         return QuantState(absmax=_moved(be, obj.absmax), shape=obj.shape, code=_moved(be, obj.code),
                           blocksize=obj.blocksize, quant_type=obj.quant_type, dtype=obj.dtype,
@@ -243,6 +245,26 @@ def _gemv_4bit_fake(A, packed, absmax, absmax2, code2, offset, n, k, blocksize, 
 
 _define(f"gemv_4bit(Tensor A, {_STATE_ARGS}, int n, int k, int blocksize, str quant_type) -> Tensor",
         _gemv_4bit, _gemv_4bit_fake)
+
+
+def _gemv_4bit_grouped(A, packed, absmax, absmax2, code2, offset, n, k, blocksize, quant_type):
+    if not (len(packed) == len(absmax) == len(absmax2) == len(code2) == len(offset) == len(n)) or not packed:
+        raise ParameterError("gemv_4bit_grouped takes one packed, absmax, absmax2, code2, offset and n per "
+                             f"weight (at least one), got {len(packed)}, {len(absmax)}, {len(absmax2)}, "
+                             f"{len(code2)}, {len(offset)}, {len(n)}")
+    weights = [(p, state_of(p, am, a2, c2, off, (ni, k), blocksize, quant_type))
+               for p, am, a2, c2, off, ni in zip(packed, absmax, absmax2, code2, offset, n)]
+    return _run(A.device, api.gemv_4bit_grouped, (A, weights))
+
+
+def _gemv_4bit_grouped_fake(A, packed, absmax, absmax2, code2, offset, n, k, blocksize, quant_type):
+    _check_float(A, "A")
+    return A.new_empty(tuple(A.shape[:-1]) + (sum(n),))
+
+
+_define("gemv_4bit_grouped(Tensor A, Tensor[] packed, Tensor[] absmax, Tensor?[] absmax2, Tensor?[] code2, "
+        "Tensor?[] offset, int[] n, int k, int blocksize, str quant_type) -> Tensor",
+        _gemv_4bit_grouped, _gemv_4bit_grouped_fake)
 
 
 # -- linear_4bit ----------------------------------------------------------------------------------------

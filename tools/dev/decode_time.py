@@ -126,6 +126,29 @@ def main() -> None:
             outs = {n: torch.empty(b, n, device="cuda", dtype=torch.bfloat16) for n in (4096, 1024, 14336)}
             nbytes = sum(p.numel() + s.absmax.numel() + 4 * s.state2.absmax.numel() for layer in packs for p, s, _, _ in layer)
             cells = []
+            # grouped: q/k/v and gate/up as one launch each (the layer's 7 linears in 4 launches)
+            gins = {k: ins[k] for k in ins}
+            gouts = {6144: torch.empty(b, 6144, device="cuda", dtype=torch.bfloat16),
+                     28672: torch.empty(b, 28672, device="cuda", dtype=torch.bfloat16)}
+
+            def gstep():
+                for layer in packs:
+                    (pq, sq, _, _), (pk, sk, _, _), (pv, sv, _, _), o, (pg, sg, _, _), (pu, su, _, _), d = layer
+                    be.gemv_4bit_grouped(gins[4096], [(pq, sq.absmax, nested(sq), 4096, 64, args.qt),
+                                                      (pk, sk.absmax, nested(sk), 1024, 64, args.qt),
+                                                      (pv, sv.absmax, nested(sv), 1024, 64, args.qt)],
+                                         gouts[6144], k=4096)
+                    for p, s, n, k in (o,):
+                        be.gemv_4bit(ins[k], p, s.absmax, outs[n], n=n, k=k, blocksize=64, quant_type=args.qt,
+                                     nested=nested(s))
+                    be.gemv_4bit_grouped(gins[4096], [(pg, sg.absmax, nested(sg), 14336, 64, args.qt),
+                                                      (pu, su.absmax, nested(su), 14336, 64, args.qt)],
+                                         gouts[28672], k=4096)
+                    p, s, n, k = d
+                    be.gemv_4bit(ins[k], p, s.absmax, outs[n], n=n, k=k, blocksize=64, quant_type=args.qt,
+                                 nested=nested(s))
+            tg = graph_time(gstep, reps=5)
+            cells.append(f"grouped {tg / 1e3:6.3f}ms {100 * nbytes / tg / 1e3 / copy:4.1f}%")
             for tune in args.tunes:
                 os.environ["QUANTCORE_CUDA_TUNE"] = tune
 

@@ -445,6 +445,39 @@ def _api_gemv(cap: Capability, be: Backend, rng: np.random.Generator) -> Verdict
     return v
 
 
+def _api_gemv_grouped(cap: Capability, rows: int, nested: bool, be: Backend, rng: np.random.Generator) -> Verdict:
+    """gemv_4bit_grouped through the public API: three weights of one K (N 33, 9, 17: partial tiles)
+    and ``rows`` input rows; each column block against its own weight's bound."""
+    v = Verdict()
+    k = 3 * cap.blocksize if cap.blocksize <= 512 else cap.blocksize
+    ns = (33, 9, 17)
+    a = cast(rng.standard_normal((rows, k)), DTYPES[cap.dtype])
+    weights, refs = [], []
+    for n in ns:
+        inputs, _, w64 = _gemv_operands(rng, cap, n, k, nested, (1, k))
+        state2 = offset = None
+        if nested:
+            state2 = QuantState(absmax=be.from_numpy(inputs["absmax2"]), code=be.from_numpy(inputs["code2"]),
+                                blocksize=bnb.NESTED_BLOCKSIZE, dtype="float32")
+            offset = be.from_numpy(inputs["offset"])
+        state = QuantState(absmax=be.from_numpy(inputs["absmax"]), shape=(n, k),
+                           code=be.from_numpy(bnb.code_4bit(cap.fmt)), blocksize=cap.blocksize,
+                           quant_type=cap.fmt, dtype=cap.dtype, offset=offset, state2=state2)
+        weights.append((be.from_numpy(inputs["packed"]), state))
+        refs.append(bounds.gemv_4bit(a.astype(np.float64), w64, cap.dtype))
+    out = api.gemv_4bit_grouped(be.from_numpy(a), weights, backend=be)
+    got = np.asarray(be.to_numpy(out))
+    if got.shape != (rows, sum(ns)):
+        v.fail(TOLERANCE, f"gemv_4bit_grouped returned shape {got.shape}, expected {(rows, sum(ns))}")
+        return v
+    col = 0
+    for i, (n, (ref, bound)) in enumerate(zip(ns, refs)):
+        name = f"out[:, weight {i}]"
+        compare_tolerance(name, [{name: got[:, col:col + n]}], ref, bound, None, v)
+        col += n
+    return v
+
+
 def _api_blockwise(cap: Capability, be: Backend, rng: np.random.Generator) -> Verdict:
     v = Verdict()
     x = cast(scaled_normal(rng, 2 * 3 * cap.blocksize + 10, cap.blocksize), DTYPES[cap.dtype])
@@ -651,6 +684,10 @@ def _api_cases(declared: frozenset[Capability]) -> Iterable[Case]:
     for cap in _first_per_dtype(declared, "gemv_4bit"):
         yield Case(f"bnb/gemv_4bit/{cap.fmt}/{cap.dtype}/bs{cap.blocksize}/api-A-3d", TOLERANCE, cap,
                    partial(_api_gemv, cap))
+        for rows, nested in ((1, True), (5, False), (16, True), (19, True)):
+            tag = "-nested" if nested else ""
+            yield Case(f"bnb/gemv_4bit/{cap.fmt}/{cap.dtype}/bs{cap.blocksize}/api-grouped-B{rows}{tag}", TOLERANCE,
+                       cap, partial(_api_gemv_grouped, cap, rows, nested))
     for cap in _first_per_dtype(declared, "quantize_blockwise"):
         need = (Capability("dequantize_blockwise", cap.fmt, cap.dtype, cap.blocksize),)
         if all(c in declared for c in need):

@@ -1,0 +1,114 @@
+"""One launch for the 4-bit linears that read the same input (an attention layer's q / k / v, an
+MLP's gate / up): :func:`group_linears` ties such :class:`~quantcore.nn.Linear4bit` siblings
+together without changing the model's structure or its checkpoint keys.
+
+The first member called with an input computes every member's output with
+``torch.ops.quantcore.gemv_4bit_grouped`` (the cuda backend reads all the weights in one kernel)
+and keeps the others' outputs for that same input tensor; each following member called with the
+same tensor takes its part. Anything else (another input, more rows than the gemv path takes, an
+input that needs gradients) runs the member alone, so results never depend on call order: each
+column block is the member's own gemv_4bit result within the tolerance tier (on the cuda backend
+the grouped kernel splits K across warps by the group's total size, so the bits may differ from a
+single-weight launch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from .. import torch as qct
+from ..errors import ParameterError
+
+#: sibling names grouped by default: Llama / Mistral / Qwen attention and MLP projections
+DEFAULT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class LinearGroup:
+    """Linear4bit modules that share an input; see the module docstring. Held by each member
+    (``member._qc_group``); not a module, so the model's state dict is unchanged."""
+
+    def __init__(self, members: list[nn.Module]):
+        first = members[0]
+        for m in members[1:]:
+            same = (m.in_features == first.in_features and m.blocksize == first.blocksize
+                    and m.quant_type == first.quant_type and m.compress_statistics == first.compress_statistics
+                    and m.compute_dtype == first.compute_dtype and m.weight.device == first.weight.device)
+            if not same:
+                raise ParameterError("grouped Linear4bit modules must share in_features, blocksize, quant_type, "
+                                     "compress_statistics, compute_dtype and device")
+        self.members = list(members)
+        self.sizes = [m.out_features for m in members]
+        self._x: torch.Tensor | None = None
+        self._outs: list[torch.Tensor | None] = []
+
+    def _compute(self, x: torch.Tensor) -> list[torch.Tensor]:
+        first = self.members[0]
+        inp = x if first.compute_dtype is None else x.to(first.compute_dtype)
+        inp = inp if inp.is_contiguous() else inp.contiguous()
+        args = [m._state_args() for m in self.members]
+        y = torch.ops.quantcore.gemv_4bit_grouped(
+            inp, [a[0] for a in args], [a[1] for a in args], [a[2] for a in args], [a[3] for a in args],
+            [a[4] for a in args], self.sizes, first.in_features, first.blocksize, first.quant_type)
+        outs = []
+        for m, part in zip(self.members, torch.split(y, self.sizes, dim=-1)):
+            bias = m._parameters.get("bias")
+            if bias is not None:
+                part = part + bias.to(part.dtype)
+            outs.append(part if part.dtype == x.dtype else part.to(x.dtype))
+        return outs
+
+    def forward(self, member: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """``member``'s output for ``x`` from a grouped call, or None where ``member`` should run alone."""
+        rows = qct._rows(x)
+        if not 0 < rows <= qct.GEMV_MAX_ROWS or x.shape[-1] != self.members[0].in_features:
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or any(
+                p is not None and p.requires_grad for m in self.members for p in (m._parameters.get("bias"),))):
+            return None  # the grouped op builds no autograd graph
+        i = next(j for j, m in enumerate(self.members) if m is member)
+        if self._x is x and self._outs[i] is not None:
+            out = self._outs[i]
+            self._outs[i] = None
+            if all(o is None for o in self._outs):
+                self._x = None
+            return out
+        outs = self._compute(x)
+        out = outs[i]
+        outs[i] = None
+        self._x, self._outs = x, outs
+        return out
+
+
+def group_linears(model: nn.Module, groups: Iterable[Iterable[str]] = DEFAULT_GROUPS) -> int:
+    """Tie the :class:`~quantcore.nn.Linear4bit` children of every module of ``model`` named in one
+    of ``groups`` (child attribute names, e.g. ``("q_proj", "k_proj", "v_proj")``) so that they run
+    as one grouped gemv for inputs of up to ``quantcore.torch.GEMV_MAX_ROWS`` rows. Returns the
+    number of groups made. Children missing, not Linear4bit, or unlike (in_features, blocksize,
+    quant type, statistics, compute dtype, device) leave that group out. :func:`ungroup_linears`
+    undoes it."""
+    from . import Linear4bit
+
+    groups = [tuple(g) for g in groups]
+    made = 0
+    for parent in model.modules():
+        for names in groups:
+            members = [parent._modules.get(n) for n in names]
+            if len(members) < 2 or not all(isinstance(m, Linear4bit) for m in members):
+                continue
+            try:
+                group = LinearGroup(members)
+            except ParameterError:
+                continue
+            for m in members:
+                m.__dict__["_qc_group"] = group
+            made += 1
+    return made
+
+
+def ungroup_linears(model: nn.Module) -> None:
+    """Undo :func:`group_linears`: every Linear4bit runs alone again."""
+    for m in model.modules():
+        m.__dict__.pop("_qc_group", None)
