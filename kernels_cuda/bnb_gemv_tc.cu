@@ -170,9 +170,9 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
     a += (i64)blockIdx.y * (8 * NB) * K;
     out += (i64)blockIdx.y * (8 * NB) * ldo;
     batch = min(batch - (int)blockIdx.y * (8 * NB), 8 * NB);
-    const u16* arow[NB];
+    int arow[NB];  // element offsets into a (32-bit: 16 rows of K < 2^26 elements; registers are tight)
 #pragma unroll
-    for (int h = 0; h < NB; ++h) arow[h] = a + (i64)min(8 * h + g, batch - 1) * K + 16 * c;
+    for (int h = 0; h < NB; ++h) arow[h] = min(8 * h + g, batch - 1) * (int)K + 16 * c;
 
     // A stage: chunks [j, j + nch) of one tile (never crossing a tile). Producer and consumer walk
     // the warp's range with the same steps; 32-bit counts (the launcher keeps N K / 64 < 2^31).
@@ -301,8 +301,8 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
             u32 x[NB][8];
 #pragma unroll
             for (int h = 0; h < NB; ++h) {
-                ldg_v4(arow[h] + e, x[h][0], x[h][1], x[h][2], x[h][3]);
-                ldg_v4(arow[h] + e + 8, x[h][4], x[h][5], x[h][6], x[h][7]);
+                ldg_v4(a + (arow[h] + e), x[h][0], x[h][1], x[h][2], x[h][3]);
+                ldg_v4(a + (arow[h] + e + 8), x[h][4], x[h][5], x[h][6], x[h][7]);
             }
             float d[NB][4];
 #pragma unroll
@@ -336,11 +336,13 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
                 acc[h][3] = fmaf(d[h][3], sb, acc[h][3]);
             }
                 };
-        if (nch == CH) {  // a whole stage: chunks in pairs with no branch between them (they interleave)
+        if (nch == CH) {  // a whole stage: chunks in pairs (one input row block) with no branch between
+                          // them, so they interleave; two row blocks keep one chunk (registers)
+            constexpr int P = NB == 1 ? 2 : 1;
 #pragma unroll 1
-            for (int u = 0; u < CH; u += 2) {
-                run_chunk(u);
-                run_chunk(u + 1);
+            for (int u = 0; u < CH; u += P) {
+#pragma unroll
+                for (int q = 0; q < P; ++q) run_chunk(u + q);
             }
         } else {
 #pragma unroll 1

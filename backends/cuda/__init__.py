@@ -822,7 +822,8 @@ def _gemv_tc_applies(device: int, dt: str, a: Any, packeds: list, rows: int, k: 
     weight pass), 64-element chunks inside blocks, 16-byte input rows and 8-byte weight rows, sm_90."""
     return (dt != "float32" and rows > 0 and k % 64 == 0 and blocksize >= 64
             and aligned(a, 16) and all(aligned(p, 8) for p in packeds) and rt.device_arch(device) >= 90
-            and all(rt.numel(p) * 2 // 64 < 1 << 31 for p in packeds) and rt.tune("gemv_kernel", 0) == 0)
+            and all(rt.numel(p) * 2 // 64 < 1 << 31 for p in packeds) and k < 1 << 26
+            and rt.tune("gemv_kernel", 0) == 0)
 
 
 def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, ldo):
