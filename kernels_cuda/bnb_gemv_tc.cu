@@ -122,6 +122,11 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
             *reinterpret_cast<uint4*>(lw + (16 * warp + lo) * 64 + 4 * q4) = make_uint4(v, v, v, v);
         }
     }
+    // Launched as a programmatic dependent (PDL), the kernel may start while the previous one in the
+    // stream drains: everything above reads only this kernel's own constants; every argument array
+    // (the input, the weights and their statistics, which a previous kernel may have just written)
+    // is read below this wait.
+    grid_dep_wait();
     if (NESTED) {
         for (int i = threadIdx.x; i < ngroups * kDynCodes; i += blockDim.x) {
             const int q = i / kDynCodes;
@@ -227,7 +232,6 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
         issue(pq, s);
         if (pq.left > 0 && advance(pq) && pq.left > 0) producer_tile(pq.tile);
     }
-    grid_dep_wait();  // the input (and out) may be written by the previous kernel (PDL)
 
     // consumer's tile: its weight, rows and the blocks of its two rows
     GtW ct;

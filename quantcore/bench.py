@@ -119,8 +119,9 @@ class HostTimer:
 CUDA_SIZES = {
     "dequantize_4bit": [(16384, 16384), (8192, 8192), (4096, 4096)],
     "quantize_4bit": [(16384, 16384), (4096, 4096)],
-    "gemv_4bit": [(1, 16384, 16384), (1, 14336, 4096), (1, 4096, 4096), (2, 16384, 16384),
-                  (4, 16384, 16384), (8, 16384, 16384), (8, 14336, 4096)],
+    # the linear shapes of Llama-3-8B and -70B (N x K) at decode batches 1, 4, 8, 16
+    "gemv_4bit": [(b, n, k) for n, k in ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (8192, 8192),
+                                         (1024, 8192), (28672, 8192), (8192, 28672)) for b in (1, 4, 8, 16)],
     "gemm_w4a8": [(1, 4096, 14336), (2, 4096, 14336), (4, 4096, 14336), (8, 4096, 14336),
                   (1, 14336, 4096), (8, 14336, 4096)],
 }
@@ -130,6 +131,9 @@ QUICK_CUDA_SIZES = {
     "gemv_4bit": [(1, 16384, 16384), (1, 14336, 4096), (8, 16384, 16384)],
     "gemm_w4a8": [(1, 4096, 14336), (8, 4096, 14336), (1, 14336, 4096)],
 }
+# the decode step: Llama-3-8B's seven linears x 32 layers in one CUDA graph, at these batches
+CUDA_SIZES["decode_step"] = [(1,), (8,), (16,)]
+QUICK_CUDA_SIZES["decode_step"] = [(1,)]
 HOST_SIZES = {
     "dequantize_4bit": [(4096, 4096)],
     "quantize_4bit": [(4096, 4096)],
@@ -222,7 +226,7 @@ class Bench:
 
     def group(self, rows: list[Row]) -> None:
         """Speedups of the quantcore row over each peer row of one (op, shape)."""
-        qc = [r for r in rows if r.impl == "quantcore" and r.kernel_us]
+        qc = [r for r in rows if r.impl == "quantcore" and r.kernel_us]  # (decode_step: the grouped launches)
         for q in qc:
             for r in rows:
                 if r is not q and r.kernel_us:
@@ -332,6 +336,123 @@ class Bench:
             del wt
         del ws
         self.group(rows)
+
+    def graph_us(self, fn: Callable[[], Any], reps: int = 5) -> float:
+        """GPU time of ``fn`` (a sequence of launches) captured once in a CUDA graph, median of
+        ``reps`` replays."""
+        t = self.torch
+        s = t.cuda.Stream()
+        s.wait_stream(t.cuda.current_stream())
+        with t.cuda.stream(s):
+            fn()  # warm-up outside the graph: kernel builds, launch plans, allocator pools
+        t.cuda.current_stream().wait_stream(s)
+        g = t.cuda.CUDAGraph()
+        with t.cuda.graph(g):
+            fn()
+        g.replay()
+        t.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            e0, e1 = t.cuda.Event(enable_timing=True), t.cuda.Event(enable_timing=True)
+            e0.record()
+            g.replay()
+            e1.record()
+            t.cuda.synchronize()
+            times.append(e0.elapsed_time(e1) * 1e3)
+        del g
+        return statistics.median(times)
+
+    def decode_step(self, batch_t) -> None:
+        """The linear layers of one Llama-3-8B decode step (q, k, v, o, gate, up, down x 32 layers,
+        random NF4 weights, double quantization, blocksize 64) captured in one CUDA graph: quantcore
+        with q/k/v and gate/up grouped (4 launches a layer) and one launch per linear, bitsandbytes'
+        matmul_4bit, torch bf16 F.linear. Bytes: the 4-bit weights and statistics (bf16 weights for
+        torch), inputs and outputs."""
+        (b,) = batch_t
+        t = self.torch
+        layers, hid, inter = 32, 4096, 14336
+        names = (("q", 4096, hid), ("k", 1024, hid), ("v", 1024, hid), ("o", hid, 4096), ("gate", inter, hid),
+                 ("up", inter, hid), ("down", hid, inter))
+        shape = f"B{b} 32x(q,k,v,o,gate,up,down)"
+        be, qt, bs = self.be, "nf4", 64
+        self.log(f"  decode_step B{b}: quantizing 224 weights")
+        base = {}
+        for _, n, k in names:
+            if (n, k) not in base:
+                base[(n, k)] = api.quantize_4bit(self.rand((n, k), "bfloat16", 0.02), bs, qt, True, backend=be)
+        w4 = [[(base[(n, k)][0].clone(), base[(n, k)][1], n, k) for _, n, k in names] for _ in range(layers)]
+        x = {k: self.rand((b, k), "bfloat16") for k in (hid, inter)}
+        outs = {n: be.empty((b, n), as_dtype("bfloat16"), like=x[hid]) for n in (4096, 1024, inter)}
+        gout = {n: be.empty((b, n), as_dtype("bfloat16"), like=x[hid]) for n in (6144, 2 * inter)}
+        io = 2 * b * sum(n + k for _, n, k in names) * layers
+        nbytes = sum(p.numel() + _nested_bytes(n * k, bs) for layer in w4 for p, _, n, k in layer) + io
+
+        def one(p, st, n, k):
+            be.gemv_4bit(x[k], p, st.absmax, outs[n], n=n, k=k, blocksize=bs, quant_type=qt, nested=_nested(st))
+
+        def grp(members, k, out):
+            be.gemv_4bit_grouped(x[k], [(p, st.absmax, _nested(st), n, bs, qt) for p, st, n, _ in members], out, k=k)
+
+        def step_grouped():
+            for q, kk, v, o, g, u, d in w4:
+                grp((q, kk, v), hid, gout[6144])
+                one(*o)
+                grp((g, u), hid, gout[2 * inter])
+                one(*d)
+
+        def step_single():
+            for layer in w4:
+                for w in layer:
+                    one(*w)
+
+        rows = []
+        for impl, fn in (("quantcore", step_grouped), ("qc-ungrouped", step_single)):
+            rows.append(self._graph_row("decode_step", shape, impl, nbytes, fn,
+                                        "q/k/v and gate/up grouped" if impl == "quantcore" else "one launch a linear"))
+        del w4, base
+        t.cuda.empty_cache()
+        if self.bnb is not None:
+            F = self.bnb.functional
+            bq = {}
+            for _, n, k in names:
+                if (n, k) not in bq:
+                    bq[(n, k)] = F.quantize_4bit(self.rand((n, k), "bfloat16", 0.02), blocksize=bs,
+                                                 compress_statistics=True, quant_type=qt)
+            wb = [[(bq[(n, k)][0].clone(), bq[(n, k)][1], k) for _, n, k in names] for _ in range(layers)]
+
+            def step_bnb():
+                for layer in wb:
+                    for p, st, k in layer:
+                        self.bnb.matmul_4bit(x[k], p.t(), quant_state=st)
+
+            rows.append(self._graph_row("decode_step", shape, "bnb", nbytes, step_bnb))
+            del wb, bq
+            t.cuda.empty_cache()
+        wt = [[self.rand((n, k), "bfloat16", 0.02) for _, n, k in names] for _ in range(layers)]
+        lin = t.nn.functional.linear
+
+        def step_torch():
+            for layer in wt:
+                for w in layer:
+                    lin(x[w.shape[1]], w)
+
+        tbytes = sum(2 * w.numel() for layer in wt for w in layer) + io
+        rows.append(self._graph_row("decode_step", shape, "torch-bf16", tbytes, step_torch, "bf16 weight bytes"))
+        del wt
+        self.group(rows)
+
+    def _graph_row(self, op: str, shape: str, impl: str, nbytes: int, fn: Callable[[], Any], note: str = "") -> Row:
+        row = Row(op, shape, impl, nbytes, note=note)
+        try:
+            row.kernel_us = self.graph_us(fn)
+            row.gbps = nbytes / (row.kernel_us * 1e-6) / 1e9
+            if self.copy_gbps:
+                row.pct_copy = 100.0 * row.gbps / self.copy_gbps
+        except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, not fatal
+            row.note = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+        self.rows.append(row)
+        self.log(f"  {op:16s} {shape:22s} {impl:12s} {row.kernel_us or float('nan'):10.1f} us  {row.note}")
+        return row
 
     def gemm_w4a8(self, nmk) -> None:
         nn, m, k = nmk

@@ -492,8 +492,9 @@ class CudaBackend(Backend):
         if rows == 0 or n == 0:
             return
         launch = Launcher(a)
-        launch(*_gemv_launch(launch.device, a, packed, absmax, out, rows=rows, n=n, k=k, blocksize=blocksize,
-                             quant_type=quant_type, nested=nested)[:6])
+        spec = _gemv_launch(launch.device, a, packed, absmax, out, rows=rows, n=n, k=k, blocksize=blocksize,
+                            quant_type=quant_type, nested=nested)
+        launch(*spec[:6], pdl=spec[0] == _FT)
 
     def gemv_4bit_grouped(self, a, groups, out, *, k):
         rows = rt.numel(a) // k
@@ -514,7 +515,7 @@ class CudaBackend(Backend):
                     j += 1
                 ws = [g[:4] for g in groups[i:j]]
                 launch(*_gemv_tc_launch(dev, a, ws, out[:, col:], rows=rows, k=k, blocksize=bs, quant_type=qt,
-                                        ldo=ntot)[:6])
+                                        ldo=ntot)[:6], pdl=True)
             else:
                 j = i + 1
                 tmp = self.empty((rows, n), as_dtype(dt), like=a)
@@ -1099,7 +1100,7 @@ def _plan_gemv_4bit(A: Any, packed: Any, state: Any, previous: Any, n: int, k: i
         return plan  # it had this call: the thread's current context was another device's
     spec = _gemv_launch(device, A, packed, state.absmax, None, rows=rows, n=n, k=k, blocksize=state.blocksize,
                         quant_type=state.quant_type, nested=_state_nested(state))
-    launch = rt.PlannedLaunch(device, *spec[:5], shared_mem=spec[5], slots=spec[6])
+    launch = rt.PlannedLaunch(device, *spec[:5], shared_mem=spec[5], slots=spec[6], pdl=spec[0] == _FT)
     plan.add(_GemvPlan.key(A), (tuple(A.shape[:-1]) + (n,), launch))
     return plan
 

@@ -381,7 +381,11 @@ class Launcher:
         return int(self.stream.ptr) if self.stream is not None else int(cupy().cuda.get_current_stream().ptr)
 
     def __call__(self, filename: str, expr: str, grid: tuple[int, ...], block: int, args: tuple,
-                 shared_mem: int = 0) -> None:
+                 shared_mem: int = 0, pdl: bool = False) -> None:
+        stream = self.raw_stream() if pdl else None
+        if stream is not None:  # a programmatic dependent launch (see launch_pdl)
+            PlannedLaunch(self.device, filename, expr, grid, block, args, shared_mem, pdl=True)(stream)
+            return
         fn = kernel_function(self.device, filename, expr, shared_mem)
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         try:
@@ -500,10 +504,10 @@ class PlannedLaunch:
     context current (see :func:`device_context`)."""
 
     __slots__ = ("expr", "grid", "block", "shared_mem", "_fn", "_buf", "_params", "_params_ptr",
-                 "_slots", "_lock", "_launch")
+                 "_slots", "_lock", "_launch", "pdl")
 
     def __init__(self, device: int, filename: str, expr: str, grid: tuple[int, ...], block: int,
-                 args: tuple, shared_mem: int = 0, slots: tuple[int, ...] = ()):
+                 args: tuple, shared_mem: int = 0, slots: tuple[int, ...] = (), pdl: bool = False):
         fn = kernel_function(device, filename, expr, shared_mem)
         self.expr = expr
         self.grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
@@ -523,6 +527,7 @@ class PlannedLaunch:
         self._slots = tuple(ctypes.c_uint64.from_buffer(self._buf, 8 * i) for i in slots)
         self._lock = threading.Lock()  # the buffer is shared: fill and launch as one step
         self._launch = cupy().cuda.driver.launchKernel
+        self.pdl = pdl and pdl_available()
 
     def args(self) -> tuple[int, ...]:
         """The argument slots as unsigned 64-bit values (tests)."""
@@ -534,8 +539,59 @@ class PlannedLaunch:
             for slot, p in zip(self._slots, pointers):
                 slot.value = p
             try:
-                self._launch(self._fn, gx, gy, gz, self.block, 1, 1, self.shared_mem, stream,
-                             self._params_ptr, 0)
+                if self.pdl:
+                    launch_pdl(self._fn, self.grid, self.block, self.shared_mem, stream, self._params_ptr)
+                else:
+                    self._launch(self._fn, gx, gy, gz, self.block, 1, 1, self.shared_mem, stream,
+                                 self._params_ptr, 0)
             except Exception as exc:  # noqa: BLE001 - the same report as Launcher's
                 raise KernelError(f"launch of {self.expr} (grid {self.grid}, block {self.block}, shared "
                                   f"{self.shared_mem} B) failed: {type(exc).__name__}: {exc}") from exc
+
+
+# -- programmatic dependent launch (sm_90) ----------------------------------------------------------
+# A kernel launched with the programmatic-stream-serialization attribute may start while the
+# previous kernel in the stream drains; it must execute ``griddepcontrol.wait`` before it reads
+# what that kernel wrote (kernels_cuda/bnb_gemv_tc.cu does, after its set-up and its first weight
+# copies). Captured in a CUDA graph, the attribute becomes a programmatic edge. Launched through
+# the driver's cuLaunchKernelEx (CuPy exposes no launch attributes).
+class _LaunchAttr(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("gx", ctypes.c_uint), ("gy", ctypes.c_uint), ("gz", ctypes.c_uint), ("bx", ctypes.c_uint),
+                ("by", ctypes.c_uint), ("bz", ctypes.c_uint), ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttr)), ("nattrs", ctypes.c_uint)]
+
+
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_pdl: list = []  # [cuLaunchKernelEx or None, the attribute]
+
+
+def pdl_available() -> bool:
+    """Can kernels be launched as programmatic dependents here (a driver with cuLaunchKernelEx)?
+    ``QUANTCORE_CUDA_TUNE=pdl=0`` turns it off (timing comparisons)."""
+    if not _pdl:
+        fn = None
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            fn = lib.cuLaunchKernelEx
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        except (OSError, AttributeError):
+            fn = None
+        attr = _LaunchAttr()
+        attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value = (1).to_bytes(4, "little") + bytes(60)
+        _pdl[:] = [fn, attr]
+    return _pdl[0] is not None and tune("pdl", 1) == 1
+
+
+def launch_pdl(fn: int, grid: tuple[int, int, int], block: int, shared_mem: int, stream: int, params: int) -> None:
+    """cuLaunchKernelEx of ``fn`` with the programmatic-stream-serialization attribute."""
+    cfg = _LaunchConfig(grid[0], grid[1], grid[2], block, 1, 1, shared_mem, stream,
+                        ctypes.pointer(_pdl[1]), 1)
+    res = _pdl[0](ctypes.byref(cfg), fn, params, None)
+    if res != 0:
+        raise KernelError(f"cuLaunchKernelEx failed with CUresult {res}")
