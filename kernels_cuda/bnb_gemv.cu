@@ -1,376 +1,454 @@
-// gemv_4bit on sm_90: the 4-bit weights streamed through shared memory by asynchronous copies,
-// decoded by table lookups into tensor-core fragments. Semantics: quantcore/formats/bnb.py
-// (gemv_4bit); numerics as the mma kernel of bnb_4bit.cu: T(code) is the only rounding before the
-// fp32 products, the absmax scale multiplies each super-piece's fp32 mma result.
+// gemv_4bit for decode (1..16 input rows, fp16 / bf16) on sm_90, reading the bitsandbytes layout
+// directly, one or several weights that share the input in one launch (the grouped gemv).
+// Semantics: quantcore/formats/bnb.py (gemv_4bit); numerics: T(code) is the only rounding before
+// the fp32 products (mma.sync m16n8k16, fp32 accumulators), each 64-element chunk's mma result is
+// multiplied by its block's absmax in fp32 and added to the row's fp32 sum.
 #include "qc_common.cuh"
 
 namespace qc {
 
-// Why this kernel (docs/performance.md, gemv versions 13-16): the register-fed mma kernel of
-// bnb_4bit.cu stays at ~40% of the copy bandwidth, with the bytes in flight bounded by its
-// registers. Here each of 16 warps owns a ring of kGvStages shared-memory slots of 16 rows x kGvKC
-// elements, filled by 16-byte cp.async copies (8 per lane and slot, no registers held while in
-// flight). 1-D bulk copies (TMA), one per row and slot, were slower: a warp issues them one lane at
-// a time (about ten instructions each) and the copy engine takes tens of ns per small copy.
+// Design (docs/performance.md, GV-30): a warp owns 16 rows (a tile) and a contiguous range of
+// 64-element chunks of K. Its ring of kGtStages shared-memory slots (16 rows x kGtChunks chunks)
+// is filled by 16-byte cp.async copies (each copy instruction: 4 rows x 128 contiguous bytes), so
+// many bytes stay in flight without registers. For a chunk, lane (g, c) (g = lane / 4, c = lane %
+// 4) reads 8 bytes of rows g and g + 8 at byte 8 c of the chunk's 32 (the codes of elements 16 c ..
+// 16 c + 15). The dot product may take K in any order, so mma step m (0..3) of the chunk uses, as
+// its k slots 2c, 2c+1 and 2c+8, 2c+9, the lane's bytes 2m and 2m+1 (elements 16 c + 4 m .. + 3);
+// the activation fragment of lane (g, c) is then the 4 consecutive inputs 16 c + 4 m .. + 3 of
+// input row g: two 16-byte loads per chunk give all four steps. Every element of a chunk lies in
+// one block (blocksize >= 64, K % 64 == 0), and each lane reads the absmax of its own two rows
+// (loaded a stage ahead): no shuffles.
 //
-// Work: CTA b owns the 16-row tiles [ntiles b / G, ntiles (b + 1) / G) (G = gridDim.x, at most the
-// multiprocessor count: the tiles of any shape spread evenly), taken in groups of
-// kGvWarps / ksplit; a unit is (group, stage). In a group, warp w takes tile w / ksplit and K slice
-// w % ksplit (super-pieces [nsp * ks / ksplit, nsp * (ks + 1) / ksplit)), cut into stages. Each
-// warp's ring runs across group boundaries; at the end of a group the K slices of a tile are added
-// in a fixed order through shared memory (deterministic, no workspace).
+// Work: the tiles of all groups form one list; CTA b takes tiles [T b / G, T (b + 1) / G) and its
+// 16 warps split that range's (tile, chunk) list evenly, so any shape keeps every warp busy. A
+// tile that one warp covers whole is written by that warp; the pieces of a tile shared by warps
+// are added through shared memory in warp order after one barrier (deterministic, no workspace).
 //
-// Layout of a slot: row i of the tile at i * PITCH (PITCH = kGvKC / 2 plus 32 bytes for 8-byte
-// lane reads, 16 for 4-byte ones: the 8 rows read by one instruction then fall on distinct banks).
-// The lane mapping of a super-piece is the one of the bnb_4bit.cu mma kernel (its comment).
-// Shared memory: the 64 KiB pair table, the rings (147 KiB) and 9 KiB of small arrays: one CTA
-// per multiprocessor, 16 warps, 128 registers each (so the mma groups are not unrolled).
-constexpr int kGvWarps = 16;
-constexpr int kGvStages = 2;
-constexpr int kGvKC = 512;  // elements of a row per stage
-constexpr int kGvU = 2;     // super-pieces per mma group (independent mma chains)
-constexpr int kGvSc = 4;    // super-pieces per scale round (one per quad lane)
-constexpr int kGvLutWords = 256 * 64;
+// Decode: the 64 KiB table holds T(hi nibble), T(lo nibble) for each byte, one copy per lane
+// (conflict-free); its shared address is a multiple of 64 KiB so one byte_perm forms the entry's
+// address (table + byte * 256 + lane * 4).
+constexpr int kGtWarps = 16;
+constexpr int kGtGroups = 4;   // weights per launch at most
+constexpr int kGtChunks = 8;   // chunks per stage
+constexpr int kGtStages = 2;   // stages per warp ring
+constexpr int kGtPitch = 32 * kGtChunks + 32;  // bytes per row in a slot (rows g = 0..3 on distinct banks)
+constexpr int kGtSc = kGtChunks / 4;  // chunks whose scales one lane decodes per stage
+constexpr int kGtSlot = 16 * kGtPitch;
+constexpr int kGtRing = kGtStages * kGtSlot;
 
-template <int V>
-struct GvGeo {
-    static constexpr int kSps = kGvKC / (8 * V);  // super-pieces per stage: 8 (V = 8) or 16 (V = 4)
-    static constexpr int kSpLog2 = ilog2(8 * V);  // log2 of a super-piece's 8 V elements
-    static_assert(8 * V == 1 << kSpLog2, "a super-piece is 8 V elements");
-    static constexpr int kGroups = kSps / kGvU;
-    static constexpr int kRounds = kSps / kGvSc;
-    static constexpr int kPitch = kGvKC / 2 + (V == 8 ? 32 : 16);
-    static constexpr int kSlot = 16 * kPitch;
-    // LUT, code2 table, reduction tiles, slots (the launcher computes the same sum)
-    static constexpr int kSmem = 4 * kGvLutWords + 4 * kDynCodes + 4 * kGvWarps * 128 + kGvWarps * kGvStages * kSlot;
+template <int NB>
+struct GtGeo {
+    static constexpr int kPart = NB * 128;  // floats of one warp's partial tile
+    // code2 tables, the partial tiles' ids and links (the partial tiles themselves go in the warp's ring)
+    static constexpr int kSmall = 4 * kGtGroups * kDynCodes + 8 * kGtWarps * 2 + 4 * kGtWarps * 2;
+    static_assert(2 * kPart * 4 <= kGtRing, "a warp's partial tiles fit in its ring");
 };
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#endif
-
-// Byte J of word w looked up in the lane's copy of the pair table: lutx is the table's shared
-// address (a multiple of 64 KiB) plus lane * 4, so one byte_perm forms the whole address
-// (table + byte * 256 + lane * 4) and one 32-bit shared load reads the T pair.
-template <int J, int DBG = 0>
-__device__ __forceinline__ u32 gv_pair(u32 w, u32 lutx) {
-    if (DBG == 1) return __byte_perm(w, lutx, 0x7604u | (J << 4));  // timing only: no table load
+template <int J>
+__device__ __forceinline__ u32 gt_pair(u32 w, u32 lutx) {
     u32 r;
     asm("ld.shared.b32 %0, [%1];" : "=r"(r) : "r"(__byte_perm(w, lutx, 0x7604u | (J << 4))));
     return r;
 }
 
-// p ? a : b as one selp the compiler cannot turn back into an indexed local array
-__device__ __forceinline__ float gv_select(bool p, float a, float b) {
-    float r;
-    asm("{ .reg .pred q; setp.ne.s32 q, %3, 0; selp.f32 %0, %1, %2, q; }" : "=f"(r) : "f"(a), "f"(b), "r"((int)p));
-    return r;
+__device__ __forceinline__ void gt_lds_v2(u32 addr, u32& a, u32& b) {
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "r"(addr));
 }
 
-// DBG (timing experiments only, never launched by the backend; tools/dev/gemv_time.py): 1 decodes
-// without the table load (the byte_perm's result is the pair), 2 issues no copies (the slots keep
-// what they hold), 3 runs no mma groups (the copies, the scales and the bookkeeping only), 4 runs
-// no mma (two XORs per mma instead keep the decode and the activations live).
-template <typename T, int QT, bool NESTED, int V, int DBG = 0>
-__global__ void __launch_bounds__(kGvWarps * 32, 1) gemv_4bit_stream_kernel(
-    const u16* __restrict__ a, const u8* __restrict__ packed, const void* __restrict__ absmax,
-    const float* __restrict__ absmax2, const float* __restrict__ code2, const float* __restrict__ offset,
-    u16* __restrict__ out, int batch, i64 N, i64 K, int log2bs, int ksplit) {
+__device__ __forceinline__ void grid_dep_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    using G = GvGeo<V>;
-    constexpr int S = kGvStages, SPS = G::kSps;
-    constexpr u32 kSmall = 4 * kDynCodes + 4 * kGvWarps * 128;  // code2, reduction
-    constexpr u32 kRing = S * G::kSlot;
-    extern __shared__ __align__(16) u8 gv_smem[];
-    // The table must sit at a shared address that is a multiple of 64 KiB (gv_pair); what lies
-    // before that boundary in the dynamic region holds the small arrays and as many warp rings as
-    // fit, the rest follows the table. The launcher grants the device's maximum.
-    const u32 front = (0u - smem_addr(gv_smem)) & 0xffffu;
-    u8* lut = gv_smem + front;
-    u8* small = front >= kSmall ? gv_smem : lut + 65536;
-    u8* ring_front = front >= kSmall ? gv_smem + kSmall : gv_smem;
-    const int nfront = min((int)((front >= kSmall ? front - kSmall : front) / kRing), kGvWarps);
-    u8* ring_back = lut + 65536 + (front >= kSmall ? 0 : kSmall);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dep_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+#define QC_GT_GROUP_PARAMS(i)                                                                          \
+    const u8 *__restrict__ packed##i, const void *__restrict__ absmax##i, const float *__restrict__ absmax2_##i, \
+        const float *__restrict__ code2_##i, const float *__restrict__ offset##i, i64 n##i
+
+// One group's weight, selected per tile.
+struct GtW {
+    const u8* packed;
+    const u8* absmax;  // u8 codes (nested) or fp32 values
+    const float* absmax2;
+    const float* offset;
+    i64 n, tile0, col0;
+    int gi;
+};
+
+template <typename T, int QT, bool NESTED, int NB>
+__global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
+    const u16* __restrict__ a, QC_GT_GROUP_PARAMS(0), QC_GT_GROUP_PARAMS(1), QC_GT_GROUP_PARAMS(2),
+    QC_GT_GROUP_PARAMS(3), u16* __restrict__ out, i64 ldo, int batch, i64 K, int log2bs, int ngroups) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    using G = GtGeo<NB>;
+    constexpr int S = kGtStages, CH = kGtChunks;
+    extern __shared__ __align__(16) u8 gt_smem[];
+    // the table on the first 64 KiB boundary; the small arrays and as many rings as fit before it,
+    // the rest after it
+    const u32 front = (0u - smem_addr(gt_smem)) & 0xffffu;
+    u8* lut = gt_smem + front;
+    const bool small_front = front >= (u32)G::kSmall;
+    u8* small = small_front ? gt_smem : lut + 65536;
+    u8* ring_front = small_front ? gt_smem + G::kSmall : gt_smem;
+    const int nfront = min((int)((small_front ? front - G::kSmall : front) / kGtRing), kGtWarps);
+    u8* ring_back = lut + 65536 + (small_front ? 0 : G::kSmall);
     {
         u32 dyn;
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if ((u32)(ring_back + (kGvWarps - nfront) * kRing - gv_smem) > dyn) __trap();  // launcher bug
+        if ((u32)(ring_back + (kGtWarps - nfront) * kGtRing - gt_smem) > dyn) __trap();  // launcher bug
     }
-    float* c2 = reinterpret_cast<float*>(small);       // [kDynCodes]
-    float* red = c2 + kDynCodes;                       // [kGvWarps][16][8]
+    float* c2s = reinterpret_cast<float*>(small);                            // [kGtGroups][kDynCodes]
+    i64* ptile = reinterpret_cast<i64*>(c2s + kGtGroups * kDynCodes);      // [kGtWarps][2]
 
     const int warp = threadIdx.x >> 5, lane = lane_id(), g = lane >> 2, c = lane & 3;
+    u8* wring_p = warp < nfront ? ring_front + warp * kGtRing : ring_back + (warp - nfront) * kGtRing;
+    const u32 wring = smem_addr(wring_p);
+    // the pair table: warp w fills bytes 16 w .. 16 w + 15, lane l the 16 bytes of lanes 4 (l & 7)
+    // .. + 3 of byte 16 w + (l >> 3) + 4 i
     {
-        u32* lw = reinterpret_cast<u32*>(lut);  // [256][64], words 0..31 used
-        for (int i = threadIdx.x; i < 256 * 32; i += blockDim.x) {
-            const int byte = i >> 5;
-            lw[byte * 64 + (i & 31)] = T::pack2(code_4bit<QT>(byte >> 4), code_4bit<QT>(byte & 15));
+        u32* lw = reinterpret_cast<u32*>(lut);
+        const int q4 = lane & 7;
+        const float code = code_4bit<QT>(lane & 15);  // one load per lane; the table by shuffles
+        const float hi = __shfl_sync(kFullMask, code, warp);  // byte 16 w + ...: high nibble w
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int lo = (lane >> 3) + 4 * i;
+            const u32 v = T::pack2(hi, __shfl_sync(kFullMask, code, lo));
+            *reinterpret_cast<uint4*>(lw + (16 * warp + lo) * 64 + 4 * q4) = make_uint4(v, v, v, v);
         }
     }
-    if (NESTED)
-        for (int i = threadIdx.x; i < kDynCodes; i += blockDim.x) c2[i] = ldg_f32(code2 + i);
-    u8* wring_p = warp < nfront ? ring_front + warp * kRing : ring_back + (warp - nfront) * kRing;
-    const u32 wring = smem_addr(wring_p);
-    __syncthreads();
-    const float off = NESTED ? ldg_f32(offset) : 0.0f;
+    // Launched as a programmatic dependent (PDL), the kernel may start while the previous one in the
+    // stream drains: everything above reads only this kernel's own constants; every argument array
+    // (the input, the weights and their statistics, which a previous kernel may have just written)
+    // is read below this wait.
+    grid_dep_wait();
+    if (NESTED) {
+        for (int i = threadIdx.x; i < ngroups * kDynCodes; i += blockDim.x) {
+            const int q = i / kDynCodes;
+            const float* c2p = q == 0 ? code2_0 : q == 1 ? code2_1 : q == 2 ? code2_2 : code2_3;
+            c2s[i] = ldg_f32(c2p + i % kDynCodes);
+        }
+    }
     const u32 lutx = smem_addr(lut) | (4u * (u32)lane);
 
-    const int tpc = kGvWarps / ksplit, tslot = warp / ksplit, ks = warp % ksplit;
-    const int b0 = blockIdx.y * 8, nb = min(8, batch - b0);
-    const i64 ntiles = (N + 15) >> 4;
-    const i64 t0 = ntiles * blockIdx.x / gridDim.x, t1 = ntiles * (blockIdx.x + 1) / gridDim.x;  // this CTA's tiles
-    const i64 nsp = K / (8 * V);
-    const i64 sp_begin = nsp * ks / ksplit, sp_end = nsp * (ks + 1) / ksplit;
-    const int nsl = (int)(sp_end - sp_begin);       // super-pieces of this warp's slice
-    const int nst = (nsl + SPS - 1) / SPS;          // its stages (>= 1: the launcher's split)
-    const int my_groups = (int)((t1 - t0 + tpc - 1) / tpc);
-    const int nunits = my_groups * nst;  // unit = (group, stage)
+    // the tile list: group i owns tiles [tb(i), tb(i + 1)) (read from the parameters where used, so
+    // nothing of it stays in registers through the main loop)
+    auto nt = [&](int i) -> i64 {
+        const i64 n = i == 0 ? n0 : i == 1 ? n1 : i == 2 ? n2 : n3;
+        return i < ngroups ? (n + 15) >> 4 : 0;
+    };
+    const i64 ntiles = nt(0) + nt(1) + nt(2) + nt(3);
+    const i64 t0 = ntiles * blockIdx.x / gridDim.x, t1 = ntiles * (blockIdx.x + 1) / gridDim.x;
+    const i64 C = K >> 6;  // chunks per row
+    const i64 W = (t1 - t0) * C;
+    const i64 w0 = W * warp / kGtWarps, w1 = W * (warp + 1) / kGtWarps;
+    if (lane < 2) ptile[2 * warp + lane] = -1;
+    __syncwarp();
+
+    auto weight_of = [&](i64 tile) {
+        GtW w;
+        const i64 e1 = nt(0), e2 = e1 + nt(1), e3 = e2 + nt(2);
+        const int i = (tile >= e1) + (tile >= e2) + (tile >= e3);
+        w.gi = i;
+        w.packed = i == 0 ? packed0 : i == 1 ? packed1 : i == 2 ? packed2 : packed3;
+        w.absmax = reinterpret_cast<const u8*>(i == 0 ? absmax0 : i == 1 ? absmax1 : i == 2 ? absmax2 : absmax3);
+        w.absmax2 = i == 0 ? absmax2_0 : i == 1 ? absmax2_1 : i == 2 ? absmax2_2 : absmax2_3;
+        w.offset = i == 0 ? offset0 : i == 1 ? offset1 : i == 2 ? offset2 : offset3;
+        w.n = i == 0 ? n0 : i == 1 ? n1 : i == 2 ? n2 : n3;
+        w.tile0 = i == 0 ? 0 : i == 1 ? e1 : i == 2 ? e2 : e3;
+        w.col0 = (i > 0 ? n0 : 0) + (i > 1 ? n1 : 0) + (i > 2 ? n2 : 0);
+        return w;
+    };
+
     const i64 row_bytes = K >> 1;
-    // B fragment column g is batch row b0 + g; lanes past the batch read row b0 too (the same
-    // addresses as lane g = 0: no extra memory traffic, and a predicated load costs a divergent
-    // branch around the asm), which reaches only output columns that are not written
-    const u16* arow = a + (i64)(b0 + (g < nb ? g : 0)) * K + sp_begin * (8 * V) + 2 * c * V;
+    const int bsh = log2bs - 6;  // chunks per block, log2
+    const int Ci = (int)C;
+    // input rows of this lane's B fragment columns (clamped: a lane past the batch reads the last
+    // row, its columns are never written)
+    // grid.y takes the input rows in blocks of 8 NB (one launch for any row count; each block
+    // reads the weights once)
+    a += (i64)blockIdx.y * (8 * NB) * K;
+    out += (i64)blockIdx.y * (8 * NB) * ldo;
+    batch = min(batch - (int)blockIdx.y * (8 * NB), 8 * NB);
+    int arow[NB];  // element offsets into a (32-bit: 16 rows of K < 2^26 elements; registers are tight)
+#pragma unroll
+    for (int h = 0; h < NB; ++h) arow[h] = min(8 * h + g, batch - 1) * (int)K + 16 * c;
 
-    auto tile_row = [&](int q, int r) {  // row r of this warp's tile in its q-th group (clamped)
-        return min((t0 + (i64)q * tpc + tslot) * 16 + r, N - 1);
+    // A stage: chunks [j, j + nch) of one tile (never crossing a tile). Producer and consumer walk
+    // the warp's range with the same steps; 32-bit counts (the launcher keeps N K / 64 < 2^31).
+    struct Cursor {
+        int tile, j, nch, left;  // left: chunks of the range from this stage on
     };
-    // producer side: unit (qi, ji), S units ahead of the consumer. A stage is 16 rows x 256 bytes,
-    // 256 chunks of 16 bytes: lane l copies chunk l & 15 of rows 2m + (l >> 4), m = 0..7. Rows past
-    // N and chunks past a short last stage are zero-filled.
-    int qi = 0, ji = 0;
-    const int crow = lane >> 4, ccol = lane & 15;
-    auto irow_of = [&](int qq) {
-        return packed + (t0 + (i64)qq * tpc + tslot) * 16 * row_bytes + (i64)crow * row_bytes +
-               sp_begin * (4 * V) + ccol * 16;
-    };
-    auto nrows_of = [&](int qq) {  // rows of the tile that exist
-        const i64 t = t0 + (i64)qq * tpc + tslot;  // a tile past t1 (the next CTA's) is not read
-        return t < t1 ? (int)min((i64)16, N - t * 16) : 0;
-    };
-    const u8* irow = irow_of(0);
-    int inrows = nrows_of(0);
-    auto issue_next = [&](int i) {
-        const u32 dst = wring + (i % S) * G::kSlot + crow * G::kPitch + ccol * 16;
-        const u8* src = irow + ji * (SPS * 4 * V);
-        if (inrows == 16 && nsl - ji * SPS >= SPS) {  // a whole stage of a whole tile: no bounds
-#pragma unroll
-            for (int m = 0; m < 8; ++m)
-                if (DBG != 2) cp_async16(dst + 2 * m * G::kPitch, src + m * (2 * row_bytes), 16u);
-        } else {
-            const bool col_ok = ccol * 16 < min(nsl - ji * SPS, SPS) * (4 * V);
-#pragma unroll
-            for (int m = 0; m < 8; ++m) {  // branch-free: a chunk that does not exist is zero-filled
-                const bool ok = col_ok && 2 * m + crow < inrows;
-                if (DBG != 2) cp_async16(dst + 2 * m * G::kPitch, ok ? src : packed, ok ? 16u : 0u);
-                src += 2 * row_bytes;
-            }
+    auto stage_len = [&](int j, int left) { return min(CH, min(Ci - j, left)); };
+    const int r0w = (int)(w0 / C);
+    Cursor pq{(int)t0 + r0w, (int)(w0 - (i64)r0w * C), 0, (int)(w1 - w0)};
+    pq.nch = stage_len(pq.j, pq.left);
+    Cursor cq = pq;
+    auto advance = [&](Cursor& q) {  // true when the next stage starts a new tile
+        q.left -= q.nch;
+        q.j += q.nch;
+        const bool nt = q.j == Ci;
+        if (nt) {
+            q.j = 0;
+            ++q.tile;
         }
-        if (++ji == nst) {
-            ji = 0;
-            ++qi;
-            irow = irow_of(qi);
-            inrows = nrows_of(qi);
-        }
+        q.nch = stage_len(q.j, q.left);
+        return nt;
     };
 
-    // raw scale data of unit (q, j), loaded one unit ahead and first read when the unit starts:
-    // for scale round gi, super-piece 4 gi + c of the stage, rows g and g + 8 (nested: the code
-    // byte and its block's second-level absmax, both loads issued here)
-    struct Raw {
-        u32 q[G::kRounds][2];
-        float a2[NESTED ? G::kRounds : 1][2];
+    // producer: lane l copies 16-byte pieces l + 32 i, i < 8 (row l / 16 + 2 i, bytes 16 (l % 16)
+    // of the stage's 256 per row); rows past N and chunks past the row are zero-filled
+    const u8* psrc = nullptr;
+    int prows = 0;
+    auto producer_tile = [&](int tile) {
+        const GtW wt = weight_of(tile);
+        const i64 r = (tile - wt.tile0) * 16;
+        prows = (int)min((i64)16, wt.n - r) - (lane >> 4);
+        psrc = wt.packed + (r + (lane >> 4)) * row_bytes + 16 * (lane & 15);
     };
-    // first super-piece of the slice in rows g and g + 8 of the tile (counted over the whole
-    // matrix: a block is 2^bsh super-pieces, and the launcher keeps N K / (8 V) < 2^32), for the
-    // next unit's group
-    const int bsh = log2bs - G::kSpLog2;
-    u32 esp[2];
-    auto set_esp = [&](int q) {
+    const u32 pdst = wring + (lane >> 4) * kGtPitch + 16 * (lane & 15);
+    const i64 rstep = 2 * row_bytes;
+    auto issue = [&](const Cursor& q, int s) {
+        if (q.left > 0) {
+            const bool col_ok = q.j + ((lane & 15) >> 1) < Ci;
+            const u8* src = psrc + 32 * q.j;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) esp[r] = (u32)tile_row(q, g + 8 * r) * (u32)(K / (8 * V)) + (u32)sp_begin;
-    };
-    auto load_raw = [&](Raw& rw, int j) {
-        const int last = min(nsl - j * SPS, SPS) - 1;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const u32 e0 = esp[r] + j * SPS;
-#pragma unroll
-            for (int gi = 0; gi < G::kRounds; ++gi) {
-                const u32 blk = (e0 + min(kGvSc * gi + c, last)) >> bsh;
-                if constexpr (NESTED) {
-                    rw.q[gi][r] = ldg_u8(reinterpret_cast<const u8*>(absmax) + blk);
-                    rw.a2[gi][r] = ldg_f32(absmax2 + (blk >> kNestLog2));
-                } else {
-                    rw.q[gi][r] = ldg_u32(reinterpret_cast<const float*>(absmax) + blk);
-                }
+            for (int i = 0; i < 8; ++i) {
+                const bool ok = col_ok && 2 * i < prows;
+                cp_async16(pdst + s * kGtSlot + 2 * i * kGtPitch, ok ? src : psrc, ok ? 16u : 0u);
+                src += rstep;
             }
         }
-    };
-    // activations of mma group gi of stage j (L1 / L2 hits: every warp reads them)
-    auto load_x = [&](u32 (&x)[kGvU][V], int j, int gi, int lim) {
-        const int sp0 = j * SPS + kGvU * gi;
-        const u16* p = arow + sp0 * (8 * V);
-#pragma unroll
-        for (int u = 0; u < kGvU; ++u) {
-#pragma unroll
-            for (int h = 0; h < V / 4; ++h) {
-                if (u < lim) {
-                    ldg_v4(p + u * (8 * V) + 8 * h, x[u][4 * h], x[u][4 * h + 1], x[u][4 * h + 2], x[u][4 * h + 3]);
-                } else {
-                    x[u][4 * h] = x[u][4 * h + 1] = x[u][4 * h + 2] = x[u][4 * h + 3] = 0u;
-                }
-            }
-        }
+        cp_async_commit();  // one group per stage (empty past the end): wait_group counts stages
     };
 
-    for (int i = 0; i < S; ++i) {
-        if (i < nunits) issue_next(i);
-        cp_async_commit();  // one group per unit (empty past the end), so wait_group counts units
+    if (pq.left > 0) producer_tile(pq.tile);
+    for (int s = 0; s < S; ++s) {
+        issue(pq, s);
+        if (pq.left > 0 && advance(pq) && pq.left > 0) producer_tile(pq.tile);
     }
-    Raw raw;  // the next unit's, loaded one unit ahead
-    set_esp(0);
-    if (nunits > 0) load_raw(raw, 0);
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    u32 x[kGvU][V];  // the activation fragments of the current mma group
-#pragma unroll
-    for (int u = 0; u < kGvU; ++u)
-#pragma unroll
-        for (int v = 0; v < V; ++v) x[u][v] = 0u;
 
-    int q = 0, j = 0;  // consumer: unit (q, j)
-    for (int i = 0; i < nunits; ++i) {
-        const int s = i % S;
-        const int nspc = min(nsl - j * SPS, SPS);  // valid super-pieces of this stage
-        const int qn = j + 1 == nst ? q + 1 : q, jn = j + 1 == nst ? 0 : j + 1;  // the next unit
-        cp_async_wait<S - 1>();  // this unit's copies (by every lane) have landed
-        __syncwarp();
-        const u8* sl = wring_p + s * G::kSlot + c * V;
-        // this unit's scales (lane c: super-piece 4 gi + c of rows g and g + 8), then the next
-        // unit's raw scale data into the same registers
-        float sc[G::kRounds][2];
+    // consumer's tile: its weight, rows and the blocks of its two rows
+    GtW ct;
+    u32 ea = 0, eb = 0;  // first chunk of rows g and g + 8, counted over the matrix
+    float off = 0.0f;
+    const float* c2 = c2s;
+    auto consumer_tile = [&](int tile) {
+        ct = weight_of(tile);
+        const i64 r = (tile - ct.tile0) * 16 + g;
+        ea = (u32)(min(r, ct.n - 1) * C);
+        eb = (u32)(min(r + 8, ct.n - 1) * C);
+        off = NESTED ? ldg_f32(ct.offset) : 0.0f;
+        c2 = c2s + ct.gi * kDynCodes;
+    };
+    // raw scale data of a stage: lane (g, c) loads those of chunks c + 4 i (i < kGtSc) of rows g
+    // and g + 8; a chunk's scales reach the quad's other lanes by shuffles
+    u32 sq[kGtSc][2];
+    float s2[NESTED ? kGtSc : 1][2];
+    auto load_scales = [&](const Cursor& q) {
+        if (q.left <= 0) return;
 #pragma unroll
-        for (int gi = 0; gi < G::kRounds; ++gi)
+        for (int i = 0; i < kGtSc; ++i) {
+            const u32 uu = (u32)(q.j + min(c + 4 * i, q.nch - 1));
+            const u32 ba = (ea + uu) >> bsh, bb = (eb + uu) >> bsh;
+            if constexpr (NESTED) {
+                sq[i][0] = ldg_u8(ct.absmax + ba);
+                sq[i][1] = ldg_u8(ct.absmax + bb);
+                s2[i][0] = ldg_f32(ct.absmax2 + (ba >> kNestLog2));
+                s2[i][1] = ldg_f32(ct.absmax2 + (bb >> kNestLog2));
+            } else {
+                sq[i][0] = ldg_u32(reinterpret_cast<const float*>(ct.absmax) + ba);
+                sq[i][1] = ldg_u32(reinterpret_cast<const float*>(ct.absmax) + bb);
+            }
+        }
+    };
+    if (cq.left > 0) {
+        consumer_tile(cq.tile);
+        load_scales(cq);
+    }
+
+    float acc[NB][4];
+#pragma unroll
+    for (int h = 0; h < NB; ++h) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.0f;
+    float keep[NB][4];
+    bool have_keep = false;
+    int last_slot = -1, nseg = 0;
+    int s = 0;
+    int seg_j0 = cq.j;  // first chunk of the current segment
+    while (cq.left > 0) {
+        float sc[kGtSc][2];  // this lane's chunks' scales (c + 4 i), rows g and g + 8
+#pragma unroll
+        for (int i = 0; i < kGtSc; ++i)
 #pragma unroll
             for (int r = 0; r < 2; ++r)
-                sc[gi][r] = NESTED ? __fadd_rn(__fmul_rn(c2[raw.q[gi][r]], raw.a2[gi][r]), off) : __uint_as_float(raw.q[gi][r]);
-        if (i + 1 < nunits) {
-            if (qn != q) set_esp(qn);
-            load_raw(raw, jn);
-        }
+                sc[i][r] = NESTED ? __fadd_rn(__fmul_rn(c2[sq[i][r]], s2[i][r]), off) : __uint_as_float(sq[i][r]);
+        const int tile = cq.tile, j = cq.j, nch = cq.nch;
+        const GtW wt = ct;
+        const bool new_tile = advance(cq);  // cq is the next stage now
+        if (new_tile && cq.left > 0) consumer_tile(cq.tile);
+        load_scales(cq);
 
-        // one mma group: activations, weights, the mma chains and the scaled accumulation. Only
-        // the first lim super-pieces exist (a short last stage): the others get zero activations
-        // and are left out of the accumulation (their scale may be anything)
-        auto run_group = [&](int gi, int lim, bool full) {
-            load_x(x, j, gi, full ? kGvU : lim);
-            u32 w[kGvU][2][V / 4];
+        cp_async_wait<S - 1>();
+        __syncwarp();
+        const u32 slot = wring + s * kGtSlot + 8 * c;
+        // one chunk: weights from the slot, inputs, decode, mma, the scaled accumulation
+        auto run_chunk = [&](const int u) {
+            u32 wq[4];
+            gt_lds_v2(slot + g * kGtPitch + 32 * u, wq[0], wq[1]);
+            gt_lds_v2(slot + (g + 8) * kGtPitch + 32 * u, wq[2], wq[3]);
+            const int e = (j + u) * 64;
+            u32 x[NB][8];
 #pragma unroll
-            for (int u = 0; u < kGvU; ++u) {
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const u8* p = sl + (g + 8 * r) * G::kPitch + (kGvU * gi + u) * (4 * V);
-                    if constexpr (V == 8) {
-                        const uint2 v2 = *reinterpret_cast<const uint2*>(p);
-                        w[u][r][0] = v2.x;
-                        w[u][r][1] = v2.y;
-                    } else {
-                        w[u][r][0] = *reinterpret_cast<const u32*>(p);
-                    }
-                }
+            for (int h = 0; h < NB; ++h) {
+                ldg_v4(a + (arow[h] + e), x[h][0], x[h][1], x[h][2], x[h][3]);
+                ldg_v4(a + (arow[h] + e + 8), x[h][4], x[h][5], x[h][6], x[h][7]);
             }
-            float d[kGvU][4];
-            u32 sink[kGvU];  // DBG 4
+            float d[NB][4];
 #pragma unroll
-            for (int u = 0; u < kGvU; ++u) {
-                d[u][0] = d[u][1] = d[u][2] = d[u][3] = 0.0f;
-                sink[u] = 0u;
-            }
+            for (int h = 0; h < NB; ++h) d[h][0] = d[h][1] = d[h][2] = d[h][3] = 0.0f;
 #pragma unroll
-            for (int jj = 0; jj < V / 2; ++jj) {
-#pragma unroll
-                for (int u = 0; u < kGvU; ++u) {
-                    {  // past lim: stale slot bytes decode to finite codes, times zero activations
-                        const u32 q0 = w[u][0][jj >> 1], q1 = w[u][1][jj >> 1];
-                        u32 af[4];
-                        if (jj & 1) {
-                            af[0] = gv_pair<2, DBG>(q0, lutx);
-                            af[1] = gv_pair<2, DBG>(q1, lutx);
-                            af[2] = gv_pair<3, DBG>(q0, lutx);
-                            af[3] = gv_pair<3, DBG>(q1, lutx);
-                        } else {
-                            af[0] = gv_pair<0, DBG>(q0, lutx);
-                            af[1] = gv_pair<0, DBG>(q1, lutx);
-                            af[2] = gv_pair<1, DBG>(q0, lutx);
-                            af[3] = gv_pair<1, DBG>(q1, lutx);
-                        }
-                        if (DBG == 4) {  // timing only: no mma (two XORs keep the decode and activations live)
-                            sink[u] ^= af[0] ^ af[1] ^ af[2];
-                            sink[u] ^= af[3] ^ x[u][2 * jj] ^ x[u][2 * jj + 1];
-                        } else {
-                            mma_16816<T>(d[u], af, x[u][2 * jj], x[u][2 * jj + 1]);
-                        }
-                    }
+            for (int m = 0; m < 4; ++m) {
+                const u32 wa = wq[m >> 1], wb = wq[2 + (m >> 1)];
+                u32 af[4];
+                if (m & 1) {
+                    af[0] = gt_pair<2>(wa, lutx);
+                    af[1] = gt_pair<2>(wb, lutx);
+                    af[2] = gt_pair<3>(wa, lutx);
+                    af[3] = gt_pair<3>(wb, lutx);
+                } else {
+                    af[0] = gt_pair<0>(wa, lutx);
+                    af[1] = gt_pair<0>(wb, lutx);
+                    af[2] = gt_pair<1>(wa, lutx);
+                    af[3] = gt_pair<1>(wb, lutx);
                 }
-            }
 #pragma unroll
-            for (int u = 0; u < kGvU; ++u) {
-                if (DBG == 4) d[u][0] = __uint_as_float(sink[u] & 0x3c00ffffu);
-                const int sp = kGvU * gi + u;
-                const int src = (lane & ~3) | (sp % kGvSc);
-                float v0 = sc[0][0], v1 = sc[0][1];  // sc[sp / kGvSc] by selects (not local memory)
-#pragma unroll
-                for (int k = 1; k < G::kRounds; ++k) {
-                    v0 = gv_select(sp / kGvSc == k, sc[k][0], v0);
-                    v1 = gv_select(sp / kGvSc == k, sc[k][1], v1);
-                }
-                const float s0 = __shfl_sync(kFullMask, v0, src);
-                const float s1 = __shfl_sync(kFullMask, v1, src);
-                if (full || u < lim) {
-                    acc[0] = fmaf(d[u][0], s0, acc[0]);
-                    acc[1] = fmaf(d[u][1], s0, acc[1]);
-                    acc[2] = fmaf(d[u][2], s1, acc[2]);
-                    acc[3] = fmaf(d[u][3], s1, acc[3]);
-                }
+                for (int h = 0; h < NB; ++h) mma_16816<T>(d[h], af, x[h][2 * m], x[h][2 * m + 1]);
             }
-        };
-        // groups not unrolled: unrolled, the compiler hoists later groups' loads past the 128
-        // registers that 16 warps leave
-        if (DBG == 3) {
-        } else if (nspc == SPS) {
+            static_assert(kGtSc == 2, "the scale selects below take two chunk sets");
+            const float sa = __shfl_sync(kFullMask, u < 4 ? sc[0][0] : sc[1][0], (lane & ~3) | (u & 3));
+            const float sb = __shfl_sync(kFullMask, u < 4 ? sc[0][1] : sc[1][1], (lane & ~3) | (u & 3));
+#pragma unroll
+            for (int h = 0; h < NB; ++h) {
+                acc[h][0] = fmaf(d[h][0], sa, acc[h][0]);
+                acc[h][1] = fmaf(d[h][1], sa, acc[h][1]);
+                acc[h][2] = fmaf(d[h][2], sb, acc[h][2]);
+                acc[h][3] = fmaf(d[h][3], sb, acc[h][3]);
+            }
+                };
+        if (nch == CH) {  // a whole stage: chunks in pairs (one input row block) with no branch between
+                          // them, so they interleave; two row blocks keep one chunk (registers)
+            constexpr int P = NB == 1 ? 2 : 1;
 #pragma unroll 1
-            for (int gi = 0; gi < G::kGroups; ++gi) run_group(gi, kGvU, true);
+            for (int u = 0; u < CH; u += P) {
+#pragma unroll
+                for (int q = 0; q < P; ++q) run_chunk(u + q);
+            }
         } else {
 #pragma unroll 1
-            for (int gi = 0; gi < G::kGroups; ++gi) run_group(gi, min(max(nspc - kGvU * gi, 0), kGvU), false);
+            for (int u = 0; u < nch; ++u) run_chunk(u);  // uniform over the warp: the shuffles stay full
         }
         __syncwarp();  // every lane has read the slot: refill it
-        if (i + S < nunits) issue_next(i + S);
-        cp_async_commit();
+        issue(pq, s);
+        if (pq.left > 0 && advance(pq) && pq.left > 0) producer_tile(pq.tile);
+        s = s + 1 == S ? 0 : s + 1;
 
-        if (j + 1 == nst) {  // last stage of this group: add the K slices of each tile
-            const i64 tq = t0 + (i64)q * tpc;  // first tile of this group
-            // C fragment: (row g, col 2c), (row g, col 2c+1), (row g+8, col 2c), (row g+8, col 2c+1)
-            float* rw = red + warp * 128;
-            rw[g * 8 + 2 * c] = acc[0];
-            rw[g * 8 + 2 * c + 1] = acc[1];
-            rw[(g + 8) * 8 + 2 * c] = acc[2];
-            rw[(g + 8) * 8 + 2 * c + 1] = acc[3];
-            acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
-            __syncthreads();
-            for (int idx = threadIdx.x; idx < tpc * 128; idx += blockDim.x) {
-                const int t = idx >> 7, col = (idx >> 4) & 7, row = idx & 15;
-                const i64 r = (tq + t) * 16 + row;
-                if (tq + t < t1 && r < N && col < nb) {  // tiles past t1 are the next CTA's
-                    float sum = red[(t * ksplit) * 128 + row * 8 + col];
-                    for (int jj = 1; jj < ksplit; ++jj) sum += red[(t * ksplit + jj) * 128 + row * 8 + col];
-                    out[(i64)(b0 + col) * N + r] = T::from_f(sum);
-                }
+        if (cq.left <= 0 || new_tile) {  // the segment ends: its result
+            const bool whole = seg_j0 == 0 && j + nch == Ci;
+            if (whole) {
+                // C fragment (row g, col 2c), (g, 2c + 1), (g + 8, 2c), (g + 8, 2c + 1)
+                const i64 r0 = (tile - wt.tile0) * 16 + g;
+#pragma unroll
+                for (int h = 0; h < NB; ++h)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const int col = 8 * h + 2 * c + (r & 1);
+                        const i64 row = r0 + 8 * (r >> 1);
+                        if (col < batch && row < wt.n) out[col * ldo + wt.col0 + row] = T::from_f(acc[h][r]);
+                    }
+            } else if (nseg == 0 && cq.left > 0) {  // the range's first piece: kept for the end
+#pragma unroll
+                for (int h = 0; h < NB; ++h)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) keep[h][r] = acc[h][r];
+                have_keep = true;
+                if (lane == 0) ptile[2 * warp] = tile;
+            } else {  // the range's last piece: stays in acc
+                last_slot = nseg == 0 ? 0 : 1;
+                if (lane == 0) ptile[2 * warp + last_slot] = tile;
             }
-            __syncthreads();
+            ++nseg;
+            if (cq.left > 0) {
+#pragma unroll
+                for (int h = 0; h < NB; ++h) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.0f;
+            }
+            seg_j0 = 0;
         }
-        q = qn;
-        j = jn;
+    }
+    // the pieces go to the warp's ring, drained now
+    cp_async_wait<0>();
+    __syncwarp();
+    {
+        float* part = reinterpret_cast<float*>(wring_p);
+#pragma unroll
+        for (int h = 0; h < NB; ++h)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                if (have_keep) part[h * 128 + 4 * lane + r] = keep[h][r];
+                if (last_slot >= 0) part[last_slot * G::kPart + h * 128 + 4 * lane + r] = acc[h][r];
+            }
+    }
+    grid_dep_launch();
+    __syncthreads();
+    // tiles shared by warps: the pieces added in warp order. A tile's pieces are the entries of
+    // consecutive warps (unused entries hold -1); entry k links to the tile's next piece.
+    int* link = reinterpret_cast<int*>(ptile + 2 * kGtWarps);  // [2 kGtWarps]: next piece, or -1
+    if (threadIdx.x < 2 * kGtWarps) {
+        const int k = threadIdx.x;
+        const i64 tile = ptile[k];
+        int nx = -1;
+        for (int q = k + 1; q < 2 * kGtWarps && tile >= 0; ++q) {
+            const i64 tq = ptile[q];
+            if (tq == tile) {
+                nx = q;
+                break;
+            }
+            if (tq >= 0) break;
+        }
+        int prev = k - 1;
+        while (prev >= 0 && ptile[prev] < 0) --prev;
+        const bool lead = tile >= 0 && !(prev >= 0 && ptile[prev] == tile);
+        link[k] = tile < 0 ? -1 : (lead ? nx | 0x100 : nx);  // bit 8: the tile's first piece
+    }
+    __syncthreads();
+    auto part_of = [&](int k, int e) {
+        const int w = k >> 1;
+        const u8* ring = w < nfront ? ring_front + w * kGtRing : ring_back + (w - nfront) * kGtRing;
+        return reinterpret_cast<const float*>(ring)[(k & 1) * G::kPart + e];
+    };
+    for (int idx = threadIdx.x; idx < 2 * kGtWarps * G::kPart; idx += blockDim.x) {
+        const int ws = idx / G::kPart, e = idx % G::kPart;
+        const int l = link[ws];
+        if (l < 0 || !(l & 0x100)) continue;  // not the first piece of a tile
+        float sum = part_of(ws, e);
+        for (int k = (l & 0xff) == 0xff ? -1 : l & 0xff; k >= 0;) {
+            sum += part_of(k, e);
+            const int lk = link[k] & 0xff;
+            k = lk == 0xff ? -1 : lk;
+        }
+        const i64 tile = ptile[ws];
+        const GtW wt = weight_of(tile);
+        const int h = e >> 7, ln = (e >> 2) & 31, r = e & 3;
+        const int col = 8 * h + 2 * (ln & 3) + (r & 1);
+        const i64 row = (tile - wt.tile0) * 16 + (ln >> 2) + 8 * (r >> 1);
+        if (col < batch && row < wt.n) out[col * ldo + wt.col0 + row] = T::from_f(sum);
     }
 #endif
 }
+#undef QC_GT_GROUP_PARAMS
 
 }  // namespace qc

@@ -409,7 +409,8 @@ class Bench:
         for impl, fn in (("quantcore", step_grouped), ("qc-ungrouped", step_single)):
             rows.append(self._graph_row("decode_step", shape, impl, nbytes, fn,
                                         "q/k/v and gate/up grouped" if impl == "quantcore" else "one launch a linear"))
-        del w4, base
+        w4.clear()
+        base.clear()
         t.cuda.empty_cache()
         if self.bnb is not None:
             F = self.bnb.functional
@@ -426,7 +427,8 @@ class Bench:
                         self.bnb.matmul_4bit(x[k], p.t(), quant_state=st)
 
             rows.append(self._graph_row("decode_step", shape, "bnb", nbytes, step_bnb))
-            del wb, bq
+            wb.clear()
+            bq.clear()
             t.cuda.empty_cache()
         wt = [[self.rand((n, k), "bfloat16", 0.02) for _, n, k in names] for _ in range(layers)]
         lin = t.nn.functional.linear
@@ -438,7 +440,7 @@ class Bench:
 
         tbytes = sum(2 * w.numel() for layer in wt for w in layer) + io
         rows.append(self._graph_row("decode_step", shape, "torch-bf16", tbytes, step_torch, "bf16 weight bytes"))
-        del wt
+        wt.clear()
         self.group(rows)
 
     def _graph_row(self, op: str, shape: str, impl: str, nbytes: int, fn: Callable[[], Any], note: str = "") -> Row:

@@ -237,15 +237,17 @@ def test_gemv_4bit_within_bounds(be, rng, dtype, nested):
 
 @gpu
 @needs_torch
-@pytest.mark.parametrize("kernel_tune", ["gemv_kernel=1", "gemv_ksplit=1", "gemv_ksplit=2", "gemv_ksplit=4",
-                                         "gemv_ksplit=8"])
+@pytest.mark.parametrize("kernel_tune", ["", "pdl=0", "gemv_kernel=1", "gemv_kernel=1,gemv_ksplit=2",
+                                         "gemv_kernel=1,gemv_ksplit=8"])
 def test_gemv_4bit_kernels_and_k_splits(be, rng, monkeypatch, kernel_tune):
-    """The register-fed mma kernel (gemv_kernel=1) and the bulk-copy kernel (sm_90) at every K split:
-    uneven slices (37 super-pieces), partial stages and groups, rows off the 16-row tiles, batches
-    over 8 (a second grid row), 4-byte lanes (blocksize 32)."""
+    """The decode kernel (sm_90; launched as a programmatic dependent or not) and the register-fed
+    mma kernel (gemv_kernel=1) at several K splits: uneven slices (37 chunks), partial stages, rows
+    off the 16-row tiles, batches over 8 and 16 (more input row blocks), 4-byte lanes (blocksize
+    32, the mma kernel)."""
     monkeypatch.setenv(rt.ENV_TUNE, kernel_tune)
     for batch, n, k, bs, dtype in [(1, 1000, 64 * 37, 64, "bfloat16"), (3, 257, 4096 + 64, 32, "float16"),
-                                   (11, 70, 512 * 3 + 128, 128, "bfloat16"), (8, 16, 64 * 9, 64, "float16")]:
+                                   (11, 70, 512 * 3 + 128, 128, "bfloat16"), (8, 16, 64 * 9, 64, "float16"),
+                                   (37, 300, 64 * 5, 256, "bfloat16")]:
         packed, st, a, w_eff = _gemv_case(rng, n, k, bs, "nf4", dtype, batch, False)
         state = qc.QuantState(absmax=_t(st["absmax"]), shape=(n, k), code=_t(bnb.NF4_CODE), blocksize=bs,
                               quant_type="nf4", dtype=dtype)

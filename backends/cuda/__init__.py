@@ -47,25 +47,11 @@ _F4 = "bnb_4bit.cu"
 _F8 = "bnb_8bit.cu"
 _FG = "ggml.cu"
 _FV = "bnb_gemv.cu"
-_FT = "bnb_gemv_tc.cu"
 
 # launch geometry, mirrored from the kernels' constants
 _DEQUANT_THREADS, _DEQUANT_WORDS = 256, 8
 _GEMV_WARPS, _GEMV_U, _GEMV_V = 8, 4, (4, 8)
 _GEMV_SMEM = 4 * (256 * 64 + bnb.DYNAMIC_MAP.size + _GEMV_WARPS * 16 * 8)  # kGemvSmemBytes (table, code2, reduction)
-# bnb_gemv.cu (sm_90): warps, stages per warp, elements per stage; shared memory: _gv_smem
-_GV_WARPS, _GV_STAGES, _GV_KC = 16, 2, 512
-
-
-def _gv_smem(v: int, device: int) -> int:
-    """Dynamic shared memory of the bulk-copy gemv: its table must start on a 64 KiB boundary of
-    the shared window, so the layout depends on where the dynamic region starts; the kernel places
-    everything around that boundary and checks the fit. Grant the device's maximum when it is more
-    than the sizes sum, which is enough for a region starting at 0 or after the 1 KiB that sm_90
-    reserves."""
-    pitch = _GV_KC // 2 + (32 if v == 8 else 16)
-    need = 4 * 256 * 64 + 4 * bnb.DYNAMIC_MAP.size + 4 * _GV_WARPS * 128 + _GV_WARPS * _GV_STAGES * 16 * pitch
-    return max(need, int(rt.device_props(device).get("sharedMemPerBlockOptin", 0)))
 _TREE_CHUNK = 2048
 # double_quantize versions 2 and 3: absmax values per chunk sum (kSumChunk) and the most chunk sums
 # the quantize launch reduces (256 threads x 16; version 3: 512 x 8); version 3's sum threads
@@ -147,10 +133,6 @@ def _gemv_tc(tag: str, qt: str, nested: bool, nb: int) -> str:
     return f"qc::gemv_4bit_tc_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}>"
 
 
-def _gemv_stream(tag: str, qt: str, nested: bool, v: int) -> str:
-    return f"qc::gemv_4bit_stream_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {v}>"
-
-
 def _qbw(tag: str, version: int = 1) -> str:
     if version in (2, 3):
         return f"qc::quantize_blockwise_v{version}_kernel<{tag}>"
@@ -201,8 +183,7 @@ def kernel_instances() -> list[tuple[str, str]]:
                 out.append((_F4, _gemv(tag, qt, nested)))
                 if tag != TYPE_TAG["float32"]:
                     out += [(_F4, _gemv_mma(tag, qt, nested, v)) for v in _GEMV_V]
-                    out += [(_FV, _gemv_stream(tag, qt, nested, v)) for v in _GEMV_V]
-                    out += [(_FT, _gemv_tc(tag, qt, nested, nb)) for nb in (1, 2)]
+                    out += [(_FV, _gemv_tc(tag, qt, nested, nb)) for nb in (1, 2)]
     for tag in tags:
         out += [(_F8, _qbw(tag)), (_F8, _qbw(tag, 2)), (_F8, _qbw(tag, 3)), (_F8, _dqbw(tag))]
         for fmt in GGML_FMT:
@@ -278,22 +259,6 @@ def _gemv_ksplit(ntiles: int, nsp: int, sms: int) -> int:
         if eff > best_eff + 0.02:
             best, best_eff = ks, eff
         ks *= 2
-    return best
-
-
-def _gemv_stream_ksplit(ntiles: int, nsp: int, sps: int, sms: int) -> int:
-    """Warps that share one 16-row tile (splitting K) in the streaming gemv. Each of the (at most
-    ``sms``) CTAs takes an even share of the tiles, ``16 / ks`` at a time, so its time goes as
-    passes x (K / ks) = ceil(tiles_per_cta * ks / 16) / ks: the split that minimizes that, the
-    smallest on a tie; every slice keeps at least one full stage."""
-    most = _cdiv(ntiles, min(ntiles, sms))  # tiles of the busiest CTA
-    best, best_t = 1, float("inf")
-    for ks in (1, 2, 4, 8, 16):
-        if ks > 1 and nsp // ks < sps:
-            break
-        t = _cdiv(most * ks, _GV_WARPS) / ks
-        if t < best_t - 1e-9:
-            best, best_t = ks, t
     return best
 
 
@@ -494,7 +459,7 @@ class CudaBackend(Backend):
         launch = Launcher(a)
         spec = _gemv_launch(launch.device, a, packed, absmax, out, rows=rows, n=n, k=k, blocksize=blocksize,
                             quant_type=quant_type, nested=nested)
-        launch(*spec[:6], pdl=spec[0] == _FT)
+        launch(*spec[:6], pdl=spec[0] == _FV)
 
     def gemv_4bit_grouped(self, a, groups, out, *, k):
         rows = rt.numel(a) // k
@@ -803,7 +768,7 @@ def create() -> CudaBackend:
 # -- gemv_4bit: the kernel choice (shared by the launcher and the eager launch plans) ----------------
 #: positions of a and out in the older gemv kernels' parameter lists (the per-call slots of a plan)
 _GEMV_SLOTS = (0, 6)
-# bnb_gemv_tc.cu: warps per CTA, weights per launch, input rows per launch; a and out are
+# bnb_gemv.cu: warps per CTA, weights per launch; a and out are
 # parameters 0 and 1 + 6 * _GT_GROUPS
 _GT_WARPS, _GT_GROUPS = 16, 4
 _GT_SLOTS = (0, 1 + 6 * _GT_GROUPS)
@@ -819,12 +784,12 @@ def _gt_smem(nb: int, device: int) -> int:
 
 
 def _gemv_tc_applies(device: int, dt: str, a: Any, packeds: list, rows: int, k: int, blocksize: int) -> bool:
-    """Does the decode kernel (bnb_gemv_tc.cu) take this call? fp16 / bf16 input (16 rows per
+    """Does the decode kernel (bnb_gemv.cu) take this call? fp16 / bf16 input (16 rows per
     weight pass), 64-element chunks inside blocks, 16-byte input rows and 8-byte weight rows, sm_90."""
     return (dt != "float32" and rows > 0 and k % 64 == 0 and blocksize >= 64
             and aligned(a, 16) and all(aligned(p, 8) for p in packeds) and rt.device_arch(device) >= 90
             and all(rt.numel(p) * 2 // 64 < 1 << 31 for p in packeds) and k < 1 << 26
-            and rt.tune("gemv_kernel", 0) == 0)
+            and rt.tune("gemv_kernel", 0) == 0)  # gemv_kernel=1: the mma kernel (comparisons)
 
 
 def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, ldo):
@@ -845,7 +810,7 @@ def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, 
     ntiles = sum(_cdiv(w[3], 16) for w in weights)
     nb = 1 if rows <= 8 else 2
     grid = (max(1, min(ntiles, rt.sm_count(device))), _cdiv(rows, 8 * nb))
-    return (_FT, _gemv_tc(_tag(a), quant_type, nested, nb), grid, 32 * _GT_WARPS, tuple(args),
+    return (_FV, _gemv_tc(_tag(a), quant_type, nested, nb), grid, 32 * _GT_WARPS, tuple(args),
             _gt_smem(nb, device), _GT_SLOTS)
 
 
@@ -863,19 +828,8 @@ def _gemv_launch(device, a, packed, absmax, out, *, rows, n, k, blocksize, quant
     # bytes per lane and super-piece: 8 (a super-piece of 64 elements) unless a block or the
     # row length only allows 32
     v = 8 if blocksize >= 64 and k % 64 == 0 else 4
-    kernel = rt.tune("gemv_kernel", 0)  # 0: the best that applies, 1: the register-fed mma kernel
-    # the streaming kernel counts super-pieces (8 v elements) over the matrix in 32 bits
-    if (kernel in (0, 2) and dt != "float32" and k % (8 * v) == 0 and aligned(a, 16) and aligned(packed, 16)
-            and (n * k) // (8 * v) < 1 << 32 and rt.device_arch(device) >= 90):
-        nsp, sps = k // (8 * v), _GV_KC // (8 * v)
-        ntiles = _cdiv(n, 16)
-        ksplit = rt.tune("gemv_ksplit", 0) or _gemv_stream_ksplit(ntiles, nsp, sps, sms)
-        while ksplit > 1 and nsp < ksplit:  # every warp needs a non-empty slice (CTA barriers)
-            ksplit //= 2
-        grid = (min(ntiles, sms), _cdiv(rows, 8))
-        return (_FV, _gemv_stream(_tag(a), quant_type, nested is not None, v), grid, 32 * _GV_WARPS,
-                common + (i32(ksplit),), _gv_smem(v, device), _GEMV_SLOTS)
     if dt != "float32" and k % (8 * v) == 0 and aligned(a, 16) and aligned(packed, v):
+        # the register-fed mma kernel (bnb_4bit.cu): sm_80, or blocks / rows the decode kernel leaves
         ksplit = rt.tune("gemv_ksplit", 0) or _gemv_ksplit(_cdiv(n, 16), k // (8 * v), sms)
         ngroups = _cdiv(_cdiv(n, 16), _GEMV_WARPS // ksplit)
         cap = rt.tune("gemv_ctas_per_sm", 0) or 2
@@ -1100,7 +1054,7 @@ def _plan_gemv_4bit(A: Any, packed: Any, state: Any, previous: Any, n: int, k: i
         return plan  # it had this call: the thread's current context was another device's
     spec = _gemv_launch(device, A, packed, state.absmax, None, rows=rows, n=n, k=k, blocksize=state.blocksize,
                         quant_type=state.quant_type, nested=_state_nested(state))
-    launch = rt.PlannedLaunch(device, *spec[:5], shared_mem=spec[5], slots=spec[6], pdl=spec[0] == _FT)
+    launch = rt.PlannedLaunch(device, *spec[:5], shared_mem=spec[5], slots=spec[6], pdl=spec[0] == _FV)
     plan.add(_GemvPlan.key(A), (tuple(A.shape[:-1]) + (n,), launch))
     return plan
 

@@ -552,9 +552,9 @@ class PlannedLaunch:
 # -- programmatic dependent launch (sm_90) ----------------------------------------------------------
 # A kernel launched with the programmatic-stream-serialization attribute may start while the
 # previous kernel in the stream drains; it must execute ``griddepcontrol.wait`` before it reads
-# what that kernel wrote (kernels_cuda/bnb_gemv_tc.cu does, after its set-up and its first weight
-# copies). Captured in a CUDA graph, the attribute becomes a programmatic edge. Launched through
-# the driver's cuLaunchKernelEx (CuPy exposes no launch attributes).
+# any of its arguments (kernels_cuda/bnb_gemv.cu waits after building its decode table). Captured
+# in a CUDA graph, the attribute becomes a programmatic edge. Launched through the driver's
+# cuLaunchKernelEx (CuPy exposes no launch attributes).
 class _LaunchAttr(ctypes.Structure):
     _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
 
