@@ -72,6 +72,8 @@ def _op_cases(gen, device):
         ("dequantize_4bit", (*sa, [64, 128], 64, "nf4", torch.bfloat16)),
         ("dequantize_4bit", (*sa2, [64, 128], 128, "fp4", torch.float32)),
         ("gemv_4bit", (xb, *sa, 64, 128, 64, "nf4")),
+        ("gemv_4bit_grouped", (xb, [sa[0], sa[0]], [sa[1], sa[1]], [sa[2], sa[2]], [sa[3], sa[3]], [sa[4], sa[4]],
+                               [64, 64], 128, 64, "nf4")),
         ("linear_4bit", (xb.clone().requires_grad_(), *sa, 64, 128, 64, "nf4", bias)),
         ("linear_4bit", (_randn(gen, 2, 20, 128, device=device).requires_grad_(), *sa2, 64, 128, 128, "fp4", None)),
         ("quantize_q4_0", (x,)),
@@ -441,3 +443,115 @@ def test_cuda_eager_forward_binds_its_launch(gen):
         assert mod(x2.float()).dtype == torch.float32
     y = mod(x2.clone().requires_grad_())
     assert y.requires_grad
+
+
+# -- grouped gemv (quantcore.nn.group_linears) ---------------------------------------------------------
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=100)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    qnn.quantize_model(model, "nf4", progress=False)
+    return model
+
+
+def test_group_linears_keeps_results_and_checkpoint_keys():
+    model = _tiny_llama()
+    ids = torch.tensor([[1, 5, 7, 9]])
+    keys = set(model.state_dict())
+    with torch.no_grad():
+        ref_prefill, ref_decode = model(ids).logits, model(ids[:, :1]).logits
+        assert qnn.group_linears(model) == 4  # q/k/v and gate/up in 2 layers
+        assert set(model.state_dict()) == keys
+        calls = []
+        real = torch.ops.quantcore.gemv_4bit_grouped
+
+        class Spy:
+            def __call__(self, *a):
+                calls.append(a[6])
+                return real(*a)
+
+        import quantcore.nn.grouped as grouped
+
+        saved = grouped.torch.ops.quantcore.gemv_4bit_grouped
+        try:
+            torch.ops.quantcore.gemv_4bit_grouped = Spy()
+            got_decode = model(ids[:, :1]).logits
+        finally:
+            torch.ops.quantcore.gemv_4bit_grouped = saved
+        assert calls == [[128, 64, 64], [256, 256]] * 2  # one grouped call per group and layer
+        assert torch.equal(model(ids).logits, ref_prefill)  # 4 rows: the same gemv path per member
+        # the cpu backend computes each block as its own gemv_4bit: the same bits
+        assert torch.equal(got_decode, ref_decode)
+        qnn.ungroup_linears(model)
+        assert torch.equal(model(ids[:, :1]).logits, ref_decode)
+
+
+def test_grouped_member_called_alone_or_twice_gives_its_own_result():
+    model = _tiny_llama()
+    qnn.group_linears(model)
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(1, 128)
+    with torch.no_grad():
+        alone = [m(x) for m in (attn.v_proj, attn.v_proj, attn.q_proj)]  # out of order, repeated
+        qnn.ungroup_linears(model)
+        ref = [m(x) for m in (attn.v_proj, attn.v_proj, attn.q_proj)]
+    for a, r in zip(alone, ref):
+        assert torch.equal(a, r)
+
+
+def test_grouped_decode_compiles_fullgraph_with_the_grouped_op():
+    model = _tiny_llama()
+    qnn.group_linears(model)
+    ids = torch.tensor([[3]])
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model(ids).logits
+        compiled = torch.compile(model, backend=backend, fullgraph=True)(ids).logits
+    assert torch.equal(eager, compiled)
+    assert seen.count("quantcore.gemv_4bit_grouped") == 4
+
+
+def test_gemv_4bit_grouped_api_checks():
+    w = torch.randn(40, 128)
+    p1, s1 = qc.quantize_4bit(w.numpy(), 64, "nf4", True)
+    p2, s2 = qc.quantize_4bit(torch.randn(8, 64).numpy(), 64, "nf4", True)
+    a = torch.randn(2, 128).numpy()
+    with pytest.raises(qc.ParameterError, match="non-empty sequence"):
+        qc.gemv_4bit_grouped(a, [])
+    with pytest.raises(qc.ParameterError, match="pair"):
+        qc.gemv_4bit_grouped(a, [(p1, s1, 3)])
+    with pytest.raises(qc.ShapeError, match="share K"):
+        qc.gemv_4bit_grouped(a, [(p1, s1), (p2, s2)])
+    with pytest.raises(qc.ShapeError, match=r"\[\.\.\., K\]"):
+        qc.gemv_4bit_grouped(a[:, :64], [(p1, s1)])
+    y = qc.gemv_4bit_grouped(a.reshape(1, 2, 128), [(p1, s1), (p1, s1)])
+    assert y.shape == (1, 2, 80)
+
+
+@needs_cuda
+def test_cuda_grouped_gemv_matches_single_gemvs_within_the_bound():
+    from quantcore.conformance import bounds
+
+    gen = torch.Generator().manual_seed(5)
+    for rows, dtype in ((1, torch.bfloat16), (9, torch.float16), (20, torch.bfloat16)):
+        ws = [_randn(gen, n, 512, device="cuda") * 0.05 for n in (48, 16, 33, 100, 7)]  # 5 weights: 2 launches
+        qs = [qct.quantize_4bit(w, 64, "nf4", True) for w in ws]
+        a = _randn(gen, rows, 512, dtype=dtype, device="cuda")
+        y = qc.gemv_4bit_grouped(a, qs)
+        col = 0
+        for (p, st), w in zip(qs, ws):
+            n = w.shape[0]
+            wdq = qc.dequantize_4bit(p, st, "float32").double().cpu().numpy()
+            ref, bound = bounds.gemv_4bit(a.double().cpu().numpy(), wdq, str(dtype).split(".")[1])
+            err = (y[:, col:col + n].double().cpu().numpy() - ref)
+            assert (abs(err) <= bound.max_abs).all()
+            col += n
+

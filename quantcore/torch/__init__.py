@@ -517,7 +517,7 @@ _define("linear_fp4(Tensor x, Tensor codes, Tensor scales, Tensor? global_scale,
 
 
 #: every op this module defines, as ``torch.ops.quantcore.<name>``
-OPS = ("quantize_4bit", "dequantize_4bit", "gemv_4bit", "linear_4bit", "gemm_w4a8", "quantize_q4_0",
+OPS = ("quantize_4bit", "dequantize_4bit", "gemv_4bit", "gemv_4bit_grouped", "linear_4bit", "gemm_w4a8", "quantize_q4_0",
        "dequantize_q4_0", "linear_q4_0", "quantize_mx", "dequantize_mx", "scaled_fp4_mm", "linear_fp4")
 
 __all__ = ["GEMV_MAX_ROWS", "OPS", "W4A8_MAX_ROWS", "backend_for", "bind_linear_4bit", "linear_4bit_eager", "linear_fp4_eager",
