@@ -262,7 +262,12 @@ def gemv_4bit_grouped(A: Any, weights: Sequence[tuple[Any, QuantState]], *,
     ntot = sum(g[0] for g in geo)
     lead = tuple(shape[:-1])
     if type(be).gemv_4bit_grouped is Backend.gemv_4bit_grouped:
-        return concat_last([gemv_4bit(A, p, st, backend=be) for p, st in weights])
+        parts = [gemv_4bit(A, p, st, backend=be) for p, st in weights]
+        try:
+            return concat_last(parts)
+        except UnsupportedError:  # a backend's own array type: joined on the host
+            host = np.concatenate([np.asarray(be.to_numpy(be.prepare(r))) for r in parts], axis=-1)
+            return be.finish(be.from_numpy(host, like=be.prepare(A)), A)
     an = be.prepare(A)
     out = be.empty((rows, ntot), as_dtype(dt), like=an)
     if rows > 0 and ntot > 0:
