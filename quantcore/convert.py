@@ -47,7 +47,7 @@ from .io.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, Selection, open_
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 #: elements per chunk of rows quantized at once (MX formats): bounds the temporaries to a few tens of MB
-CHUNK_ELEMENTS = 1 << 22
+CHUNK_ELEMENTS = 1 << 20
 F8_E4M3 = as_dtype("float8_e4m3fn")
 #: the quantization_config compressed-tensors writes for its NVFP4A16 preset (weights only)
 _CT_VERSION = "0.12.2"
@@ -372,8 +372,8 @@ def _convert(ckpt: Checkpoint, sel: Selection, items: list[Item], tmp: str, dst:
     shards: list[ShardWriter] = []
     weight_map: dict[str, int] = {}
     meta = {"format": "pt"} if ckpt.is_folder else {**ckpt.metadata, "quantcore.format": fmt}
-    if not ckpt.is_folder and fmt in bnb.QUANT_TYPES:
-        meta["quantcore.blocksize"] = str(blocksize)
+    if not ckpt.is_folder:
+        meta["quantcore.blocksize"] = str(blocksize if fmt in bnb.QUANT_TYPES else mx.block_size(fmt))
 
     def shard_for(nbytes: int) -> ShardWriter:
         if not shards or (ckpt.is_folder and shards[-1].size and shards[-1].size + nbytes > shard_limit):

@@ -84,7 +84,8 @@ def stale_temporaries(dst: str) -> list[str]:
     for tag in (_TMP_TAG, _OLD_TAG):
         prefix = f".{name}{tag}"
         for entry in os.listdir(parent or "."):
-            if entry.startswith(prefix) and entry[len(prefix):].isdigit() and not _pid_alive(int(entry[len(prefix):])):
+            pid = entry[len(prefix):].split(".", 1)[0] if entry.startswith(prefix) else ""
+            if pid.isdigit() and not _pid_alive(int(pid)):
                 out.append(os.path.join(parent, entry))
     return out
 
@@ -100,7 +101,7 @@ class AtomicOutput:
         self.folder = folder
 
     def __enter__(self) -> str:
-        for p in stale_temporaries(self.dst) + [self.tmp, self._old]:
+        for p in stale_temporaries(self.dst) + [self.tmp, self._old, self.tmp + ".data"]:
             _remove(p)
         if self.folder:
             os.mkdir(self.tmp)
@@ -109,6 +110,7 @@ class AtomicOutput:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is not None:
             _remove(self.tmp)
+            _remove(self.tmp + ".data")
             return False
         try:
             self.commit()
