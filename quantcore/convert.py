@@ -42,8 +42,15 @@ from .errors import CheckpointError, ParameterError, UnsupportedError
 from .formats import GGUF_FORMATS, QUANTIZE_FORMATS, bnb, mx
 from .io import ShardWriter
 from .io.atomic import AtomicOutput, check_output, sigterm_raises
-from .io.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, Selection, open_checkpoint, select_by_name, \
-    select_from_config
+from .io.checkpoint import (
+    INDEX_NAME,
+    SINGLE_NAME,
+    Checkpoint,
+    Selection,
+    open_checkpoint,
+    select_by_name,
+    select_from_config,
+)
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 #: elements per chunk of rows quantized at once (MX formats): bounds the temporaries to a few tens of MB

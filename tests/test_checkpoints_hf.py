@@ -180,7 +180,7 @@ def test_quantcore_nn_loads_the_folder(llama_dir, ids, tmp_path):
         assert np.array_equal(m.dequantize().numpy(), deq[f"{n}.weight"]), n
     ref = AutoModelForCausalLM.from_pretrained(llama_dir)
     with torch.no_grad():
-        for n, m in layers.items():
+        for n in layers:
             ref.get_submodule(n).weight.copy_(torch.from_numpy(deq[f"{n}.weight"]))
     torch.testing.assert_close(_logits(model, ids), _logits(ref, ids), rtol=1e-5, atol=1e-5)
 
@@ -320,3 +320,25 @@ def test_already_quantized_folder_refused(llama_dir, tmp_path):
     quantize_checkpoint(llama_dir, out, "nf4", progress=False)
     with pytest.raises(CheckpointError, match="already quantized"):
         quantize_checkpoint(out, tmp_path / "q2", "nf4", progress=False)
+
+
+def test_nvfp4_folder_decompressed_by_compressed_tensors(llama_dir, tmp_path):
+    ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed: its own "
+                             "decompressor is the reference here")
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    out = tmp_path / "nv"
+    quantize_checkpoint(llama_dir, out, "nvfp4", progress=False)
+    cfg = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
+    assert cfg.format == "nvfp4-pack-quantized" and cfg.ignore == ["lm_head"], ct.__version__
+    scheme = cfg.config_groups["group_0"]
+    t = load_file(out / "model.safetensors")
+    ours = read_quantized(str(out), out_dtype="bfloat16")
+    names = [k[: -len(".weight_packed")] for k in t if k.endswith(".weight_packed")]
+    assert len(names) == 14
+    for p in names:
+        sd = {k[len(p) + 1:]: v for k, v in t.items() if k.startswith(p + ".")}
+        got = NVFP4PackedCompressor.decompress(sd, scheme)["weight"]
+        want = torch.from_numpy(ours[p + ".weight"].view(np.uint16).astype(np.int32)).to(torch.int16)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want.view(torch.bfloat16)), p
