@@ -133,6 +133,12 @@ def _quantize_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _one_line_usage_error(message: str):
+    """argparse's error for ``quantize``: one line, exit status 2, as every other failure."""
+    print(f"quantcore: error: {message} (quantcore quantize --help)", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def _delegate(module: str, argv: list[str]) -> int:
     import importlib
 
@@ -175,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     q.add_argument("--min-numel", type=int, default=4096,
                    help="a single .safetensors input: 2-D tensors with fewer elements stay unquantized")
+    q.error = _one_line_usage_error  # type: ignore[method-assign]
     args = p.parse_args(argv)
     try:
         if args.cmd == "info":

@@ -329,6 +329,8 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, *, blocksize: int = 64, ba
     if not os.path.exists(src):
         raise CheckpointError(f"{src} does not exist")
     if _is_gguf(src):
+        if skip:
+            raise ParameterError("--skip applies to safetensors inputs; a GGUF follows llama-quantize's rules")
         return _quantize_gguf(src, dst, fmt, pure=pure, backend=backend, progress=progress, force=force)
     if fmt in GGUF_FORMATS:
         raise UnsupportedError(
@@ -361,6 +363,8 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, *, blocksize: int = 64, ba
                 f"a model folder in mxfp4 is written in OpenAI's gpt-oss layout, which transformers reads for "
                 f"gpt-oss models only (this one is {sel.model_type!r}); use --format nvfp4 (compressed-tensors) "
                 "or quantize a single .safetensors file")
+        if fmt == "mxfp4" and not sel.experts:
+            raise CheckpointError(f"{src}: no gpt-oss expert weights found in the model transformers builds")
         if fmt == "mxfp4" and skip:
             raise ParameterError("--skip does not apply to mxfp4 gpt-oss folders (only the MoE experts are MXFP4)")
     else:

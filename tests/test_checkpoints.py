@@ -146,6 +146,14 @@ def test_single_file_reads_back_as_quantcore_dequantizes(model_file, tmp_path, c
     assert np.array_equal(t["lm_head.weight"], src["lm_head.weight"])
 
 
+def test_usage_errors_are_one_line(model_file, tmp_path, capsys):
+    for argv in (["--format", "q5_k"], ["--format", "nf4", "--blocksize", "x"], []):
+        with pytest.raises(SystemExit) as e:
+            main(["quantize", str(model_file), "-o", str(tmp_path / "o"), *argv])
+        assert e.value.code == 2
+        _one_line_error(capsys)
+
+
 def test_parse_size():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("100KB") == 10**5
     assert parse_size("123") == 123
@@ -333,6 +341,8 @@ def test_gguf_dispatch_writes_atomically(tmp_path, monkeypatch, capsys):
     assert "the input" in _one_line_error(capsys)
     assert main(["quantize", str(src), "-o", str(tmp_path / "x.gguf"), "--format", "nf4"]) == 2
     assert "q4_0 / q8_0 only" in _one_line_error(capsys)
+    assert main(["quantize", str(src), "-o", str(tmp_path / "x.gguf"), "--format", "q4_0", "--skip", "x"]) == 2
+    assert "--skip" in _one_line_error(capsys)
     n = len(seen)
     assert main(["quantize", str(tmp_path / "missing.gguf"), "-o", str(tmp_path / "y.gguf"), "--format", "q4_0"]) == 2
     assert "does not exist" in _one_line_error(capsys) and len(seen) == n
