@@ -342,3 +342,20 @@ def test_nvfp4_folder_decompressed_by_compressed_tensors(llama_dir, tmp_path):
         got = NVFP4PackedCompressor.decompress(sd, scheme)["weight"]
         want = torch.from_numpy(ours[p + ".weight"].view(np.uint16).astype(np.int32)).to(torch.int16)
         assert got.dtype == torch.bfloat16 and torch.equal(got, want.view(torch.bfloat16)), p
+
+
+def test_nvfp4_folder_runs_in_transformers_with_compressed_tensors(llama_dir, ids, tmp_path):
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed: transformers needs it "
+                        "to load this layout")
+    out = tmp_path / "nv"
+    quantize_checkpoint(llama_dir, out, "nvfp4", progress=False)
+    model = AutoModelForCausalLM.from_pretrained(out, device_map="cpu", dtype=torch.bfloat16)
+    got = _logits(model, ids)  # decompresses the NVFP4 layers on the first call
+    ours = read_quantized(str(out), out_dtype="bfloat16")
+    ref = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, w in ours.items():
+            bf = torch.from_numpy(w.view(np.uint16).astype(np.int32)).to(torch.int16).view(torch.bfloat16)
+            assert torch.equal(model.get_submodule(name.removesuffix(".weight")).weight, bf), name
+            ref.get_submodule(name.removesuffix(".weight")).weight.copy_(bf)
+    assert torch.equal(got, _logits(ref, ids))
