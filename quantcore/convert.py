@@ -56,8 +56,6 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 #: elements per chunk of rows quantized at once (MX formats): bounds the temporaries to a few tens of MB
 CHUNK_ELEMENTS = 1 << 20
 F8_E4M3 = as_dtype("float8_e4m3fn")
-#: the quantization_config compressed-tensors writes for its NVFP4A16 preset (weights only)
-_CT_VERSION = "0.12.2"
 
 
 def parse_size(text: str | int) -> int:
@@ -298,14 +296,14 @@ def nvfp4_quantization_config(ignore: list[str]) -> dict[str, Any]:
                "observer_kwargs": {}}
     return {
         "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
-        "quantization_status": "compressed", "version": _CT_VERSION, "global_compression_ratio": None,
+        "quantization_status": "compressed", "global_compression_ratio": None,
         "kv_cache_scheme": None, "sparsity_config": {}, "ignore": ignore,
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
                                       "output_activations": None, "format": "nvfp4-pack-quantized"}},
     }
 
 
-def mxfp4_quantization_config(config: dict[str, Any]) -> dict[str, Any]:
+def mxfp4_quantization_config() -> dict[str, Any]:
     """The config OpenAI's gpt-oss checkpoints carry: everything but the MoE experts stays bf16."""
     return {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
@@ -462,7 +460,7 @@ def _quantization_config(fmt: str, sel: Selection, items: list[Item], skip: list
         done = {it.name.removesuffix(".weight") for it in items if it.action == "quantize"}
         ignore = sorted({*sel.kept, *(m for m in sel.linear if m not in done)})
         return nvfp4_quantization_config(ignore)
-    return mxfp4_quantization_config({})
+    return mxfp4_quantization_config()
 
 
 def _write_json(path: str, data: Any) -> None:

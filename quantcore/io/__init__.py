@@ -19,7 +19,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -248,11 +248,6 @@ def save_safetensors(path: str | os.PathLike, tensors: dict[str, Any], metadata:
     except BaseException:
         w.abort()
         raise
-
-
-def iter_tensors(st: SafetensorsFile) -> Iterator[tuple[str, np.ndarray]]:
-    for n in st.names:
-        yield n, st.get(n)
 
 
 __all__ = ["MAX_HEADER_BYTES", "SafetensorsFile", "ShardWriter", "TensorInfo", "load_safetensors",
