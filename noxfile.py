@@ -20,6 +20,8 @@ BACKENDS = ["cpu", "cuda", "sycl", "maca"]
 TORCH = [os.environ.get("QC_NOX_TORCH_SPEC", "torch==2.13.0")] if os.environ.get("QC_NOX_TORCH", "1") == "1" else []
 # the PyTorch layer's peers (the transformers plugin, bitsandbytes' checkpoints both ways) come with torch
 TORCH_PEERS = ["transformers>=5.17", "accelerate>=1.0", "bitsandbytes>=0.49"] if TORCH else []
+# the NVFP4 checkpoints' reader (tests/test_checkpoints_hf.py decompresses with it)
+TORCH_PEERS += ["compressed-tensors>=0.12"] if TORCH else []
 # the SYCL backend's runtime (dpctl + Intel's OpenCL CPU device) so its tests run everywhere.
 SYCL = ["sycl"] if os.environ.get("QC_NOX_SYCL", "1") == "1" else []
 

@@ -35,6 +35,7 @@ from .api import (  # noqa: E402
 from .backend import Availability, Backend, Capability, Nested
 from .errors import (
     BackendUnavailableError,
+    CheckpointError,
     DeviceError,
     DTypeError,
     KernelError,
@@ -58,7 +59,7 @@ from .state import QuantState
 __version__ = "0.1.0"
 
 __all__ = [
-    "Availability", "Backend", "BackendUnavailableError", "Capability", "DTypeError", "DeviceError",
+    "Availability", "Backend", "BackendUnavailableError", "Capability", "CheckpointError", "DTypeError", "DeviceError",
     "KernelError", "Nested", "ParameterError", "QuantState", "QuantcoreError", "ShapeError",
     "StateError", "UnsupportedError", "available_backends", "backend_names", "dequantize_4bit",
     "dequantize_blockwise", "dequantize_q4_0", "dequantize_q8_0", "dequantize_q8_1",

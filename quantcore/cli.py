@@ -11,7 +11,7 @@ import numpy as np
 
 from . import __version__, api, registry
 from .errors import QuantcoreError
-from .formats import WEIGHT_FORMATS
+from .formats import GGUF_FORMATS, QUANTIZE_FORMATS
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -109,8 +109,34 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_quantize(args: argparse.Namespace) -> int:
     from .convert import quantize_checkpoint
 
-    return quantize_checkpoint(args.input, args.output, args.format, blocksize=args.blocksize,
-                               backend=args.backend, min_numel=args.min_numel)
+    quantize_checkpoint(args.input, args.output, args.format, blocksize=args.blocksize, backend=args.backend,
+                        skip=args.skip, max_shard_size=args.max_shard_size, force=args.force, pure=args.pure,
+                        progress=not args.quiet, min_numel=args.min_numel)
+    return 0
+
+
+def _quantize_failure(exc: BaseException) -> str:
+    """The one line a failed ``quantcore quantize`` prints (after ``quantcore: error: ``)."""
+    import errno
+
+    from .io.atomic import describe_os_error
+
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted; the previous output (if any) is untouched and no temporary files are left"
+    if isinstance(exc, OSError):
+        where = exc.filename or "the output"
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return describe_os_error(exc, where)
+        return f"{describe_os_error(exc, where)}; the previous output (if any) is untouched"
+    if isinstance(exc, QuantcoreError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _one_line_usage_error(message: str):
+    """argparse's error for ``quantize``: one line, exit status 2, as every other failure."""
+    print(f"quantcore: error: {message} (quantcore quantize --help)", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _delegate(module: str, argv: list[str]) -> int:
@@ -136,23 +162,39 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--seed", type=int, default=0)
     sub.add_parser("check", help="the conformance suite (quantcore check --help)")
     sub.add_parser("bench", help="speed table against the peers (quantcore bench --help)")
-    q = sub.add_parser("quantize", help="quantize a safetensors checkpoint")
-    q.add_argument("input")
-    q.add_argument("-o", "--output", required=True)
-    q.add_argument("--format", required=True, choices=list(WEIGHT_FORMATS))
+    q = sub.add_parser("quantize", help="quantize a model folder, a safetensors file or a GGUF file",
+                       description="Quantize a checkpoint into a layout its ecosystem's loaders read "
+                                   "(docs/checkpoints.md).")
+    q.add_argument("input", help="a transformers model folder, a .safetensors file, or a .gguf file")
+    q.add_argument("-o", "--output", required=True, help="the folder / file to write (never an input)")
+    q.add_argument("--format", required=True, choices=list(QUANTIZE_FORMATS),
+                   help="nf4/fp4: bitsandbytes; nvfp4: compressed-tensors; mxfp4: gpt-oss; "
+                        f"{'/'.join(GGUF_FORMATS)}: GGUF input only")
     q.add_argument("--blocksize", type=int, default=64, help="4-bit block size (nf4/fp4)")
-    q.add_argument("--backend", default=None)
+    q.add_argument("--skip", action="append", default=[], metavar="PATTERN",
+                   help="keep these linear layers in float too (repeatable; a module name, a run of its "
+                        "dotted parts, a regex or a glob)")
+    q.add_argument("--max-shard-size", default="5GB", help="largest output shard of a folder (default 5GB)")
+    q.add_argument("--force", action="store_true", help="replace an existing output")
+    q.add_argument("--pure", action="store_true", help="GGUF: every 2-D tensor in --format (llama-quantize --pure)")
+    q.add_argument("--backend", default=None, help="quantize on this backend (default $QUANTCORE_BACKEND, else cpu)")
+    q.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     q.add_argument("--min-numel", type=int, default=4096,
-                   help="2-D tensors with fewer elements stay unquantized")
+                   help="a single .safetensors input: 2-D tensors with fewer elements stay unquantized")
+    q.error = _one_line_usage_error  # type: ignore[method-assign]
     args = p.parse_args(argv)
     try:
         if args.cmd == "info":
             return cmd_info(args)
         if args.cmd == "demo":
             return cmd_demo(args)
-        return cmd_quantize(args)
     except QuantcoreError as exc:
         print(f"quantcore: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return cmd_quantize(args)
+    except (Exception, KeyboardInterrupt) as exc:  # every failure: one line and exit status 2
+        print(f"quantcore: error: {_quantize_failure(exc)}", file=sys.stderr)
         return 2
 
 

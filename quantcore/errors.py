@@ -41,3 +41,7 @@ class BackendUnavailableError(QuantcoreError, RuntimeError):
 
 class KernelError(QuantcoreError, RuntimeError):
     """A backend's kernel failed to build or to run (the compiler or runtime log is attached)."""
+
+
+class CheckpointError(QuantcoreError, ValueError):
+    """A checkpoint file or folder is malformed, or cannot be read or written where asked."""

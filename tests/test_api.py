@@ -228,39 +228,46 @@ def test_cli_quantize_nf4_loads_back(tmp_path, rng):
     assert out.shape == w.shape and out.dtype == w.dtype
 
 
-def test_cli_quantize_q4_0_is_ggml_bytes(tmp_path, rng):
-    gguf = pytest.importorskip("gguf", reason="GGUF output needs the gguf package")
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_cli_quantize_gguf_formats_need_a_gguf_input(tmp_path, rng, capsys, fmt):
+    # a GGUF made from safetensors alone has no architecture llama.cpp can run: refused, pointing
+    # at llama.cpp's converter (docs/checkpoints.md)
     from quantcore.cli import main
     from quantcore.io import save_safetensors
 
-    w = rng.standard_normal((64, 128)).astype(np.float32)
-    save_safetensors(tmp_path / "in.safetensors", {"w": w})
+    save_safetensors(tmp_path / "in.safetensors", {"l.weight": rng.standard_normal((64, 128)).astype(np.float32)})
     assert main(["quantize", str(tmp_path / "in.safetensors"), "-o", str(tmp_path / "o.gguf"),
-                 "--format", "q4_0"]) == 0
-    t = {tt.name: tt for tt in gguf.GGUFReader(tmp_path / "o.gguf").tensors}
-    assert t["w"].tensor_type == gguf.GGMLQuantizationType.Q4_0
-    assert np.array_equal(np.array(t["w"].data).reshape(-1), ggml.quantize_q4_0(w).reshape(-1))
+                 "--format", fmt, "-q"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("quantcore: error: ")
+    assert "convert_hf_to_gguf.py" in err[0] and f"quantcore quantize IN.gguf -o OUT.gguf --format {fmt}" in err[0]
+    assert not (tmp_path / "o.gguf").exists()
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_cli_quantize_mx_dequantizes_back(tmp_path, rng, fmt):
+    # the loaders' layouts: gpt-oss *_blocks / *_scales (mxfp4), compressed-tensors weight_packed /
+    # weight_scale / weight_global_scale (nvfp4); row-major scales (docs/checkpoints.md)
     from quantcore.cli import main
     from quantcore.io import load_safetensors, save_safetensors
 
     w = (rng.standard_normal((128, 256)) * 0.02).astype(np.float32)
-    save_safetensors(tmp_path / "in.safetensors", {"w": w})
+    save_safetensors(tmp_path / "in.safetensors", {"l.weight": w})
     assert main(["quantize", str(tmp_path / "in.safetensors"), "-o", str(tmp_path / "o.safetensors"),
                  "--format", fmt]) == 0
     t, meta = load_safetensors(tmp_path / "o.safetensors")
     assert meta["quantcore.blocksize"] == {"mxfp4": "32", "nvfp4": "16"}[fmt]
-    codes, scales = np.array(t["w"]), np.array(t["w.scale"])
     if fmt == "mxfp4":
-        back = qc.dequantize_mxfp4(codes, scales)
-        ref_codes, ref_scales = qc.scaled_mxfp4_quant(w)
+        assert set(t) == {"l.weight_blocks", "l.weight_scales"} and t["l.weight_blocks"].shape == (128, 8, 16)
+        codes, scales = np.array(t["l.weight_blocks"]).reshape(128, 128), np.array(t["l.weight_scales"])
+        back = qc.dequantize_mxfp4(codes, scales, swizzled=False)
+        ref_codes, ref_scales = qc.scaled_mxfp4_quant(w, swizzle=False)
     else:
-        g = np.array(t["w.global_scale"])
-        back = qc.dequantize_nvfp4(codes, scales, g)
-        ref_codes, ref_scales = qc.scaled_nvfp4_quant(w, g)
+        assert set(t) == {"l.weight_packed", "l.weight_scale", "l.weight_global_scale"}
+        codes, scales = np.array(t["l.weight_packed"]), np.array(t["l.weight_scale"]).view(np.uint8)
+        g = np.array(t["l.weight_global_scale"])
+        back = qc.dequantize_nvfp4(codes, scales, g, swizzled=False)
+        ref_codes, ref_scales = qc.scaled_nvfp4_quant(w, g, swizzle=False)
     assert np.array_equal(codes, ref_codes) and np.array_equal(scales, ref_scales)
     assert back.shape == w.shape
     assert np.abs(back - w).max() <= 0.25 * np.abs(w).max()

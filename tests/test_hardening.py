@@ -486,7 +486,7 @@ def test_nvfp4_conversion_of_tensor_with_inf_is_an_error():
     x = np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32)
     x[1, 5] = np.inf
     with pytest.raises(ParameterError, match="finite positive amax"):
-        convert._quantize_mx("w", x, "nvfp4", "cpu")
+        convert._quantize_nvfp4("w.weight", x, convert._Mover("cpu"))
 
 
 # -- gguf-py parity on blocks whose 1/d overflows fp32 -----------------------------------------------------------

@@ -13,3 +13,7 @@ from . import mx as _mx
 
 #: the weight formats a linear layer or a checkpoint holds (quantcore.nn, quantcore.hf, quantcore quantize)
 WEIGHT_FORMATS = (*_bnb.QUANT_TYPES, "q4_0", *_mx.FP4_FORMATS)
+#: the formats ``quantcore quantize`` writes into a GGUF file (from a GGUF input only)
+GGUF_FORMATS = ("q4_0", "q8_0")
+#: every ``--format`` of ``quantcore quantize``
+QUANTIZE_FORMATS = tuple(dict.fromkeys((*WEIGHT_FORMATS, *GGUF_FORMATS)))
