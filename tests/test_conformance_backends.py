@@ -68,3 +68,15 @@ def test_seeds_do_not_depend_on_the_hash_seed(tmp_path):
         assert res.returncode == 0, res.stdout + res.stderr
         draws.append(next(line for line in res.stdout.splitlines() if "DRAW" in line))
     assert draws[0] == draws[1], draws
+
+
+@pytest.mark.parametrize("name", sorted(_BUILTIN))
+def test_capabilities_are_built_once_per_instance(name):
+    """``supports`` consults ``capabilities()`` on every public call: the set is built once."""
+    from quantcore.registry import _instance
+
+    be = _instance(name)
+    first = be.capabilities()
+    if not first:
+        pytest.skip(f"{name} declares nothing here: {availability(name).reason}")
+    assert be.capabilities() is first
