@@ -80,3 +80,46 @@ def test_capabilities_are_built_once_per_instance(name):
     if not first:
         pytest.skip(f"{name} declares nothing here: {availability(name).reason}")
     assert be.capabilities() is first
+
+
+# -- perf mode ------------------------------------------------------------------------------------------
+def test_check_perf_times_each_checked_op_with_the_bench_timer(monkeypatch, capsys):
+    """``quantcore check --perf`` times each case's kernel-level op with quantcore.bench's timer
+    (here a stand-in that reports 2 us a call, so the GB/s column is checkable) and prints it."""
+    from quantcore import bench
+    from quantcore.conformance.runner import main
+
+    timed = []
+
+    class FixedTimer:
+        def __init__(self, sync):
+            pass
+
+        def kernel(self, fns, reps, warmup):
+            for fn in fns:
+                fn()  # the op itself runs
+            timed.append(reps)
+            return 2.0
+
+    monkeypatch.setattr(bench, "HostTimer", FixedTimer)
+    case = "ggml/quantize_q8_0/q8_0/float32/bs32/random"
+    assert main(["--backend", "cpu", "--perf", "--perf-reps", "7", "-k", case, "-q"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith(f"| {case} |"))
+    _, _, op, us, gbps, _ = (c.strip() for c in row.split("|"))
+    assert op == "quantize_q8_0" and us == "2.0" and timed == [7]
+    # the bytes the runner counted (inputs read once, outputs written once) over 2 us
+    report = run("cpu", select=[case], perf_reps=3)
+    (r,) = report.results
+    assert float(gbps) == pytest.approx(r.perf_bytes / 2e-6 / 1e9, rel=1e-2)
+    assert r.perf_bytes > 0 and r.as_dict()["perf_bytes"] == r.perf_bytes
+
+
+def test_check_perf_on_cpu_measures_real_times():
+    report = run("cpu", select=["bnb/dequantize_4bit/nf4/float32/bs64/", "bnb/quantize_4bit/nf4/float32/bs64/api"],
+                 perf_reps=3)
+    timed = [r for r in report.results if r.perf_us]
+    assert report.ok and timed and all(r.perf_us > 0 and r.gbps > 0 for r in timed)
+    assert any(not r.perf_us for r in report.results)  # the public-API case has no op call to time
+    assert "| case | op | us | GB/s |" in report.perf_table()
+    assert all(r.perf_us is None for r in run("cpu", select=["bnb/dequantize_4bit/nf4/float32/bs64/"]).results)
