@@ -69,6 +69,20 @@ def test_kernels_compile_with_nvcc(filename, arch, tmp_path):
     assert "spill" not in res.stderr.lower(), res.stderr[-3000:]
 
 
+def test_ggml_format_codes_are_the_generated_ones():
+    """The launcher's template arguments and ggml.cu's kFmt* constants both come from
+    kernel_defines.GGML_FORMAT_CODE (QC_FMT_* in the generated header): no hand-written copy."""
+    import re
+
+    assert cuda.GGML_FMT is kernel_defines.GGML_FORMAT_CODE
+    header = kernel_defines.constants_header()
+    for fmt, code in kernel_defines.GGML_FORMAT_CODE.items():
+        assert f"#define QC_FMT_{fmt.upper()} {code}\n" in header
+    src = open(os.path.join(rt.kernel_dir(), "ggml.cu")).read()
+    consts = dict(re.findall(r"(kFmtQ\d_\d) = (\w+)", src))
+    assert consts == {"kFmtQ4_0": "QC_FMT_Q4_0", "kFmtQ8_0": "QC_FMT_Q8_0", "kFmtQ8_1": "QC_FMT_Q8_1"}
+
+
 def test_import_quantcore_imports_no_gpu_package():
     code = "import sys, quantcore; print('cupy' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
