@@ -6,7 +6,7 @@
 namespace qc {
 
 constexpr int kQK = QC_QK;
-constexpr int kFmtQ4_0 = 0, kFmtQ8_0 = 1, kFmtQ8_1 = 2;
+constexpr int kFmtQ4_0 = QC_FMT_Q4_0, kFmtQ8_0 = QC_FMT_Q8_0, kFmtQ8_1 = QC_FMT_Q8_1;
 
 template <int FMT>
 struct GgmlFmt {

@@ -19,6 +19,7 @@ if not _os.path.isdir(_os.path.join(_here, "backends")) and _os.path.isfile(
 from .api import (  # noqa: E402
     dequantize_4bit,
     dequantize_blockwise,
+    dequantize_ggml,
     dequantize_q4_0,
     dequantize_q8_0,
     dequantize_q8_1,
@@ -28,6 +29,7 @@ from .api import (  # noqa: E402
     gemv_4bit_grouped,
     quantize_4bit,
     quantize_blockwise,
+    quantize_ggml,
     quantize_q4_0,
     quantize_q8_0,
     quantize_q8_1,
@@ -62,9 +64,9 @@ __all__ = [
     "Availability", "Backend", "BackendUnavailableError", "Capability", "CheckpointError", "DTypeError", "DeviceError",
     "KernelError", "Nested", "ParameterError", "QuantState", "QuantcoreError", "ShapeError",
     "StateError", "UnsupportedError", "available_backends", "backend_names", "dequantize_4bit",
-    "dequantize_blockwise", "dequantize_q4_0", "dequantize_q8_0", "dequantize_q8_1",
+    "dequantize_blockwise", "dequantize_ggml", "dequantize_q4_0", "dequantize_q8_0", "dequantize_q8_1",
     "gemm_q4_0_q8_1", "gemm_w4a8", "gemv_4bit", "gemv_4bit_grouped", "get_backend", "quantize_4bit",
-    "quantize_blockwise", "quantize_q4_0", "quantize_q8_0", "quantize_q8_1", "register_backend",
+    "quantize_blockwise", "quantize_ggml", "quantize_q4_0", "quantize_q8_0", "quantize_q8_1", "register_backend",
     "set_backend", "unregister_backend", "use_backend", "__version__",
 ]
 

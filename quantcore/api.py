@@ -99,19 +99,30 @@ def _const(be: Backend, name: str, values: np.ndarray, like: Any) -> Any:
 
 
 # -- bitsandbytes 4-bit ------------------------------------------------------------------------
+def _format_4bit(fmt: Any, quant_type: Any) -> str:
+    """The 4-bit format given as ``fmt`` or as its bitsandbytes name ``quant_type`` (one of them)."""
+    if quant_type is not None:
+        if fmt not in ("nf4", quant_type):  # fmt left at its default, or the same value twice
+            raise ParameterError(f"the 4-bit format is given twice (fmt={fmt!r}, quant_type={quant_type!r}); "
+                                 "quant_type is bitsandbytes' name for fmt: pass one of them")
+        fmt = quant_type
+    return v.choice(fmt, bnb.QUANT_TYPES, "fmt")
+
+
 def quantize_4bit(
-    x: Any, blocksize: int = 64, quant_type: str = "nf4", compress_statistics: bool = True,
-    *, backend: str | Backend | None = None,
+    x: Any, blocksize: int = 64, fmt: str = "nf4", compress_statistics: bool = True,
+    *, quant_type: str | None = None, backend: str | Backend | None = None,
 ) -> tuple[Any, QuantState]:
     """bitsandbytes 4-bit quantization of ``x`` (any shape, fp32 / fp16 / bf16).
 
-    Returns ``(packed uint8 [(n+1)//2, 1], QuantState)``. With ``compress_statistics`` the fp32
-    absmax is itself quantized to 8 bits in blocks of 256 (double quantization). Note the defaults
-    follow ``bnb.nn.Linear4bit`` (nf4, double quantization), not ``bnb.functional``.
+    ``fmt``: "nf4" or "fp4" (``quant_type=`` is accepted as bitsandbytes' name for it). Returns
+    ``(packed uint8 [(n+1)//2, 1], QuantState)``. With ``compress_statistics`` the fp32 absmax is
+    itself quantized to 8 bits in blocks of 256 (double quantization). Note the defaults follow
+    ``bnb.nn.Linear4bit`` (nf4, double quantization), not ``bnb.functional``.
     """
     be = _backend(backend)
     shape, dt = v.float_array(x, "x")
-    quant_type = v.quant_type(quant_type)
+    quant_type = _format_4bit(fmt, quant_type)  # the state keeps bitsandbytes' field name
     blocksize = v.blocksize_4bit(blocksize)
     compress_statistics = v.flag(compress_statistics, "compress_statistics")
     be.require("quantize_4bit", quant_type, dt, blocksize)
@@ -197,8 +208,8 @@ def dequantize_4bit(
 def gemv_4bit(A: Any, packed: Any, state: QuantState, *, backend: str | Backend | None = None) -> Any:
     """``A @ W.T`` for a 4-bit weight W of shape [N, K]: A [..., K] -> [..., N] in A's dtype.
 
-    fp32 accumulation. bitsandbytes takes one token; here any number of rows is allowed and
-    the backends read the weight once for batches up to 8.
+    fp32 accumulation. B, the number of rows of A (its leading dimensions flattened: the tokens),
+    may be any: bitsandbytes takes one token; the backends read the weight once for B up to 8.
     """
     be = _backend(backend)
     if EAGER_PLANS:
@@ -214,10 +225,10 @@ def gemv_4bit(A: Any, packed: Any, state: QuantState, *, backend: str | Backend 
     if len(shape) == 0 or shape[-1] != k:
         raise ShapeError(f"A must have shape [..., K] with K = {k} (the weight's), got shape {shape}")
     be.require("gemv_4bit", state.quant_type, dt, blocksize)
-    rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+    B = math.prod(shape[:-1]) if len(shape) > 1 else 1  # noqa: N806 - the row count's name everywhere
     an = be.prepare(A)
     pn = be.prepare(packed)
-    out = be.empty((rows, n), as_dtype(dt), like=an)
+    out = be.empty((B, n), as_dtype(dt), like=an)
     be.gemv_4bit(an, pn, be.prepare(state.absmax), out, n=n, k=k, blocksize=blocksize,
                  quant_type=state.quant_type, nested=_nested(be, state))
     res = be.finish(out, A).reshape(tuple(shape[:-1]) + (n,))
@@ -353,7 +364,11 @@ def dequantize_blockwise(
 
 
 # -- ggml ----------------------------------------------------------------------------------------
-def _quantize_ggml(fmt: str, x: Any, backend) -> Any:
+def quantize_ggml(x: Any, fmt: str, *, backend: str | Backend | None = None) -> Any:
+    """ggml block quantization of a float ``[R, K]`` (or ``[K]``), K % 32 == 0, to ``fmt``
+    ("q4_0", "q8_0" or "q8_1") -> uint8 ``[R, K/32, bytes per block]`` (ggml's bytes; ``[K/32,
+    bytes]`` for a 1-D input). :func:`quantize_q4_0` and the others are this with ``fmt`` fixed."""
+    fmt = v.choice(fmt, tuple(ggml.BLOCK_BYTES), "fmt")
     be = _backend(backend)
     rows, k, dt = v.ggml_rows(x, "x")
     be.require(f"quantize_{fmt}", fmt, dt, ggml.QK)
@@ -366,20 +381,24 @@ def _quantize_ggml(fmt: str, x: Any, backend) -> Any:
 
 def quantize_q4_0(w: Any, *, backend: str | Backend | None = None) -> Any:
     """ggml Q4_0: float ``[M, K]`` (K % 32 == 0) -> uint8 ``[M, K/32, 18]`` (ggml's bytes)."""
-    return _quantize_ggml("q4_0", w, backend)
+    return quantize_ggml(w, "q4_0", backend=backend)
 
 
 def quantize_q8_0(a: Any, *, backend: str | Backend | None = None) -> Any:
     """ggml Q8_0: float ``[N, K]`` -> uint8 ``[N, K/32, 34]``."""
-    return _quantize_ggml("q8_0", a, backend)
+    return quantize_ggml(a, "q8_0", backend=backend)
 
 
 def quantize_q8_1(a: Any, *, backend: str | Backend | None = None) -> Any:
     """ggml Q8_1: float ``[N, K]`` -> uint8 ``[N, K/32, 36]`` with ``s = fp16(d * sum(q))``."""
-    return _quantize_ggml("q8_1", a, backend)
+    return quantize_ggml(a, "q8_1", backend=backend)
 
 
-def _dequantize_ggml(fmt: str, q: Any, out_dtype: Any, backend) -> Any:
+def dequantize_ggml(q: Any, fmt: str, out_dtype: Any = "float32", *,
+                    backend: str | Backend | None = None) -> Any:
+    """Inverse of :func:`quantize_ggml`: uint8 blocks ``[R, K/32, bytes]`` (or ``[K/32, bytes]``)
+    of ``fmt`` -> ``[R, K]`` (or ``[K]``) in ``out_dtype``."""
+    fmt = v.choice(fmt, tuple(ggml.BLOCK_BYTES), "fmt")
     be = _backend(backend)
     shape = v.uint8_array(q, "q")
     if len(shape) not in (2, 3) or shape[-1] != ggml.BLOCK_BYTES[fmt]:
@@ -400,17 +419,17 @@ def _dequantize_ggml(fmt: str, q: Any, out_dtype: Any, backend) -> Any:
 
 def dequantize_q4_0(wq: Any, out_dtype: Any = "float32", *, backend=None) -> Any:
     """uint8 ``[M, K/32, 18]`` -> ``[M, K]``: ``(q - 8) * d``."""
-    return _dequantize_ggml("q4_0", wq, out_dtype, backend)
+    return dequantize_ggml(wq, "q4_0", out_dtype, backend=backend)
 
 
 def dequantize_q8_0(aq: Any, out_dtype: Any = "float32", *, backend=None) -> Any:
     """uint8 ``[N, K/32, 34]`` -> ``[N, K]``: ``q * d``."""
-    return _dequantize_ggml("q8_0", aq, out_dtype, backend)
+    return dequantize_ggml(aq, "q8_0", out_dtype, backend=backend)
 
 
 def dequantize_q8_1(aq: Any, out_dtype: Any = "float32", *, backend=None) -> Any:
     """uint8 ``[N, K/32, 36]`` -> ``[N, K]``: ``q * d``."""
-    return _dequantize_ggml("q8_1", aq, out_dtype, backend)
+    return dequantize_ggml(aq, "q8_1", out_dtype, backend=backend)
 
 
 def gemm_q4_0_q8_1(wq: Any, aq: Any, M: int, N: int, K: int, *, backend=None) -> Any:

@@ -115,6 +115,16 @@ class HostTimer:
         return self.kernel(fns, reps, len(fns))
 
 
+def timer_for(be: Any) -> CudaTimer | HostTimer:
+    """The timer of a backend: CUDA events through torch on the cuda backend, else the host clock
+    after ``be.synchronize()`` (the bench, the tools and ``quantcore check --perf`` use it)."""
+    if be.name == "cuda":
+        import torch  # noqa: PLC0415 - the CUDA timer records torch events
+
+        return CudaTimer(torch)
+    return HostTimer(be.synchronize)
+
+
 # -- the cases ------------------------------------------------------------------------------------------
 CUDA_SIZES = {
     "dequantize_4bit": [(16384, 16384), (8192, 8192), (4096, 4096)],
@@ -182,7 +192,6 @@ class Bench:
             import torch  # noqa: PLC0415 - the CUDA bench drives torch tensors
 
             self.torch = torch
-            self.timer: Any = CudaTimer(torch)
             self.device = torch.cuda.get_device_name()
             try:
                 import bitsandbytes  # noqa: PLC0415
@@ -191,8 +200,7 @@ class Bench:
                 self.bnb = bitsandbytes
             except Exception as exc:  # noqa: BLE001 - not installed or broken: no bnb rows
                 self.notes.append(f"bitsandbytes not measured: {type(exc).__name__}: {exc}")
-        else:
-            self.timer = HostTimer(self.be.synchronize)
+        self.timer: Any = timer_for(self.be)
 
     # -- helpers --------------------------------------------------------------------------------------
     def log(self, msg: str) -> None:

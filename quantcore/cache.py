@@ -17,6 +17,10 @@ One set of rules for every backend that caches what it compiles:
 - **Checked before use**: :func:`verified` / :func:`read_verified` return the artifact only when its
   sidecar matches the file's sha256; a missing, truncated, tampered or half-written artifact (or
   sidecar) gives None, and the caller builds afresh.
+
+The compiled backends go through two helpers that put these rules together: :func:`cached_file`
+(a library a compiler writes to disk: the sycl shim, the maca library) and :func:`cached_bytes`
+(artifacts a compiler returns in memory: the cuda cubins).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import hmac
 import os
 import stat
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from quantcore.errors import BackendUnavailableError
@@ -230,3 +235,45 @@ def read_verified(path: str | os.PathLike) -> bytes | None:
     except OSError:
         return None
     return data if hmac.compare_digest(hashlib.sha256(data).hexdigest(), want) else None
+
+
+# -- the build helpers -------------------------------------------------------------------------------
+def cached_file(folder: str | os.PathLike, name: str, build: Callable[[Path], Path], *,
+                force: bool = False) -> Path:
+    """``folder / name`` when it matches its sidecar checksum; else ``build(tmp)`` makes it.
+
+    ``build`` gets a fresh temporary folder inside ``folder`` (same file system, removed afterwards)
+    and returns the path of the file it built there; that file is moved into place atomically with
+    its sidecar (:func:`install_artifact`), so two processes building at once both end with a
+    whole artifact. ``folder`` is used as given (make it with :func:`private_dir`); ``force``
+    builds even over a valid artifact."""
+    folder = Path(folder)
+    target = folder / name
+    if not force and verified(target) is not None:
+        return target
+    with tempfile.TemporaryDirectory(prefix=f"{name}.build-", dir=folder) as tmp:
+        install_artifact(build(Path(tmp)), target)
+    return target
+
+
+def cached_bytes(folder: str | os.PathLike | None, names: Sequence[str],
+                 build: Callable[[], Sequence[bytes]]) -> tuple[bytes, ...]:
+    """The artifacts ``folder / name`` for every name, when each matches its sidecar checksum and
+    none is empty; else ``build()`` gives their bytes (in the order of ``names``), which are
+    written with :func:`write_artifact` and returned. ``folder`` None: no cache (build only). A
+    write that fails (a read-only cache) leaves the build's result usable: it is still returned."""
+    if folder is None:
+        return tuple(build())
+    folder = Path(folder)
+    found = tuple(read_verified(folder / n) for n in names)
+    if all(found):
+        return found  # type: ignore[return-value]
+    built = tuple(bytes(b) for b in build())
+    if len(built) != len(names):
+        raise ValueError(f"build() gave {len(built)} artifacts for {len(names)} names")
+    try:
+        for n, data in zip(names, built):
+            write_artifact(folder / n, data)
+    except OSError:
+        pass
+    return built

@@ -14,7 +14,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -182,6 +181,54 @@ def test_install_artifact_moves_a_built_file(root):
     assert not built.exists() and cache.read_verified(final) == b"linker output"
 
 
+def test_cached_file_builds_once_and_leaves_no_temporary(root):
+    folder = cache.private_dir("t")
+    builds = []
+
+    def build(tmp):
+        builds.append(tmp)
+        (tmp / "lib.so").write_bytes(b"build #%d" % len(builds))
+        return tmp / "lib.so"
+
+    path = cache.cached_file(folder, "lib.so", build)
+    assert cache.cached_file(folder, "lib.so", build) == path and len(builds) == 1
+    assert builds[0].parent == folder and not builds[0].exists()  # built beside it, then removed
+    path.write_bytes(b"tampered")
+    assert cache.read_verified(cache.cached_file(folder, "lib.so", build)) == b"build #2"
+    assert cache.read_verified(cache.cached_file(folder, "lib.so", build, force=True)) == b"build #3"
+
+    def broken(tmp):
+        (tmp / "half.so").write_bytes(b"half")
+        raise RuntimeError("compiler failed")
+
+    with pytest.raises(RuntimeError, match="compiler failed"):
+        cache.cached_file(folder, "other.so", broken)
+    assert sorted(p.name for p in folder.iterdir()) == ["lib.so", "lib.so.sha256"]
+
+
+def test_cached_bytes_reads_all_or_builds_all(root, monkeypatch):
+    folder = cache.private_dir("t")
+    builds = []
+
+    def build():
+        builds.append(1)
+        return b"cubin %d" % len(builds), b"name %d" % len(builds)
+
+    assert cache.cached_bytes(folder, ("k.cubin", "k.name"), build) == (b"cubin 1", b"name 1")
+    assert cache.cached_bytes(folder, ("k.cubin", "k.name"), build) == (b"cubin 1", b"name 1")
+    (folder / "k.name").write_bytes(b"other")  # one damaged artifact: both are built again
+    assert cache.cached_bytes(folder, ("k.cubin", "k.name"), build) == (b"cubin 2", b"name 2")
+    assert cache.cached_bytes(None, ("k.cubin", "k.name"), build) == (b"cubin 3", b"name 3")
+
+    def unwritable(path, data):
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(cache, "write_artifact", unwritable)
+    assert cache.cached_bytes(folder, ("j.cubin", "j.name"), build) == (b"cubin 4", b"name 4")
+    with pytest.raises(ValueError, match="2 artifacts for 1 names"):
+        cache.cached_bytes(folder, ("x",), build)
+
+
 @needs_posix
 def test_private_dir_creates_owner_only_folders(root):
     old = os.umask(0)  # even with a permissive umask
@@ -327,42 +374,30 @@ def test_cuda_cubins_are_cached_verified_and_rebuilt_when_tampered(root, monkeyp
     assert runtime.KernelCache()._cubin("bnb_4bit.cu", "qc::k<1>", 90)[0] == b"cubin of qc::k<1> #2"
     cubins[0].with_suffix(".name").write_text("_Zother")
     assert runtime.KernelCache()._cubin("bnb_4bit.cu", "qc::k<1>", 90) == (b"cubin of qc::k<1> #3", "_Zqc::k<1>")
-    assert fake.compiles == 3 and not list(folder.glob("*.tmp"))
-
-
-def _fake_cupy_nvrtc(monkeypatch):
-    """A stand-in for cupy_backends.cuda.libs.nvrtc (CuPy's binding) that counts compilations."""
-    mod = types.ModuleType("cupy_backends.cuda.libs.nvrtc")
-    mod.compiles = 0
-
-    class NVRTCError(Exception):
-        pass
-
-    def compileProgram(prog, options):  # noqa: N802 - CuPy's name
-        mod.compiles += 1
-
-    mod.NVRTCError = NVRTCError
-    mod.getVersion = lambda: (13, 0)
-    mod.createProgram = lambda text, name, contents, names: object()
-    mod.compileProgram = compileProgram
-    mod.getCUBIN = lambda prog: b"mx cubin #%d" % mod.compiles
-    mod.getProgramLog = lambda prog: ""
-    mod.destroyProgram = lambda prog: None
-    libs = types.ModuleType("cupy_backends.cuda.libs")
-    libs.nvrtc = mod
-    for name, m in (("cupy_backends", types.ModuleType("cupy_backends")),
-                    ("cupy_backends.cuda", types.ModuleType("cupy_backends.cuda")),
-                    ("cupy_backends.cuda.libs", libs), ("cupy_backends.cuda.libs.nvrtc", mod)):
-        monkeypatch.setitem(sys.modules, name, m)
-    return mod
+    assert fake.compiles == 3 and not list(folder.glob("*.tmp")) and not list(folder.glob("*.build-*"))
 
 
 def test_cuda_mx_cubins_are_cached_verified_and_rebuilt_when_tampered(root, monkeypatch):
-    from quantcore.backends.cuda import mx
+    """The MX module goes through the runtime's one NVRTC path (a whole module: no name
+    expression) with the runtime's include folders and options, and the same verified cache."""
+    from quantcore.backends.cuda import mx, runtime
 
-    fake = _fake_cupy_nvrtc(monkeypatch)
+    calls = []
+
+    class Fake(_FakeNvrtc):
+        def compile(self, source, filename, name_expr, options):
+            calls.append((filename, name_expr, options))
+            self.compiles += 1
+            return b"mx cubin #%d" % self.compiles, "", ""
+
+    fake = Fake()
+    monkeypatch.setattr(runtime, "nvrtc", lambda: fake)
     assert mx.compile_cubin("mx_quant.cu", "sm_90") == b"mx cubin #1"
     assert mx.compile_cubin("mx_quant.cu", "sm_90") == b"mx cubin #1" and fake.compiles == 1
+    filename, name_expr, options = calls[0]
+    assert filename == "mx_quant.cu" and name_expr is None
+    assert set(runtime.COMPILE_OPTIONS) <= set(options) and "--gpu-architecture=sm_90" in options
+    assert f"-I{runtime.header_dir()}" in options and f"-I{runtime.kernel_dir()}" in options
     (path,) = (root / "cuda-mx").glob("mx_quant-sm_90-*.cubin")
     path.write_bytes(b"mx cubin #1 truncat")
     assert mx.compile_cubin("mx_quant.cu", "sm_90") == b"mx cubin #2" and fake.compiles == 2
@@ -444,7 +479,7 @@ def test_sycl_tampered_shim_is_rebuilt_not_loaded(sycl_runtime, shim_cache, dama
     # the next fresh instance finds an intact cache: no rebuild
     sycl_runtime._shim[0] = None
     assert sycl_runtime.shim().path == path and len(builds) == 1
-    assert not list(path.parent.glob("*.tmp"))
+    assert not list(path.parent.glob("*.tmp")) and not list(path.parent.glob("*.build-*"))
 
 
 @needs_sycl

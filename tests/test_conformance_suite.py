@@ -268,20 +268,6 @@ def test_cpu_passes_quick():
     assert {r.case.tier for r in report.results} == set(harness.TIERS)
 
 
-def test_cpu_passes_full(tmp_path):
-    path = tmp_path / "cpu_full.json"
-    report = run("cpu", "full", json_path=str(path))
-    assert not report.failures, "\n".join(f"{r.case.id}: {r.verdict.detail()}" for r in report.failures)
-    assert report.ok, report.reasons
-    for row in report.coverage:  # the full level tests every declared blocksize
-        assert row.blocksizes_tested == row.blocksizes_declared == row.blocksizes_all, row
-    data = json.loads(path.read_text())
-    assert data["verdict"] == "pass" and data["level"] == "full"
-    groups = {(c.op, c.fmt, c.dtype) for c in ALL_CAPABILITIES}
-    assert {(r["op"], r["fmt"], r["dtype"]) for r in data["coverage"]} == groups
-    assert len(data["cases"]) == len(report.results)
-
-
 # -- broken kernels fail the right op and tier ----------------------------------------------------
 def test_off_by_one_block_fails_bit_exact(register):
     report = run(register(OffByOneBlock), "quick", select=["bnb/"])

@@ -5,10 +5,12 @@ machine's nvcc for sm_80 and sm_90 (the same flags NVRTC gets); importing quantc
 cupy or torch; availability says why the backend cannot run.
 
 GPU part (skipped with the reason where the backend is unavailable; runs on the GPU machine with
-the same pytest command): bit-exact quantize / dequantize against the numpy reference on random
-data for every op, gemv / gemm within the conformance bounds, torch-in/torch-out and
+the same pytest command): 4-bit quantize / dequantize through the public API up to 2^20 elements, the
+double-quantization tree's launch levels, gemv / gemm within the conformance bounds on the kernels'
+own selection shapes, torch-in/torch-out and
 CuPy-in/CuPy-out zero-copy, launches on the caller's current stream, capture of every op in a
-CUDA graph, a tensor of more than 2^31 elements, and DeviceError for host arrays.
+CUDA graph, a tensor of more than 2^31 elements, and DeviceError for host arrays. The
+conformance suite itself runs on cuda from tests/test_conformance_backends.py.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from quantcore.conformance import bounds
 from quantcore.errors import DeviceError
 from quantcore.formats import bnb, ggml, kernel_defines
 
-from .conftest import FLOAT_DTYPES, bits, same_bits
+from .conftest import FLOAT_DTYPES, bits
 
 NVCC = shutil.which("nvcc") or (
     "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
@@ -65,6 +67,20 @@ def test_kernels_compile_with_nvcc(filename, arch, tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr[-6000:]}"
     assert "spill" not in res.stderr.lower(), res.stderr[-3000:]
+
+
+def test_ggml_format_codes_are_the_generated_ones():
+    """The launcher's template arguments and ggml.cu's kFmt* constants both come from
+    kernel_defines.GGML_FORMAT_CODE (QC_FMT_* in the generated header): no hand-written copy."""
+    import re
+
+    assert cuda.GGML_FMT is kernel_defines.GGML_FORMAT_CODE
+    header = kernel_defines.constants_header()
+    for fmt, code in kernel_defines.GGML_FORMAT_CODE.items():
+        assert f"#define QC_FMT_{fmt.upper()} {code}\n" in header
+    src = open(os.path.join(rt.kernel_dir(), "ggml.cu")).read()
+    consts = dict(re.findall(r"(kFmtQ\d_\d) = (\w+)", src))
+    assert consts == {"kFmtQ4_0": "QC_FMT_Q4_0", "kFmtQ8_0": "QC_FMT_Q8_0", "kFmtQ8_1": "QC_FMT_Q8_1"}
 
 
 def test_import_quantcore_imports_no_gpu_package():
@@ -161,38 +177,6 @@ def test_double_quantize_tree_levels(be, rng, nb):
     assert bits(_n(off))[0] == bits(np.array([roff], np.float32))[0]
     assert np.array_equal(_n(q), rq)
     assert np.array_equal(bits(_n(a2)), bits(ra2))
-
-
-@gpu
-@needs_torch
-@pytest.mark.parametrize("dtype", list(FLOAT_DTYPES))
-def test_blockwise_8bit_bit_exact(be, rng, dtype):
-    for bs, n in ((64, 1), (64, 1000), (256, 256 * 9 + 3), (4096, 5 * 4096 + 17)):
-        x = _randn(rng, (n,), dtype)
-        codes, state = qc.quantize_blockwise(_t(x), blocksize=bs, backend="cuda")
-        rc, ra = bnb.quantize_blockwise(x, bs)
-        assert np.array_equal(_n(codes), rc)
-        assert np.array_equal(bits(_n(state.absmax)), bits(ra))
-        got = _n(qc.dequantize_blockwise(codes, state, backend="cuda"))
-        assert np.array_equal(bits(got), bits(bnb.dequantize_blockwise(rc, ra, bs, FLOAT_DTYPES[dtype])))
-
-
-@gpu
-@needs_torch
-@pytest.mark.parametrize("dtype", list(FLOAT_DTYPES))
-def test_ggml_quantize_dequantize_bit_exact(be, rng, dtype):
-    x = _randn(rng, (37, 32 * 19), dtype, scale_groups=32)
-    x[0, :32] = 0
-    x[1, 5] = np.inf
-    x[2, 7] = np.nan
-    for fmt in ("q4_0", "q8_0", "q8_1"):
-        got = _n(getattr(qc, f"quantize_{fmt}")(_t(x), backend="cuda"))
-        ref = getattr(ggml, f"quantize_{fmt}")(x)
-        assert np.array_equal(got, ref), fmt
-        for out in FLOAT_DTYPES:
-            dq = _n(getattr(qc, f"dequantize_{fmt}")(_t(ref), out_dtype=out, backend="cuda"))
-            r = ggml.dequantize_q4_0(ref) if fmt == "q4_0" else ggml.dequantize_q8(ref, fmt)
-            assert same_bits(dq, r.astype(FLOAT_DTYPES[out])), (fmt, out)
 
 
 def _gemv_case(rng, n, k, bs, qt, dtype, batch, nested):

@@ -150,5 +150,5 @@ def test_ws_smem_constant_is_the_kernels():
     dev = torch.cuda.current_device()
     fn = cmx.function(dev, cmx.GEMM_SOURCE, "sm_90a", "qc_mx_gemm_ws_smem_bytes")
     out = torch.zeros(1, dtype=torch.int32, device="cuda")
-    cmx._launch(fn, (1, 1, 1), (1, 1, 1), (np.uint64(out.data_ptr()),), cmx.stream_for(out), dev)
+    cmx.rt.Launcher(out).run(fn, "qc_mx_gemm_ws_smem_bytes", (1, 1, 1), (1, 1, 1), (np.uint64(out.data_ptr()),))
     assert int(out.item()) == cmx.GEMM_WS_SMEM_BYTES

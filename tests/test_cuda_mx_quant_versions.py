@@ -21,8 +21,11 @@ from quantcore.backends.cuda import mx as cmx
 
 from quantcore.formats import mx
 from tests.cuda_arrays import TUNE
-from tests.test_cuda_mx import GPU_REASON, KINDS, _assert_bits, empty_dev, to_dev, to_host
+from tests.test_cuda_mx import GPU_REASON, _assert_bits, empty_dev, to_dev, to_host
 
+#: the MX conformance family's input kinds (quantcore.conformance.families.mx.quantize_input)
+KINDS = ("random", "partial-tiles", "one-block", "zero-blocks", "ties", "scale-boundaries", "nonfinite",
+         "subnormal", "huge")
 needs_gpu = pytest.mark.skipif(GPU_REASON is not None, reason=f"needs an NVIDIA GPU: {GPU_REASON}")
 
 VARIANTS = {

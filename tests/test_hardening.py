@@ -243,6 +243,17 @@ for fn, nbytes in (("dequantize_q4_0", 18), ("dequantize_q8_0", 34), ("dequantiz
              lambda e, fn=fn, nb=nbytes, bad=bad: getattr(qc, fn)(e.arr(np.zeros((2, 1, nb), np.uint8)), bad,
                                                                   backend=e.name))
 
+# the generic ggml functions (the shorthands above with fmt fixed): the format is checked too
+for k, bad in {"q5_0": "q5_0", "Q8_0": "Q8_0", "None": None, "int": 0}.items():
+    case("quantize_ggml", f"fmt={k}", ParameterError,
+         lambda e, bad=bad: qc.quantize_ggml(e.arr(np.zeros((2, 32), np.float32)), bad, backend=e.name))
+    case("dequantize_ggml", f"fmt={k}", ParameterError,
+         lambda e, bad=bad: qc.dequantize_ggml(e.arr(np.zeros((2, 1, 34), np.uint8)), bad, backend=e.name))
+case("quantize_ggml", "K=48", ShapeError,
+     lambda e: qc.quantize_ggml(e.arr(np.zeros((2, 48), np.float32)), "q8_0", backend=e.name))
+case("dequantize_ggml", "wrong-block-bytes", ShapeError,
+     lambda e: qc.dequantize_ggml(e.arr(np.zeros((2, 1, 34), np.uint8)), "q4_0", backend=e.name))
+
 # ggml GEMMs (wq [8, 2, 18] = M 8, K 64; aq [3, 2, 36] = N 3)
 for fn in ("gemm_q4_0_q8_1", "gemm_w4a8"):
     def second(e, fn=fn):
@@ -386,7 +397,7 @@ PUBLIC = sorted(n for n in qc.__all__ if getattr(getattr(qc, n), "__module__", "
 
 def test_every_public_function_has_cases():
     covered = {fn for fn, *_ in CASES}
-    assert len(PUBLIC) == 28
+    assert len(PUBLIC) == 30
     assert set(PUBLIC) - covered == set()
 
 

@@ -15,33 +15,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import numpy as np
 import torch
 from quantcore.backends.cuda import mx as cmx
 
+from quantcore import bench
 from quantcore.formats import mx
 
 
 def timed(fn, reps: int, warmup: int = 3) -> float:
-    """Median milliseconds of fn() over reps, each between two CUDA events recorded behind a ~1 ms
-    sleep kernel, so that fn()'s host launch time is not inside the timed region (without it, the
-    quantize numbers carried ~36-40 us of Python launch time)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(2_000_000)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median milliseconds of fn() over reps: quantcore.bench's CUDA-event timer (each call between
+    two events recorded behind a ~1 ms sleep kernel, so fn()'s host launch time is not inside the
+    timed region)."""
+    return bench.CudaTimer(torch).kernel([fn], reps, warmup) / 1e3
 
 
 def main() -> int:

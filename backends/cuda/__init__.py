@@ -32,7 +32,7 @@ from quantcore.arrays import as_dtype, dtype_name
 from quantcore.backend import Availability, Backend, Nested
 from quantcore.errors import DeviceError, DTypeError, KernelError
 from quantcore.formats import bnb, ggml
-from quantcore.formats.kernel_defines import QUANT_TYPE_CODE
+from quantcore.formats.kernel_defines import GGML_FORMAT_CODE, QUANT_TYPE_CODE
 
 from . import mx as _mx
 from . import runtime as rt
@@ -42,7 +42,7 @@ __all__ = ["CudaBackend", "create", "kernel_instances"]
 
 #: dtype name -> kernel element tag
 TYPE_TAG = {"float32": "qc::F32", "float16": "qc::F16", "bfloat16": "qc::BF16"}
-GGML_FMT = {"q4_0": 0, "q8_0": 1, "q8_1": 2}
+GGML_FMT = GGML_FORMAT_CODE  # QC_FMT_* of the generated header (kernels_cuda/ggml.cu)
 _F4 = "bnb_4bit.cu"
 _F8 = "bnb_8bit.cu"
 _FG = "ggml.cu"

@@ -9,21 +9,21 @@ synchronizes or reads a device value on the host, so every op can be captured in
 Arrays are torch CUDA tensors or CuPy arrays (contiguous); kernels run on the caller's current
 stream (torch's current stream for tensors, CuPy's for CuPy arrays) on the array's device.
 
-Build: the sources are compiled at first use with NVRTC (through CuPy) into a cubin for the
-device, with the format constants of :func:`quantcore.formats.kernel_defines.constants_header`
-and ``mx_common.cuh`` handed to NVRTC as in-memory headers, and the flags
-``-ftz=false -fmad=false -prec-div=true`` the exact conversions need. The GEMM module is built
+Build, load and launch go through the backend's one CUDA runtime (:mod:`.runtime`): the sources
+are compiled at first use with its NVRTC (ctypes) into a cubin for the device, with the include
+folders of the other kernels (the generated format constants of
+:func:`quantcore.formats.kernel_defines.constants_header`, ``mx_common.cuh``) and the same flags
+(:data:`.runtime.COMPILE_OPTIONS`: ``-ftz=false --fmad=false -prec-div=true`` the exact
+conversions need), cached by :func:`quantcore.cache.cached_bytes`. The GEMM module is built
 for ``sm_90a`` on compute capability 9.0 (wgmma back end) and for ``sm_XY`` elsewhere (mma.sync
 back end, sm_80 and newer); ``QUANTCORE_CUDA_MX_GEMM=mma`` forces the mma.sync back end.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.resources
 import os
 import threading
-import warnings
 from typing import Any
 
 import numpy as np
@@ -33,10 +33,11 @@ from quantcore.arrays import as_dtype, dtype_name
 from quantcore.errors import DeviceError, KernelError, UnsupportedError
 from quantcore.formats import kernel_defines, mx
 
+from . import runtime as rt
+
 QUANT_SOURCE = "mx_quant.cu"
 GEMM_SOURCE = "mx_gemm.cu"
 HEADERS = ("mx_common.cuh", "qc_common.cuh")
-NVRTC_OPTIONS = ("-std=c++17", "-ftz=false", "-fmad=false", "-prec-div=true", "-prec-sqrt=true")
 GEMM_MODE_ENV = "QUANTCORE_CUDA_MX_GEMM"
 GEMM_MODES = ("auto", "ws", "wgmma", "mma")
 #: The back end "auto" picks on compute capability 9.0: "ws" (warp-specialized persistent wgmma
@@ -65,7 +66,6 @@ GEMM_TIMING_VARIANTS = {"wgmma": ("_nodq", "_nomma", "_alu", "_smem", "_nohmul",
 _lock = threading.Lock()
 _modules: dict[tuple[int, str, str, bool], Any] = {}
 _functions: dict[tuple[int, str, str, str, bool], Any] = {}
-_streams: dict[tuple[int, int], Any] = {}
 
 
 # -- build -------------------------------------------------------------------------------------------
@@ -83,54 +83,29 @@ def headers() -> tuple[list[str], list[str]]:
 def compile_cubin(source: str, arch: str, use_cache: bool = True, timing: bool = False) -> bytes:
     """NVRTC build of ``kernels_cuda/<source>`` for ``arch`` ("sm_90a", "sm_80" ...) -> cubin.
 
-    Cached on disk under ``<cache root>/cuda-mx`` (:func:`quantcore.cache.cache_root`), keyed by the source, headers, options, target and
-    NVRTC version, so a new process does not rebuild (the GEMM takes tens of seconds); a cached
-    cubin is used only when it matches its sidecar checksum (:mod:`quantcore.cache`).
+    Compiled with :func:`.runtime.nvrtc` (the backend's one NVRTC path) and cached on disk under
+    ``<cache root>/cuda-mx`` (:func:`quantcore.cache.cached_bytes`), keyed by the source, headers,
+    options, target and NVRTC version, so a new process does not rebuild (the GEMM takes tens of
+    seconds); a cached cubin is used only when it matches its sidecar checksum.
     ``timing`` also builds the GEMM's timing experiments (``-DQCMX_TIMING_VARIANTS``)."""
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-    except ImportError as exc:  # pragma: no cover - the backend is unavailable without CuPy
-        raise KernelError(f"CuPy's NVRTC binding is missing: {exc}") from exc
+    comp = rt.nvrtc()
     contents, names = headers()
     text = kernel_text(source)
-    options = [*NVRTC_OPTIONS, f"-DQCMX_EXPECT_SMEM={GEMM_SMEM_BYTES}", f"--gpu-architecture={arch}",
+    options = [*rt.COMPILE_OPTIONS, f"-DQCMX_EXPECT_SMEM={GEMM_SMEM_BYTES}", f"--gpu-architecture={arch}",
                *(["-DQCMX_TIMING_VARIANTS"] if timing else [])]
-    key = hashlib.sha256("\0".join([text, *contents, *names, *options, repr(nvrtc.getVersion())])
-                         .encode()).hexdigest()[:32]
+    key = cache.digest(text, *contents, *names, *options, repr(comp.version))
     name = f"{os.path.splitext(source)[0]}{'-timing' if timing else ''}-{arch}-{key}.cubin"
-    if use_cache:
-        path = cache.private_dir("cuda-mx") / name
-        cached = cache.read_verified(path)
-        if cached:
-            return cached
-    # CuPy's binding takes the header texts and names as bytes
-    prog = nvrtc.createProgram(text, source, [c.encode() for c in contents], [n.encode() for n in names])
-    try:
-        try:
-            nvrtc.compileProgram(prog, options)
-        except nvrtc.NVRTCError as exc:
-            log = nvrtc.getProgramLog(prog)
-            raise KernelError(f"NVRTC could not build {source} for {arch}: {exc}\n{log}") from None
-        cubin = nvrtc.getCUBIN(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    if use_cache:
-        try:  # write-then-rename, then the sidecar checksum: a partial file is never read
-            cache.write_artifact(path, cubin)
-        except OSError:
-            pass
-    return cubin
 
+    def build() -> tuple[bytes]:
+        includes = [f"-I{rt.header_dir()}", f"-I{rt.kernel_dir()}"]
+        return (comp.compile(text, source, None, options + includes)[0],)
 
-def _cupy():
-    import cupy
-
-    return cupy
+    return cache.cached_bytes(cache.private_dir("cuda-mx") if use_cache else None, (name,), build)[0]
 
 
 def compute_capability(device: int) -> tuple[int, int]:
-    cc = _cupy().cuda.Device(device).compute_capability  # "90"
-    return int(cc[:-1]), int(cc[-1])
+    p = rt.device_props(device)
+    return int(p["major"]), int(p["minor"])
 
 
 def gemm_mode() -> str:
@@ -161,12 +136,7 @@ def _module(device: int, source: str, arch: str, timing: bool = False):
         with _lock:
             mod = _modules.get(key)
             if mod is None:
-                cubin = compile_cubin(source, arch, timing=timing)
-                cp = _cupy()
-                with cp.cuda.Device(device):
-                    mod = cp.cuda.function.Module()
-                    mod.load(cubin)
-                _modules[key] = mod
+                _modules[key] = mod = rt.load_module(device, compile_cubin(source, arch, timing=timing))
     return mod
 
 
@@ -176,64 +146,19 @@ def function(device: int, source: str, arch: str, name: str, smem: int = 0, timi
     key = (device, source, arch, name, timing)
     fn = _functions.get(key)
     if fn is None:
-        mod = _module(device, source, arch, timing)
-        fn = mod.get_function(name)
-        if smem > 48 * 1024:  # above the default 48 KiB a kernel must opt in
-            drv = _cupy().cuda.driver
-            attr = getattr(drv, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
-            with _cupy().cuda.Device(device):
-                drv.funcSetAttribute(fn.ptr, attr, smem)
+        fn = rt.allow_shared_memory(_module(device, source, arch, timing).get_function(name), device, smem)
         _functions[key] = fn
     return fn
 
 
-# -- arrays and streams --------------------------------------------------------------------------------
-def _is_torch(a: Any) -> bool:
-    return type(a).__module__.startswith("torch")
-
-
-def device_of(a: Any) -> int:
-    if _is_torch(a):
-        if a.device.type != "cuda":
-            raise DeviceError(f"the cuda backend needs device arrays, got one on {a.device}")
-        return int(a.device.index)
-    dev = getattr(a, "device", None)
-    if dev is None or not hasattr(dev, "id"):
-        raise DeviceError(f"the cuda backend needs torch CUDA tensors or CuPy arrays, got {type(a).__name__}")
-    return int(dev.id)
-
-
+# -- arrays ------------------------------------------------------------------------------------------
 def ptr(a: Any) -> int:
-    if a is None:
-        return 0
-    if _is_torch(a):
-        return int(a.data_ptr())
-    return int(a.data.ptr)
+    """The device address of ``a`` (0 for None: an absent optional operand)."""
+    return 0 if a is None else rt.pointer(a)
 
 
 def _contiguous(a: Any) -> bool:
-    if _is_torch(a):
-        return bool(a.is_contiguous())
-    return bool(a.flags.c_contiguous)
-
-
-def stream_for(a: Any):
-    """The stream the caller is using for ``a``: torch's current stream or CuPy's."""
-    cp = _cupy()
-    if _is_torch(a):
-        import torch
-
-        dev = device_of(a)
-        handle = int(torch.cuda.current_stream(a.device).cuda_stream)
-        key = (dev, handle)
-        s = _streams.get(key)
-        if s is None:
-            with warnings.catch_warnings():  # CuPy 14 prefers Stream.from_external; both work
-                warnings.simplefilter("ignore", DeprecationWarning)
-                s = cp.cuda.ExternalStream(handle, dev)
-            _streams[key] = s
-        return s
-    return cp.cuda.get_current_stream()
+    return bool(a.is_contiguous()) if rt.kind(a) == "torch" else bool(a.flags.c_contiguous)
 
 
 def _dtype(a: Any) -> str:
@@ -241,11 +166,14 @@ def _dtype(a: Any) -> str:
 
 
 def _check(*arrays: Any) -> int:
+    """The one device of the CUDA arrays given (None skipped); DeviceError for a host array, arrays
+    on two devices or a non-contiguous array."""
     dev = None
     for a in arrays:
         if a is None:
             continue
-        d = device_of(a)
+        rt.check_device_array(a)
+        d = rt.device_index(a)
         if dev is None:
             dev = d
         elif d != dev:
@@ -253,15 +181,6 @@ def _check(*arrays: Any) -> int:
         if not _contiguous(a):
             raise DeviceError("the cuda backend's MX kernels need contiguous arrays")
     return 0 if dev is None else dev
-
-
-def _launch(fn, grid, block, args, stream, device: int, smem: int = 0) -> None:
-    cp = _cupy()
-    try:
-        with cp.cuda.Device(device):
-            fn(grid, block, args, shared_mem=smem, stream=stream)
-    except cp.cuda.driver.CUDADriverError as exc:
-        raise KernelError(f"launch of {fn.__class__.__name__} failed: {exc}") from exc
 
 
 def _grid2(cols: int, rows: int, per_thread_cols: int = 1) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
@@ -306,25 +225,20 @@ QUANT2_LAYOUT_DEFAULT = {"nvfp4": 1}
 #: element in mx_quant.cu: 4 stages of 16-bit input, 2 of fp32 = 64 KiB either way).
 QUANT2_THREADS = 256
 QUANT2_SMEM = {"float32": 2 * 256 * 32 * 4, "float16": 4 * 256 * 32 * 2, "bfloat16": 4 * 256 * 32 * 2}
-_sm_count: dict[int, int] = {}
 _occupancy: dict[tuple[int, str], int] = {}
 
 
 def _quant2_grid(dev: int, fn, name: str, smem: int, ntiles: int, ctas: int) -> int:
     """Persistent grid of version 2: ``ctas`` per SM (0: as many as fit), at most one per tile;
     ``QUANTCORE_CUDA_TUNE=mx_quant_ctas=N`` forces N CTAs per SM."""
-    from quantcore.backends.cuda import runtime as rt
-
-    sms = _sm_count.get(dev)
-    if sms is None:
-        sms = _sm_count[dev] = int(_cupy().cuda.Device(dev).attributes["MultiProcessorCount"])
+    sms = rt.sm_count(dev)
     per_sm = rt.tune("mx_quant_ctas", ctas)
     if per_sm <= 0:
         per_sm = _occupancy.get((dev, name), 0)
         if per_sm <= 0:
             try:
-                with _cupy().cuda.Device(dev):
-                    per_sm = int(_cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                with rt.cupy().cuda.Device(dev):
+                    per_sm = int(rt.cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
                         fn.ptr, QUANT2_THREADS, smem))
             except Exception:  # noqa: BLE001 - an older CuPy without the query: 3 fit by shared memory
                 per_sm = 3
@@ -335,8 +249,6 @@ def _quant2_grid(dev: int, fn, name: str, smem: int, ntiles: int, ctas: int) -> 
 def mx_quantize(be, x, codes, scales, *, rows: int, cols: int, fmt: str, scale_mode: str | None,
                 swizzled: bool, global_scale=None) -> None:
     """x [rows, cols] (fp32 / fp16 / bf16) -> codes, scales (row-major or swizzled, padding zeroed)."""
-    from quantcore.backends.cuda import runtime as rt
-
     dev = _check(x, codes, scales, global_scale)
     blk = mx.block_size(fmt)
     ncols = cols // blk
@@ -368,14 +280,15 @@ def mx_quantize(be, x, codes, scales, *, rows: int, cols: int, fmt: str, scale_m
         args = (_u64(ptr(x)), _u64(ptr(codes)), _u64(ptr(scales)), _u64(ptr(global_scale)), np.uint32(nunits),
                 np.uint32(rows), np.uint32(ncols), np.int32(shift), np.uint32(prow), np.uint32(pcols),
                 np.int32(bool(swizzled)), np.int32(mode))
-        _launch(fn, (grid, 1, 1), (QUANT2_THREADS, 1, 1), args, stream_for(x), dev, smem)
+        rt.Launcher(x).run(fn, name, (grid, 1, 1), (QUANT2_THREADS, 1, 1), args, smem)
         return
-    fn = function(dev, QUANT_SOURCE, quant_arch(dev), f"qc_mx_quantize_{fmt}_{dt}")
+    name = f"qc_mx_quantize_{fmt}_{dt}"
+    fn = function(dev, QUANT_SOURCE, quant_arch(dev), name)
     grid, block = _grid2(pcols, prow)
     args = (_u64(ptr(x)), _u64(ptr(codes)), _u64(ptr(scales)), _u64(ptr(global_scale)), np.int64(rows),
             np.int32(ncols), np.int64(prow), np.int32(pcols), np.int32(bool(swizzled)), np.int32(rceil),
             np.int32(vec))
-    _launch(fn, grid, block, args, stream_for(x), dev)
+    rt.Launcher(x).run(fn, name, grid, block, args)
 
 
 def mx_dequantize(be, codes, scales, out, *, rows: int, cols: int, fmt: str, swizzled: bool,
@@ -384,12 +297,13 @@ def mx_dequantize(be, codes, scales, out, *, rows: int, cols: int, fmt: str, swi
     dev = _check(codes, scales, out, global_scale)
     ncols = cols // mx.block_size(fmt)
     pcols = mx.swizzled_shape(rows, ncols)[1] if swizzled else ncols
-    fn = function(dev, QUANT_SOURCE, quant_arch(dev), f"qc_mx_dequantize_{fmt}_{_dtype(out)}")
+    name = f"qc_mx_dequantize_{fmt}_{_dtype(out)}"
+    fn = function(dev, QUANT_SOURCE, quant_arch(dev), name)
     vec = int(ptr(codes) % 16 == 0 and ptr(out) % 16 == 0)
     grid, block = _grid2(ncols, rows)
     args = (_u64(ptr(codes)), _u64(ptr(scales)), _u64(ptr(out)), _u64(ptr(global_scale)), np.int64(rows),
             np.int32(ncols), np.int32(pcols), np.int32(bool(swizzled)), np.int32(vec))
-    _launch(fn, grid, block, args, stream_for(out), dev)
+    rt.Launcher(out).run(fn, name, grid, block, args)
 
 
 def swizzle_scales(be, scales, out, *, rows: int, cols: int) -> None:
@@ -400,7 +314,7 @@ def swizzle_scales(be, scales, out, *, rows: int, cols: int) -> None:
     grid, block = _grid2(pcols, prow, per_thread_cols=4)
     args = (_u64(ptr(scales)), _u64(ptr(out)), np.int64(rows), np.int32(cols), np.int64(prow),
             np.int32(pcols), np.int32(ptr(out) % 4 == 0))
-    _launch(fn, grid, block, args, stream_for(out), dev)
+    rt.Launcher(out).run(fn, "qc_mx_swizzle", grid, block, args)
 
 
 def unswizzle_scales(be, swz, out, *, rows: int, cols: int) -> None:
@@ -411,7 +325,7 @@ def unswizzle_scales(be, swz, out, *, rows: int, cols: int) -> None:
     grid, block = _grid2(cols, rows, per_thread_cols=4)
     args = (_u64(ptr(swz)), _u64(ptr(out)), np.int64(rows), np.int32(cols), np.int32(pcols),
             np.int32(ptr(swz) % 4 == 0))
-    _launch(fn, grid, block, args, stream_for(out), dev)
+    rt.Launcher(out).run(fn, "qc_mx_unswizzle", grid, block, args)
 
 
 def gemm_kernel_name(fmt: str, wgmma: bool, cpw: int, ws: bool = False) -> str:
@@ -433,8 +347,6 @@ def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: in
     MXFP4 on the wgmma kernel (16-byte copies) decodes to fp16 in the CTAs whose scale bytes all lie
     in 110..141 (exact there; bf16 elsewhere); ``QUANTCORE_CUDA_TUNE=mx_gemm_f16=0`` keeps bf16.
     """
-    from quantcore.backends.cuda import runtime as rt
-
     dev = _check(a, b, scale_a, scale_b, alpha, bias, out)
     mode = mode or gemm_mode()
     arch, wgmma = gemm_arch(dev, mode)
@@ -454,18 +366,16 @@ def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: in
     args = (_u64(ptrs[0]), _u64(ptrs[1]), _u64(ptrs[2]), _u64(ptrs[3]), _u64(ptr(alpha)), _u64(ptr(bias)),
             _u64(ptr(out)), np.int32(m), np.int32(n), np.int32(k), np.int32(flags))
     if ws:  # persistent: one CTA per SM (at most one per tile)
-        fn = function(dev, GEMM_SOURCE, arch, gemm_kernel_name(fmt, True, cpw, ws=True) + variant, GEMM_WS_SMEM_BYTES,
-                      timing=bool(variant))
-        sms = _sm_count.get(dev)
-        if sms is None:
-            sms = _sm_count[dev] = int(_cupy().cuda.Device(dev).attributes["MultiProcessorCount"])
+        name = gemm_kernel_name(fmt, True, cpw, ws=True) + variant
+        fn = function(dev, GEMM_SOURCE, arch, name, GEMM_WS_SMEM_BYTES, timing=bool(variant))
+        sms = rt.sm_count(dev)
         ctas = rt.tune("mx_gemm_ctas", 0)
         grid = max(1, min(ntiles, ctas if ctas > 0 else sms))
-        _launch(fn, (grid, 1, 1), (GEMM_WS_THREADS, 1, 1), args, stream_for(out), dev, GEMM_WS_SMEM_BYTES)
+        rt.Launcher(out).run(fn, name, (grid, 1, 1), (GEMM_WS_THREADS, 1, 1), args, GEMM_WS_SMEM_BYTES)
         return
-    fn = function(dev, GEMM_SOURCE, arch, gemm_kernel_name(fmt, wgmma, cpw) + variant, GEMM_SMEM_BYTES,
-                  timing=bool(variant))
-    _launch(fn, (ntiles, 1, 1), (THREADS, 1, 1), args, stream_for(out), dev, GEMM_SMEM_BYTES)
+    name = gemm_kernel_name(fmt, wgmma, cpw) + variant
+    fn = function(dev, GEMM_SOURCE, arch, name, GEMM_SMEM_BYTES, timing=bool(variant))
+    rt.Launcher(out).run(fn, name, (ntiles, 1, 1), (THREADS, 1, 1), args, GEMM_SMEM_BYTES)
 
 
 def quant_arch(device: int) -> str:

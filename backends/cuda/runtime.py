@@ -17,10 +17,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import glob
-import hashlib
 import os
 import sys
 import threading
+import warnings
 from importlib import resources
 from typing import Any
 
@@ -75,14 +75,14 @@ def header_dir() -> str:
 
 
 def _sources_digest() -> str:
-    h = hashlib.sha256()
-    h.update(kernel_defines.constants_header().encode())
+    """Digest of the generated constants header and every .cu / .cuh source (names and bytes)."""
+    parts: list[str | bytes] = [kernel_defines.constants_header()]
     kd = kernel_dir()
     for name in sorted(os.listdir(kd)):
         if name.endswith((".cu", ".cuh")):
             with open(os.path.join(kd, name), "rb") as f:
-                h.update(name.encode() + b"\0" + f.read())
-    return h.hexdigest()
+                parts += [name, f.read()]
+    return cache.digest(*parts, length=64)
 
 
 # -- NVRTC -------------------------------------------------------------------------------------------
@@ -125,13 +125,17 @@ class Nvrtc:
             msg = self.lib.nvrtcGetErrorString(status).decode()
             raise KernelError(f"NVRTC {what} failed: {msg}" + (f"\n{log}" if log else ""))
 
-    def compile(self, source: str, filename: str, name_expr: str, options: list[str]) -> tuple[bytes, str, str]:
-        """-> (cubin, lowered name of ``name_expr``, compiler log)."""
+    def compile(self, source: str, filename: str, name_expr: str | None,
+                options: list[str]) -> tuple[bytes, str, str]:
+        """-> (cubin, lowered name of ``name_expr``, compiler log). ``name_expr`` None: a module of
+        ``extern "C"`` kernels, looked up by their own names (the lowered name is then "")."""
         prog = ctypes.c_void_p()
         self._check(self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), filename.encode(), 0,
                                                 None, None), "nvrtcCreateProgram")
+        what = name_expr if name_expr is not None else filename
         try:
-            self._check(self.lib.nvrtcAddNameExpression(prog, name_expr.encode()), "nvrtcAddNameExpression")
+            if name_expr is not None:
+                self._check(self.lib.nvrtcAddNameExpression(prog, name_expr.encode()), "nvrtcAddNameExpression")
             opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
             status = self.lib.nvrtcCompileProgram(prog, len(options), opts)
             size = ctypes.c_size_t()
@@ -139,10 +143,12 @@ class Nvrtc:
             buf = ctypes.create_string_buffer(size.value)
             self.lib.nvrtcGetProgramLog(prog, buf)
             log = buf.value.decode(errors="replace")
-            self._check(status, f"compilation of {name_expr} ({filename}, options {' '.join(options)})", log)
+            self._check(status, f"compilation of {what} ({filename}, options {' '.join(options)})", log)
             self._check(self.lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
             cubin = ctypes.create_string_buffer(size.value)
             self._check(self.lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+            if name_expr is None:
+                return cubin.raw, "", log
             lowered = ctypes.c_char_p()
             self._check(self.lib.nvrtcGetLoweredName(prog, name_expr.encode(), ctypes.byref(lowered)),
                         "nvrtcGetLoweredName")
@@ -216,22 +222,18 @@ class KernelCache:
             self._digest = _sources_digest()
         options = list(COMPILE_OPTIONS) + [f"--gpu-architecture=sm_{arch}", f"-I{header_dir()}",
                                            f"-I{kernel_dir()}"]
-        key_src = "\n".join([self._digest, filename, expr, str(arch), str(comp.version)] + list(COMPILE_OPTIONS))
-        key = hashlib.sha256(key_src.encode()).hexdigest()[:40]
-        d = cache.private_dir("cuda")
-        cubin_path, name_path = d / (key + ".cubin"), d / (key + ".name")
+        key = cache.digest(self._digest, filename, expr, str(arch), str(comp.version), *COMPILE_OPTIONS,
+                           length=40)
+
+        def build() -> tuple[bytes, bytes]:
+            with open(os.path.join(kernel_dir(), filename)) as f:
+                source = f.read()
+            cubin, lowered, _ = comp.compile(source, filename, expr, options)
+            return cubin, lowered.encode()
+
         # used only when both files match their sidecar checksums (else compiled afresh)
-        cubin, name = cache.read_verified(cubin_path), cache.read_verified(name_path)
-        if cubin and name:
-            lowered = name.decode(errors="replace").strip()
-            if lowered:
-                return cubin, lowered
-        with open(os.path.join(kernel_dir(), filename)) as f:
-            source = f.read()
-        cubin, lowered, _ = comp.compile(source, filename, expr, options)
-        cache.write_artifact(cubin_path, cubin)
-        cache.write_artifact(name_path, lowered.encode())
-        return cubin, lowered
+        cubin, name = cache.cached_bytes(cache.private_dir("cuda"), (key + ".cubin", key + ".name"), build)
+        return cubin, name.decode(errors="replace").strip()
 
     def function(self, device: int, filename: str, expr: str) -> Any:
         key = (device, filename, expr)
@@ -241,21 +243,25 @@ class KernelCache:
         with _lock:
             fn = self._functions.get(key)
             if fn is None:
-                cp = cupy()
-                arch = device_arch(device)
-                cubin, lowered = self._cubin(filename, expr, arch)
-                from cupy.cuda import function as cufunction  # noqa: PLC0415
-
-                with cp.cuda.Device(device):
-                    mod = cufunction.Module()
-                    mod.load(cubin)
-                    fn = mod.get_function(lowered)
+                cubin, lowered = self._cubin(filename, expr, device_arch(device))
+                mod = load_module(device, cubin)
+                fn = mod.get_function(lowered)
                 self._modules.append(mod)
                 self._functions[key] = fn
         return fn
 
 
 KERNELS = KernelCache()
+
+
+def load_module(device: int, cubin: bytes) -> Any:
+    """A cubin loaded on ``device`` (a CuPy ``Module``: ``get_function(name)``); keep it alive."""
+    from cupy.cuda import function as cufunction  # noqa: PLC0415
+
+    with cupy().cuda.Device(device):
+        mod = cufunction.Module()
+        mod.load(cubin)
+    return mod
 
 
 def precompile(instances: list[tuple[str, str]], device: int = 0, workers: int = 8) -> int:
@@ -357,7 +363,9 @@ def stream_for(x: Any, device: int) -> Any:
     ptr = int(torch_module().cuda.current_stream(device).cuda_stream)
     s = _ext_streams.get((device, ptr))
     if s is None:
-        s = cupy().cuda.ExternalStream(ptr, device)
+        with warnings.catch_warnings():  # CuPy 14 prefers Stream.from_external; both work
+            warnings.simplefilter("ignore", DeprecationWarning)
+            s = cupy().cuda.ExternalStream(ptr, device)
         _ext_streams[(device, ptr)] = s
     return s
 
@@ -386,16 +394,22 @@ class Launcher:
         if stream is not None:  # a programmatic dependent launch (see launch_pdl)
             PlannedLaunch(self.device, filename, expr, grid, block, args, shared_mem, pdl=True)(stream)
             return
-        fn = kernel_function(self.device, filename, expr, shared_mem)
+        self.run(kernel_function(self.device, filename, expr, shared_mem), expr, grid, block, args, shared_mem)
+
+    def run(self, fn: Any, what: str, grid: tuple[int, ...], block: int | tuple[int, ...], args: tuple,
+            shared_mem: int = 0) -> None:
+        """Launch the loaded kernel ``fn`` (``what`` names it in errors); ``block`` an int (x) or
+        up to three sizes."""
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+        block = (int(block), 1, 1) if isinstance(block, int) else tuple(int(b) for b in block) + (1,) * (3 - len(block))
         try:
             if self._switch:
                 with cupy().cuda.Device(self.device):
-                    fn(grid, (int(block), 1, 1), args, shared_mem=shared_mem, stream=self.stream)
+                    fn(grid, block, args, shared_mem=shared_mem, stream=self.stream)
             else:
-                fn(grid, (int(block), 1, 1), args, shared_mem=shared_mem, stream=self.stream)
+                fn(grid, block, args, shared_mem=shared_mem, stream=self.stream)
         except Exception as exc:  # noqa: BLE001 - report which kernel failed and how
-            raise KernelError(f"launch of {expr} (grid {grid}, block {block}, shared {shared_mem} B) "
+            raise KernelError(f"launch of {what} (grid {grid}, block {block}, shared {shared_mem} B) "
                               f"failed: {type(exc).__name__}: {exc}") from exc
 
 
@@ -405,15 +419,19 @@ _smem_limit: dict[int, int] = {}  #: id(function) -> dynamic shared memory limit
 def kernel_function(device: int, filename: str, expr: str, shared_mem: int = 0) -> Any:
     """The loaded kernel, allowed ``shared_mem`` bytes of dynamic shared memory (every launch path
     takes its function here)."""
-    fn = KERNELS.function(device, filename, expr)
-    if shared_mem > 32 * 1024:  # the default limit, 48 KiB, counts the kernel's static shared memory too
-        _raise_smem_limit(fn, device, shared_mem)
+    return allow_shared_memory(KERNELS.function(device, filename, expr), device, shared_mem)
+
+
+def allow_shared_memory(fn: Any, device: int, nbytes: int) -> Any:
+    """``fn``, allowed ``nbytes`` of dynamic shared memory (over 48 KiB needs the opt-in; the
+    default limit counts the kernel's static shared memory too, so it is raised from 32 KiB on);
+    the limit only grows, so a launch with less after one with more keeps working."""
+    if nbytes > 32 * 1024:
+        _raise_smem_limit(fn, device, nbytes)
     return fn
 
 
 def _raise_smem_limit(fn: Any, device: int, nbytes: int) -> None:
-    """Allow ``nbytes`` of dynamic shared memory (over 48 KiB needs the opt-in); the limit only
-    grows, so a launch with less after one with more keeps working."""
     if _smem_limit.get(id(fn), 0) >= nbytes:
         return
     drv = cupy().cuda.driver

@@ -99,6 +99,7 @@ class MacaBackend(Backend):
         self._toolchain: build.Toolchain | None = None
         self._lib: ctypes.CDLL | None = None
         self.library_path: str | None = None
+        self._caps = frozenset(ops.bnb_capabilities() + ops.ggml_capabilities() + ops.mx_capabilities())
 
     # -- discovery -----------------------------------------------------------------------------
     def availability(self) -> Availability:
@@ -144,7 +145,7 @@ class MacaBackend(Backend):
         return [f"cuda:{i}" for i in range(_torch().cuda.device_count())]
 
     def capabilities(self):
-        return frozenset(ops.bnb_capabilities() + ops.ggml_capabilities() + ops.mx_capabilities())
+        return self._caps  # built once, in __init__: the core asks supports() on every call
 
     # -- the library ---------------------------------------------------------------------------
     def library(self) -> ctypes.CDLL:

@@ -25,7 +25,6 @@ import ctypes
 import os
 import shutil
 import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
@@ -244,15 +243,10 @@ def build_library(toolchain: Toolchain) -> Path:
     A cached library is used only when its sidecar checksum (``libqc_maca.so.sha256``, written
     after the library) matches the file; otherwise it is built afresh. The cache folders must be
     private (:func:`quantcore.cache.private_dir`: BackendUnavailableError otherwise)."""
-    key = cache_key(toolchain)
-    final_dir = cache.private_dir("maca", key)
-    final = final_dir / LIBRARY_NAME
-    if cache.verified(final) is not None:
-        return final
-    with tempfile.TemporaryDirectory(prefix="build-", dir=cache.private_dir("maca")) as tmp:
-        tmp_dir = Path(tmp)
+    def build(tmp_dir: Path) -> Path:
         objects = compile_sources(toolchain, tmp_dir)
         lib = tmp_dir / LIBRARY_NAME
         _run(toolchain.link_command(objects, str(lib)), "link libqc_maca.so")
-        cache.install_artifact(lib, final)  # atomic: readers see the whole library or none
-    return final
+        return lib  # installed atomically: readers see the whole library or none
+
+    return cache.cached_file(cache.private_dir("maca", cache_key(toolchain)), LIBRARY_NAME, build)

@@ -104,6 +104,7 @@ class SyclBackend(Backend):
         self._programs: dict[tuple[Any, Any], runtime.Program] = {}
         self._used_queues: dict[int, Any] = {}  #: queues this backend submitted to (synchronize)
         self._avail: Availability | None = None  #: a positive availability, once found
+        self._caps: frozenset | None = None  #: capabilities(), once the device is known
 
     # -- discovery -------------------------------------------------------------------------------
     def default_queue(self) -> Any:
@@ -172,14 +173,16 @@ class SyclBackend(Backend):
         return rows
 
     def capabilities(self):
-        caps = ops.bnb_capabilities() + ops.ggml_capabilities() + ops.mx_capabilities()
-        try:
-            fp64 = self.default_queue().sycl_device.has_aspect_fp64
-        except Exception:
-            return frozenset()
-        if not fp64:  # the double-quantization offset is an fp64 tree sum
-            caps = [c for c in caps if c.op != "double_quantize"]
-        return frozenset(caps)
+        if self._caps is None:  # built once per instance: the core asks supports() on every call
+            try:
+                fp64 = self.default_queue().sycl_device.has_aspect_fp64
+            except Exception:
+                return frozenset()  # no device (not kept: a later call may find one)
+            caps = ops.bnb_capabilities() + ops.ggml_capabilities() + ops.mx_capabilities()
+            if not fp64:  # the double-quantization offset is an fp64 tree sum
+                caps = [c for c in caps if c.op != "double_quantize"]
+            self._caps = frozenset(caps)
+        return self._caps
 
     # -- programs ----------------------------------------------------------------------------------
     def program(self, queue: Any = None) -> runtime.Program:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,19 +18,13 @@ import numpy as np
 from quantcore import api
 from quantcore.arrays import as_dtype
 from quantcore.backend import Nested
+from quantcore.bench import HostTimer
 from quantcore.registry import get_backend
 
 
 def _median_seconds(fn: Callable[[], Any], sync: Callable[[], None], repeats: int) -> float:
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """One warm-up call, then the median of ``repeats`` (quantcore.bench's host timer), in seconds."""
+    return HostTimer(sync).kernel([fn], repeats, 1) / 1e6
 
 
 def compare(n: int = 4096, k: int = 4096, dtype: str = "bfloat16", quant_type: str = "nf4",

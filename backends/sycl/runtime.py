@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import threading
 from importlib import metadata, resources
 from pathlib import Path
@@ -177,19 +176,13 @@ def build_shim(force: bool = False) -> Path:
     """
     include_dir, lib_dir = sycl_runtime_dirs()
     cxx = _compiler()
-    folder = cache.private_dir("sycl")
-    target = folder / f"qc_sycl_shim-{shim_cache_key(cxx, include_dir, lib_dir)}.so"
-    if not force and cache.verified(target) is not None:
-        return target
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:
-        _compile_shim(shim_build_command(cxx, include_dir, lib_dir, tmp))
-        cache.install_artifact(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    name = f"qc_sycl_shim-{shim_cache_key(cxx, include_dir, lib_dir)}.so"
+
+    def build(tmp: Path) -> Path:
+        _compile_shim(shim_build_command(cxx, include_dir, lib_dir, str(tmp / name)))
+        return tmp / name
+
+    return cache.cached_file(cache.private_dir("sycl"), name, build, force=force)
 
 
 class Shim:

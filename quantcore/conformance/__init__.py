@@ -2,7 +2,7 @@
 
 A vendor registers a backend and runs, without writing a test::
 
-    quantcore check --backend NAME [--quick|--full] [--seed N] [--json PATH] [-k SUBSTRING]
+    quantcore check --backend NAME [--quick|--full] [--seed N] [--json PATH] [-k SUBSTRING] [--perf]
     python -m quantcore.conformance --backend NAME ...          # the same, without the CLI
     pytest --pyargs quantcore.conformance --backend NAME [--conformance-level full]
 
@@ -32,16 +32,19 @@ __all__ = ["run", "main"]
 
 
 def run(backend: Any = "cpu", level: str = "quick", seed: int = 0, json_path: str | None = None,
-        verbose: bool = False, select: tuple[str, ...] | list[str] = ()) -> Report:
+        verbose: bool = False, select: tuple[str, ...] | list[str] = (), perf_reps: int = 0) -> Report:
     """Run the suite on ``backend`` (name or Backend instance) at ``level`` ("quick" / "full").
 
     Returns a :class:`~quantcore.conformance.runner.Report`: ``report.ok`` is the verdict,
     ``report.table()`` the coverage table, ``report.as_dict()`` the JSON content (also written to
     ``json_path`` when given). ``select``: run only cases whose id contains one of the substrings.
+    ``perf_reps``: perf mode (``quantcore check --perf``), each checked op call also timed, the
+    median of that many calls (``report.perf_table()``, ``result.perf_us`` / ``result.gbps``).
     """
     from .runner import run as _run
 
-    return _run(backend, level=level, seed=seed, json_path=json_path, verbose=verbose, select=select)
+    return _run(backend, level=level, seed=seed, json_path=json_path, verbose=verbose, select=select,
+                perf_reps=perf_reps)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,7 @@ GPUs return their own canonical NaN), and where the reference is not NaN the bit
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import traceback
 from collections.abc import Callable, Iterable
@@ -195,6 +196,22 @@ class Out:
 
 
 @dataclass
+class Perf:
+    """Perf mode (``quantcore check --perf``): while a case runs with this recorder current
+    (:data:`PERF`), :func:`run_op` times its op once it has been checked, with ``timer`` (a timer
+    of :mod:`quantcore.bench`), and appends (microseconds, bytes: inputs read once plus outputs
+    written once) to ``records``."""
+
+    timer: Any
+    reps: int = 20
+    records: list[tuple[float, int]] = field(default_factory=list)
+
+
+#: The recorder of the case running now (None: not in perf mode).
+PERF: contextvars.ContextVar[Perf | None] = contextvars.ContextVar("quantcore_conformance_perf", default=None)
+
+
+@dataclass
 class OpRun:
     """What :func:`run_op` saw: the outputs of each run and any safety findings."""
 
@@ -258,6 +275,11 @@ def run_op(
                 verdict.fail(SAFETY, f"{int(mask.sum())} of {mask.size} elements of output {o.name!r} "
                                      f"were never written (first at index {tuple(int(i) for i in idx[0])}, "
                                      f"last at {tuple(int(i) for i in idx[-1])})")
+    perf = PERF.get()
+    if perf is not None:  # timed after the checks, on the same native arrays
+        nbytes = sum(np.asarray(v).nbytes for v in inputs.values())
+        nbytes += sum(int(np.prod(o.shape)) * np.dtype(o.dtype).itemsize for o in outs)
+        perf.records.append((perf.timer.kernel([lambda: call(native_in, views)], perf.reps, 1), nbytes))
     return res
 
 

@@ -22,7 +22,7 @@ from ..backend import Backend, Capability
 from ..ops import ALL_CAPABILITIES
 from ..registry import get_backend
 from . import families
-from .harness import TIERS, Case, Verdict, case_seed
+from .harness import PERF, TIERS, Case, Perf, Verdict, case_seed
 
 LEVELS = ("quick", "full")
 PASSED, FAILED, NOT_SUPPORTED, UNTESTED, NOT_RUN = (
@@ -52,10 +52,16 @@ class CaseResult:
     verdict: Verdict
     seconds: float
     seed: int
+    perf_us: float | None = None  #: perf mode: the op's time (summed over the case's op calls)
+    perf_bytes: int = 0  #: perf mode: the bytes those calls read and write
 
     @property
     def ok(self) -> bool:
         return self.verdict.ok
+
+    @property
+    def gbps(self) -> float | None:
+        return self.perf_bytes / (self.perf_us * 1e-6) / 1e9 if self.perf_us else None
 
     def as_dict(self) -> dict[str, Any]:
         c = self.case.capability
@@ -64,6 +70,8 @@ class CaseResult:
             "blocksize": c.blocksize, "status": PASSED if self.ok else FAILED,
             "failed_tiers": sorted(self.verdict.tiers), "detail": self.verdict.detail(),
             "seconds": round(self.seconds, 4), "seed": self.seed,
+            **({"perf_us": round(self.perf_us, 3), "perf_bytes": self.perf_bytes, "gbps": round(self.gbps, 3)}
+               if self.perf_us else {}),
         }
 
 
@@ -144,6 +152,19 @@ class Report:
                          f"{cases} | {', '.join(row.failed_tiers) or '-'} |")
         return "\n".join(lines)
 
+    def perf_table(self) -> str:
+        """Perf mode: the time and bandwidth of each timed case's op as Markdown, then how many
+        cases had no kernel-level op call to time (the public-API and invalid-input cases) or
+        failed (not timed)."""
+        lines = ["| case | op | us | GB/s |", "| --- | --- | --- | --- |"]
+        timed = [r for r in self.results if r.perf_us]
+        for r in timed:
+            lines.append(f"| {r.case.id} | {r.case.op} | {r.perf_us:.1f} | {r.gbps:.2f} |")
+        if len(timed) < len(self.results):
+            lines.append(f"\n{len(self.results) - len(timed)} of {len(self.results)} cases not timed "
+                         "(no kernel-level op call: public-API and invalid-input cases; or failed)")
+        return "\n".join(lines)
+
     def summary(self) -> str:
         """One verdict line (and the reasons when it fails)."""
         counts = {s: sum(1 for r in self.coverage if r.status == s)
@@ -204,9 +225,17 @@ def collect(be: Backend, level: str = "quick", select: Iterable[str] = ()) -> tu
     return out, False
 
 
-def run_case(case: Case, be: Backend, seed: int) -> CaseResult:
-    """Run one case; any exception it raises is a failure of its tier, never a crash."""
+def run_case(case: Case, be: Backend, seed: int, perf_reps: int = 0) -> CaseResult:
+    """Run one case; any exception it raises is a failure of its tier, never a crash. With
+    ``perf_reps``, each op call of the case is also timed (median of that many calls, with
+    :func:`quantcore.bench.timer_for`'s timer) once it has been checked."""
     s = case_seed(seed, case.id)
+    perf = None
+    if perf_reps:
+        from ..bench import timer_for
+
+        perf = Perf(timer_for(be), perf_reps)
+    token = PERF.set(perf)
     t0 = time.perf_counter()
     try:
         with np.errstate(all="ignore"):
@@ -216,7 +245,13 @@ def run_case(case: Case, be: Backend, seed: int) -> CaseResult:
 
         verdict = Verdict()
         verdict.fail(case.tier, f"the case raised {_describe_exception(exc)}")
-    return CaseResult(case, verdict, time.perf_counter() - t0, s)
+    finally:
+        PERF.reset(token)
+    result = CaseResult(case, verdict, time.perf_counter() - t0, s)
+    if perf is not None and perf.records and verdict.ok:
+        result.perf_us = sum(us for us, _ in perf.records)
+        result.perf_bytes = sum(b for _, b in perf.records)
+    return result
 
 
 def build_report(be: Backend, level: str, seed: int, results: list[CaseResult], filtered: bool,
@@ -285,13 +320,15 @@ def verdict_reasons(report: Report) -> list[str]:
 def run(
     backend: str | Backend = "cpu", level: str = "quick", seed: int = 0, json_path: str | None = None,
     verbose: bool = False, select: Iterable[str] = (), out: Callable[[str], None] | None = None,
-    command: str = "quantcore check",
+    command: str = "quantcore check", perf_reps: int = 0,
 ) -> Report:
     """Run the conformance suite on ``backend`` (a name or an instance) and return the Report.
 
     ``level`` "quick" or "full"; ``seed`` the base seed of every case; ``json_path`` where to write
     the JSON report; ``select`` substrings of case ids to run (like ``-k``); ``out`` receives the
-    progress lines and the table (``print`` when ``verbose``; nothing otherwise).
+    progress lines and the table (``print`` when ``verbose``; nothing otherwise); ``perf_reps``
+    (perf mode, ``quantcore check --perf``): also time each checked op call, the median of that
+    many calls, and print :meth:`Report.perf_table`.
     """
     be = backend if isinstance(backend, Backend) else get_backend(backend)
     emit = out if out is not None else (print if verbose else (lambda s: None))
@@ -304,7 +341,7 @@ def run(
         if verbose and case.op != current_op:
             current_op = case.op
             emit(f"  {case.op} ...")
-        r = run_case(case, be, seed)
+        r = run_case(case, be, seed, perf_reps)
         results.append(r)
         if not r.ok:
             emit(f"FAIL {case.id} [{', '.join(sorted(r.verdict.tiers))}]")
@@ -315,6 +352,11 @@ def run(
         emit(f"reproduce: {report.reproduce(r)}")
     emit("")
     emit(report.table())
+    if perf_reps:
+        emit("")
+        emit(f"perf ({be.name}, median of {perf_reps} calls per op; GB/s: inputs read once + outputs "
+             "written once):")
+        emit(report.perf_table())
     emit("")
     emit(report.summary())
     if json_path:
@@ -353,6 +395,11 @@ def main(argv: list[str] | None = None, prog: str = "quantcore check") -> int:
     parser.add_argument("--list", action="store_true", help="list the case ids and exit")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines, only the table")
     parser.add_argument("-v", "--verbose", action="store_true", help="print each op as it starts (the default)")
+    parser.add_argument("--perf", action="store_true",
+                        help="also time each case's op once checked (quantcore.bench's timer) and print "
+                             "a table of time and GB/s")
+    parser.add_argument("--perf-reps", type=int, default=20, metavar="N",
+                        help="with --perf: timed calls per op, the median is reported (default 20)")
     args = parser.parse_args(argv)
     level = args.level or "quick"
     try:  # a crash inside a kernel then prints the Python stack, which names the case
@@ -370,6 +417,9 @@ def main(argv: list[str] | None = None, prog: str = "quantcore check") -> int:
         for c in cases:
             print(c.id)
         return 0
+    if args.perf and args.perf_reps < 1:
+        parser.error("--perf-reps must be at least 1")
     report = run(be, level, args.seed, args.json, verbose=not args.quiet, select=args.select,
-                 out=lambda line: print(line, flush=True), command=prog)
+                 out=lambda line: print(line, flush=True), command=prog,
+                 perf_reps=args.perf_reps if args.perf else 0)
     return 0 if report.ok else 1

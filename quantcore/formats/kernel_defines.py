@@ -19,6 +19,8 @@ HEADER_NAME = "quantcore_constants.h"
 #: Integer codes the launchers receive for dtypes and 4-bit types (one definition for all).
 DTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2}
 QUANT_TYPE_CODE = {"nf4": 0, "fp4": 1}
+#: Integer codes of the ggml formats (a kernel's FMT template argument; QC_FMT_Q4_0 ... in the header).
+GGML_FORMAT_CODE = {"q4_0": 0, "q8_0": 1, "q8_1": 2}
 
 
 def _f32_list(values) -> str:
@@ -60,6 +62,7 @@ def _entries() -> list[tuple[str, str]]:
         ("QC_Q4_0_ROUND_BIAS", f"{ggml.Q4_0_ROUND_BIAS}f"),
         ("QC_Q8_MAX", str(ggml.Q8_MAX)),
         ("QC_Q8_1_NAN_S_BITS", hex(ggml.Q8_1_NAN_S_BITS)),
+        *((f"QC_FMT_{fmt.upper()}", str(code)) for fmt, code in GGML_FORMAT_CODE.items()),
         ("QC_DTYPE_F32", str(DTYPE_CODE["float32"])),
         ("QC_DTYPE_F16", str(DTYPE_CODE["float16"])),
         ("QC_DTYPE_BF16", str(DTYPE_CODE["bfloat16"])),

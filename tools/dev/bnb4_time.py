@@ -13,28 +13,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 
 import numpy as np
 import torch
 from quantcore.backends.cuda.runtime import ENV_TUNE as TUNE
 
 import quantcore as qc
+from quantcore import bench
 from quantcore.backend import Nested
 from quantcore.formats import bnb
 
 
-def timed(fn, reps: int) -> list[float]:
-    out = []
-    for _ in range(reps):
-        torch.cuda._sleep(2_000_000)  # about 1 ms: the launch is queued before the timed region
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1e3)
-    return out
+def timed(fn, reps: int) -> float:
+    """Median microseconds of fn() over reps (quantcore.bench's CUDA-event timer, behind a sleep kernel)."""
+    return bench.CudaTimer(torch).kernel([fn], reps, 0)
 
 
 R = C = 16384  # the bench's shape
@@ -98,15 +90,15 @@ def main() -> None:
     torch.cuda.synchronize()
     res: dict[str, list[float]] = {}
     for _ in range(2):
-        res.setdefault("copy 2 GiB d2d", []).append(statistics.median(timed(lambda: big2.copy_(big), args.reps)))
+        res.setdefault("copy 2 GiB d2d", []).append(timed(lambda: big2.copy_(big), args.reps))
         res.setdefault("fill 512 MiB bf16 (write only)", []).append(
-            statistics.median(timed(lambda: wr.fill_(1.0), args.reps)))
-        res.setdefault("dequantize_4bit", []).append(statistics.median(timed(dq4, args.reps)))
-        res.setdefault("quantize_4bit (kernel only)", []).append(statistics.median(timed(q4, args.reps)))
+            timed(lambda: wr.fill_(1.0), args.reps))
+        res.setdefault("dequantize_4bit", []).append(timed(dq4, args.reps))
+        res.setdefault("quantize_4bit (kernel only)", []).append(timed(q4, args.reps))
         res.setdefault("quantize_4bit + double_quantize (two ops)", []).append(
-            statistics.median(timed(q4dq, args.reps)))
-        res.setdefault("quantize_4bit nested (one launch)", []).append(statistics.median(timed(fused, args.reps)))
-        res.setdefault("double_quantize alone", []).append(statistics.median(timed(dq, args.reps)))
+            timed(q4dq, args.reps))
+        res.setdefault("quantize_4bit nested (one launch)", []).append(timed(fused, args.reps))
+        res.setdefault("double_quantize alone", []).append(timed(dq, args.reps))
     copy_gbps = 2 * (1 << 30) / (min(res["copy 2 GiB d2d"]) * 1e-6) / 1e9
     dq_bytes = n // 2 + nb + 2 * bnb.nblocks(nb, 256) + 2 * 256 + 2 * n
     q_bytes = 2 * n + n // 2 + nb + 4 * bnb.nblocks(nb, 256) + 4 * 256 + 4

@@ -15,7 +15,7 @@ import time
 import torch
 
 import quantcore as qc
-from quantcore import api
+from quantcore import api, bench
 
 CALLS, ROUNDS = 2000, 5
 
@@ -55,12 +55,7 @@ times: dict[str, list[float]] = {name: [] for name in cases}
 for _ in range(ROUNDS):
     for name, (on, fn) in cases.items():
         plans(on)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(CALLS):
-            fn()
-        torch.cuda.synchronize()
-        times[name].append((time.perf_counter() - t) / CALLS * 1e6)
+        times[name].append(bench.CudaTimer(torch).eager([fn], CALLS))
 for name, ts in times.items():
     print(f"{name}: {statistics.median(ts):.1f} us per eager call (best {min(ts):.1f}; rounds "
           + " ".join(f"{x:.1f}" for x in ts) + ")")

@@ -38,7 +38,7 @@ def operands(fmt: str, dev: torch.device, m: int = M, n: int = N, k: int = K) ->
 
 def torch_matmul_ms(dev: torch.device, m: int = M, n: int = N, k: int = K) -> float:
     """torch's bf16 matmul of random [m, k] x [n, k]^T: median ms, printed with its TFLOPS (also
-    used by mxgemm_f16.py)."""
+    the bf16 reference of this script)."""
     a16 = torch.randn((m, k), device=dev, dtype=torch.bfloat16)
     b16 = torch.randn((n, k), device=dev, dtype=torch.bfloat16)
     tt = timed(lambda: torch.matmul(a16, b16.t()), 15)
