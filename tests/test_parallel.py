@@ -123,3 +123,22 @@ def test_load_sharded_reads_only_the_slices(ranks, fmt):
         assert res["weights"] == 14 and res["weight_fractions"] == [0.5]  # 7 projections x 2 layers
         assert res["weight_read_fractions"] == [0.5]  # bytes read out of each weight's memory map
         assert res["reads_from_maps"] < 0.8 * res["file_tensor_bytes"]
+
+
+def test_device_script_cpu_twin(tmp_path):
+    """tools/tp_device.sh's logic (tools/tp_decode.py: the decoder stack, the plan, the graph's
+    fallback, the JSON) on CPU with gloo at small widths: TP=2 against TP=1."""
+    env = _env()
+    env.update(DEVICE="cpu", LAYERS="2", HIDDEN="256", INTERMEDIATE="512", HEADS="4", KV_HEADS="2", CTX="16",
+               STEPS="3", OUT=str(tmp_path), PYTHON=sys.executable)
+    proc = subprocess.run(["bash", os.path.join(REPO, "tools", "tp_device.sh")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "tp_decode.json").read_text())
+    t1, t2 = res["tp1"], res["tp2"]
+    assert (t1["world"], t2["world"]) == (1, 2) and t1["graph"] == t2["graph"] == "eager (cpu)"
+    assert t2["vs_tp1"]["q_proj_colwise_bitwise"] and t2["vs_tp1"]["rel_l2"] < RTOL
+    assert t1["tokens_per_s"] > 0 and t2["tokens_per_s"] > 0 and len(t2["per_rank"]) == 2
+    # each rank holds half of the quantized weights (the norms replicated)
+    half = t1["per_rank"][0]["weights_bytes"] / 2
+    assert all(abs(r["weights_bytes"] - half) / half < 0.05 for r in t2["per_rank"])

@@ -176,10 +176,11 @@ def case_from_float(rank, fmt, nested):
 
 def case_parallelize_module(rank):
     """torch's parallelize_module with quantcore's styles on a DeviceMesh (an MLP: colwise then rowwise)."""
-    import quantcore.nn as qnn
-    from quantcore.nn.parallel import QuantColwiseParallel, QuantRowwiseParallel
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import quantcore.nn as qnn
+    from quantcore.nn.parallel import QuantColwiseParallel, QuantRowwiseParallel
 
     mesh = init_device_mesh("cpu", (WORLD,))
     mlp = torch.nn.Sequential(_linear(256, 128, 5), torch.nn.GELU(), _linear(128, 256, 6))
