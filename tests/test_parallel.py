@@ -86,6 +86,7 @@ def test_shards_inside_a_block_are_refused(ranks):
         assert res["q4_0_row_inside_block"].startswith("ShapeError")
         assert res["odd_rows"].startswith("ShapeError") and "does not divide" in res["odd_rows"]
         assert res["conv"].startswith("UnsupportedError")
+        assert res["quantize_shard_of_quantized"].startswith("UnsupportedError")
 
 
 @pytest.mark.parametrize("fmt", ["nf4", "q4_0", "nvfp4"])
@@ -96,18 +97,12 @@ def test_tiny_llama_tp2_against_tp1(ranks, fmt):
         assert res["q_local"] == 64 and res["down_local"] == 128  # half the heads, half the MLP
 
 
-@pytest.mark.parametrize("fmt,nested", [("nf4", False), ("q4_0", False), ("mxfp4", False), ("nvfp4", False)])
+@pytest.mark.parametrize("fmt,nested", tp_worker.FROM_FLOAT_CASES)
 def test_each_rank_quantizes_its_float_shard_bitwise(ranks, fmt, nested):
-    for res in _case(ranks, f"from_float-{fmt}-plain"):
+    # double quantization: the shards' absmax all-gathered and double-quantized whole, as TP=1 does
+    for res in _case(ranks, f"from_float-{fmt}-{'nested' if nested else 'plain'}"):
         assert res["weights_equal"] and res["codes_equal"], res
-        assert res["logits_rel_vs_tp1"] < RTOL
-
-
-def test_double_quantized_shard_from_float_has_its_own_statistics(ranks):
-    for res in _case(ranks, "from_float-nf4-nested"):
-        assert res["codes_equal"]  # the 4-bit codes come from the exact absmax: the same
-        assert not res["weights_equal"]  # the second level (offset = the shard's mean) differs
-        assert res["worst_rel_weight_diff"] < 0.02 and res["logits_rel_vs_tp1"] < 0.02, res
+        assert res["worst_rel_weight_diff"] == 0.0 and res["logits_rel_vs_tp1"] < RTOL
 
 
 def test_parallelize_module_takes_quantcore_styles(ranks):

@@ -87,9 +87,14 @@ def case_linear(rank, fmt, nested, n, k):
 def case_errors(rank):
     import quantcore.nn as qnn
     from quantcore.errors import ShapeError, UnsupportedError
-    from quantcore.nn.parallel import shard_linear
+    from quantcore.nn.parallel import quantize_shard, shard_linear
 
     out = {}
+    try:
+        quantize_shard(qnn.LinearQ4_0.from_linear(_linear(8, 64, 1)), "colwise")
+        out["quantize_shard_of_quantized"] = "no error"
+    except UnsupportedError as exc:
+        out["quantize_shard_of_quantized"] = f"{type(exc).__name__}: {exc}"
     for label, make, style in (
         ("4bit_col_inside_block", lambda: qnn.Linear4bit.from_linear(_linear(2, 32, 1)), "colwise"),
         ("4bit_row_inside_block", lambda: qnn.Linear4bit.from_linear(_linear(8, 192, 1)), "rowwise"),
@@ -140,6 +145,9 @@ def case_llama(rank, fmt):
     return {"rel": _rel(l2, l1), "max_abs": float((l2 - l1).abs().max()), "tokens_equal": _greedy(model, IDS) == _greedy(ref, IDS),
             "q_local": model.model.layers[0].self_attn.q_proj.out_features,
             "down_local": model.model.layers[0].mlp.down_proj.in_features}
+
+
+FROM_FLOAT_CASES = [("nf4", False), ("nf4", True), ("fp4", True), ("q4_0", False), ("mxfp4", False), ("nvfp4", False)]
 
 
 def case_from_float(rank, fmt, nested):
@@ -266,7 +274,7 @@ def run(rank, out_dir, ckpt):
     record("errors", case_errors, rank)
     for fmt in ("nf4", "q4_0", "nvfp4"):
         record(f"llama-{fmt}", case_llama, rank, fmt)
-    for fmt, nested in (("nf4", False), ("nf4", True), ("q4_0", False), ("mxfp4", False), ("nvfp4", False)):
+    for fmt, nested in FROM_FLOAT_CASES:
         record(f"from_float-{fmt}-{'nested' if nested else 'plain'}", case_from_float, rank, fmt, nested)
     record("parallelize_module", case_parallelize_module, rank)
     for fmt in ("nf4", "nvfp4"):

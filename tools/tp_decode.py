@@ -7,10 +7,11 @@ Run it alone for TP=1 and under torchrun for TP=N (tools/tp_device.sh runs both 
 
 ``--device cpu`` runs the same code on CPU processes with gloo (tests/test_parallel.py does, at
 small widths). The defaults are Llama-3-70B's widths (hidden 8192, intermediate 28672, 64 query
-heads and 8 key/value heads of 128). Weights are random (seeded, the same on every rank), each
-linear quantized whole (nf4 by default, double quantization on) and then sliced for this rank
-(quantcore.nn.parallel: q / k / v / gate / up colwise, o / down rowwise): the shards are exactly
-the TP=1 weights. The KV cache holds ``--ctx`` random positions; a step attends over them.
+heads and 8 key/value heads of 128). Weights are random (seeded, the same on every rank); at TP=1
+each linear is quantized whole (nf4 by default, double quantization on), at TP>1 each rank
+quantizes only its float shard (quantcore.nn.parallel.quantize_shard; ``--slice``: quantize whole,
+then slice): q / k / v / gate / up colwise, o / down rowwise; either way the shards are bitwise the
+TP=1 weights. The KV cache holds ``--ctx`` random positions; a step attends over them.
 
 The step is captured in a CUDA graph (NCCL all-reduces included) unless ``--eager``; if capture
 fails, it runs eagerly and the JSON says why. Rank 0 writes: tokens/s at batch 1 (one token per
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import quantcore.nn as qnn
-from quantcore.nn.parallel import LLAMA_PLAN, shard_linear
+from quantcore.nn.parallel import LLAMA_PLAN, quantize_shard, shard_linear
 
 
 def parse(argv=None):
@@ -49,6 +50,8 @@ def parse(argv=None):
     p.add_argument("--steps", type=int, default=200, help="timed steps")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--eager", action="store_true", help="no CUDA graph")
+    p.add_argument("--slice", action="store_true",
+                   help="TP>1: quantize each whole weight, then slice (default: each rank quantizes its float shard)")
     p.add_argument("--out", required=True, help="rank 0's JSON")
     p.add_argument("--save-ref", help="TP=1: save the step's output and layer 0's q_proj output here")
     p.add_argument("--ref", help="TP>1: compare with this --save-ref file")
@@ -111,10 +114,14 @@ def build(a, rank, world, dtype, device):
             n, k = widths[child]
             lin = nn.Linear(k, n, bias=False, device="meta")
             lin.weight = nn.Parameter(_weight(n, k, a.seed + 100 * i + j, dtype, device), requires_grad=False)
-            mod = qnn.quantize_model(nn.Sequential(lin), a.fmt, skip=(), progress=False)[0]
-            del lin
-            if world > 1:
+            if world == 1:  # TP=1: the whole weight quantized, as quantize_model does
+                mod = qnn.quantize_model(nn.Sequential(lin), a.fmt, skip=(), progress=False)[0]
+            elif a.slice:  # quantize the whole weight, then keep this rank's slice
+                mod = qnn.quantize_model(nn.Sequential(lin), a.fmt, skip=(), progress=False)[0]
                 shard_linear(mod, style, name=f"layers.{i}.{rel}")
+            else:  # each rank quantizes only its float shard (bitwise the same shard)
+                mod = quantize_shard(lin, style, None, a.fmt, name=f"layers.{i}.{rel}")
+            del lin
             setattr(getattr(layer, parent), child, mod)
         layers.append(layer)
         if device.type == "cuda":

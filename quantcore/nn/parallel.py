@@ -37,12 +37,12 @@ Two ways to get a sharded model, with these equalities (tested in ``tests/test_p
 1. **Slice a quantized model** (``parallelize_module`` with these styles, :func:`parallelize_llama`
    without ``fmt``, :func:`load_sharded` from a quantized checkpoint): every shard dequantizes to
    exactly its rows / columns of the unsharded weight, every format, nested or not.
-2. **Quantize shards from float** (:func:`parallelize_llama` with ``fmt``): each rank quantizes only
-   its float shard. Bitwise the slice of the unsharded quantization for nf4 / fp4 without double
-   quantization, q4_0, mxfp4 and nvfp4 (the global scale from the whole weight's amax, all-reduced
-   over the group); with double quantization the packed codes are the same but the second-level
-   statistics are the shard's own (its offset is the mean of its absmax), so the weight is a
-   different, equally accurate quantization: for a bitwise TP=1 match use way 1.
+2. **Quantize shards from float** (:func:`parallelize_llama` with ``fmt``): each rank runs the
+   quantization of only its float shard, bitwise the slice of the unsharded quantization in every
+   format: the blocks are the same elements; NVFP4's global scale comes from the whole weight's amax
+   (all-reduced, max); double quantization's second level, whose offset is the mean of the whole
+   weight's absmax, is computed from the all-gathered float32 absmax of every shard (1/64 of the
+   weight's elements) by the backend's own double quantization, then sliced as in way 1.
 
 Given the same weights, the colwise forward computes each output feature from the same inputs and
 weights as the unsharded one (equal bit for bit where the backend's product for one feature does
@@ -161,13 +161,13 @@ def _decode_absmax(q: Any, blocks: torch.Tensor, absmax2: Any, first2: int, offs
 def shard_4bit(src: dict[str, Any], n: int, k: int, blocksize: int, style: str, rank: int, world: int,
                name: str = "weight") -> dict[str, torch.Tensor | None]:
     """This rank's share of a bitsandbytes 4-bit weight ``[n, k]``: ``src`` maps ``weight`` (packed
-    uint8, any shape holding ``(n*k+1)//2`` bytes), ``absmax`` and, when nested, ``nested_absmax``,
+    uint8, any shape holding ``(n*k+1)//2`` bytes; None: statistics only), ``absmax`` and, when nested, ``nested_absmax``,
     ``nested_quant_map``, ``offset`` to torch tensors or numpy arrays (memory maps: only the slices
     are read). Returns the same names for the shard; nested ones are None where the shard holds
     float32 absmax (see the module's notes)."""
     nb = bnb.nblocks(n * k, blocksize)
     nested = src.get("nested_absmax") is not None
-    packed = src["weight"].reshape(-1)
+    packed = None if src.get("weight") is None else src["weight"].reshape(-1)
     absmax = src["absmax"].reshape(-1)
     out: dict[str, Any] = {"nested_absmax": None, "nested_quant_map": None, "offset": None}
     if style == COLWISE:
@@ -177,7 +177,7 @@ def shard_4bit(src: dict[str, Any], n: int, k: int, blocksize: int, style: str, 
                              f"number of {blocksize}-blocks (4-bit blocks run along the flattened weight)")
         e0, e1 = rank * nl * k, (rank + 1) * nl * k
         b0, b1 = e0 // blocksize, e1 // blocksize
-        out["weight"] = _take(packed[e0 // 2: e1 // 2]).reshape(-1, 1)
+        out["weight"] = None if packed is None else _take(packed[e0 // 2: e1 // 2]).reshape(-1, 1)
         q = absmax[b0:b1]
         if nested and b0 % _NB == 0 and (b1 % _NB == 0 or b1 == nb):
             out["absmax"] = _take(q)
@@ -196,7 +196,8 @@ def shard_4bit(src: dict[str, Any], n: int, k: int, blocksize: int, style: str, 
                          f"the blocksize {blocksize}")
     k0, k1 = rank * kl, (rank + 1) * kl
     bpr, c0, c1 = k // blocksize, k0 // blocksize, k1 // blocksize
-    out["weight"] = _take(packed[: n * k // 2].reshape(n, k // 2)[:, k0 // 2: k1 // 2]).reshape(-1, 1)
+    out["weight"] = None if packed is None else \
+        _take(packed[: n * k // 2].reshape(n, k // 2)[:, k0 // 2: k1 // 2]).reshape(-1, 1)
     q = absmax.reshape(n, bpr)[:, c0:c1]
     if nested and bpr % _NB == 0 and (c1 - c0) % _NB == 0:
         out["absmax"] = _take(q).reshape(-1)
@@ -430,6 +431,8 @@ def _quantize_shard(linear: nn.Linear, spec: ShardSpec, group: Any, fmt: str, bl
     else:
         unit = ggml.QK if fmt == "q4_0" else mx.block_size(fmt)
     part = shard_rows_cols(src, spec.style, spec.rank, spec.world, spec.in_features, unit, name)["weight"]
+    if fmt in FORMATS_4BIT:
+        return _quantize_4bit_shard(part, spec, group, fmt, blocksize, compress_statistics, compute_dtype)
     shard = nn.Linear(part.shape[1], part.shape[0], bias=False, device="meta")
     shard.weight = nn.Parameter(part, requires_grad=False)
     if fmt != "nvfp4":
@@ -443,6 +446,101 @@ def _quantize_shard(linear: nn.Linear, spec: ShardSpec, group: Any, fmt: str, bl
     codes, scales = torch.ops.quantcore.quantize_mx(part.contiguous(), "nvfp4", "floor", gs, False)
     mod.weight_packed, mod.weight_scale, mod.weight_global_scale = _frozen(codes), _frozen(scales), _frozen(gs)
     return mod
+
+
+def _double_quantize(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backend's double quantization of a float32 absmax (what quantize_4bit with
+    compress_statistics runs after the 4-bit pass, bit for bit: the Backend contract):
+    (codes uint8, absmax2 float32, offset float32 [1])."""
+    import numpy as np
+
+    from .. import torch as qct
+
+    def run(x, *, backend):
+        backend.require("double_quantize", "dynamic8", "float32", _NB)
+        xn = backend.prepare(x)
+        nb = int(x.shape[0])
+        q = backend.empty((nb,), np.dtype(np.uint8), like=xn)
+        a2 = backend.empty((bnb.nblocks(nb, _NB),), np.dtype(np.float32), like=xn)
+        off = backend.empty((1,), np.dtype(np.float32), like=xn)
+        backend.double_quantize(xn, q, a2, off)
+        return backend.finish(q, x), backend.finish(a2, x), backend.finish(off, x)
+
+    return qct._run(absmax.device, run, (absmax.contiguous(),))
+
+
+def _quantize_4bit_shard(part: torch.Tensor, spec: ShardSpec, group: Any, fmt: str, blocksize: int,
+                         nested: bool, compute_dtype) -> Linear4bit:
+    """A Linear4bit of this rank's float shard ``part``, bitwise the shard of the whole weight's
+    quantization: the 4-bit pass on the shard only; with double quantization the shards' float32
+    absmax are all-gathered (1/64 of the weight's elements) and double-quantized whole, as the
+    unsharded quantization does, then sliced as :func:`shard_4bit` slices a quantized module."""
+    import torch.distributed as dist
+
+    from .. import torch as qct
+
+    n_l, k_l = part.shape
+    packed, st = qct.quantize_4bit(part.contiguous(), blocksize, fmt, False)
+    absmax = st.absmax
+    mod = Linear4bit(k_l, n_l, False, compute_dtype, nested, fmt, blocksize, device="meta", dtype=part.dtype)
+    mod.weight = _frozen(packed)
+    dev = packed.device
+    mod._buffers["quant_map"] = torch.tensor(bnb.code_4bit(fmt), device=dev)
+    if not nested:
+        mod._buffers["absmax"] = absmax
+        for key in ("nested_absmax", "nested_quant_map", "offset"):
+            mod._buffers[key] = None
+        return mod
+    parts = [absmax]
+    if spec.world > 1:
+        parts = [torch.empty_like(absmax) for _ in range(spec.world)]
+        dist.all_gather(parts, absmax.contiguous(), group=group)
+    n, k = spec.out_features, spec.in_features
+    if spec.style == COLWISE:
+        full = torch.cat(parts)
+    else:  # each rank's [n, k/w/blocksize] absmax, side by side per row
+        full = torch.cat([p.reshape(n, -1) for p in parts], dim=1).reshape(-1)
+    q, a2, off = _double_quantize(full)
+    code2 = torch.tensor(bnb.DYNAMIC_MAP, dtype=torch.float32, device=dev)
+    out = shard_4bit({"weight": None, "absmax": q, "nested_absmax": a2, "nested_quant_map": code2, "offset": off},
+                     n, k, blocksize, spec.style, spec.rank, spec.world)
+    for key in ("absmax", "nested_absmax", "nested_quant_map", "offset"):
+        mod._buffers[key] = out[key]
+    return mod
+
+
+def quantize_shard(linear: nn.Linear, style: str, mesh_or_group: Any = None, fmt: str = "nf4", *,
+                   blocksize: int = 64, compress_statistics: bool = True, compute_dtype=None, output: str = "shard",
+                   input: str = "shard", reduce_dtype: torch.dtype | None = None, name: str = "") -> nn.Module:
+    """A new quantcore module holding this rank's shard of the float ``linear``, quantized from its
+    float shard only (bitwise the shard of ``linear``'s whole quantization; see the module's
+    notes), its forward doing the collectives as :func:`shard_linear`'s. Collective over the group
+    (NVFP4's amax, double quantization's absmax): every rank calls it for the same layers in the
+    same order. ``linear`` itself is left as it is."""
+    _check_linear_arg(linear, name)
+    if fmt not in FORMATS:
+        raise ParameterError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    _check_style(style, output, input)
+    group, rank, world = _group_info(mesh_or_group)
+    spec = ShardSpec(style, rank, world, linear.in_features, linear.out_features, output, input, reduce_dtype)
+    label = name or "Linear"
+    q = _quantize_shard(linear, spec, group, fmt, blocksize, compress_statistics, compute_dtype, label)
+    bias = linear.bias
+    if bias is not None:
+        lo, hi = spec.split
+        if style == COLWISE:
+            q.bias = nn.Parameter(_take(bias.detach()[lo:hi]), requires_grad=bias.requires_grad)
+        else:
+            q.tp_bias = nn.Parameter(_take(bias.detach()), requires_grad=bias.requires_grad)
+    q.__dict__["_tp"] = (spec, group)
+    q.forward = types.MethodType(_colwise_forward if style == COLWISE else _rowwise_forward, q)
+    return q
+
+
+def _check_linear_arg(linear: Any, name: str) -> None:
+    if type(linear) is not nn.Linear:
+        raise UnsupportedError(f"{name or 'module'}: quantize_shard takes a float torch.nn.Linear, got "
+                               f"{type(linear).__name__}")
 
 
 def parallelize_llama(model: nn.Module, mesh_or_group: Any = None, *, fmt: str | None = None,
@@ -471,19 +569,10 @@ def parallelize_llama(model: nn.Module, mesh_or_group: Any = None, *, fmt: str |
             if mod is None:
                 raise ParameterError(f"{full}: no such module (not a Llama-shaped layer)")
             if fmt is not None and type(mod) is nn.Linear:
-                spec = ShardSpec(style, rank, world, mod.in_features, mod.out_features, "shard", "shard",
-                                 reduce_dtype if style == ROWWISE else None)
-                q = _quantize_shard(mod, spec, group, fmt, blocksize, compress_statistics, compute_dtype, full)
-                bias = mod.bias
-                if bias is not None:
-                    lo, hi = spec.split
-                    if style == COLWISE:
-                        q.bias = nn.Parameter(_take(bias.detach()[lo:hi]), requires_grad=bias.requires_grad)
-                    else:
-                        q.tp_bias = bias
-                q.__dict__["_tp"] = (spec, group)
-                q.forward = types.MethodType(_colwise_forward if style == COLWISE else _rowwise_forward, q)
-                setattr(parent, child, q)
+                setattr(parent, child, quantize_shard(mod, style, group if world > 1 else None, fmt,
+                                                      blocksize=blocksize, compress_statistics=compress_statistics,
+                                                      compute_dtype=compute_dtype, reduce_dtype=reduce_dtype
+                                                      if style == ROWWISE else None, name=full))
             else:
                 shard_linear(mod, style, group if world > 1 else None, reduce_dtype=reduce_dtype if style == ROWWISE
                              else None, name=full)
@@ -606,4 +695,5 @@ def load_sharded(model: nn.Module, path: Any, device: Any = None) -> dict[str, i
 
 
 __all__ = ["COLWISE", "LLAMA_PLAN", "QuantColwiseParallel", "QuantRowwiseParallel", "ROWWISE", "ShardSpec",
-           "load_sharded", "parallelize_llama", "shard_4bit", "shard_linear", "shard_rows_cols", "shard_spec"]
+           "load_sharded", "parallelize_llama", "quantize_shard", "shard_4bit", "shard_linear", "shard_rows_cols",
+           "shard_spec"]
