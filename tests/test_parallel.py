@@ -43,14 +43,16 @@ def _env():
     return env
 
 
+def _spawn(out, ckpt):
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "tp_worker.py"), str(out), str(ckpt), _port()],
+                          env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(tp_worker.WORLD)]
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out, ckpt = tmp_path_factory.mktemp("tp_out"), tmp_path_factory.mktemp("tp_ckpt")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "tp_worker.py"), str(out), str(ckpt), _port()],
-                          env=_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = [json.loads((out / f"rank{r}.json").read_text()) for r in range(tp_worker.WORLD)]
-    return res
+    return _spawn(tmp_path_factory.mktemp("tp_out"), tmp_path_factory.mktemp("tp_ckpt"))
 
 
 def _case(ranks, name):
@@ -137,3 +139,9 @@ def test_device_script_cpu_twin(tmp_path):
     # each rank holds half of the quantized weights (the norms replicated)
     half = t1["per_rank"][0]["weights_bytes"] / 2
     assert all(abs(r["weights_bytes"] - half) / half < 0.05 for r in t2["per_rank"])
+
+
+def test_torch_compile_traces_the_collectives(ranks):
+    # torch.compile(fullgraph=True) through a sharded nf4 MLP (inductor fuses: tolerance, not bitwise)
+    for res in _case(ranks, "compile"):
+        assert res["rel_vs_tp1"] < RTOL and res["rel_vs_eager"] < RTOL, res

@@ -1,4 +1,4 @@
-"""The ranks of tests/test_parallel.py: ``python tests/tp_worker.py OUT_DIR CKPT_DIR`` spawns 2 CPU
+"""The ranks of tests/test_parallel.py: ``python tests/tp_worker.py OUT_DIR CKPT_DIR PORT`` spawns 2 CPU
 processes (gloo); each runs every case and writes ``OUT_DIR/rank<r>.json`` (case -> result), which
 the tests read. One spawn for all cases keeps the suite fast."""
 
@@ -257,6 +257,23 @@ def case_load(rank, ckpt, fmt):
             "reads_from_maps": sum(b for _, b in taken), "file_tensor_bytes": sum(sizes.values())}
 
 
+def case_compile(rank):
+    """torch.compile(fullgraph=True) through a sharded MLP: the collectives are traced."""
+    import quantcore.nn as qnn
+    from quantcore.nn.parallel import shard_linear
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 128))
+    qnn.quantize_model(mlp, "nf4", skip=(), progress=False)
+    ref = copy.deepcopy(mlp)
+    shard_linear(mlp[0], "colwise")
+    shard_linear(mlp[2], "rowwise")
+    x = torch.randn(2, 128)
+    with torch.no_grad():
+        got = torch.compile(mlp, fullgraph=True)(x)
+        return {"rel_vs_tp1": _rel(got, ref(x)), "rel_vs_eager": _rel(got, mlp(x))}
+
+
 def run(rank, out_dir, ckpt):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -279,6 +296,7 @@ def run(rank, out_dir, ckpt):
     record("parallelize_module", case_parallelize_module, rank)
     for fmt in ("nf4", "nvfp4"):
         record(f"load-{fmt}", case_load, rank, ckpt, fmt)
+    record("compile", case_compile, rank)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f, indent=1)
     dist.destroy_process_group()
