@@ -22,7 +22,7 @@ A module is sharded in place (same class, same parameter names; ``in_features`` 
 
 Where a shard ends inside a quantization block the sharding is refused (:class:`ShapeError`):
 4-bit blocks run along the flattened ``N*K`` weight, so a column shard needs ``(N/w)*K`` and a row
-shard ``K/w`` to be multiples of the blocksize; Q4_0 needs ``K/w % 32 == 0``, NVFP4 ``% 16``,
+shard ``K`` and ``K/w`` to be multiples of the blocksize; Q4_0 needs ``K/w % 32 == 0``, NVFP4 ``% 16``,
 MXFP4 ``% 32``.
 
 **Double quantization.** A Linear4bit's absmax is itself quantized in blocks of 256 absmax with one
@@ -37,10 +37,10 @@ Two ways to get a sharded model, with these equalities (tested in ``tests/test_p
 1. **Slice a quantized model** (``parallelize_module`` with these styles, :func:`parallelize_llama`
    without ``fmt``, :func:`load_sharded` from a quantized checkpoint): every shard dequantizes to
    exactly its rows / columns of the unsharded weight, every format, nested or not.
-2. **Quantize shards from float** (:func:`parallelize_llama` with ``fmt``): each rank runs the
-   quantization of only its float shard, bitwise the slice of the unsharded quantization in every
-   format: the blocks are the same elements; NVFP4's global scale comes from the whole weight's amax
-   (all-reduced, max); double quantization's second level, whose offset is the mean of the whole
+2. **Quantize shards from float** (:func:`quantize_shard`, :func:`parallelize_llama` with ``fmt``):
+   each rank quantizes only its float shard, bitwise the slice of the unsharded quantization in
+   every format: the blocks are the same elements; NVFP4's global scale comes from the whole
+   weight's amax (all-reduced, max); double quantization's second level, whose offset is the mean of the whole
    weight's absmax, is computed from the all-gathered float32 absmax of every shard (1/64 of the
    weight's elements) by the backend's own double quantization, then sliced as in way 1.
 
