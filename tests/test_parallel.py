@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -30,12 +29,6 @@ import tp_worker  # noqa: E402
 RTOL = 1e-5  # float32 activations: rowwise partial sums reduced in another order
 
 
-def _port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _env():
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
@@ -44,7 +37,7 @@ def _env():
 
 
 def _spawn(out, ckpt):
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "tp_worker.py"), str(out), str(ckpt), _port()],
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "tp_worker.py"), str(out), str(ckpt)],
                           env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(tp_worker.WORLD)]

@@ -1,4 +1,4 @@
-"""The ranks of tests/test_parallel.py: ``python tests/tp_worker.py OUT_DIR CKPT_DIR PORT`` spawns 2 CPU
+"""The ranks of tests/test_parallel.py: ``python tests/tp_worker.py OUT_DIR CKPT_DIR`` spawns 2 CPU
 processes (gloo); each runs every case and writes ``OUT_DIR/rank<r>.json`` (case -> result), which
 the tests read. One spawn for all cases keeps the suite fast."""
 
@@ -275,8 +275,9 @@ def case_compile(rank):
 
 
 def run(rank, out_dir, ckpt):
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # a file rendezvous: no port to pick (and none to collide with)
+    dist.init_process_group("gloo", init_method=f"file://{os.path.abspath(out_dir)}/rendezvous", rank=rank,
+                            world_size=WORLD)
     torch.set_num_threads(1)
     results = {}
 
@@ -313,7 +314,6 @@ def write_checkpoints(ckpt):
 
 
 if __name__ == "__main__":
-    out_dir, ckpt, port = sys.argv[1], sys.argv[2], sys.argv[3]
-    os.environ["MASTER_PORT"] = port
+    out_dir, ckpt = sys.argv[1], sys.argv[2]
     write_checkpoints(ckpt)
     torch.multiprocessing.spawn(run, args=(out_dir, ckpt), nprocs=WORLD, join=True)
