@@ -92,6 +92,13 @@ def test_tiny_llama_tp2_against_tp1(ranks, fmt):
         assert res["q_local"] == 64 and res["down_local"] == 128  # half the heads, half the MLP
 
 
+def test_tiny_llama_bf16_reduce_dtypes(ranks):
+    # bf16 partial sums: a few bf16 roundings from TP=1; float32 partial sums: far closer
+    for res in _case(ranks, "llama-bf16"):
+        assert res["rel_bf16_reduce"] < 0.02 and res["rel_fp32_reduce"] <= res["rel_bf16_reduce"], res
+        assert res["rel_fp32_reduce"] < 1e-3 and res["tokens_equal"], res
+
+
 @pytest.mark.parametrize("fmt,nested", tp_worker.FROM_FLOAT_CASES)
 def test_each_rank_quantizes_its_float_shard_bitwise(ranks, fmt, nested):
     # double quantization: the shards' absmax all-gathered and double-quantized whole, as TP=1 does

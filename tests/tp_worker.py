@@ -150,6 +150,19 @@ def case_llama(rank, fmt):
 FROM_FLOAT_CASES = [("nf4", False), ("nf4", True), ("fp4", True), ("q4_0", False), ("mxfp4", False), ("nvfp4", False)]
 
 
+def case_llama_bf16(rank):
+    """bf16 activations: the rowwise all-reduce in bf16 (Megatron's) and in float32 (reduce_dtype)."""
+    import quantcore.nn as qnn
+    from quantcore.nn.parallel import parallelize_llama
+
+    ref = qnn.quantize_model(_tiny_llama().to(torch.bfloat16), "nf4", progress=False)
+    bf, f32 = parallelize_llama(copy.deepcopy(ref)), parallelize_llama(copy.deepcopy(ref), reduce_dtype=torch.float32)
+    want = _logits(ref, IDS).float()
+    return {"rel_bf16_reduce": _rel(_logits(bf, IDS).float(), want),
+            "rel_fp32_reduce": _rel(_logits(f32, IDS).float(), want),
+            "tokens_equal": _greedy(bf, IDS) == _greedy(ref, IDS) == _greedy(f32, IDS)}
+
+
 def case_from_float(rank, fmt, nested):
     """each rank quantizes only its float shard (parallelize_llama(fmt=...)) against the shard of
     the whole model's quantization."""
@@ -292,6 +305,7 @@ def run(rank, out_dir, ckpt):
     record("errors", case_errors, rank)
     for fmt in ("nf4", "q4_0", "nvfp4"):
         record(f"llama-{fmt}", case_llama, rank, fmt)
+    record("llama-bf16", case_llama_bf16, rank)
     for fmt, nested in FROM_FLOAT_CASES:
         record(f"from_float-{fmt}-{'nested' if nested else 'plain'}", case_from_float, rank, fmt, nested)
     record("parallelize_module", case_parallelize_module, rank)

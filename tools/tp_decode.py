@@ -50,6 +50,8 @@ def parse(argv=None):
     p.add_argument("--steps", type=int, default=200, help="timed steps")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--eager", action="store_true", help="no CUDA graph")
+    p.add_argument("--reduce-dtype", choices=("activation", "float32"), default="activation",
+                   help="rowwise layers: product and all-reduce in the activation's dtype (Megatron's) or float32")
     p.add_argument("--slice", action="store_true",
                    help="TP>1: quantize each whole weight, then slice (default: each rank quantizes its float shard)")
     p.add_argument("--out", required=True, help="rank 0's JSON")
@@ -106,6 +108,7 @@ def build(a, rank, world, dtype, device):
               "v_proj": (a.kv_heads * a.hidden // a.heads, a.hidden), "o_proj": (a.hidden, a.hidden),
               "gate_proj": (a.intermediate, a.hidden), "up_proj": (a.intermediate, a.hidden),
               "down_proj": (a.hidden, a.intermediate)}
+    reduce = torch.float32 if a.reduce_dtype == "float32" else None
     layers = nn.ModuleList()
     for i in range(a.layers):
         layer = Layer(a, dtype, device)
@@ -118,9 +121,9 @@ def build(a, rank, world, dtype, device):
                 mod = qnn.quantize_model(nn.Sequential(lin), a.fmt, skip=(), progress=False)[0]
             elif a.slice:  # quantize the whole weight, then keep this rank's slice
                 mod = qnn.quantize_model(nn.Sequential(lin), a.fmt, skip=(), progress=False)[0]
-                shard_linear(mod, style, name=f"layers.{i}.{rel}")
+                shard_linear(mod, style, reduce_dtype=reduce, name=f"layers.{i}.{rel}")
             else:  # each rank quantizes only its float shard (bitwise the same shard)
-                mod = quantize_shard(lin, style, None, a.fmt, name=f"layers.{i}.{rel}")
+                mod = quantize_shard(lin, style, None, a.fmt, reduce_dtype=reduce, name=f"layers.{i}.{rel}")
             del lin
             setattr(getattr(layer, parent), child, mod)
         layers.append(layer)
@@ -252,7 +255,8 @@ def main(a):
     res = {"world": world, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "fmt": a.fmt, "layers": a.layers, "hidden": a.hidden,
            "intermediate": a.intermediate, "heads": a.heads, "kv_heads": a.kv_heads, "ctx": a.ctx,
-           "dtype": str(dtype).removeprefix("torch."), "steps": a.steps, "graph": graph_note,
+           "dtype": str(dtype).removeprefix("torch."), "reduce_dtype": a.reduce_dtype, "steps": a.steps,
+           "graph": graph_note, "weights": "sliced" if a.slice else "quantized per shard",
            "build_s": round(build_s, 2), "ms_per_step": max(r["ms_per_step"] for r in per_rank),
            "tokens_per_s": 1.0 / max(r["ms_per_step"] for r in per_rank) * 1e3, "per_rank": per_rank}
     if a.save_ref and rank == 0:

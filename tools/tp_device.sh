@@ -3,7 +3,7 @@
 # one decode step of Llama-3-70B widths (tools/tp_decode.py) at TP=1 (GPU 0) and TP=2 (torchrun),
 # each captured in a CUDA graph where NCCL allows; JSON to $OUT (tp1.json, tp2.json, tp_decode.json).
 #   OUT=/some/dir tools/tp_device.sh                      # LAYERS=32 by default (80 fit one H100 in nf4)
-#   LAYERS=80 CTX=1024 STEPS=200 FMT=nf4 OUT=... tools/tp_device.sh
+#   LAYERS=80 CTX=1024 STEPS=200 FMT=nf4 REDUCE=float32 OUT=... tools/tp_device.sh
 #   DEVICE=cpu LAYERS=2 HIDDEN=256 INTERMEDIATE=512 HEADS=4 KV_HEADS=2 OUT=... tools/tp_device.sh  # gloo twin
 set -euo pipefail
 : "${OUT:?set OUT to the folder for the JSON}"
@@ -15,7 +15,7 @@ DEVICE=${DEVICE:-cuda}
 PY=${PYTHON:-python}
 ARGS=(--device "$DEVICE" --layers "${LAYERS:-32}" --hidden "${HIDDEN:-8192}" --intermediate "${INTERMEDIATE:-28672}"
       --heads "${HEADS:-64}" --kv-heads "${KV_HEADS:-8}" --ctx "${CTX:-1024}" --steps "${STEPS:-200}"
-      --fmt "${FMT:-nf4}")
+      --fmt "${FMT:-nf4}" --reduce-dtype "${REDUCE:-activation}")
 if [ "$DEVICE" = cuda ]; then
   nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
   n=$(nvidia-smi -L | wc -l)
@@ -37,7 +37,8 @@ print(json.dumps({"tp1_tokens_per_s": round(t1["tokens_per_s"], 1), "tp2_tokens_
                   "vs_tp1": t2.get("vs_tp1"),
                   "gpu_bytes_tp1": [r.get("peak_allocated", r["weights_bytes"]) for r in t1["per_rank"]],
                   "gpu_bytes_tp2": [r.get("peak_allocated", r["weights_bytes"]) for r in t2["per_rank"]]}, indent=1))
-if t2.get("vs_tp1", {}).get("rel_l2", 1.0) > 0.02:
+# bf16 partial sums: a few bf16 roundings per layer apart; a wrong shard or reduce is O(1) off
+if not t2.get("vs_tp1") or t2["vs_tp1"]["rel_l2"] > 0.05:
     sys.exit("tp_device.sh: TP=2's output is too far from TP=1's")
 PY
 echo "tp_device.sh: done in $(( $(date +%s) - t0 )) s"
