@@ -2,7 +2,7 @@
 # Tensor parallel decode on the 2-GPU device kind (nvidia-h100-x2), NCCL, NVLink multicast off:
 # one decode step of Llama-3-70B widths (tools/tp_decode.py) at TP=1 (GPU 0) and TP=2 (torchrun),
 # each captured in a CUDA graph where NCCL allows; JSON to $OUT (tp1.json, tp2.json, tp_decode.json).
-#   OUT=/some/dir tools/tp_device.sh                      # LAYERS=32 by default (80 fit one H100 in nf4)
+#   OUT=/some/dir tools/tp_device.sh    # LAYERS=32 by default (80 layers of nf4: ~35 GB by arithmetic)
 #   LAYERS=80 CTX=1024 STEPS=200 FMT=nf4 REDUCE=float32 OUT=... tools/tp_device.sh
 #   DEVICE=cpu LAYERS=2 HIDDEN=256 INTERMEDIATE=512 HEADS=4 KV_HEADS=2 OUT=... tools/tp_device.sh  # gloo twin
 set -euo pipefail
