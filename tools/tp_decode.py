@@ -1,0 +1,282 @@
+"""One decode step of a Llama-shaped decoder stack on quantcore modules, at TP=1 or TP=N.
+
+Run it alone for TP=1 and under torchrun for TP=N (tools/tp_device.sh runs both on 2 GPUs):
+
+    python tools/tp_decode.py --device cuda --out tp1.json --save-ref tp1_ref.pt
+    torchrun --standalone --nproc_per_node 2 tools/tp_decode.py --device cuda --out tp2.json --ref tp1_ref.pt
+
+``--device cpu`` runs the same code on CPU processes with gloo (tests/test_parallel.py does, at
+small widths). The defaults are Llama-3-70B's widths (hidden 8192, intermediate 28672, 64 query
+heads and 8 key/value heads of 128). Weights are random (seeded, the same on every rank); at TP=1
+each linear is quantized whole (nf4 by default, double quantization on), at TP>1 each rank
+quantizes only its float shard (quantcore.nn.parallel.quantize_shard; ``--slice``: quantize whole,
+then slice): q / k / v / gate / up colwise, o / down rowwise; either way the shards are bitwise the
+TP=1 weights. The KV cache holds ``--ctx`` random positions; a step attends over them.
+
+The step is captured in a CUDA graph (NCCL all-reduces included) unless ``--eager``; if capture
+fails, it runs eagerly and the JSON says why. Rank 0 writes: tokens/s at batch 1 (one token per
+step), ms per step, per-GPU memory, the graph's status, the step's output against TP=1's
+(``--ref``) and whether layer 0's q_proj output, all-gathered, equals TP=1's bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import quantcore.nn as qnn
+from quantcore.nn.parallel import LLAMA_PLAN, quantize_shard, shard_linear
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=8192)
+    p.add_argument("--intermediate", type=int, default=28672)
+    p.add_argument("--heads", type=int, default=64)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--fmt", default="nf4", choices=qnn.FORMATS)
+    p.add_argument("--ctx", type=int, default=1024, help="KV-cache positions the step attends over")
+    p.add_argument("--steps", type=int, default=200, help="timed steps")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--eager", action="store_true", help="no CUDA graph")
+    p.add_argument("--reduce-dtype", choices=("activation", "float32"), default="activation",
+                   help="rowwise layers: product and all-reduce in the activation's dtype (Megatron's) or float32")
+    p.add_argument("--slice", action="store_true",
+                   help="TP>1: quantize each whole weight, then slice (default: each rank quantizes its float shard)")
+    p.add_argument("--out", required=True, help="rank 0's JSON")
+    p.add_argument("--save-ref", help="TP=1: save the step's output and layer 0's q_proj output here")
+    p.add_argument("--ref", help="TP>1: compare with this --save-ref file")
+    p.add_argument("--seed", type=int, default=1234)
+    return p.parse_args(argv)
+
+
+def rms_norm(x, w, eps=1e-5):
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Layer(nn.Module):
+    """A Llama decoder layer for one decode token, with a static KV cache (capturable: the position
+    is a device tensor)."""
+
+    def __init__(self, a, dtype, device):
+        super().__init__()
+        self.hd = a.hidden // a.heads
+        self.ln1 = nn.Parameter(torch.ones(a.hidden, dtype=dtype, device=device), requires_grad=False)
+        self.ln2 = nn.Parameter(torch.ones(a.hidden, dtype=dtype, device=device), requires_grad=False)
+        self.self_attn, self.mlp = nn.Module(), nn.Module()
+
+    def forward(self, x, pos, cos, sin, kc, vc, mask):
+        at, mlp = self.self_attn, self.mlp
+        h = rms_norm(x, self.ln1)
+        q = at.q_proj(h).view(1, -1, 1, self.hd)  # [1, local heads, 1, hd]
+        k = at.k_proj(h).view(1, -1, 1, self.hd)
+        v = at.v_proj(h).view(1, -1, 1, self.hd)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        kc.index_copy_(2, pos, k)
+        vc.index_copy_(2, pos, v)
+        o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True)
+        x = x + at.o_proj(o.reshape(1, 1, -1))
+        h = rms_norm(x, self.ln2)
+        return x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+
+
+def _weight(n, k, seed, dtype, device):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(n, k, generator=g, device=device, dtype=torch.float32).to(dtype) * (1.0 / math.sqrt(k))
+
+
+def build(a, rank, world, dtype, device):
+    widths = {"q_proj": (a.hidden, a.hidden), "k_proj": (a.kv_heads * a.hidden // a.heads, a.hidden),
+              "v_proj": (a.kv_heads * a.hidden // a.heads, a.hidden), "o_proj": (a.hidden, a.hidden),
+              "gate_proj": (a.intermediate, a.hidden), "up_proj": (a.intermediate, a.hidden),
+              "down_proj": (a.hidden, a.intermediate)}
+    reduce = torch.float32 if a.reduce_dtype == "float32" else None
+    layers = nn.ModuleList()
+    for i in range(a.layers):
+        layer = Layer(a, dtype, device)
+        for j, (rel, style) in enumerate(LLAMA_PLAN.items()):
+            parent, child = rel.split(".")
+            n, k = widths[child]
+            lin = nn.Linear(k, n, bias=False, device="meta")
+            lin.weight = nn.Parameter(_weight(n, k, a.seed + 100 * i + j, dtype, device), requires_grad=False)
+            if world == 1:  # TP=1: the whole weight quantized, as quantize_model does
+                mod = qnn.quantize_model(nn.Sequential(lin), a.fmt, skip=(), progress=False)[0]
+            elif a.slice:  # quantize the whole weight, then keep this rank's slice
+                mod = qnn.quantize_model(nn.Sequential(lin), a.fmt, skip=(), progress=False)[0]
+                shard_linear(mod, style, reduce_dtype=reduce, name=f"layers.{i}.{rel}")
+            else:  # each rank quantizes only its float shard (bitwise the same shard)
+                mod = quantize_shard(lin, style, None, a.fmt, reduce_dtype=reduce, name=f"layers.{i}.{rel}")
+            del lin
+            setattr(getattr(layer, parent), child, mod)
+        layers.append(layer)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return layers
+
+
+def module_bytes(m):
+    seen, total = set(), 0
+    for t in list(m.parameters()) + list(m.buffers()):
+        if t is not None and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def main(a):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if a.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("tp_decode: --device cuda but torch sees no GPU")
+        torch.cuda.set_device(local)
+        device, dtype, backend = torch.device("cuda", local), torch.bfloat16, "nccl"
+    else:
+        device, dtype, backend = torch.device("cpu"), torch.float32, "gloo"
+        torch.set_num_threads(max(1, min(4, (os.cpu_count() or 2) // max(world, 1))))
+    if world > 1:
+        dist.init_process_group(backend, device_id=device if a.device == "cuda" else None)
+    hd = a.hidden // a.heads
+    if a.heads % world or a.kv_heads % world:
+        raise SystemExit(f"tp_decode: {a.heads} / {a.kv_heads} heads do not divide over {world} ranks")
+    t0 = time.perf_counter()
+    layers = build(a, rank, world, dtype, device)
+    build_s = time.perf_counter() - t0
+    weights_bytes = module_bytes(layers)
+
+    # static inputs: the token's hidden state, its position, the caches (random past positions)
+    g = torch.Generator(device=device).manual_seed(a.seed)
+    x = (torch.randn(1, 1, a.hidden, generator=g, device=device, dtype=torch.float32) * 0.5).to(dtype)
+    kvl = a.kv_heads // world
+    caches = []
+    for i in range(a.layers):
+        gk = torch.Generator(device=device).manual_seed(a.seed + 7 * i + 1)
+        full = torch.randn(2, 1, a.kv_heads, a.ctx + 1, hd, generator=gk, device=device, dtype=torch.float32).to(dtype)
+        caches.append(full[:, :, rank * kvl:(rank + 1) * kvl].clone())
+        del full
+    pos = torch.tensor([a.ctx], device=device)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
+    mask = torch.ones(1, 1, 1, a.ctx + 1, dtype=torch.bool, device=device)
+    out = torch.empty_like(x)
+
+    def step():
+        ang = pos.float()[:, None] * inv[None, :]  # [1, hd/2]: rope rotates the two halves
+        cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+        h = x
+        for layer, c in zip(layers, caches):
+            h = layer(h, pos, cos, sin, c[0], c[1], mask)
+        out.copy_(h)
+
+    def q0():  # layer 0's q_proj on the input, all-gathered
+        y = layers[0].self_attn.q_proj(rms_norm(x, layers[0].ln1))
+        if world > 1:
+            parts = [torch.empty_like(y) for _ in range(world)]
+            dist.all_gather(parts, y.contiguous())
+            y = torch.cat(parts, dim=-1)
+        return y
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if world > 1:
+            dist.barrier()
+
+    with torch.inference_mode():
+        q0_out = q0()
+        for _ in range(a.warmup):
+            step()
+        sync()
+        ref_out = out.clone()
+        graph, graph_note = None, "eager (--eager)" if a.eager else "eager (cpu)"
+        if device.type == "cuda" and not a.eager:
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        step()
+                torch.cuda.current_stream().wait_stream(side)
+                sync()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+                graph.replay()
+                sync()
+                if not torch.equal(out, ref_out):
+                    graph_note = "captured, but its output differs from the eager step's: timed eagerly"
+                    graph = None
+                else:
+                    graph_note = "captured (NCCL all-reduces inside the graph)" if world > 1 else "captured"
+            except Exception as exc:  # noqa: BLE001 - reported, then the eager step is timed
+                graph = None
+                graph_note = f"capture failed, timed eagerly: {type(exc).__name__}: {str(exc)[:300]}"
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+        run = graph.replay if graph is not None else step
+        for _ in range(3):
+            run()
+        sync()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            run()
+        sync()
+        dt = (time.perf_counter() - t0) / a.steps
+
+    mem = {"weights_bytes": weights_bytes}
+    if device.type == "cuda":
+        mem.update(allocated=torch.cuda.memory_allocated(), peak_allocated=torch.cuda.max_memory_allocated(),
+                   reserved=torch.cuda.memory_reserved())
+    per_rank = [None] * world
+    if world > 1:
+        dist.all_gather_object(per_rank, {"rank": rank, "ms_per_step": dt * 1e3, **mem})
+    else:
+        per_rank = [{"rank": 0, "ms_per_step": dt * 1e3, **mem}]
+    res = {"world": world, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "fmt": a.fmt, "layers": a.layers, "hidden": a.hidden,
+           "intermediate": a.intermediate, "heads": a.heads, "kv_heads": a.kv_heads, "ctx": a.ctx,
+           "dtype": str(dtype).removeprefix("torch."), "reduce_dtype": a.reduce_dtype, "steps": a.steps,
+           "graph": graph_note, "weights": "sliced" if a.slice else "quantized per shard",
+           "build_s": round(build_s, 2), "ms_per_step": max(r["ms_per_step"] for r in per_rank),
+           "tokens_per_s": 1.0 / max(r["ms_per_step"] for r in per_rank) * 1e3, "per_rank": per_rank}
+    if a.save_ref and rank == 0:
+        torch.save({"out": ref_out.cpu(), "q0": q0_out.cpu(), "args": vars(a)}, a.save_ref)
+    if a.ref and rank == 0:
+        ref = torch.load(a.ref)
+        o, r = ref_out.cpu().double(), ref["out"].double()
+        res["vs_tp1"] = {"rel_l2": float((o - r).norm() / r.norm()), "max_abs": float((o - r).abs().max()),
+                         "q_proj_colwise_bitwise": bool(torch.equal(q0_out.cpu(), ref["q0"])),
+                         "q_proj_max_abs": float((q0_out.cpu().double() - ref["q0"].double()).abs().max())}
+    if rank == 0:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+        print(json.dumps({k: v for k, v in res.items() if k != "per_rank"}), flush=True)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return res
+
+
+if __name__ == "__main__":
+    main(parse())
+    sys.exit(0)
