@@ -438,7 +438,8 @@ def dequantize_q6_k(blocks: np.ndarray, out: np.ndarray | None = None) -> np.nda
     step = max(1, int(CHUNK_SUPERBLOCKS))
     for s in range(0, flat.shape[0], step):
         d, sc, q = unpack_q6_k(flat[s : s + step])
-        ds = (d[:, None] * sc.astype(F32)).astype(F32)
-        v = (ds[:, :, None] * q.reshape(-1, QK_K // Q6_K_SUB, Q6_K_SUB).astype(F32)).astype(F32)
+        with np.errstate(invalid="ignore", over="ignore"):
+            ds = (d[:, None] * sc.astype(F32)).astype(F32)
+            v = (ds[:, :, None] * q.reshape(-1, QK_K // Q6_K_SUB, Q6_K_SUB).astype(F32)).astype(F32)
         dst[s : s + step] = v.reshape(-1, QK_K).astype(dst.dtype, copy=False)
     return res

@@ -1,0 +1,155 @@
+"""requantize_gguf against what llama.cpp's llama-quantize wrote (tests/golden/gguf_golden.json,
+made by tools/make_golden_gguf.py with llama-cpp-python). The fast tests need no llama.cpp; the slow
+one runs llama.cpp itself when llama_cpp is importable."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from quantcore.errors import ParameterError, UnsupportedError
+from quantcore.io import gguf as qg
+
+GOLDEN = Path(__file__).parent / "golden"
+TINY = GOLDEN / "tiny_llama.gguf"
+META = json.loads((GOLDEN / "gguf_golden.json").read_text())
+CASES = {key: (key.removeprefix("tied_").removeprefix("from_q8_0_").split("_pure")[0], key.endswith("_pure"))
+         for key in META["outputs"]}
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _tied(dst: Path) -> Path:
+    """The input without output.weight (token_embd.weight is then the output), as the tool made it."""
+    g = qg.read_gguf(TINY)
+    qg.write_gguf(dst, list(g.kv.values()),
+                  [(n, ti.ne, ti.type, g.raw(n)) for n, ti in g.tensors.items() if n != "output.weight"])
+    assert _sha(dst) == META["tied_input"]["sha256"]
+    return dst
+
+
+def _input(key: str, tmp_path: Path) -> Path:
+    if key.startswith("tied_"):
+        return _tied(tmp_path / "tied.gguf")
+    if key.startswith("from_q8_0_"):  # llama.cpp's own Q8_0 output, remade (and checked) by quantcore
+        q8 = tmp_path / "q8.gguf"
+        qg.requantize_gguf(TINY, q8, "q8_0", progress=False)
+        assert _sha(q8) == META["outputs"]["q8_0"]["sha256"]
+        return q8
+    return TINY
+
+
+def test_input_is_the_file_llama_cpp_quantized():
+    assert _sha(TINY) == META["input"]["sha256"]
+
+
+@pytest.mark.parametrize("key", sorted(CASES))
+def test_requantize_is_byte_equal_to_llama_quantize(tmp_path, key):
+    fmt, pure = CASES[key]
+    src = _input(key, tmp_path)
+    out = tmp_path / "out.gguf"
+    summary = qg.requantize_gguf(src, out, fmt, pure=pure, progress=False, allow_requantize=key.startswith("from_"))
+    assert {t["name"]: t["to"] for t in summary["tensors"]} == META["outputs"][key]["types"]
+    assert out.stat().st_size == META["outputs"][key]["size"] == summary["bytes_out"]
+    assert _sha(out) == META["outputs"][key]["sha256"]
+
+
+def test_requantized_file_reads_back(tmp_path):
+    out = tmp_path / "q4.gguf"
+    summary = qg.requantize_gguf(TINY, out, "q4_0", progress=False)
+    g, src = qg.read_gguf(out), qg.read_gguf(TINY)
+    kv = list(g.kv)
+    assert kv[-2:] == ["general.quantization_version", "general.file_type"]
+    assert g.metadata["general.file_type"] == 2 and g.metadata["general.quantization_version"] == 2
+    assert [k for k in src.kv if k != "general.file_type"] == kv[:-2]
+    assert list(g.tensors) == qg.tensor_order(src.tensors)
+    assert g.tensors["output.weight"].type.name == "Q6_K"
+    assert {d["name"] for d in summary["higher_precision"]} == {"output.weight"}
+    assert {d["name"] for d in summary["unquantized"]} >= {"output_norm.weight", "blk.0.ffn_down.weight"}
+    for name, ti in g.tensors.items():
+        x, y = src.dequantize(name), g.dequantize(name)
+        assert y.shape == x.shape
+        err = np.abs(x - y).max() / max(1e-30, np.abs(x).max())
+        assert err < (0.1 if ti.type.quantized else 1e-3), (name, ti.type.name, err)
+
+
+def test_requantize_refusals(tmp_path):
+    q8 = tmp_path / "q8.gguf"
+    qg.requantize_gguf(TINY, q8, "q8_0", progress=False)
+    with pytest.raises(ParameterError, match="allow_requantize"):
+        qg.requantize_gguf(q8, tmp_path / "x.gguf", "q4_0", progress=False)
+    with pytest.raises(ParameterError, match="q4_0 and q8_0"):
+        qg.requantize_gguf(TINY, tmp_path / "x.gguf", "nf4", progress=False)
+    # same type: Q8_0 tensors are copied, no requantization needed
+    qg.requantize_gguf(q8, tmp_path / "same.gguf", "q8_0", progress=False)
+    assert _sha(tmp_path / "same.gguf") == _sha(q8)
+    # NaN in a tensor: llama-quantize refuses the data ("tensor has invalid data")
+    g = qg.read_gguf(TINY)
+    bad = tmp_path / "nan.gguf"
+    tensors = []
+    for n, ti in g.tensors.items():
+        data = np.array(g.raw(n))
+        if n == "blk.0.attn_q.weight":
+            data.view(np.float16)[5] = np.float16(np.nan)
+        tensors.append((n, ti.ne, ti.type, data))
+    qg.write_gguf(bad, list(g.kv.values()), tensors)
+    with pytest.raises(ParameterError, match="NaN or Inf"):
+        qg.requantize_gguf(bad, tmp_path / "x.gguf", "q4_0", progress=False)
+    odd = tmp_path / "align64.gguf"
+    kvs = list(g.kv.values()) + [qg.KV("general.alignment", qg.ValueType.UINT32, 64)]
+    qg.write_gguf(odd, kvs, [(n, ti.ne, ti.type, g.raw(n)) for n, ti in g.tensors.items()], alignment=64)
+    assert qg.read_gguf(odd).alignment == 64
+    with pytest.raises(UnsupportedError, match="alignment"):
+        qg.requantize_gguf(odd, tmp_path / "x.gguf", "q4_0", progress=False)
+
+
+def test_progress_without_tqdm(tmp_path, monkeypatch, capsys):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_tqdm(name, *a, **k):
+        if name == "tqdm":
+            raise ImportError("no tqdm")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_tqdm)
+    qg.requantize_gguf(TINY, tmp_path / "p.gguf", "q8_0", progress=True)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == len(qg.read_gguf(TINY).tensors) and err[-1].endswith("blk.1.ffn_up.weight")
+    assert "100.0%" in err[-1]
+
+
+def test_streams_in_slabs(tmp_path, monkeypatch):
+    """Slabs of a few rows give the same bytes (the memory bound does not change the result)."""
+    monkeypatch.setattr(qg, "SLAB_BYTES", 3 * 256 * 4)
+    out = tmp_path / "slab.gguf"
+    qg.requantize_gguf(TINY, out, "q4_0", progress=False)
+    assert _sha(out) == META["outputs"]["q4_0"]["sha256"]
+
+
+@pytest.mark.slow
+def test_llama_cpp_runs_quantcore_output(tmp_path):
+    """llama.cpp (llama-cpp-python) quantizes the input itself, loads both outputs and gives equal logits."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (see docs/gguf.md)")
+    for fmt, ftype, pure in (("q4_0", 2, False), ("q8_0", 7, True)):
+        ref, out = tmp_path / f"{fmt}.llama.gguf", tmp_path / f"{fmt}.qc.gguf"
+        p = llama_cpp.llama_model_quantize_default_params()
+        p.ftype, p.pure, p.nthread = ftype, pure, 2
+        assert llama_cpp.llama_model_quantize(str(TINY).encode(), str(ref).encode(), ctypes.byref(p)) == 0
+        qg.requantize_gguf(TINY, out, fmt, pure=pure, progress=False)
+        assert ref.read_bytes() == out.read_bytes()
+        logits = []
+        for path in (ref, out):
+            llm = llama_cpp.Llama(model_path=str(path), n_ctx=32, n_threads=2, logits_all=True, verbose=False)
+            llm.eval([1, 262, 263, 264])
+            logits.append(np.array(llm.scores[:4], dtype=np.float32))
+            del llm
+        assert np.isfinite(logits[0]).all() and np.array_equal(logits[0], logits[1])
