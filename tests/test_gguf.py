@@ -59,6 +59,8 @@ def _write(tmp_path: Path, raw: bytes, name: str = "t.gguf") -> Path:
 def test_hand_built_file_reads(tmp_path):
     raw, a, b = _valid()
     g = qg.read_gguf(_write(tmp_path, raw))
+    assert qg.is_gguf(tmp_path / "t.gguf") and not qg.is_gguf(_write(tmp_path, b"{}", "x.json"))
+    assert not qg.is_gguf(tmp_path / "missing.gguf")
     assert g.version == 3 and g.alignment == 32
     assert g.metadata["general.architecture"] == "llama"
     assert g.kv["x.arr"].item_type == qg.ValueType.INT32 and list(g.metadata["x.arr"]) == [1, -2, 3]

@@ -248,12 +248,11 @@ def main(outdir: str) -> int:
     make_input(src)
     meta = {"llama_cpp_python": llama_cpp.__version__, "input": {"file": "tiny_llama.gguf", "sha256": sha256(src),
             "size": os.path.getsize(src)}, "outputs": {}}
-    try:
-        import gguf
+    from importlib.metadata import version
 
-        meta["gguf_py"] = getattr(gguf, "__version__", "?")
-    except Exception:
-        pass
+    meta["gguf_py"] = version("gguf")
+    libdir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+    meta["ggml_libs"] = sorted(n for n in os.listdir(libdir) if n.startswith(("libggml-base.so.", "libllama.so.")))
     with tempfile.TemporaryDirectory() as tmp:
         tied = os.path.join(tmp, "tiny_llama_tied.gguf")
         make_tied(src, tied)
@@ -285,8 +284,8 @@ def main(outdir: str) -> int:
             same_logits = np.array_equal(logits[0], logits[1])
             ok &= same_logits
             print(f"{'':16s} llama_cpp.Llama logits (5 tokens x {logits[0].shape[1]}): "
-                  f"{'equal' if same_logits else 'DIFFERENT'}; max |quantized - input| = "
-                  f"{float(np.abs(logits[0] - logits[2]).max()):.4g}")
+                  f"{'equal' if same_logits else 'DIFFERENT'}; vs the input's: max |diff| / max |logit| = "
+                  f"{float(np.abs(logits[0] - logits[2]).max() / np.abs(logits[2]).max()):.3g}")
     with open(os.path.join(outdir, "gguf_golden.json"), "w") as f:
         json.dump(meta, f, indent=1, sort_keys=True)
         f.write("\n")

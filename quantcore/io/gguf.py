@@ -405,6 +405,15 @@ class GGUFFile:
         return f"GGUFFile({self.path!r}, version={self.version}, {len(self.kv)} keys, {len(self.tensors)} tensors)"
 
 
+def is_gguf(path: str | os.PathLike) -> bool:
+    """Whether the file starts with the GGUF magic (cheap: reads 4 bytes)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
 def read_gguf(path: str | os.PathLike) -> GGUFFile:
     """Parse a GGUF file (see :class:`GGUFFile`)."""
     return GGUFFile(path)
