@@ -18,26 +18,56 @@ from quantcore.io import gguf as qg
 GOLDEN = Path(__file__).parent / "golden"
 TINY = GOLDEN / "tiny_llama.gguf"
 META = json.loads((GOLDEN / "gguf_golden.json").read_text())
-CASES = {key: (key.removeprefix("tied_").removeprefix("from_q8_0_").split("_pure")[0], key.endswith("_pure"))
-         for key in META["outputs"]}
+CASES = META["outputs"]  # key -> fmt, pure, allow_requantize, sha256, size, types
 
 
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _tied(dst: Path) -> Path:
-    """The input without output.weight (token_embd.weight is then the output), as the tool made it."""
-    g = qg.read_gguf(TINY)
+def derive_tied(src, dst) -> None:
+    """``src`` without output.weight (token_embd.weight is then the output). Shared with
+    tools/make_golden_gguf.py, which recorded the sha256 of the result."""
+    g = qg.read_gguf(src)
     qg.write_gguf(dst, list(g.kv.values()),
                   [(n, ti.ne, ti.type, g.raw(n)) for n, ti in g.tensors.items() if n != "output.weight"])
-    assert _sha(dst) == META["tied_input"]["sha256"]
-    return dst
+
+
+def derive_edge(src, dst) -> None:
+    """``src`` plus tensors at the edges of llama-quantize's rules (llama.cpp quantizes this file
+    but cannot run it: the extra tensors are not the model's) and an old quantization_version key
+    in the middle of the metadata."""
+    g = qg.read_gguf(src)
+    rng = np.random.default_rng(7)
+
+    def r(*shape, dtype=np.float32):
+        return (rng.standard_normal(shape) * 0.1).astype(dtype)
+
+    kvs = list(g.kv.values())
+    kvs.insert(2, qg.KV("general.quantization_version", qg.ValueType.UINT32, 1))
+    extra = [
+        ("abcde", (256, 8), qg.F16, r(8, 256, dtype=np.float16)),  # 5-byte name: quantized
+        ("blk.0.x.weight", (40, 8), qg.F32, r(8, 40)),  # rows of 40: F32 -> F16 fallback
+        ("blk.0.zz_norm.weight", (256, 4), qg.F32, r(4, 256)),  # 2-D norm: kept
+        ("blk.1.ffn_gate_inp.weight", (256, 4), qg.F32, r(4, 256)),  # expert router: kept
+        ("blk.10.y.weight", (288, 4), qg.F16, r(4, 288, dtype=np.float16)),  # after blk.1, Q4_0
+        ("blk.0.w.weight", (256, 1), qg.F16, r(1, 256, dtype=np.float16)),  # ggml_n_dims 1: kept, 1-D
+        ("blk.0.e3.weight", (256, 4, 2), qg.F32, r(2, 4, 256)),  # 3-D: quantized
+        ("blk.0.attn_q.bias", (256, 2), qg.F32, r(2, 256)),  # not a weight: kept
+    ]
+    tensors = [(n, ti.ne, ti.type, g.raw(n)) for n, ti in g.tensors.items()]
+    qg.write_gguf(dst, kvs, tensors[:3] + extra + tensors[3:])
 
 
 def _input(key: str, tmp_path: Path) -> Path:
     if key.startswith("tied_"):
-        return _tied(tmp_path / "tied.gguf")
+        derive_tied(TINY, tmp_path / "tied.gguf")
+        assert _sha(tmp_path / "tied.gguf") == META["tied_input"]["sha256"]
+        return tmp_path / "tied.gguf"
+    if key.startswith("edge_"):
+        derive_edge(TINY, tmp_path / "edge.gguf")
+        assert _sha(tmp_path / "edge.gguf") == META["edge_input"]["sha256"]
+        return tmp_path / "edge.gguf"
     if key.startswith("from_q8_0_"):  # llama.cpp's own Q8_0 output, remade (and checked) by quantcore
         q8 = tmp_path / "q8.gguf"
         qg.requantize_gguf(TINY, q8, "q8_0", progress=False)
@@ -52,10 +82,11 @@ def test_input_is_the_file_llama_cpp_quantized():
 
 @pytest.mark.parametrize("key", sorted(CASES))
 def test_requantize_is_byte_equal_to_llama_quantize(tmp_path, key):
-    fmt, pure = CASES[key]
+    case = CASES[key]
     src = _input(key, tmp_path)
     out = tmp_path / "out.gguf"
-    summary = qg.requantize_gguf(src, out, fmt, pure=pure, progress=False, allow_requantize=key.startswith("from_"))
+    summary = qg.requantize_gguf(src, out, case["fmt"], pure=case["pure"], progress=False,
+                                 allow_requantize=case["allow_requantize"])
     assert {t["name"]: t["to"] for t in summary["tensors"]} == META["outputs"][key]["types"]
     assert out.stat().st_size == META["outputs"][key]["size"] == summary["bytes_out"]
     assert _sha(out) == META["outputs"][key]["sha256"]
@@ -129,10 +160,11 @@ def test_progress_without_tqdm(tmp_path, monkeypatch, capsys):
 
 
 def test_streams_in_slabs(tmp_path, monkeypatch):
-    """Slabs of a few rows give the same bytes (the memory bound does not change the result)."""
+    """Slabs of a few rows give the same bytes (the memory bound does not change the result), and
+    the explicit cpu backend too."""
     monkeypatch.setattr(qg, "SLAB_BYTES", 3 * 256 * 4)
     out = tmp_path / "slab.gguf"
-    qg.requantize_gguf(TINY, out, "q4_0", progress=False)
+    qg.requantize_gguf(TINY, out, "q4_0", progress=False, backend="cpu")
     assert _sha(out) == META["outputs"]["q4_0"]["sha256"]
 
 

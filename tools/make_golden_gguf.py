@@ -134,15 +134,6 @@ def make_input(path: str) -> None:
     wr.close()
 
 
-def make_tied(src: str, dst: str) -> None:
-    """``src`` without output.weight (token_embd.weight becomes the output), via quantcore's writer."""
-    from quantcore.io import gguf as qg
-
-    g = qg.read_gguf(src)
-    qg.write_gguf(dst, list(g.kv.values()),
-                  [(n, ti.ne, ti.type, g.raw(n)) for n, ti in g.tensors.items() if n != "output.weight"])
-
-
 def sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -219,6 +210,7 @@ def q6k_inputs(seed: int, rows: int) -> np.ndarray:
 
 
 def main(outdir: str) -> int:
+    import gguf
     import llama_cpp
 
     from quantcore.formats import ggml
@@ -254,11 +246,17 @@ def main(outdir: str) -> int:
     libdir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
     meta["ggml_libs"] = sorted(n for n in os.listdir(libdir) if n.startswith(("libggml-base.so.", "libllama.so.")))
     with tempfile.TemporaryDirectory() as tmp:
+        from tests.test_gguf_golden import derive_edge, derive_tied
+
         tied = os.path.join(tmp, "tiny_llama_tied.gguf")
-        make_tied(src, tied)
+        derive_tied(src, tied)
         meta["tied_input"] = {"sha256": sha256(tied), "size": os.path.getsize(tied)}
+        edge = os.path.join(tmp, "tiny_llama_edge.gguf")
+        derive_edge(src, edge)
+        meta["edge_input"] = {"sha256": sha256(edge), "size": os.path.getsize(edge)}
         # the last case requantizes llama.cpp's own Q8_0 output to Q4_0 (--allow-requantize)
-        runs = [(label, inp, fmt, pure) for label, inp in (("", src), ("tied_", tied)) for fmt, pure in CASES]
+        runs = [(label, inp, fmt, pure) for label, inp in (("", src), ("tied_", tied), ("edge_", edge))
+                for fmt, pure in CASES]
         runs.append(("from_q8_0_", os.path.join(tmp, "q8_0.llama.gguf"), "q4_0", False))
         for label, inp, fmt, pure in runs:
             key = f"{label}{fmt}{'_pure' if pure else ''}"
@@ -266,14 +264,16 @@ def main(outdir: str) -> int:
             out = os.path.join(tmp, f"{key}.quantcore.gguf")
             requant = label == "from_q8_0_"
             llama_quantize(inp, ref, fmt, pure, allow_requantize=requant)
-            summary = qg.requantize_gguf(inp, out, fmt, pure=pure, progress=False, allow_requantize=requant)
-            meta["outputs"][key] = {"sha256": sha256(ref), "size": os.path.getsize(ref),
-                                    "types": {t["name"]: t["to"] for t in summary["tensors"]}}
+            qg.requantize_gguf(inp, out, fmt, pure=pure, progress=False, allow_requantize=requant)
+            meta["outputs"][key] = {"fmt": fmt, "pure": pure, "allow_requantize": requant,
+                                    "sha256": sha256(ref), "size": os.path.getsize(ref),
+                                    # read from llama.cpp's file with gguf-py's reader
+                                    "types": {t.name: t.tensor_type.name for t in gguf.GGUFReader(ref).tensors}}
             eq = sha256(ref) == sha256(out)
             ok &= eq
             print(f"{key:16s} llama.cpp {os.path.getsize(ref):8d} B  quantcore "
                   f"{'byte-equal' if eq else 'DIFFERENT: ' + first_difference(ref, out)}")
-            if not eq:
+            if not eq or label == "edge_":  # the edge file is not a model llama.cpp can run
                 continue
             logits = []
             for path in (ref, out, inp):

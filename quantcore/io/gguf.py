@@ -19,6 +19,7 @@ for the rules and how they were checked against llama.cpp.
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import struct
@@ -386,6 +387,19 @@ class GGUFFile:
         ti = self.info(name)
         return _to_float(ti.type, self.raw(name), ti.shape).astype(out_dtype, copy=False)
 
+    def release(self, name: str) -> None:
+        """Drop the tensor's pages from this process's resident memory (``MADV_DONTNEED`` on the
+        read-only map; they are read again from the file if used again). No-op where unsupported."""
+        ti = self.info(name)
+        mm = getattr(self._mm, "_mmap", None)
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if mm is None or advice is None or not hasattr(mm, "madvise"):
+            return
+        start = (self.data_offset + ti.offset) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = self.data_offset + ti.offset + ti.nbytes
+        if end > start:
+            mm.madvise(advice, start, end - start)
+
     def close(self) -> None:
         mm = getattr(self._mm, "_mmap", None)
         self._mm = None
@@ -572,7 +586,9 @@ def _quantization_refusal(name: str, n_dims: int, arch: str) -> str | None:
     """Why llama-quantize leaves this tensor's type alone, or None when it may quantize it."""
     if n_dims < 2:
         return "1-D"
-    if not name.endswith("weight"):
+    # llama.cpp tests `name.rfind("weight") == name.size() - 6`, which a 5-byte name also passes
+    # (npos == size_t(5 - 6)); reproduced so such files quantize as llama-quantize does
+    if not name.endswith("weight") and len(name.encode("utf-8", errors="surrogateescape")) != 5:
         return "not a weight"
     if "_norm.weight" in name:
         return "norm"
@@ -733,6 +749,7 @@ def requantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, fmt: str, *,
                 f.write(b"\x00" * (_pad(written, DEFAULT_ALIGNMENT) - written))
                 tensors.append({"name": ti.name, "shape": list(ti.shape), "from": ti.type.name,
                                 "to": t.name, "reason": reason, "bytes": written})
+                g.release(ti.name)  # as llama-quantize unmaps each weight once written
                 bar.update(ti.nbytes, ti.name)
             size = f.tell()
         bar.close()
