@@ -117,6 +117,9 @@ def test_requantize_refusals(tmp_path):
     qg.requantize_gguf(TINY, q8, "q8_0", progress=False)
     with pytest.raises(ParameterError, match="allow_requantize"):
         qg.requantize_gguf(q8, tmp_path / "x.gguf", "q4_0", progress=False)
+    with pytest.raises(ParameterError, match="is the input file"):
+        qg.requantize_gguf(q8, q8, "q4_0", progress=False)
+    assert _sha(q8) == META["outputs"]["q8_0"]["sha256"]
     with pytest.raises(ParameterError, match="q4_0 and q8_0"):
         qg.requantize_gguf(TINY, tmp_path / "x.gguf", "nf4", progress=False)
     # same type: Q8_0 tensors are copied, no requantization needed

@@ -729,6 +729,8 @@ def requantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, fmt: str, *,
     if fmt not in LLAMA_FTYPE:
         raise ParameterError(f"GGUF requantization supports q4_0 and q8_0, not {fmt!r}")
     default = Q4_0 if fmt == "q4_0" else Q8_0
+    if os.path.exists(dst) and os.path.samefile(src, dst):
+        raise ParameterError(f"the output {os.fspath(dst)!r} is the input file; write to another path")
     g = read_gguf(src)
     try:
         plan, kvs = _plan(g, default, pure)
