@@ -1,7 +1,7 @@
 """Make the GGUF golden files with llama.cpp itself (through llama-cpp-python's bindings).
 
     python -m venv /tmp/venv_llama
-    /tmp/venv_llama/bin/pip install llama-cpp-python==0.3.36 numpy gguf ml_dtypes   # builds llama.cpp
+    /tmp/venv_llama/bin/pip install llama-cpp-python==0.3.36 numpy gguf ml_dtypes pytest   # builds llama.cpp
     PYTHONPATH=. /tmp/venv_llama/bin/python tools/make_golden_gguf.py tests/golden
 
 Writes into the given folder:
@@ -10,10 +10,11 @@ Writes into the given folder:
   286-token SPM vocabulary llama.cpp loads) written with gguf-py's GGUFWriter: F16 / BF16 / F32
   weights, F32 norms, extra metadata of every value type, tensors stored out of llama.cpp's order,
   edge rows (zeros, tiny, constant, large) in output.weight;
-- ``gguf_golden.json``: sha256 and size of what llama.cpp's ``llama_model_quantize`` (the code of
-  ``llama-quantize``) writes for Q4_0 and Q8_0, with and without ``pure``, for that input and for
-  its tied variant (output.weight removed; derived with quantcore.io.gguf.write_gguf, its sha256
-  recorded too), with the versions used;
+- ``gguf_golden.json``: sha256, size and tensor types of what llama.cpp's ``llama_model_quantize``
+  (the code of ``llama-quantize``) writes for Q4_0 and Q8_0, with and without ``pure``, for that
+  input, its tied variant (no output.weight) and its edge variant (tensors at the edges of the
+  type rules), both derived by ``tests/test_gguf_golden.py`` (their sha256 recorded too), and for
+  llama.cpp's own Q8_0 output requantized to Q4_0 (``allow_requantize``); with the versions used;
 - ``q6k_golden.npz``: fp32 inputs (random, every magnitude, zeros, subnormals, NaN, Inf) and the
   bytes of ggml's ``quantize_row_q6_K_ref`` and ``dequantize_row_q6_K`` for them, called through
   ctypes in llama.cpp's libggml-base.
