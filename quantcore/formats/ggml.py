@@ -266,7 +266,7 @@ Q6_K_NMAX = 32  #: codes are 0..63, value = (code - 32) * d * scale
 GROUP_MAX_EPS = F32(1e-15)  #: ggml's "all zero" threshold on a group's max
 _NEAREST_INT_MAGIC = F32(12582912.0)  #: 1.5 * 2^23
 #: 256-value super-blocks per chunk of the Q6_K loops (~30 KB of temporaries per super-block)
-CHUNK_SUPERBLOCKS = 1024
+CHUNK_SUPERBLOCKS = 512
 
 
 def nearest_int(v: np.ndarray) -> np.ndarray:
