@@ -24,7 +24,6 @@ import os
 import re
 import struct
 import sys
-import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import IntEnum
@@ -652,7 +651,6 @@ class _Progress:
 
     def __init__(self, total: int, desc: str, enabled: bool):
         self.bar, self.enabled, self.desc, self.total, self.done = None, enabled, desc, total, 0
-        self.t0 = time.perf_counter()
         if not enabled:
             return
         try:
@@ -732,6 +730,7 @@ def requantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, fmt: str, *,
     if os.path.exists(dst) and os.path.samefile(src, dst):
         raise ParameterError(f"the output {os.fspath(dst)!r} is the input file; write to another path")
     g = read_gguf(src)
+    bar = None
     try:
         plan, kvs = _plan(g, default, pure)
         total_in = sum(ti.nbytes for ti, _, _ in plan)
@@ -754,17 +753,22 @@ def requantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, fmt: str, *,
                 g.release(ti.name)  # as llama-quantize unmaps each weight once written
                 bar.update(ti.nbytes, ti.name)
             size = f.tell()
-        bar.close()
+            if size != len(header) + off:
+                raise AssertionError(f"wrote {size} bytes, expected {len(header) + off}")
     finally:
+        if bar is not None:
+            bar.close()
         g.close()
-    kept = [d for d in tensors if d["to"] not in (default.name,) and d["from"] == d["to"]]
+    def brief(rows):
+        return [{"name": d["name"], "type": d["to"], "reason": d["reason"]} for d in rows]
+
     return {
         "src": os.fspath(src), "dst": os.fspath(dst), "format": fmt, "pure": pure,
         "file_type": LLAMA_FTYPE[fmt], "n_tensors": len(tensors), "bytes_in": g.file_size, "bytes_out": size,
         "tensors": tensors,
-        "unquantized": [{"name": d["name"], "type": d["to"], "reason": d["reason"]} for d in kept],
-        "higher_precision": [{"name": d["name"], "type": d["to"], "reason": d["reason"]}
-                             for d in tensors if d["from"] != d["to"] and d["to"] != default.name],
+        # tensors left in a float / integer type, and those in a block type other than fmt's
+        "unquantized": brief(d for d in tensors if not _BY_NAME[d["to"]].quantized),
+        "higher_precision": brief(d for d in tensors if _BY_NAME[d["to"]].quantized and d["to"] != default.name),
     }
 
 
@@ -832,8 +836,8 @@ def _write_tensor(f: BinaryIO, g: GGUFFile, ti: TensorInfo, t: GGMLType, backend
         out = _quantize_rows(t, np.ascontiguousarray(x, dtype=np.float32), backend)
         ok = _block_scales_finite(t, out) if t.quantized else bool(np.isfinite(out.view("<f2")).all())
         if not ok:
-            raise ParameterError(f"{where}: a {t.name} scale overflows fp16 (llama-quantize fails too: "
-                                 f"'quantized data validation failed')")
+            raise ParameterError(f"{where}: a {t.name} {'scale' if t.quantized else 'value'} overflows fp16 "
+                                 f"(llama-quantize fails too: 'quantized data validation failed')")
         f.write(memoryview(out))
         written += out.nbytes
     return written
