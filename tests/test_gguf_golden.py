@@ -68,11 +68,12 @@ def _input(key: str, tmp_path: Path) -> Path:
         derive_edge(TINY, tmp_path / "edge.gguf")
         assert _sha(tmp_path / "edge.gguf") == META["edge_input"]["sha256"]
         return tmp_path / "edge.gguf"
-    if key.startswith("from_q8_0_"):  # llama.cpp's own Q8_0 output, remade (and checked) by quantcore
-        q8 = tmp_path / "q8.gguf"
-        qg.requantize_gguf(TINY, q8, "q8_0", progress=False)
-        assert _sha(q8) == META["outputs"]["q8_0"]["sha256"]
-        return q8
+    if key.startswith("from_"):  # llama.cpp's own Q8_0 / Q4_0 output, remade (and checked) by quantcore
+        fmt = key.split("_")[1] + "_" + key.split("_")[2]
+        prev = tmp_path / f"{fmt}.gguf"
+        qg.requantize_gguf(TINY, prev, fmt, progress=False)
+        assert _sha(prev) == META["outputs"][fmt]["sha256"]
+        return prev
     return TINY
 
 

@@ -14,7 +14,8 @@ Writes into the given folder:
   (the code of ``llama-quantize``) writes for Q4_0 and Q8_0, with and without ``pure``, for that
   input, its tied variant (no output.weight) and its edge variant (tensors at the edges of the
   type rules), both derived by ``tests/test_gguf_golden.py`` (their sha256 recorded too), and for
-  llama.cpp's own Q8_0 output requantized to Q4_0 (``allow_requantize``); with the versions used;
+  llama.cpp's own Q8_0 output requantized to Q4_0 and its Q4_0 output to Q8_0
+  (``allow_requantize``); with the versions used;
 - ``q6k_golden.npz``: fp32 inputs (random, every magnitude, zeros, subnormals, NaN, Inf) and the
   bytes of ggml's ``quantize_row_q6_K_ref`` and ``dequantize_row_q6_K`` for them, called through
   ctypes in llama.cpp's libggml-base.
@@ -255,15 +256,17 @@ def main(outdir: str) -> int:
         edge = os.path.join(tmp, "tiny_llama_edge.gguf")
         derive_edge(src, edge)
         meta["edge_input"] = {"sha256": sha256(edge), "size": os.path.getsize(edge)}
-        # the last case requantizes llama.cpp's own Q8_0 output to Q4_0 (--allow-requantize)
+        # the last cases requantize llama.cpp's own Q8_0 output to Q4_0 and its Q4_0 output (with
+        # its Q6_K output tensor) to Q8_0 (--allow-requantize)
         runs = [(label, inp, fmt, pure) for label, inp in (("", src), ("tied_", tied), ("edge_", edge))
                 for fmt, pure in CASES]
         runs.append(("from_q8_0_", os.path.join(tmp, "q8_0.llama.gguf"), "q4_0", False))
+        runs.append(("from_q4_0_", os.path.join(tmp, "q4_0.llama.gguf"), "q8_0", False))
         for label, inp, fmt, pure in runs:
             key = f"{label}{fmt}{'_pure' if pure else ''}"
             ref = os.path.join(tmp, f"{key}.llama.gguf")
             out = os.path.join(tmp, f"{key}.quantcore.gguf")
-            requant = label == "from_q8_0_"
+            requant = label.startswith("from_")
             llama_quantize(inp, ref, fmt, pure, allow_requantize=requant)
             qg.requantize_gguf(inp, out, fmt, pure=pure, progress=False, allow_requantize=requant)
             meta["outputs"][key] = {"fmt": fmt, "pure": pure, "allow_requantize": requant,
