@@ -248,3 +248,198 @@ def gemm_q4_0_q8_1(wq: np.ndarray, aq: np.ndarray) -> np.ndarray:
     sumi = np.einsum("mbj,nbj->mnb", q4.astype(np.int32), q8.astype(np.int32), optimize=True)
     inner = d8.astype(np.float64)[None] * sumi - Q4_0_OFFSET * s8.astype(np.float64)[None]
     return np.einsum("mb,mnb->mn", d4.astype(np.float64), inner, optimize=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Q6_K (ggml's k-quant super-block of 256 values; llama-quantize keeps output.weight in it for
+# Q4_0 files). Bit for bit with ggml's ``quantize_row_q6_K_ref`` (ggml-quants.c) for every fp32
+# input, NaN and Inf included: each fp32 operation of the C code is one fp32 numpy operation here,
+# in the same order (no FMA: ggml-base is built without -march flags), and ggml's ``nearest_int``
+# bit trick is reproduced on the fp32 bits, so even its out-of-range results match.
+# ---------------------------------------------------------------------------------------------
+
+QK_K = 256  #: elements per k-quant super-block
+Q6_K_SUB = 16  #: elements per Q6_K sub-block (one int8 scale each)
+#: ql uint8[128] (low 4 bits), qh uint8[64] (high 2 bits), scales int8[16], half d
+Q6_K_BLOCK_BYTES = QK_K // 2 + QK_K // 4 + QK_K // Q6_K_SUB + 2
+Q6_K_NMAX = 32  #: codes are 0..63, value = (code - 32) * d * scale
+GROUP_MAX_EPS = F32(1e-15)  #: ggml's "all zero" threshold on a group's max
+_NEAREST_INT_MAGIC = F32(12582912.0)  #: 1.5 * 2^23
+#: 256-value super-blocks per chunk of the Q6_K loops (~30 KB of temporaries per super-block)
+CHUNK_SUPERBLOCKS = 512
+
+
+def nearest_int(v: np.ndarray) -> np.ndarray:
+    """ggml's ``nearest_int``: the low 23 bits of ``fp32(v + 1.5*2^23)`` minus 2^22, as int32.
+
+    Round half to even for ``|v| <= 2^22``; for other values (and NaN / Inf) it gives what the C
+    code gives on the same bits, because it is the same computation.
+    """
+    v = np.asarray(v, dtype=F32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = (v + _NEAREST_INT_MAGIC).astype(F32)
+    return (s.view(np.int32) & np.int32(0x007FFFFF)) - np.int32(0x00400000)
+
+
+def _first_absmax(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """C's ``if (fabsf(v) > amax) { amax = fabsf(v); max = v; }`` from ``amax = max = 0`` along the
+    last axis: ``(amax, max)``, the first element of largest magnitude, NaN never taken."""
+    ax = np.abs(x)
+    key = np.where(np.isnan(ax), F32(-1.0), ax)
+    first = np.argmax(key, axis=-1)[..., None]
+    amax = np.take_along_axis(key, first, axis=-1)[..., 0]
+    mx = np.take_along_axis(x, first, axis=-1)[..., 0]
+    taken = amax > 0
+    return np.where(taken, amax, F32(0.0)).astype(F32), np.where(taken, mx, F32(0.0)).astype(F32)
+
+
+def _qx_pass(xt: np.ndarray, w: np.ndarray, iscale: np.ndarray, nmax: int):
+    """One pass of make_qx_quants' loop on ``xt [n, G]`` (element-major): ``(l, sumlx, suml2)``,
+    the sums accumulated in element order in fp32 (``w*x[i]*l`` and ``w*l*l`` left to right)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        l_int = np.clip(nearest_int(iscale[None, :] * xt), -nmax, nmax - 1)
+        lf = l_int.astype(F32)
+        t1 = (w * xt) * lf
+        t2 = (w * lf) * lf
+        sumlx = t1[0].copy()
+        suml2 = t2[0].copy()
+        for i in range(1, xt.shape[0]):
+            sumlx += t1[i]
+            suml2 += t2[i]
+    return l_int, sumlx, suml2
+
+
+def make_qx_quants_rmse1(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's ``make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL)`` on every row of ``x [G, n]``.
+
+    Returns ``(scale fp32 [G], L uint8 [G, n])``: the weighted least-squares scale over the 19
+    candidate inverse scales ``-(nmax + 0.1*is)/max`` (is = 0, then -9..9 without 0), weights
+    ``x*x``, and the codes ``l + nmax`` of the best candidate; an all-zero group (``amax < 1e-15``)
+    gives scale 0 and codes 0.
+    """
+    x = np.asarray(x, dtype=F32)
+    amax, mx = _first_absmax(x)
+    zero = amax < GROUP_MAX_EPS
+    safe_max = np.where(zero, F32(1.0), mx).astype(F32)
+    xt = np.ascontiguousarray(x.T)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        w = xt * xt
+        iscale = F32(-nmax) / safe_max
+        l_int, sumlx, suml2 = _qx_pass(xt, w, iscale, nmax)
+        L = (l_int + nmax).astype(np.uint8)
+        scale = np.where(suml2 != 0, sumlx / np.where(suml2 != 0, suml2, F32(1.0)), F32(0.0)).astype(F32)
+        best = scale * sumlx
+        for step in range(-9, 10):
+            if step == 0:
+                continue
+            num = F32(nmax) + F32(0.1) * F32(step)
+            iscale = -num / safe_max
+            l_int, sumlx, suml2 = _qx_pass(xt, w, iscale, nmax)
+            better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+            if not better.any():
+                continue
+            L = np.where(better[None, :], (l_int + nmax).astype(np.uint8), L)
+            scale = np.where(better, sumlx / np.where(better, suml2, F32(1.0)), scale).astype(F32)
+            best = np.where(better, scale * sumlx, best).astype(F32)
+    L = np.where(zero[None, :], np.uint8(0), L)
+    scale = np.where(zero, F32(0.0), scale).astype(F32)
+    return scale, np.ascontiguousarray(L.T)
+
+
+def quantize_q6_k(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``x [..., K]`` (K % 256 == 0) -> uint8 ``[..., K/256, 210]``, ggml's ``quantize_row_q6_K_ref``.
+
+    Per super-block: 16 sub-block scales from :func:`make_qx_quants_rmse1` (nmax 32); ``d =
+    fp16(1/iscale)`` with ``iscale = -128/max_scale`` (the scale of largest magnitude); int8
+    ``scales = min(127, nearest_int(iscale*scale))``; codes ``clamp(nearest_int(x/(d*sc)), -32,
+    31) + 32`` (a sub-block whose ``d*sc`` is 0 keeps make_qx_quants' codes); a super-block whose
+    scales are all below 1e-15 in magnitude is all zero bytes.
+    """
+    x = np.asarray(x)
+    if x.ndim == 0 or x.shape[-1] % QK_K:
+        from ..errors import ShapeError
+
+        raise ShapeError(f"Q6_K needs a last dimension that is a multiple of {QK_K}, got shape {x.shape}")
+    shape = x.shape[:-1] + (x.shape[-1] // QK_K, Q6_K_BLOCK_BYTES)
+    res = np.empty(shape, dtype=np.uint8) if out is None else out
+    if res.shape != shape or res.dtype != np.uint8 or not res.flags.c_contiguous:
+        raise AssertionError(f"out must be a contiguous uint8 array of shape {shape}")
+    flat = x.reshape(-1, QK_K)
+    dst = res.reshape(-1, Q6_K_BLOCK_BYTES)
+    step = max(1, int(CHUNK_SUPERBLOCKS))
+    for s in range(0, flat.shape[0], step):
+        dst[s : s + step] = _quantize_q6_k(flat[s : s + step].astype(F32))
+    return res
+
+
+def _quantize_q6_k(xb: np.ndarray) -> np.ndarray:
+    nb = xb.shape[0]
+    nsub = QK_K // Q6_K_SUB
+    sub = xb.reshape(nb * nsub, Q6_K_SUB)
+    scales, L = make_qx_quants_rmse1(sub, Q6_K_NMAX)
+    scales = scales.reshape(nb, nsub)
+    L = L.reshape(nb, nsub, Q6_K_SUB)
+    max_abs, max_scale = _first_absmax(scales)
+    zero = max_abs < GROUP_MAX_EPS
+    safe = np.where(zero, F32(1.0), max_scale).astype(F32)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        iscale = (F32(-128.0) / safe).astype(F32)
+        d16 = (F32(1.0) / iscale).astype(F32).astype(np.float16)
+        sc = np.minimum(127, nearest_int(iscale[:, None] * scales))
+        sc8 = (sc & 0xFF).astype(np.uint8).view(np.int8)  # C's int -> int8_t conversion (wraps)
+        d = (d16.astype(F32)[:, None] * sc8.astype(F32)).astype(F32)
+        use = d != 0  # C: `if (!d) continue;` (NaN d is used)
+        safe_d = np.where(use, d, F32(1.0)).astype(F32)
+        q = np.clip(nearest_int(xb.reshape(nb, nsub, Q6_K_SUB) / safe_d[..., None]), -32, 31) + 32
+    L = np.where(use[..., None], q.astype(np.uint8), L).reshape(nb, QK_K)
+    out = np.zeros((nb, Q6_K_BLOCK_BYTES), dtype=np.uint8)
+    # per half (128 values): ql[64] holds values l and l+64 (rows 0/2) and l+32, l+96 (rows 1/3)
+    Lh = L.reshape(nb, 2, 4, 32)
+    lo = Lh & 0x0F
+    ql = np.concatenate([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], axis=-1)
+    hi = Lh >> 4
+    qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
+    out[:, : QK_K // 2] = ql.reshape(nb, QK_K // 2)
+    out[:, QK_K // 2 : QK_K // 2 + QK_K // 4] = qh.reshape(nb, QK_K // 4)
+    out[:, QK_K // 2 + QK_K // 4 : -2] = sc8.view(np.uint8)
+    out[:, -2:] = d16[:, None].view(np.uint8)
+    out[zero] = 0
+    return out
+
+
+def unpack_q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """uint8 ``[..., nb, 210]`` -> ``(d fp32 [..., nb], scales int8 [..., nb, 16], q int8 [..., nb, 256])``
+    with q in -32..31 in element order."""
+    b = np.asarray(blocks, dtype=np.uint8)
+    lead = b.shape[:-1]
+    ql = b[..., : QK_K // 2].reshape(*lead, 2, 2, 32)
+    qh = b[..., QK_K // 2 : QK_K // 2 + QK_K // 4].reshape(*lead, 2, 1, 32)
+    sc = np.ascontiguousarray(b[..., QK_K // 2 + QK_K // 4 : -2]).view(np.int8)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=-2)  # rows: l, l+32, l+64, l+96
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 0x03
+    q = (low | (high << 4)).astype(np.int8) - np.int8(32)
+    return _half(b, Q6_K_BLOCK_BYTES - 2), sc, q.reshape(*lead, QK_K)
+
+
+def dequantize_q6_k(blocks: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """uint8 ``[..., nb, 210]`` -> fp32 ``[..., nb*256]``: ``fp32(d * scale) * q`` as ggml's
+    ``dequantize_row_q6_K`` (``d * sc[is] * q``, left to right in fp32)."""
+    b = np.asarray(blocks, dtype=np.uint8)
+    if b.ndim < 2 or b.shape[-1] != Q6_K_BLOCK_BYTES:
+        from ..errors import ShapeError
+
+        raise ShapeError(f"Q6_K blocks must have shape [..., nb, {Q6_K_BLOCK_BYTES}], got {b.shape}")
+    shape = b.shape[:-2] + (b.shape[-2] * QK_K,)
+    res = np.empty(shape, dtype=F32) if out is None else out
+    if res.shape != shape or not res.flags.c_contiguous:
+        raise AssertionError(f"out must be a contiguous array of shape {shape}")
+    flat = b.reshape(-1, Q6_K_BLOCK_BYTES)
+    dst = res.reshape(-1, QK_K)
+    step = max(1, int(CHUNK_SUPERBLOCKS))
+    for s in range(0, flat.shape[0], step):
+        d, sc, q = unpack_q6_k(flat[s : s + step])
+        with np.errstate(invalid="ignore", over="ignore"):
+            ds = (d[:, None] * sc.astype(F32)).astype(F32)
+            v = (ds[:, :, None] * q.reshape(-1, QK_K // Q6_K_SUB, Q6_K_SUB).astype(F32)).astype(F32)
+        dst[s : s + step] = v.reshape(-1, QK_K).astype(dst.dtype, copy=False)
+    return res
