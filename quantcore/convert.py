@@ -317,7 +317,7 @@ def _is_gguf(path: str) -> bool:
 def quantize_checkpoint(src: str, dst: str, fmt: str, *, blocksize: int = 64, backend: Any = None,
                         skip: list[str] | tuple[str, ...] = (), max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
                         force: bool = False, pure: bool = False, progress: bool = True,
-                        min_numel: int = 4096) -> Summary | None:
+                        min_numel: int = 4096, allow_requantize: bool = False) -> Summary | None:
     """Quantize ``src`` into ``dst`` (see the module docstring); returns the :class:`Summary`
     (None for a GGUF input). Raises a :class:`quantcore.QuantcoreError` subclass before any work for
     a bad request, and leaves ``dst`` as it was on any failure."""
@@ -329,15 +329,16 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, *, blocksize: int = 64, ba
     if _is_gguf(src):
         if skip:
             raise ParameterError("--skip applies to safetensors inputs; a GGUF follows llama-quantize's rules")
-        return _quantize_gguf(src, dst, fmt, pure=pure, backend=backend, progress=progress, force=force)
+        return _quantize_gguf(src, dst, fmt, pure=pure, backend=backend, progress=progress, force=force,
+                              allow_requantize=allow_requantize)
     if fmt in GGUF_FORMATS:
         raise UnsupportedError(
             f"--format {fmt} writes GGUF, and only from a GGUF input: a GGUF that llama.cpp runs needs the "
             "model's architecture, hyperparameters and tokenizer. Convert first with llama.cpp's "
             "convert_hf_to_gguf.py (e.g. `python convert_hf_to_gguf.py MODEL_DIR --outtype f16 --outfile "
             f"IN.gguf`), then run `quantcore quantize IN.gguf -o OUT.gguf --format {fmt}`")
-    if pure:
-        raise ParameterError("--pure applies to a GGUF input only")
+    if pure or allow_requantize:
+        raise ParameterError("--pure and --allow-requantize apply to a GGUF input only")
     if fmt in bnb.QUANT_TYPES and blocksize not in bnb.BLOCKSIZES_4BIT:
         raise ParameterError(f"{fmt} blocksize must be one of {bnb.BLOCKSIZES_4BIT}, got {blocksize}")
     shard_limit = parse_size(max_shard_size)
@@ -470,7 +471,8 @@ def _write_json(path: str, data: Any) -> None:
 
 
 # -- GGUF ------------------------------------------------------------------------------------------------------------
-def _quantize_gguf(src: str, dst: str, fmt: str, *, pure: bool, backend: Any, progress: bool, force: bool) -> None:
+def _quantize_gguf(src: str, dst: str, fmt: str, *, pure: bool, backend: Any, progress: bool, force: bool,
+                   allow_requantize: bool = False) -> None:
     if fmt not in GGUF_FORMATS:
         raise UnsupportedError(f"a GGUF input is requantized to {' / '.join(GGUF_FORMATS)} only, not {fmt}")
     try:
@@ -483,7 +485,8 @@ def _quantize_gguf(src: str, dst: str, fmt: str, *, pure: bool, backend: Any, pr
     if os.path.isdir(dst):
         raise CheckpointError(f"{dst} is a folder; the output of a GGUF input is a .gguf file")
     with sigterm_raises(), AtomicOutput(dst, folder=False) as tmp:
-        requantize_gguf(src, tmp, fmt, pure=pure, backend=backend, progress=progress)
+        requantize_gguf(src, tmp, fmt, pure=pure, backend=backend, progress=progress,
+                        allow_requantize=allow_requantize)
         if not os.path.isfile(tmp):
             raise CheckpointError(f"the GGUF writer did not write {tmp}")
     print(f"wrote {dst} ({fmt}{', pure' if pure else ''})", file=sys.stderr)

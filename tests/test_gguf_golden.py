@@ -191,3 +191,23 @@ def test_llama_cpp_runs_quantcore_output(tmp_path):
             logits.append(np.array(llm.scores[:4], dtype=np.float32))
             del llm
         assert np.isfinite(logits[0]).all() and np.array_equal(logits[0], logits[1])
+
+
+def test_cli_requantizes_a_gguf_like_llama_quantize(tmp_path):
+    """`quantcore quantize IN.gguf -o OUT.gguf --format q4_0|q8_0 [--pure]`: the command line gives
+    llama.cpp's bytes (the CLI's atomic output around quantcore.io.gguf.requantize_gguf), and leaves
+    no temporary file."""
+    from quantcore.cli import main
+
+    golden = json.loads((GOLDEN / "gguf_golden.json").read_text())
+    src = GOLDEN / golden["input"]["file"]
+    written = []
+    for key in ("q4_0", "q8_0_pure"):
+        case = golden["outputs"][key]
+        out = tmp_path / f"{key}.gguf"
+        argv = ["quantize", str(src), "-o", str(out), "--format", case["fmt"], "-q"] + (["--pure"] if case["pure"] else [])
+        assert main(argv) == 0
+        assert hashlib.sha256(out.read_bytes()).hexdigest() == case["sha256"], key
+        written.append(out.name)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(written)
+    assert main(["quantize", str(src), "-o", str(tmp_path / "q4_0.gguf"), "--format", "q4_0", "-q"]) == 2  # exists
