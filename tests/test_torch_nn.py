@@ -545,11 +545,11 @@ def test_cuda_grouped_gemv_matches_single_gemvs_within_the_bound():
         ws = [_randn(gen, n, 512, device="cuda") * 0.05 for n in (48, 16, 33, 100, 7)]  # 5 weights: 2 launches
         qs = [qct.quantize_4bit(w, 64, "nf4", True) for w in ws]
         a = _randn(gen, rows, 512, dtype=dtype, device="cuda")
-        y = qc.gemv_4bit_grouped(a, qs)
+        y = qc.gemv_4bit_grouped(a, qs, backend="cuda")
         col = 0
         for (p, st), w in zip(qs, ws):
             n = w.shape[0]
-            wdq = qc.dequantize_4bit(p, st, "float32").double().cpu().numpy()
+            wdq = qc.dequantize_4bit(p, st, "float32", backend="cuda").double().cpu().numpy()
             ref, bound = bounds.gemv_4bit(a.double().cpu().numpy(), wdq, str(dtype).split(".")[1])
             err = (y[:, col:col + n].double().cpu().numpy() - ref)
             assert (abs(err) <= bound.max_abs).all()
