@@ -23,6 +23,7 @@ DEFAULT_BACKEND = "cpu"
 #: Built-in backends, used when the package metadata is missing (a source tree on sys.path).
 _BUILTIN = {
     "cpu": "quantcore.backends.cpu:create",
+    "reference": "quantcore.backends.reference:create",
     "cuda": "quantcore.backends.cuda:create",
     "sycl": "quantcore.backends.sycl:create",
     "maca": "quantcore.backends.maca:create",

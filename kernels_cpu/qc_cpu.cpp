@@ -1,0 +1,564 @@
+// Host kernels of the `cpu` backend: C++17, OpenMP threads, AVX2 where the build target has it.
+//
+// The semantics are those of the numpy reference (quantcore/formats/bnb.py, ggml.py): every
+// quantizer and dequantizer here is bit for bit the same; gemv_4bit and the Q4_0 x Q8_1 GEMM are
+// tolerance-tier ops (fp32 accumulation, see quantcore/conformance/bounds.py). The build must not
+// contract a*b+c into an FMA where the reference rounds twice (-ffp-contract=off) and must not
+// use -ffast-math (NaN rules, exact fp32 division). Format constants come from the generated
+// quantcore_constants.h (quantcore.formats.kernel_defines), never spelled here.
+//
+// Every entry point takes `nt`, the number of OpenMP threads (<= 0: the OpenMP default), writes
+// only into the outputs it is given and allocates nothing but a thread-local fp32 copy of a
+// half-precision gemv activation (kept between calls).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QC_AVX2 1
+#else
+#define QC_AVX2 0
+#endif
+
+#include "quantcore_constants.h"
+
+namespace {
+
+using i64 = int64_t;
+
+constexpr float kNF4[16] = QC_NF4_CODE_INIT;
+constexpr float kFP4[16] = QC_FP4_CODE_INIT;
+constexpr float kNF4Thr[QC_NF4_NTHRESHOLDS] = QC_NF4_THRESHOLDS_INIT;
+constexpr float kFP4Thr[QC_FP4_NTHRESHOLDS] = QC_FP4_THRESHOLDS_INIT;
+constexpr uint8_t kFP4Step[QC_FP4_NTHRESHOLDS + 1] = QC_FP4_STEP_CODES_INIT;
+constexpr float kDynThr[QC_DYNAMIC_NTHRESHOLDS] = QC_DYNAMIC_THRESHOLDS_INIT;
+
+// Work below this many elements runs on one thread (a parallel region costs microseconds).
+constexpr i64 kSerialBelow = 1 << 15;
+
+inline int threads(int nt) { return nt > 0 ? nt : omp_get_max_threads(); }
+inline int threads_for(int nt, i64 work) { return work < kSerialBelow ? 1 : threads(nt); }
+
+// -- scalar conversions (exact; round to nearest even like numpy / ml_dtypes) -------------------
+inline uint32_t bits_of(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  if (exp == 0x1F) return float_of(sign | 0x7F800000u | (man << 13));
+  if (exp == 0) {
+    // zero or subnormal: man * 2^-24, exact in fp32
+    float v = (float)man * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+  }
+  return float_of(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+inline uint16_t float_to_half(float f) {
+  uint32_t x = bits_of(f);
+  uint32_t sign = (x >> 16) & 0x8000;
+  uint32_t ax = x & 0x7FFFFFFFu;
+  if (ax > 0x7F800000u) return (uint16_t)(sign | 0x7E00 | ((ax >> 13) & 0x3FF));  // NaN, quiet
+  if (ax >= 0x477FF000u) return (uint16_t)(sign | 0x7C00);  // rounds to >= 65520: inf
+  if (ax < 0x38800000u) {  // below the smallest fp16 normal: subnormal or zero
+    if (ax < 0x33000000u) return (uint16_t)sign;  // < 2^-25: rounds to zero (2^-25 ties to even 0)
+    uint32_t e = ax >> 23, m = (ax & 0x7FFFFF) | 0x800000;
+    uint32_t shift = 126 - e;  // 14 + (113 - e) ... value = m * 2^(e-150); half unit 2^-24
+    // result = round(m * 2^(e - 150 + 24)) = round(m >> (126 - e))
+    uint32_t q = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (q & 1))) q++;
+    return (uint16_t)(sign | q);
+  }
+  uint32_t r = ax + 0xFFF + ((ax >> 13) & 1);  // round the 13 dropped bits to nearest even
+  return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
+}
+
+inline float bf16_to_float(uint16_t h) { return float_of((uint32_t)h << 16); }
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t x = bits_of(f);
+  if ((x & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((x >> 16) | 0x40);
+  return (uint16_t)((x + 0x7FFF + ((x >> 16) & 1)) >> 16);
+}
+
+inline float load_as_float(const void* p, int dtype, i64 i) {
+  if (dtype == QC_DTYPE_F32) return ((const float*)p)[i];
+  if (dtype == QC_DTYPE_F16) return half_to_float(((const uint16_t*)p)[i]);
+  return bf16_to_float(((const uint16_t*)p)[i]);
+}
+
+inline void store_from_float(void* p, int dtype, i64 i, float v) {
+  if (dtype == QC_DTYPE_F32) ((float*)p)[i] = v;
+  else if (dtype == QC_DTYPE_F16) ((uint16_t*)p)[i] = float_to_half(v);
+  else ((uint16_t*)p)[i] = float_to_bf16(v);
+}
+
+inline float read_half(const uint8_t* p) { uint16_t h; std::memcpy(&h, p, 2); return half_to_float(h); }
+inline void write_half(uint8_t* p, uint16_t h) { std::memcpy(p, &h, 2); }
+
+#if QC_AVX2
+// -- AVX2 helpers ------------------------------------------------------------------------------
+inline __m256 load8(const void* p, int dtype, i64 i) {
+  if (dtype == QC_DTYPE_F32) return _mm256_loadu_ps((const float*)p + i);
+  __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)p + i));
+  if (dtype == QC_DTYPE_F16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline void store8(void* p, int dtype, i64 i, __m256 v) {
+  if (dtype == QC_DTYPE_F32) { _mm256_storeu_ps((float*)p + i, v); return; }
+  __m128i h;
+  if (dtype == QC_DTYPE_F16) {
+    h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  } else {
+    __m256i x = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(0x40));
+    __m256 isnan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(qnan), isnan));
+    h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  }
+  _mm_storeu_si128((__m128i*)((uint16_t*)p + i), h);
+}
+
+// code[idx] for eight 4-bit indices (one per 32-bit lane).
+inline __m256 lut16(__m256 lo, __m256 hi, __m256i idx) {
+  __m256 a = _mm256_permutevar8x32_ps(lo, idx), b = _mm256_permutevar8x32_ps(hi, idx);
+  return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+
+// 16 packed bytes (bitsandbytes order: element 2i in the high nibble) -> 32 indices in order.
+inline void unpack32(const uint8_t* p, __m128i& e0, __m128i& e1) {
+  __m128i v = _mm_loadu_si128((const __m128i*)p);
+  __m128i m = _mm_set1_epi8(0x0F);
+  __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), m), lo = _mm_and_si128(v, m);
+  e0 = _mm_unpacklo_epi8(hi, lo);
+  e1 = _mm_unpackhi_epi8(hi, lo);
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline int hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+#endif
+
+inline const float* code_table(int quant_type) { return quant_type == QC_QUANT_NF4 ? kNF4 : kFP4; }
+
+// absmax of block b: plain fp32, or double quantization's code2[q] * absmax2[b / 256] + offset
+// (two fp32 roundings; -ffp-contract=off keeps them two).
+struct Absmax {
+  const float* plain;
+  const uint8_t* q;
+  const float* absmax2;
+  const float* code2;
+  float offset;
+  inline float operator()(i64 b) const {
+    if (!q) return plain[b];
+    float prod = code2[q[b]] * absmax2[b / QC_NESTED_BLOCKSIZE];
+    return prod + offset;
+  }
+};
+
+inline uint8_t nibble(const uint8_t* packed, i64 i) {
+  uint8_t byte = packed[i >> 1];
+  return (i & 1) ? (byte & 0x0F) : (byte >> 4);
+}
+
+// NaN-ignoring max of |x| over [i0, i1) (np.fmax.reduce); `start` is 0 for a zero-padded block,
+// NaN otherwise (an all-NaN unpadded block keeps NaN).
+inline float absmax_range(const void* x, int dtype, i64 i0, i64 i1, float start) {
+  float m = start;
+  for (i64 i = i0; i < i1; ++i) {
+    float v = std::fabs(load_as_float(x, dtype, i));
+    m = (v > m || m != m) ? v : m;
+  }
+  return m;
+}
+
+inline uint8_t code_4bit(float s, int quant_type) {
+  if (quant_type == QC_QUANT_NF4) {
+    int c = 0;
+    for (int t = 0; t < QC_NF4_NTHRESHOLDS; ++t) c += s > kNF4Thr[t];
+    return (uint8_t)c;
+  }
+  float mag = std::fabs(s);
+  int c = 0;
+  for (int t = 0; t < QC_FP4_NTHRESHOLDS; ++t) c += mag > kFP4Thr[t];
+  return (uint8_t)(kFP4Step[c] | (s < 0.0f ? QC_FP4_SIGN_BIT : 0));
+}
+
+// searchsorted(thresholds, s, "left") over a sorted 255-entry table; NaN -> 0.
+inline uint8_t code_8bit(float s, const float* thr) {
+  int lo = 0, hi = QC_DYNAMIC_NTHRESHOLDS;
+  while (lo < hi) {
+    int mid = (lo + hi) >> 1;
+    if (thr[mid] < s) lo = mid + 1; else hi = mid;
+  }
+  return (uint8_t)lo;
+}
+
+// Perfect binary tree sum in fp64 of v[lo, lo + size) with zeros past n (bnb.pairwise_sum_f64).
+double tree_sum(const float* v, i64 n, i64 lo, i64 size) {
+  if (lo >= n) return 0.0;
+  if (size == 1) return (double)v[lo];
+  i64 h = size / 2;
+  return tree_sum(v, n, lo, h) + tree_sum(v, n, lo + h, h);
+}
+
+void quantize_blockwise_impl(const void* x, int dtype, i64 n, int bs, const float* thr,
+                             uint8_t* codes, float* absmax, int nt) {
+  i64 nb = (n + bs - 1) / bs;
+#pragma omp parallel for num_threads(threads_for(nt, n)) schedule(static)
+  for (i64 b = 0; b < nb; ++b) {
+    i64 i0 = b * bs, i1 = i0 + bs < n ? i0 + bs : n;
+    float m = absmax_range(x, dtype, i0, i1, i1 - i0 < bs ? 0.0f : NAN);
+    absmax[b] = m;
+    float r = 1.0f / m;
+    for (i64 i = i0; i < i1; ++i) codes[i] = code_8bit(load_as_float(x, dtype, i) * r, thr);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* qc_cpu_build_info() {
+  return QC_AVX2 ? "avx2+fma+f16c" : "scalar";
+}
+
+int qc_cpu_max_threads() { return omp_get_max_threads(); }
+
+// -- bitsandbytes 4-bit ----------------------------------------------------------------------------
+void qc_quantize_4bit(const void* x, int dtype, i64 n, int bs, int quant_type, uint8_t* packed,
+                      float* absmax, int nt) {
+  i64 nb = (n + bs - 1) / bs;
+#pragma omp parallel for num_threads(threads_for(nt, n)) schedule(static)
+  for (i64 b = 0; b < nb; ++b) {
+    i64 i0 = b * bs, i1 = i0 + bs < n ? i0 + bs : n;
+    float m = absmax_range(x, dtype, i0, i1, i1 - i0 < bs ? 0.0f : NAN);
+    absmax[b] = m;
+    float r = 1.0f / m;
+    i64 len = i1 - i0;  // bs is even, so i0 is even: the block owns its bytes
+    uint8_t* out = packed + i0 / 2;
+    i64 pairs = len / 2;
+    if (quant_type == QC_QUANT_NF4 && dtype == QC_DTYPE_F32) {
+      const float* xf = (const float*)x + i0;
+      for (i64 j = 0; j < pairs; ++j) {
+        float s0 = xf[2 * j] * r, s1 = xf[2 * j + 1] * r;
+        int c0 = 0, c1 = 0;
+        for (int t = 0; t < QC_NF4_NTHRESHOLDS; ++t) { c0 += s0 > kNF4Thr[t]; c1 += s1 > kNF4Thr[t]; }
+        out[j] = (uint8_t)((c0 << 4) | c1);
+      }
+    } else {
+      for (i64 j = 0; j < pairs; ++j) {
+        uint8_t c0 = code_4bit(load_as_float(x, dtype, i0 + 2 * j) * r, quant_type);
+        uint8_t c1 = code_4bit(load_as_float(x, dtype, i0 + 2 * j + 1) * r, quant_type);
+        out[j] = (uint8_t)((c0 << 4) | c1);
+      }
+    }
+    if (len & 1) {  // the odd last element; its partner nibble is the block's code of 0.0
+      uint8_t c0 = code_4bit(load_as_float(x, dtype, i1 - 1) * r, quant_type);
+      uint8_t c1 = code_4bit(0.0f * r, quant_type);
+      out[pairs] = (uint8_t)((c0 << 4) | c1);
+    }
+  }
+}
+
+void qc_dequantize_4bit(const uint8_t* packed, const float* absmax, const uint8_t* qabsmax,
+                        const float* absmax2, const float* code2, float offset, i64 n, int bs,
+                        int quant_type, void* out, int dtype, int nt) {
+  const float* code = code_table(quant_type);
+  Absmax am{absmax, qabsmax, absmax2, code2, offset};
+  i64 nb = (n + bs - 1) / bs;
+#pragma omp parallel for num_threads(threads_for(nt, n)) schedule(static)
+  for (i64 b = 0; b < nb; ++b) {
+    i64 i0 = b * bs, i1 = i0 + bs < n ? i0 + bs : n;
+    float scale = am(b);
+    i64 i = i0;
+#if QC_AVX2
+    __m256 lo = _mm256_loadu_ps(code), hi = _mm256_loadu_ps(code + 8), vs = _mm256_set1_ps(scale);
+    for (; i + 32 <= i1; i += 32) {
+      __m128i e0, e1;
+      unpack32(packed + i / 2, e0, e1);
+      store8(out, dtype, i, _mm256_mul_ps(lut16(lo, hi, _mm256_cvtepu8_epi32(e0)), vs));
+      store8(out, dtype, i + 8, _mm256_mul_ps(lut16(lo, hi, _mm256_cvtepu8_epi32(_mm_srli_si128(e0, 8))), vs));
+      store8(out, dtype, i + 16, _mm256_mul_ps(lut16(lo, hi, _mm256_cvtepu8_epi32(e1)), vs));
+      store8(out, dtype, i + 24, _mm256_mul_ps(lut16(lo, hi, _mm256_cvtepu8_epi32(_mm_srli_si128(e1, 8))), vs));
+    }
+#endif
+    for (; i < i1; ++i) store_from_float(out, dtype, i, code[nibble(packed, i)] * scale);
+  }
+}
+
+void qc_double_quantize(const float* absmax, i64 nb, uint8_t* qabsmax, float* absmax2,
+                        float* offset_out, int nt) {
+  if (nb <= 0) { offset_out[0] = 0.0f; return; }
+  i64 size = 1;
+  while (size < nb) size <<= 1;
+  float offset = (float)(tree_sum(absmax, nb, 0, size) / (double)nb);
+  offset_out[0] = offset;
+  i64 nb2 = (nb + QC_NESTED_BLOCKSIZE - 1) / QC_NESTED_BLOCKSIZE;
+#pragma omp parallel for num_threads(threads_for(nt, nb)) schedule(static)
+  for (i64 b = 0; b < nb2; ++b) {
+    i64 i0 = b * QC_NESTED_BLOCKSIZE;
+    i64 i1 = i0 + QC_NESTED_BLOCKSIZE < nb ? i0 + QC_NESTED_BLOCKSIZE : nb;
+    float m = i1 - i0 < QC_NESTED_BLOCKSIZE ? 0.0f : NAN;
+    for (i64 i = i0; i < i1; ++i) {
+      float v = std::fabs(absmax[i] - offset);
+      m = (v > m || m != m) ? v : m;
+    }
+    absmax2[b] = m;
+    float r = 1.0f / m;
+    for (i64 i = i0; i < i1; ++i) {
+      float centered = absmax[i] - offset;
+      qabsmax[i] = code_8bit(centered * r, kDynThr);
+    }
+  }
+}
+
+// -- blockwise 8-bit -------------------------------------------------------------------------------
+void qc_quantize_blockwise(const void* x, int dtype, i64 n, int bs, const float* thresholds,
+                           uint8_t* codes, float* absmax, int nt) {
+  quantize_blockwise_impl(x, dtype, n, bs, thresholds, codes, absmax, nt);
+}
+
+void qc_dequantize_blockwise(const uint8_t* codes, const float* absmax, const float* code, i64 n,
+                             int bs, void* out, int dtype, int nt) {
+  i64 nb = (n + bs - 1) / bs;
+#pragma omp parallel for num_threads(threads_for(nt, n)) schedule(static)
+  for (i64 b = 0; b < nb; ++b) {
+    i64 i0 = b * bs, i1 = i0 + bs < n ? i0 + bs : n;
+    float scale = absmax[b];
+    i64 i = i0;
+#if QC_AVX2
+    __m256 vs = _mm256_set1_ps(scale);
+    for (; i + 8 <= i1; i += 8) {
+      __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(codes + i)));
+      store8(out, dtype, i, _mm256_mul_ps(_mm256_i32gather_ps(code, idx, 4), vs));
+    }
+#endif
+    for (; i < i1; ++i) store_from_float(out, dtype, i, code[codes[i]] * scale);
+  }
+}
+
+// -- gemv_4bit: out[b, r] = sum_k a[b, k] * code[q(r, k)] * absmax(block(r, k)) --------------------
+// fp32 accumulation. A block's products a * code are summed in fp32, then scaled by its absmax
+// once (a term of the tolerance tier's bound: one rounding for the product, one for the scaling).
+void qc_gemv_4bit(const void* a, int adtype, i64 B, i64 N, i64 K, const uint8_t* packed,
+                  const float* absmax, const uint8_t* qabsmax, const float* absmax2,
+                  const float* code2, float offset, int bs, int quant_type, void* out, int nt) {
+  const float* code = code_table(quant_type);
+  Absmax am{absmax, qabsmax, absmax2, code2, offset};
+  const float* af;
+  thread_local std::vector<float> converted;
+  if (adtype == QC_DTYPE_F32) {
+    af = (const float*)a;
+  } else {
+    if ((i64)converted.size() < B * K) converted.resize((size_t)(B * K));
+    for (i64 i = 0; i < B * K; ++i) converted[(size_t)i] = load_as_float(a, adtype, i);
+    af = converted.data();
+  }
+  bool aligned = K % bs == 0 && bs % 32 == 0;
+  i64 kb = K / bs;
+  constexpr int TILE = 4;
+#pragma omp parallel for num_threads(threads_for(nt, N * K)) schedule(static)
+  for (i64 r = 0; r < N; ++r) {
+    for (i64 b0 = 0; b0 < B; b0 += TILE) {
+      int nbt = (int)(B - b0 < TILE ? B - b0 : TILE);
+      float res[TILE] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (aligned) {
+#if QC_AVX2
+        __m256 lo = _mm256_loadu_ps(code), hi = _mm256_loadu_ps(code + 8);
+        __m256 acc[TILE];
+        for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
+        for (i64 blk = 0; blk < kb; ++blk) {
+          __m256 bacc[TILE];
+          for (int t = 0; t < TILE; ++t) bacc[t] = _mm256_setzero_ps();
+          const uint8_t* p = packed + (r * K + blk * bs) / 2;
+          i64 k0 = blk * bs;
+          for (i64 g = 0; g < bs; g += 32) {
+            __m128i e0, e1;
+            unpack32(p + g / 2, e0, e1);
+            __m256 w0 = lut16(lo, hi, _mm256_cvtepu8_epi32(e0));
+            __m256 w1 = lut16(lo, hi, _mm256_cvtepu8_epi32(_mm_srli_si128(e0, 8)));
+            __m256 w2 = lut16(lo, hi, _mm256_cvtepu8_epi32(e1));
+            __m256 w3 = lut16(lo, hi, _mm256_cvtepu8_epi32(_mm_srli_si128(e1, 8)));
+            for (int t = 0; t < nbt; ++t) {
+              const float* ap = af + (b0 + t) * K + k0 + g;
+              __m256 s = _mm256_mul_ps(w0, _mm256_loadu_ps(ap));
+              s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(ap + 8), s);
+              s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(ap + 16), s);
+              s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(ap + 24), s);
+              bacc[t] = _mm256_add_ps(bacc[t], s);
+            }
+          }
+          __m256 vs = _mm256_set1_ps(am(r * kb + blk));
+          for (int t = 0; t < nbt; ++t) acc[t] = _mm256_fmadd_ps(bacc[t], vs, acc[t]);
+        }
+        for (int t = 0; t < nbt; ++t) res[t] = hsum8(acc[t]);
+#else
+        for (i64 blk = 0; blk < kb; ++blk) {
+          float scale = am(r * kb + blk);
+          i64 k0 = blk * bs;
+          const uint8_t* p = packed + (r * K + k0) / 2;
+          for (int t = 0; t < nbt; ++t) {
+            const float* ap = af + (b0 + t) * K + k0;
+            float s = 0.0f;
+            for (i64 j = 0; j < bs / 2; ++j) {
+              s += ap[2 * j] * code[p[j] >> 4];
+              s += ap[2 * j + 1] * code[p[j] & 0x0F];
+            }
+            res[t] += s * scale;
+          }
+        }
+#endif
+      } else {  // rows not aligned to blocks (or an odd K): element by element, w = f32(code * absmax)
+        for (i64 k = 0; k < K; ++k) {
+          i64 i = r * K + k;
+          float w = code[nibble(packed, i)] * am(i / bs);
+          for (int t = 0; t < nbt; ++t) res[t] += af[(b0 + t) * K + k] * w;
+        }
+      }
+      for (int t = 0; t < nbt; ++t) store_from_float(out, adtype, (b0 + t) * N + r, res[t]);
+    }
+  }
+}
+
+// -- ggml ---------------------------------------------------------------------------------------------
+void qc_quantize_q4_0(const void* x, int dtype, i64 nblocks, uint8_t* out, int nt) {
+#pragma omp parallel for num_threads(threads_for(nt, nblocks * QC_QK)) schedule(static)
+  for (i64 b = 0; b < nblocks; ++b) {
+    float v[QC_QK];
+    for (int j = 0; j < QC_QK; ++j) v[j] = load_as_float(x, dtype, b * QC_QK + j);
+    float best = -1.0f, mx = 0.0f;
+    for (int j = 0; j < QC_QK; ++j) {
+      float mag = std::fabs(v[j]);
+      if (mag != mag) mag = -1.0f;
+      if (mag > best) { best = mag; mx = v[j]; }
+    }
+    if (mx != mx) mx = 0.0f;
+    float d = mx / (float)(-QC_Q4_0_OFFSET);
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    uint8_t* blk = out + b * QC_Q4_0_BLOCK_BYTES;
+    write_half(blk, float_to_half(d));
+    uint8_t q[QC_QK];
+    for (int j = 0; j < QC_QK; ++j) {
+      float biased = v[j] * id + QC_Q4_0_ROUND_BIAS;
+      int t = std::isfinite(biased) ? (int)std::fmax(-128.0f, std::fmin(127.0f, std::trunc(biased))) : 0;
+      q[j] = (uint8_t)(t < 15 ? t : 15);
+    }
+    for (int j = 0; j < QC_QK / 2; ++j) blk[2 + j] = (uint8_t)((q[j] & 0x0F) | (q[j + QC_QK / 2] << 4));
+  }
+}
+
+// kind 0: Q8_0 (34 bytes: d, qs); kind 1: Q8_1 (36 bytes: d, s, qs).
+void qc_quantize_q8(const void* x, int dtype, i64 nblocks, int kind, uint8_t* out, int nt) {
+  int width = kind ? QC_Q8_1_BLOCK_BYTES : QC_Q8_0_BLOCK_BYTES;
+#pragma omp parallel for num_threads(threads_for(nt, nblocks * QC_QK)) schedule(static)
+  for (i64 b = 0; b < nblocks; ++b) {
+    float v[QC_QK];
+    for (int j = 0; j < QC_QK; ++j) v[j] = load_as_float(x, dtype, b * QC_QK + j);
+    float amax = NAN;
+    for (int j = 0; j < QC_QK; ++j) {
+      float m = std::fabs(v[j]);
+      amax = (m > amax || amax != amax) ? m : amax;
+    }
+    if (amax != amax) amax = 0.0f;
+    float d = amax / (float)QC_Q8_MAX;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    uint8_t* blk = out + b * width;
+    int8_t* qs = (int8_t*)(blk + (kind ? 4 : 2));
+    int sum = 0;
+    for (int j = 0; j < QC_QK; ++j) {
+      float s = v[j] * id;
+      int q = std::isfinite(s) ? (int)std::fmax(-128.0f, std::fmin(127.0f, std::round(s))) : 0;
+      qs[j] = (int8_t)q;
+      sum += q;
+    }
+    write_half(blk, float_to_half(d));
+    if (kind) {
+      float s = (float)sum * d;
+      write_half(blk + 2, s != s ? (uint16_t)QC_Q8_1_NAN_S_BITS : float_to_half(s));
+    }
+  }
+}
+
+// fmt 0: Q4_0, 1: Q8_0, 2: Q8_1 -> out [nblocks * 32] in dtype.
+void qc_dequantize_ggml(const uint8_t* q, int fmt, i64 nblocks, void* out, int dtype, int nt) {
+  int width = fmt == 0 ? QC_Q4_0_BLOCK_BYTES : fmt == 1 ? QC_Q8_0_BLOCK_BYTES : QC_Q8_1_BLOCK_BYTES;
+#pragma omp parallel for num_threads(threads_for(nt, nblocks * QC_QK)) schedule(static)
+  for (i64 b = 0; b < nblocks; ++b) {
+    const uint8_t* blk = q + b * width;
+    float d = read_half(blk);
+    i64 o = b * QC_QK;
+    if (fmt == 0) {
+      for (int j = 0; j < QC_QK / 2; ++j) {
+        store_from_float(out, dtype, o + j, ((float)(blk[2 + j] & 0x0F) - (float)QC_Q4_0_OFFSET) * d);
+        store_from_float(out, dtype, o + j + QC_QK / 2, ((float)(blk[2 + j] >> 4) - (float)QC_Q4_0_OFFSET) * d);
+      }
+    } else {
+      const int8_t* qs = (const int8_t*)(blk + (fmt == 2 ? 4 : 2));
+      for (int j = 0; j < QC_QK; ++j) store_from_float(out, dtype, o + j, (float)qs[j] * d);
+    }
+  }
+}
+
+// out[m, n] = sum_b d4[m,b] * (d8[n,b] * sumi - 8 * s8[n,b]); wq [M, nb, 18], aq [N, nb, 36].
+// The integer dot product is exact; each block term is three fp32 roundings (d8 * sumi, the
+// subtraction, d4 *), summed in fp32 (the tolerance tier's bound allows four).
+void qc_gemm_q4_0_q8_1(const uint8_t* wq, const uint8_t* aq, i64 M, i64 N, i64 nb, float* out, int nt) {
+  constexpr int TILE = 8;
+#pragma omp parallel for num_threads(threads_for(nt, M * nb * QC_QK)) schedule(static)
+  for (i64 m = 0; m < M; ++m) {
+    for (i64 n0 = 0; n0 < N; n0 += TILE) {
+      int nt_ = (int)(N - n0 < TILE ? N - n0 : TILE);
+      float acc[TILE] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (i64 b = 0; b < nb; ++b) {
+        const uint8_t* w = wq + (m * nb + b) * QC_Q4_0_BLOCK_BYTES;
+        float d4 = read_half(w);
+#if QC_AVX2
+        __m128i v = _mm_loadu_si128((const __m128i*)(w + 2));
+        __m128i mask = _mm_set1_epi8(0x0F);
+        __m256i q4 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+        __m256i ones = _mm256_set1_epi16(1);
+#endif
+        for (int t = 0; t < nt_; ++t) {
+          const uint8_t* a = aq + ((n0 + t) * nb + b) * QC_Q8_1_BLOCK_BYTES;
+          int sumi;
+#if QC_AVX2
+          __m256i q8 = _mm256_loadu_si256((const __m256i*)(a + 4));
+          sumi = hsum_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(q4, q8), ones));
+#else
+          const int8_t* qs = (const int8_t*)(a + 4);
+          sumi = 0;
+          for (int j = 0; j < QC_QK / 2; ++j)
+            sumi += (w[2 + j] & 0x0F) * qs[j] + (w[2 + j] >> 4) * qs[j + QC_QK / 2];
+#endif
+          float d8 = read_half(a), s8 = read_half(a + 2);
+          float inner = d8 * (float)sumi;
+          inner = inner - (float)QC_Q4_0_OFFSET * s8;
+          acc[t] += d4 * inner;
+        }
+      }
+      for (int t = 0; t < nt_; ++t) out[m * N + n0 + t] = acc[t];
+    }
+  }
+}
+
+}  // extern "C"
