@@ -36,6 +36,7 @@ constexpr float kFP4[16] = QC_FP4_CODE_INIT;
 constexpr float kNF4Thr[QC_NF4_NTHRESHOLDS] = QC_NF4_THRESHOLDS_INIT;
 constexpr float kFP4Thr[QC_FP4_NTHRESHOLDS] = QC_FP4_THRESHOLDS_INIT;
 constexpr uint8_t kFP4Step[QC_FP4_NTHRESHOLDS + 1] = QC_FP4_STEP_CODES_INIT;
+constexpr int32_t kFP4Step8[8] = QC_FP4_STEP_CODES_INIT;
 constexpr float kDynThr[QC_DYNAMIC_NTHRESHOLDS] = QC_DYNAMIC_THRESHOLDS_INIT;
 
 // Work below this many elements runs on one thread (a parallel region costs microseconds).
@@ -184,7 +185,22 @@ inline uint8_t nibble(const uint8_t* packed, i64 i) {
 // NaN otherwise (an all-NaN unpadded block keeps NaN).
 inline float absmax_range(const void* x, int dtype, i64 i0, i64 i1, float start) {
   float m = start;
-  for (i64 i = i0; i < i1; ++i) {
+  i64 i = i0;
+#if QC_AVX2
+  if (i1 - i0 >= 8) {
+    // maxps returns its second operand when either is NaN: NaN elements are skipped; -1 marks
+    // "no number seen" (every |x| is >= 0)
+    __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 vm = _mm256_set1_ps(-1.0f);
+    for (; i + 8 <= i1; i += 8) vm = _mm256_max_ps(_mm256_and_ps(load8(x, dtype, i), absmask), vm);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    float vmax = _mm_cvtss_f32(h);
+    if (vmax >= 0.0f) m = (vmax > m || m != m) ? vmax : m;
+  }
+#endif
+  for (; i < i1; ++i) {
     float v = std::fabs(load_as_float(x, dtype, i));
     m = (v > m || m != m) ? v : m;
   }
@@ -203,20 +219,26 @@ inline uint8_t code_4bit(float s, int quant_type) {
   return (uint8_t)(kFP4Step[c] | (s < 0.0f ? QC_FP4_SIGN_BIT : 0));
 }
 
-// searchsorted(thresholds, s, "left") over a sorted 255-entry table; NaN -> 0.
+// searchsorted(thresholds, s, "left") over a sorted 255-entry table (the number of entries
+// below s), branch free; NaN -> 0.
+static_assert(QC_DYNAMIC_NTHRESHOLDS == 255, "code_8bit searches 255 thresholds");
 inline uint8_t code_8bit(float s, const float* thr) {
-  int lo = 0, hi = QC_DYNAMIC_NTHRESHOLDS;
-  while (lo < hi) {
-    int mid = (lo + hi) >> 1;
-    if (thr[mid] < s) lo = mid + 1; else hi = mid;
-  }
-  return (uint8_t)lo;
+  int pos = 0;
+  for (int step = 128; step >= 1; step >>= 1) pos += (thr[pos + step - 1] < s) ? step : 0;
+  return (uint8_t)pos;
 }
 
-// Perfect binary tree sum in fp64 of v[lo, lo + size) with zeros past n (bnb.pairwise_sum_f64).
+// Perfect binary tree sum in fp64 of v[lo, lo + size) with zeros past n (bnb.pairwise_sum_f64):
+// the same tree level by level inside a leaf of up to 64 values, recursion above it.
 double tree_sum(const float* v, i64 n, i64 lo, i64 size) {
   if (lo >= n) return 0.0;
-  if (size == 1) return (double)v[lo];
+  if (size <= 64) {
+    double buf[64];
+    for (i64 i = 0; i < size; ++i) buf[i] = lo + i < n ? (double)v[lo + i] : 0.0;
+    for (i64 w = size; w > 1; w /= 2)
+      for (i64 i = 0; i < w / 2; ++i) buf[i] = buf[2 * i] + buf[2 * i + 1];
+    return buf[0];
+  }
   i64 h = size / 2;
   return tree_sum(v, n, lo, h) + tree_sum(v, n, lo + h, h);
 }
@@ -244,6 +266,36 @@ const char* qc_cpu_build_info() {
 
 int qc_cpu_max_threads() { return omp_get_max_threads(); }
 
+// -- the bandwidth ceilings of `quantcore bench` ---------------------------------------------------
+// Stream read: sum n fp32 values (8 independent vector sums per thread); stream copy: dst = src.
+double qc_stream_read(const float* p, i64 n, int nt) {
+  double total = 0.0;
+#pragma omp parallel for num_threads(threads(nt)) schedule(static) reduction(+ : total)
+  for (i64 c = 0; c < n / 1024; ++c) {
+    const float* q = p + c * 1024;
+#if QC_AVX2
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int j = 0; j < 1024; j += 32) {
+      s0 = _mm256_add_ps(s0, _mm256_loadu_ps(q + j));
+      s1 = _mm256_add_ps(s1, _mm256_loadu_ps(q + j + 8));
+      s2 = _mm256_add_ps(s2, _mm256_loadu_ps(q + j + 16));
+      s3 = _mm256_add_ps(s3, _mm256_loadu_ps(q + j + 24));
+    }
+    total += (double)hsum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+#else
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int j = 0; j < 1024; ++j) acc[j & 7] += q[j];
+    total += (double)(acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7]);
+#endif
+  }
+  return total;
+}
+
+void qc_stream_copy(const float* src, float* dst, i64 n, int nt) {
+#pragma omp parallel for num_threads(threads(nt)) schedule(static)
+  for (i64 c = 0; c < n / 1024; ++c) std::memcpy(dst + c * 1024, src + c * 1024, 1024 * sizeof(float));
+}
+
 // -- bitsandbytes 4-bit ----------------------------------------------------------------------------
 void qc_quantize_4bit(const void* x, int dtype, i64 n, int bs, int quant_type, uint8_t* packed,
                       float* absmax, int nt) {
@@ -257,20 +309,44 @@ void qc_quantize_4bit(const void* x, int dtype, i64 n, int bs, int quant_type, u
     i64 len = i1 - i0;  // bs is even, so i0 is even: the block owns its bytes
     uint8_t* out = packed + i0 / 2;
     i64 pairs = len / 2;
-    if (quant_type == QC_QUANT_NF4 && dtype == QC_DTYPE_F32) {
-      const float* xf = (const float*)x + i0;
-      for (i64 j = 0; j < pairs; ++j) {
-        float s0 = xf[2 * j] * r, s1 = xf[2 * j + 1] * r;
-        int c0 = 0, c1 = 0;
-        for (int t = 0; t < QC_NF4_NTHRESHOLDS; ++t) { c0 += s0 > kNF4Thr[t]; c1 += s1 > kNF4Thr[t]; }
-        out[j] = (uint8_t)((c0 << 4) | c1);
+    i64 j = 0;
+#if QC_AVX2
+    // 32 elements at a time: codes by threshold counting, pairs packed as (even << 4) | odd
+    __m256 vr = _mm256_set1_ps(r);
+    __m256i pairw = _mm256_set1_epi16(0x0110);  // bytes (16, 1): even * 16 + odd
+    __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256i step = _mm256_loadu_si256((const __m256i*)kFP4Step8);
+    for (; 2 * j + 32 <= len; j += 16) {
+      __m256i c[4];
+      for (int g = 0; g < 4; ++g) {
+        __m256 sv = _mm256_mul_ps(load8(x, dtype, i0 + 2 * j + 8 * g), vr);
+        __m256i cnt = _mm256_setzero_si256();
+        if (quant_type == QC_QUANT_NF4) {
+          for (int t = 0; t < QC_NF4_NTHRESHOLDS; ++t)
+            cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(_mm256_cmp_ps(sv, _mm256_set1_ps(kNF4Thr[t]), _CMP_GT_OQ)));
+        } else {
+          __m256 mag = _mm256_and_ps(sv, absmask);
+          for (int t = 0; t < QC_FP4_NTHRESHOLDS; ++t)
+            cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(_mm256_cmp_ps(mag, _mm256_set1_ps(kFP4Thr[t]), _CMP_GT_OQ)));
+          cnt = _mm256_permutevar8x32_epi32(step, cnt);
+          __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(sv, _mm256_setzero_ps(), _CMP_LT_OQ));
+          cnt = _mm256_or_si256(cnt, _mm256_and_si256(neg, _mm256_set1_epi32(QC_FP4_SIGN_BIT)));
+        }
+        c[g] = cnt;
       }
-    } else {
-      for (i64 j = 0; j < pairs; ++j) {
-        uint8_t c0 = code_4bit(load_as_float(x, dtype, i0 + 2 * j) * r, quant_type);
-        uint8_t c1 = code_4bit(load_as_float(x, dtype, i0 + 2 * j + 1) * r, quant_type);
-        out[j] = (uint8_t)((c0 << 4) | c1);
-      }
+      // 32 int32 codes -> 32 bytes in element order
+      __m256i w01 = _mm256_packus_epi32(c[0], c[1]), w23 = _mm256_packus_epi32(c[2], c[3]);
+      __m256i b = _mm256_packus_epi16(w01, w23);
+      b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      __m256i pk = _mm256_maddubs_epi16(b, pairw);  // int16: even * 16 + odd
+      __m128i bytes = _mm_packus_epi16(_mm256_castsi256_si128(pk), _mm256_extracti128_si256(pk, 1));
+      _mm_storeu_si128((__m128i*)(out + j), bytes);
+    }
+#endif
+    for (; j < pairs; ++j) {
+      uint8_t c0 = code_4bit(load_as_float(x, dtype, i0 + 2 * j) * r, quant_type);
+      uint8_t c1 = code_4bit(load_as_float(x, dtype, i0 + 2 * j + 1) * r, quant_type);
+      out[j] = (uint8_t)((c0 << 4) | c1);
     }
     if (len & 1) {  // the odd last element; its partner nibble is the block's code of 0.0
       uint8_t c0 = code_4bit(load_as_float(x, dtype, i1 - 1) * r, quant_type);
@@ -286,7 +362,7 @@ void qc_dequantize_4bit(const uint8_t* packed, const float* absmax, const uint8_
   const float* code = code_table(quant_type);
   Absmax am{absmax, qabsmax, absmax2, code2, offset};
   i64 nb = (n + bs - 1) / bs;
-#pragma omp parallel for num_threads(threads_for(nt, n)) schedule(static)
+#pragma omp parallel for num_threads(threads_for(nt, n)) schedule(dynamic, 1024)
   for (i64 b = 0; b < nb; ++b) {
     i64 i0 = b * bs, i1 = i0 + bs < n ? i0 + bs : n;
     float scale = am(b);
@@ -377,7 +453,7 @@ void qc_gemv_4bit(const void* a, int adtype, i64 B, i64 N, i64 K, const uint8_t*
   bool aligned = K % bs == 0 && bs % 32 == 0;
   i64 kb = K / bs;
   constexpr int TILE = 4;
-#pragma omp parallel for num_threads(threads_for(nt, N * K)) schedule(static)
+#pragma omp parallel for num_threads(threads_for(nt, N * K)) schedule(dynamic, 16)
   for (i64 r = 0; r < N; ++r) {
     for (i64 b0 = 0; b0 < B; b0 += TILE) {
       int nbt = (int)(B - b0 < TILE ? B - b0 : TILE);
@@ -524,32 +600,66 @@ void qc_dequantize_ggml(const uint8_t* q, int fmt, i64 nblocks, void* out, int d
 // subtraction, d4 *), summed in fp32 (the tolerance tier's bound allows four).
 void qc_gemm_q4_0_q8_1(const uint8_t* wq, const uint8_t* aq, i64 M, i64 N, i64 nb, float* out, int nt) {
   constexpr int TILE = 8;
-#pragma omp parallel for num_threads(threads_for(nt, M * nb * QC_QK)) schedule(static)
+#pragma omp parallel for num_threads(threads_for(nt, M * nb * QC_QK)) schedule(dynamic, 16)
   for (i64 m = 0; m < M; ++m) {
+    const uint8_t* wrow = wq + m * nb * QC_Q4_0_BLOCK_BYTES;
     for (i64 n0 = 0; n0 < N; n0 += TILE) {
       int nt_ = (int)(N - n0 < TILE ? N - n0 : TILE);
       float acc[TILE] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (i64 b = 0; b < nb; ++b) {
-        const uint8_t* w = wq + (m * nb + b) * QC_Q4_0_BLOCK_BYTES;
-        float d4 = read_half(w);
+      i64 b = 0;
 #if QC_AVX2
-        __m128i v = _mm_loadu_si128((const __m128i*)(w + 2));
-        __m128i mask = _mm_set1_epi8(0x0F);
-        __m256i q4 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
-        __m256i ones = _mm256_set1_epi16(1);
-#endif
+      // four blocks at a time: exact int32 block sums, then the block terms as fp32 vectors
+      __m128 vacc[TILE];
+      for (int t = 0; t < TILE; ++t) vacc[t] = _mm_setzero_ps();
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      const __m256i ones = _mm256_set1_epi16(1);
+      const __m128 eight = _mm_set1_ps((float)QC_Q4_0_OFFSET);
+      for (; b + 4 <= nb; b += 4) {
+        const uint8_t* w = wrow + b * QC_Q4_0_BLOCK_BYTES;
+        __m256i q4[4];
+        uint16_t dh[4];
+        for (int u = 0; u < 4; ++u) {
+          const uint8_t* wb = w + u * QC_Q4_0_BLOCK_BYTES;
+          __m128i v = _mm_loadu_si128((const __m128i*)(wb + 2));
+          q4[u] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+          std::memcpy(&dh[u], wb, 2);
+        }
+        __m128 d4 = _mm_cvtph_ps(_mm_setr_epi16((short)dh[0], (short)dh[1], (short)dh[2], (short)dh[3], 0, 0, 0, 0));
         for (int t = 0; t < nt_; ++t) {
           const uint8_t* a = aq + ((n0 + t) * nb + b) * QC_Q8_1_BLOCK_BYTES;
-          int sumi;
-#if QC_AVX2
-          __m256i q8 = _mm256_loadu_si256((const __m256i*)(a + 4));
-          sumi = hsum_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(q4, q8), ones));
-#else
+          __m256i p[4];
+          uint16_t ah[8];
+          for (int u = 0; u < 4; ++u) {
+            const uint8_t* ab = a + u * QC_Q8_1_BLOCK_BYTES;
+            __m256i q8 = _mm256_loadu_si256((const __m256i*)(ab + 4));
+            p[u] = _mm256_madd_epi16(_mm256_maddubs_epi16(q4[u], q8), ones);
+            std::memcpy(&ah[u], ab, 2);
+            std::memcpy(&ah[4 + u], ab + 2, 2);
+          }
+          __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+          __m128i sumi = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+          __m256 ds = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)ah));
+          __m128 d8 = _mm256_castps256_ps128(ds), s8 = _mm256_extractf128_ps(ds, 1);
+          __m128 inner = _mm_sub_ps(_mm_mul_ps(d8, _mm_cvtepi32_ps(sumi)), _mm_mul_ps(eight, s8));
+          vacc[t] = _mm_add_ps(vacc[t], _mm_mul_ps(d4, inner));
+        }
+      }
+      for (int t = 0; t < nt_; ++t) {
+        __m128 v = vacc[t];
+        v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+        v = _mm_add_ss(v, _mm_movehdup_ps(v));
+        acc[t] = _mm_cvtss_f32(v);
+      }
+#endif
+      for (; b < nb; ++b) {
+        const uint8_t* w = wrow + b * QC_Q4_0_BLOCK_BYTES;
+        float d4 = read_half(w);
+        for (int t = 0; t < nt_; ++t) {
+          const uint8_t* a = aq + ((n0 + t) * nb + b) * QC_Q8_1_BLOCK_BYTES;
           const int8_t* qs = (const int8_t*)(a + 4);
-          sumi = 0;
+          int sumi = 0;
           for (int j = 0; j < QC_QK / 2; ++j)
             sumi += (w[2 + j] & 0x0F) * qs[j] + (w[2 + j] >> 4) * qs[j + QC_QK / 2];
-#endif
           float d8 = read_half(a), s8 = read_half(a + 2);
           float inner = d8 * (float)sumi;
           inner = inner - (float)QC_Q4_0_OFFSET * s8;

@@ -133,6 +133,8 @@ _i64, _i32, _f32, _vp = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_v
 SIGNATURES = {
     "qc_cpu_build_info": (ctypes.c_char_p, []),
     "qc_cpu_max_threads": (_i32, []),
+    "qc_stream_read": (ctypes.c_double, [_vp, _i64, _i32]),
+    "qc_stream_copy": (None, [_vp, _vp, _i64, _i32]),
     "qc_quantize_4bit": (None, [_vp, _i32, _i64, _i32, _i32, _vp, _vp, _i32]),
     "qc_dequantize_4bit": (None, [_vp, _vp, _vp, _vp, _vp, _f32, _i64, _i32, _i32, _vp, _i32, _i32]),
     "qc_double_quantize": (None, [_vp, _i64, _vp, _vp, _vp, _i32]),
