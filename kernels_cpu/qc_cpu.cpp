@@ -24,6 +24,12 @@
 #else
 #define QC_AVX2 0
 #endif
+// AVX-512 (F + BW) adds a 16-entry register table lookup for the 4-bit decode (vpermps).
+#if QC_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__)
+#define QC_AVX512 1
+#else
+#define QC_AVX512 0
+#endif
 
 #include "quantcore_constants.h"
 
@@ -256,12 +262,155 @@ void quantize_blockwise_impl(const void* x, int dtype, i64 n, int bs, const floa
   }
 }
 
+// One weight row against NB activation rows (rows of whole blocks): res[t] = row . a_t.
+// NB is a template parameter so the accumulators stay in registers.
+template <int NB>
+void gemv_row(const float* af, i64 K, i64 r, const uint8_t* packed, const Absmax& am, int bs,
+              const float* code, float* res) {
+  i64 kb = K / bs;
+#if QC_AVX512
+    __m512 lut = _mm512_loadu_ps(code);
+    __m512 acc[NB];
+    for (int t = 0; t < NB; ++t) acc[t] = _mm512_setzero_ps();
+    for (i64 blk = 0; blk < kb; ++blk) {
+      __m512 b0acc[NB], b1acc[NB];
+      for (int t = 0; t < NB; ++t) b0acc[t] = b1acc[t] = _mm512_setzero_ps();
+      const uint8_t* p = packed + (r * K + blk * bs) / 2;
+      i64 k0 = blk * bs;
+      for (i64 g = 0; g < bs; g += 32) {
+        __m128i e0, e1;
+        unpack32(p + g / 2, e0, e1);
+        __m512 w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(e0), lut);
+        __m512 w1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(e1), lut);
+        for (int t = 0; t < NB; ++t) {
+          const float* ap = af + t * K + k0 + g;
+          b0acc[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(ap), b0acc[t]);
+          b1acc[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(ap + 16), b1acc[t]);
+        }
+      }
+      __m512 vs = _mm512_set1_ps(am(r * kb + blk));
+      for (int t = 0; t < NB; ++t) acc[t] = _mm512_fmadd_ps(_mm512_add_ps(b0acc[t], b1acc[t]), vs, acc[t]);
+    }
+    for (int t = 0; t < NB; ++t) res[t] = _mm512_reduce_add_ps(acc[t]);
+#elif QC_AVX2
+    __m256 lo = _mm256_loadu_ps(code), hi = _mm256_loadu_ps(code + 8);
+    __m256 acc[NB];
+    for (int t = 0; t < NB; ++t) acc[t] = _mm256_setzero_ps();
+    for (i64 blk = 0; blk < kb; ++blk) {
+      __m256 bacc[NB];
+      for (int t = 0; t < NB; ++t) bacc[t] = _mm256_setzero_ps();
+      const uint8_t* p = packed + (r * K + blk * bs) / 2;
+      i64 k0 = blk * bs;
+      for (i64 g = 0; g < bs; g += 32) {
+        __m128i e0, e1;
+        unpack32(p + g / 2, e0, e1);
+        __m256 w0 = lut16(lo, hi, _mm256_cvtepu8_epi32(e0));
+        __m256 w1 = lut16(lo, hi, _mm256_cvtepu8_epi32(_mm_srli_si128(e0, 8)));
+        __m256 w2 = lut16(lo, hi, _mm256_cvtepu8_epi32(e1));
+        __m256 w3 = lut16(lo, hi, _mm256_cvtepu8_epi32(_mm_srli_si128(e1, 8)));
+        for (int t = 0; t < NB; ++t) {
+          const float* ap = af + t * K + k0 + g;
+          __m256 s = _mm256_mul_ps(w0, _mm256_loadu_ps(ap));
+          s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(ap + 8), s);
+          s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(ap + 16), s);
+          s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(ap + 24), s);
+          bacc[t] = _mm256_add_ps(bacc[t], s);
+        }
+      }
+      __m256 vs = _mm256_set1_ps(am(r * kb + blk));
+      for (int t = 0; t < NB; ++t) acc[t] = _mm256_fmadd_ps(bacc[t], vs, acc[t]);
+    }
+    for (int t = 0; t < NB; ++t) res[t] = hsum8(acc[t]);
+#else
+    for (i64 blk = 0; blk < kb; ++blk) {
+      float scale = am(r * kb + blk);
+      i64 k0 = blk * bs;
+      const uint8_t* p = packed + (r * K + k0) / 2;
+      for (int t = 0; t < NB; ++t) {
+        const float* ap = af + t * K + k0;
+        float s = 0.0f;
+        for (i64 j = 0; j < bs / 2; ++j) {
+          s += ap[2 * j] * code[p[j] >> 4];
+          s += ap[2 * j + 1] * code[p[j] & 0x0F];
+        }
+        res[t] += s * scale;
+      }
+    }
+#endif
+}
+
+// One Q4_0 weight row against NT Q8_1 activation rows (stride nb blocks): acc[t] = row . a_t.
+template <int NT>
+void gemm_row(const uint8_t* wrow, const uint8_t* aq, i64 nb, float* acc) {
+  for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+  i64 b = 0;
+#if QC_AVX2
+  // four blocks at a time: exact int32 block sums, then the block terms as fp32 vectors
+  __m128 vacc[NT];
+  for (int t = 0; t < NT; ++t) vacc[t] = _mm_setzero_ps();
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m128 eight = _mm_set1_ps((float)QC_Q4_0_OFFSET);
+  for (; b + 4 <= nb; b += 4) {
+    const uint8_t* w = wrow + b * QC_Q4_0_BLOCK_BYTES;
+    __m256i q4[4];
+    uint16_t dh[4];
+    for (int u = 0; u < 4; ++u) {
+      const uint8_t* wb = w + u * QC_Q4_0_BLOCK_BYTES;
+      __m128i v = _mm_loadu_si128((const __m128i*)(wb + 2));
+      q4[u] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+      std::memcpy(&dh[u], wb, 2);
+    }
+    __m128 d4 = _mm_cvtph_ps(_mm_setr_epi16((short)dh[0], (short)dh[1], (short)dh[2], (short)dh[3], 0, 0, 0, 0));
+    for (int t = 0; t < NT; ++t) {
+      const uint8_t* a = aq + (t * nb + b) * QC_Q8_1_BLOCK_BYTES;
+      __m256i p[4];
+      uint16_t ah[8];
+      for (int u = 0; u < 4; ++u) {
+        const uint8_t* ab = a + u * QC_Q8_1_BLOCK_BYTES;
+        __m256i q8 = _mm256_loadu_si256((const __m256i*)(ab + 4));
+        p[u] = _mm256_madd_epi16(_mm256_maddubs_epi16(q4[u], q8), ones);
+        std::memcpy(&ah[u], ab, 2);
+        std::memcpy(&ah[4 + u], ab + 2, 2);
+      }
+      __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+      __m128i sumi = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+      __m256 ds = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)ah));
+      __m128 d8 = _mm256_castps256_ps128(ds), s8 = _mm256_extractf128_ps(ds, 1);
+      __m128 inner = _mm_sub_ps(_mm_mul_ps(d8, _mm_cvtepi32_ps(sumi)), _mm_mul_ps(eight, s8));
+      vacc[t] = _mm_add_ps(vacc[t], _mm_mul_ps(d4, inner));
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    __m128 v = vacc[t];
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_movehdup_ps(v));
+    acc[t] = _mm_cvtss_f32(v);
+  }
+#endif
+  for (; b < nb; ++b) {
+    const uint8_t* w = wrow + b * QC_Q4_0_BLOCK_BYTES;
+    float d4 = read_half(w);
+    for (int t = 0; t < NT; ++t) {
+      const uint8_t* a = aq + (t * nb + b) * QC_Q8_1_BLOCK_BYTES;
+      const int8_t* qs = (const int8_t*)(a + 4);
+      int sumi = 0;
+      for (int j = 0; j < QC_QK / 2; ++j)
+        sumi += (w[2 + j] & 0x0F) * qs[j] + (w[2 + j] >> 4) * qs[j + QC_QK / 2];
+      float d8 = read_half(a), s8 = read_half(a + 2);
+      float inner = d8 * (float)sumi;
+      inner = inner - (float)QC_Q4_0_OFFSET * s8;
+      acc[t] += d4 * inner;
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
 const char* qc_cpu_build_info() {
-  return QC_AVX2 ? "avx2+fma+f16c" : "scalar";
+  return QC_AVX512 ? "avx512+avx2+fma+f16c" : QC_AVX2 ? "avx2+fma+f16c" : "scalar";
 }
 
 int qc_cpu_max_threads() { return omp_get_max_threads(); }
@@ -367,6 +516,24 @@ void qc_dequantize_4bit(const uint8_t* packed, const float* absmax, const uint8_
     i64 i0 = b * bs, i1 = i0 + bs < n ? i0 + bs : n;
     float scale = am(b);
     i64 i = i0;
+#if QC_AVX512
+    __m512 lut = _mm512_loadu_ps(code), vs16 = _mm512_set1_ps(scale);
+    for (; i + 32 <= i1; i += 32) {
+      __m128i e0, e1;
+      unpack32(packed + i / 2, e0, e1);
+      __m512 w0 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(e0), lut), vs16);
+      __m512 w1 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(e1), lut), vs16);
+      if (dtype == QC_DTYPE_F32) {
+        _mm512_storeu_ps((float*)out + i, w0);
+        _mm512_storeu_ps((float*)out + i + 16, w1);
+      } else {
+        store8(out, dtype, i, _mm512_castps512_ps256(w0));
+        store8(out, dtype, i + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w0), 1)));
+        store8(out, dtype, i + 16, _mm512_castps512_ps256(w1));
+        store8(out, dtype, i + 24, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w1), 1)));
+      }
+    }
+#endif
 #if QC_AVX2
     __m256 lo = _mm256_loadu_ps(code), hi = _mm256_loadu_ps(code + 8), vs = _mm256_set1_ps(scale);
     for (; i + 32 <= i1; i += 32) {
@@ -451,7 +618,6 @@ void qc_gemv_4bit(const void* a, int adtype, i64 B, i64 N, i64 K, const uint8_t*
     af = converted.data();
   }
   bool aligned = K % bs == 0 && bs % 32 == 0;
-  i64 kb = K / bs;
   constexpr int TILE = 4;
 #pragma omp parallel for num_threads(threads_for(nt, N * K)) schedule(dynamic, 16)
   for (i64 r = 0; r < N; ++r) {
@@ -459,51 +625,12 @@ void qc_gemv_4bit(const void* a, int adtype, i64 B, i64 N, i64 K, const uint8_t*
       int nbt = (int)(B - b0 < TILE ? B - b0 : TILE);
       float res[TILE] = {0.0f, 0.0f, 0.0f, 0.0f};
       if (aligned) {
-#if QC_AVX2
-        __m256 lo = _mm256_loadu_ps(code), hi = _mm256_loadu_ps(code + 8);
-        __m256 acc[TILE];
-        for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
-        for (i64 blk = 0; blk < kb; ++blk) {
-          __m256 bacc[TILE];
-          for (int t = 0; t < TILE; ++t) bacc[t] = _mm256_setzero_ps();
-          const uint8_t* p = packed + (r * K + blk * bs) / 2;
-          i64 k0 = blk * bs;
-          for (i64 g = 0; g < bs; g += 32) {
-            __m128i e0, e1;
-            unpack32(p + g / 2, e0, e1);
-            __m256 w0 = lut16(lo, hi, _mm256_cvtepu8_epi32(e0));
-            __m256 w1 = lut16(lo, hi, _mm256_cvtepu8_epi32(_mm_srli_si128(e0, 8)));
-            __m256 w2 = lut16(lo, hi, _mm256_cvtepu8_epi32(e1));
-            __m256 w3 = lut16(lo, hi, _mm256_cvtepu8_epi32(_mm_srli_si128(e1, 8)));
-            for (int t = 0; t < nbt; ++t) {
-              const float* ap = af + (b0 + t) * K + k0 + g;
-              __m256 s = _mm256_mul_ps(w0, _mm256_loadu_ps(ap));
-              s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(ap + 8), s);
-              s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(ap + 16), s);
-              s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(ap + 24), s);
-              bacc[t] = _mm256_add_ps(bacc[t], s);
-            }
-          }
-          __m256 vs = _mm256_set1_ps(am(r * kb + blk));
-          for (int t = 0; t < nbt; ++t) acc[t] = _mm256_fmadd_ps(bacc[t], vs, acc[t]);
+        switch (nbt) {
+          case 1: gemv_row<1>(af + b0 * K, K, r, packed, am, bs, code, res); break;
+          case 2: gemv_row<2>(af + b0 * K, K, r, packed, am, bs, code, res); break;
+          case 3: gemv_row<3>(af + b0 * K, K, r, packed, am, bs, code, res); break;
+          default: gemv_row<4>(af + b0 * K, K, r, packed, am, bs, code, res); break;
         }
-        for (int t = 0; t < nbt; ++t) res[t] = hsum8(acc[t]);
-#else
-        for (i64 blk = 0; blk < kb; ++blk) {
-          float scale = am(r * kb + blk);
-          i64 k0 = blk * bs;
-          const uint8_t* p = packed + (r * K + k0) / 2;
-          for (int t = 0; t < nbt; ++t) {
-            const float* ap = af + (b0 + t) * K + k0;
-            float s = 0.0f;
-            for (i64 j = 0; j < bs / 2; ++j) {
-              s += ap[2 * j] * code[p[j] >> 4];
-              s += ap[2 * j + 1] * code[p[j] & 0x0F];
-            }
-            res[t] += s * scale;
-          }
-        }
-#endif
       } else {  // rows not aligned to blocks (or an odd K): element by element, w = f32(code * absmax)
         for (i64 k = 0; k < K; ++k) {
           i64 i = r * K + k;
@@ -599,72 +726,19 @@ void qc_dequantize_ggml(const uint8_t* q, int fmt, i64 nblocks, void* out, int d
 // The integer dot product is exact; each block term is three fp32 roundings (d8 * sumi, the
 // subtraction, d4 *), summed in fp32 (the tolerance tier's bound allows four).
 void qc_gemm_q4_0_q8_1(const uint8_t* wq, const uint8_t* aq, i64 M, i64 N, i64 nb, float* out, int nt) {
-  constexpr int TILE = 8;
+  constexpr int TILE = 4;  // activation rows per pass over a weight row
 #pragma omp parallel for num_threads(threads_for(nt, M * nb * QC_QK)) schedule(dynamic, 16)
   for (i64 m = 0; m < M; ++m) {
     const uint8_t* wrow = wq + m * nb * QC_Q4_0_BLOCK_BYTES;
     for (i64 n0 = 0; n0 < N; n0 += TILE) {
       int nt_ = (int)(N - n0 < TILE ? N - n0 : TILE);
-      float acc[TILE] = {0, 0, 0, 0, 0, 0, 0, 0};
-      i64 b = 0;
-#if QC_AVX2
-      // four blocks at a time: exact int32 block sums, then the block terms as fp32 vectors
-      __m128 vacc[TILE];
-      for (int t = 0; t < TILE; ++t) vacc[t] = _mm_setzero_ps();
-      const __m128i mask = _mm_set1_epi8(0x0F);
-      const __m256i ones = _mm256_set1_epi16(1);
-      const __m128 eight = _mm_set1_ps((float)QC_Q4_0_OFFSET);
-      for (; b + 4 <= nb; b += 4) {
-        const uint8_t* w = wrow + b * QC_Q4_0_BLOCK_BYTES;
-        __m256i q4[4];
-        uint16_t dh[4];
-        for (int u = 0; u < 4; ++u) {
-          const uint8_t* wb = w + u * QC_Q4_0_BLOCK_BYTES;
-          __m128i v = _mm_loadu_si128((const __m128i*)(wb + 2));
-          q4[u] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
-          std::memcpy(&dh[u], wb, 2);
-        }
-        __m128 d4 = _mm_cvtph_ps(_mm_setr_epi16((short)dh[0], (short)dh[1], (short)dh[2], (short)dh[3], 0, 0, 0, 0));
-        for (int t = 0; t < nt_; ++t) {
-          const uint8_t* a = aq + ((n0 + t) * nb + b) * QC_Q8_1_BLOCK_BYTES;
-          __m256i p[4];
-          uint16_t ah[8];
-          for (int u = 0; u < 4; ++u) {
-            const uint8_t* ab = a + u * QC_Q8_1_BLOCK_BYTES;
-            __m256i q8 = _mm256_loadu_si256((const __m256i*)(ab + 4));
-            p[u] = _mm256_madd_epi16(_mm256_maddubs_epi16(q4[u], q8), ones);
-            std::memcpy(&ah[u], ab, 2);
-            std::memcpy(&ah[4 + u], ab + 2, 2);
-          }
-          __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-          __m128i sumi = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-          __m256 ds = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)ah));
-          __m128 d8 = _mm256_castps256_ps128(ds), s8 = _mm256_extractf128_ps(ds, 1);
-          __m128 inner = _mm_sub_ps(_mm_mul_ps(d8, _mm_cvtepi32_ps(sumi)), _mm_mul_ps(eight, s8));
-          vacc[t] = _mm_add_ps(vacc[t], _mm_mul_ps(d4, inner));
-        }
-      }
-      for (int t = 0; t < nt_; ++t) {
-        __m128 v = vacc[t];
-        v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-        v = _mm_add_ss(v, _mm_movehdup_ps(v));
-        acc[t] = _mm_cvtss_f32(v);
-      }
-#endif
-      for (; b < nb; ++b) {
-        const uint8_t* w = wrow + b * QC_Q4_0_BLOCK_BYTES;
-        float d4 = read_half(w);
-        for (int t = 0; t < nt_; ++t) {
-          const uint8_t* a = aq + ((n0 + t) * nb + b) * QC_Q8_1_BLOCK_BYTES;
-          const int8_t* qs = (const int8_t*)(a + 4);
-          int sumi = 0;
-          for (int j = 0; j < QC_QK / 2; ++j)
-            sumi += (w[2 + j] & 0x0F) * qs[j] + (w[2 + j] >> 4) * qs[j + QC_QK / 2];
-          float d8 = read_half(a), s8 = read_half(a + 2);
-          float inner = d8 * (float)sumi;
-          inner = inner - (float)QC_Q4_0_OFFSET * s8;
-          acc[t] += d4 * inner;
-        }
+      float acc[TILE];
+      const uint8_t* arow = aq + n0 * nb * QC_Q8_1_BLOCK_BYTES;
+      switch (nt_) {
+        case 1: gemm_row<1>(wrow, arow, nb, acc); break;
+        case 2: gemm_row<2>(wrow, arow, nb, acc); break;
+        case 3: gemm_row<3>(wrow, arow, nb, acc); break;
+        default: gemm_row<4>(wrow, arow, nb, acc); break;
       }
       for (int t = 0; t < nt_; ++t) out[m * N + n0 + t] = acc[t];
     }
