@@ -246,3 +246,12 @@ def test_info_reports_the_fallback(tmp_path):
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("cpu "))
     assert "numpy fallback" in line and "no C++ compiler found" in line
     assert any(ln.startswith("reference ") and "available" in ln for ln in r.stdout.splitlines())
+
+
+def test_reference_backend_passes_quick():
+    """The numpy reference is the semantics: the suite certifies it too (its quick level)."""
+    from quantcore.conformance import run
+
+    report = run("reference", "quick")
+    assert report.ok and not report.failures, report.reasons
+    assert report.backend == "reference"
