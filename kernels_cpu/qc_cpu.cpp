@@ -745,4 +745,82 @@ void qc_gemm_q4_0_q8_1(const uint8_t* wq, const uint8_t* aq, i64 M, i64 N, i64 n
   }
 }
 
+// -- MX family: dequantize and the swizzled scale layout (quantcore/formats/mx.py) -----------------
+}  // extern "C"
+
+namespace {
+
+constexpr float kE2M1[16] = QC_E2M1_VALUES_INIT;
+
+inline float e4m3_value(uint8_t b) {
+  int e = (b >> 3) & 0xF, m = b & 7;
+  float v;
+  if (e == 0xF && m == 7) v = NAN;
+  else if (e == 0) v = (float)m * 0.001953125f;  // m * 2^-9, exact
+  else v = float_of((uint32_t)(e + 120) << 23 | (uint32_t)m << 20);  // (1 + m/8) * 2^(e-7)
+  return (b & 0x80) ? -v : v;
+}
+
+inline float e8m0_value(uint8_t b) {
+  if (b == QC_E8M0_NAN) return NAN;
+  return b == 0 ? float_of(0x00400000u) : float_of((uint32_t)b << 23);  // 2^(b-127); b = 0: the denormal 2^-127
+}
+
+// Byte offset of scale (r, c) in the swizzled layout of a [*, ncols] scale matrix.
+inline i64 swizzle_offset(i64 r, i64 c, i64 ncols) {
+  i64 pc = (ncols + QC_SWIZZLE_COLS - 1) / QC_SWIZZLE_COLS * QC_SWIZZLE_COLS;
+  i64 tile = (r / QC_SWIZZLE_ROWS) * (pc / QC_SWIZZLE_COLS) + c / QC_SWIZZLE_COLS;
+  i64 inner = (r % QC_SWIZZLE_ROW_GROUP) * 16 + ((r % QC_SWIZZLE_ROWS) / QC_SWIZZLE_ROW_GROUP) * 4 +
+              c % QC_SWIZZLE_COLS;
+  return tile * QC_SWIZZLE_TILE_BYTES + inner;
+}
+
+}  // namespace
+
+extern "C" {
+
+// codes [rows, cols/2] (fp4, element 2i in the low nibble) or [rows, cols] (E4M3 bytes), scales
+// row-major [rows, cols/blk] or swizzled -> out [rows, cols]: f32(elem * scale) (nvfp4:
+// f32(f32(elem * scale) / g)), rounded once to dtype.
+void qc_mx_dequantize(const uint8_t* codes, const uint8_t* scales, i64 rows, i64 cols, int fmt,
+                      int swizzled, float g, void* out, int dtype, int nt) {
+  int blk = fmt == QC_FMT_NVFP4 ? QC_NVFP4_BLOCK : QC_MX_BLOCK;
+  bool fp4 = fmt != QC_FMT_MXFP8;
+  i64 ncols = cols / blk;
+#pragma omp parallel for num_threads(threads_for(nt, rows * cols)) schedule(static)
+  for (i64 r = 0; r < rows; ++r) {
+    for (i64 c = 0; c < ncols; ++c) {
+      uint8_t sb = scales[swizzled ? swizzle_offset(r, c, ncols) : r * ncols + c];
+      float scale = fmt == QC_FMT_NVFP4 ? e4m3_value(sb) : e8m0_value(sb);
+      for (int j = 0; j < blk; ++j) {
+        i64 k = c * blk + j;
+        float v;
+        if (fp4) {
+          uint8_t byte = codes[r * (cols / 2) + k / 2];
+          v = kE2M1[(k & 1) ? byte >> 4 : byte & 0x0F];
+        } else {
+          v = e4m3_value(codes[r * cols + k]);
+        }
+        float prod = v * scale;
+        if (fmt == QC_FMT_NVFP4) prod = prod / g;
+        store_from_float(out, dtype, r * cols + k, prod);
+      }
+    }
+  }
+}
+
+// scales uint8 [rows, cols] -> out [ceil(rows/128)*128, ceil(cols/4)*4] swizzled, padding zeroed.
+void qc_swizzle_scales(const uint8_t* scales, uint8_t* out, i64 rows, i64 cols) {
+  i64 pr = (rows + QC_SWIZZLE_ROWS - 1) / QC_SWIZZLE_ROWS * QC_SWIZZLE_ROWS;
+  i64 pc = (cols + QC_SWIZZLE_COLS - 1) / QC_SWIZZLE_COLS * QC_SWIZZLE_COLS;
+  std::memset(out, 0, (size_t)(pr * pc));
+  for (i64 r = 0; r < rows; ++r)
+    for (i64 c = 0; c < cols; ++c) out[swizzle_offset(r, c, cols)] = scales[r * cols + c];
+}
+
+void qc_unswizzle_scales(const uint8_t* swz, uint8_t* out, i64 rows, i64 cols) {
+  for (i64 r = 0; r < rows; ++r)
+    for (i64 c = 0; c < cols; ++c) out[r * cols + c] = swz[swizzle_offset(r, c, cols)];
+}
+
 }  // extern "C"

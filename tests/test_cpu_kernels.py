@@ -114,6 +114,32 @@ def test_gemm_and_gemv_compiled_close(rng, no_numpy_path, n_act):
 
 
 @needs_compiler
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8", "nvfp4"])
+def test_mx_dequantize_and_swizzle_compiled_and_exact(rng, no_numpy_path, fmt):
+    """mx_dequantize (both scale layouts, every output dtype) and the scale layout ops through
+    the compiled path; quantize_mx (numpy) makes the inputs, scale bytes 0 and 0xFF included."""
+    from quantcore import api_mx
+
+    rows, cols = 130, 96
+    x = _data(rng, rows * cols, "float32").reshape(rows, cols)
+    kw = {"global_scale": 2688.0 / 50.0} if fmt == "nvfp4" else {}
+    for swz in (True, False):
+        codes, scales = api_mx.quantize_mx(x, fmt, swizzle=swz, backend="reference", **kw)
+        if fmt != "nvfp4":  # E8M0 extremes: the denormal 2^-127 and NaN
+            flat = scales.reshape(-1)
+            flat[:3] = (0, 0xFF, 1)
+        for dtype in DTYPES:
+            got = api_mx.dequantize_mx(codes, scales, fmt, DTYPES[dtype], swizzled=swz, backend="cpu", **kw)
+            ref = api_mx.dequantize_mx(codes, scales, fmt, DTYPES[dtype], swizzled=swz, backend="reference",
+                                       **kw)
+            assert same_bits(got, ref), (fmt, swz, dtype)
+    s8 = rng.integers(0, 256, size=(rows, 5), dtype=np.uint8)
+    swz = api_mx.swizzle_scales(s8, backend="cpu")
+    assert np.array_equal(swz, api_mx.swizzle_scales(s8, backend="reference"))
+    assert np.array_equal(api_mx.unswizzle_scales(swz, rows, 5, backend="cpu"), s8)
+
+
+@needs_compiler
 def test_gemv_rows_not_aligned_to_blocks(rng, no_numpy_path):
     """K not a multiple of the block size (blocks span rows) and an odd K: the element-wise path."""
     for n, k in ((5, 96), (3, 33)):

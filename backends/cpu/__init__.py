@@ -2,7 +2,7 @@
 
 The kernels (``kernels_cpu/qc_cpu.cpp``) are built at first use by the system C++ compiler and
 cached (:mod:`quantcore.backends.cpu.build`, docs/cpu.md). Every op the library does not cover
-(the MX family, an unusual layout) runs the numpy reference of the ``reference`` backend, which
+(mx_quantize, scaled_fp4_mm, an unusual layout) runs the numpy reference of the ``reference`` backend, which
 this class extends; without a compiler, or when the build fails, every op does, and
 ``quantcore info`` says so. Native arrays are numpy arrays; torch CPU tensors are accepted and
 returned zero-copy.
@@ -21,7 +21,7 @@ import numpy as np
 
 from quantcore.backend import Availability, Nested
 from quantcore.errors import ParameterError, QuantcoreError
-from quantcore.formats import bnb, ggml
+from quantcore.formats import bnb, ggml, mx
 from quantcore.formats.kernel_defines import DTYPE_CODE, QUANT_TYPE_CODE
 
 from ..reference import ReferenceBackend, _direct, _flat
@@ -32,8 +32,9 @@ ENV_THREADS = "QUANTCORE_NUM_THREADS"
 #: Ops the compiled library runs (for supported layouts); the others run the numpy reference.
 COMPILED_OPS = ("quantize_4bit", "dequantize_4bit", "double_quantize", "gemv_4bit",
                 "quantize_blockwise", "dequantize_blockwise", "quantize_q4_0", "quantize_q8_0",
-                "quantize_q8_1", "dequantize_ggml", "gemm_q4_0_q8_1", "gemm_w4a8")
-NUMPY_OPS = ("mx_quantize", "mx_dequantize", "swizzle_scales", "unswizzle_scales", "scaled_fp4_mm")
+                "quantize_q8_1", "dequantize_ggml", "gemm_q4_0_q8_1", "gemm_w4a8", "mx_dequantize",
+                "swizzle_scales", "unswizzle_scales")
+NUMPY_OPS = ("mx_quantize", "scaled_fp4_mm")
 
 _GGML_FMT_CODE = {"q4_0": 0, "q8_0": 1, "q8_1": 2}
 
@@ -261,6 +262,36 @@ class CpuBackend(ReferenceBackend):
         aq = self._q8_scratch(rows, nb)
         lib.qc_quantize_q8(_ptr(a), dt, rows * nb, 1, _ptr(aq), self._threads)
         self.gemm_q4_0_q8_1(wq, aq, out)
+
+    # -- MX family: dequantize and the scale layout compiled; quantize and the GEMM run numpy ----
+    def mx_dequantize(self, codes, scales, out, *, rows, cols, fmt, swizzled, global_scale=None):
+        lib, od = self.library(), _direct(out)
+        blk = mx.block_size(fmt)
+        nscales = (int(np.prod(mx.swizzled_shape(rows, cols // blk))) if swizzled
+                   else rows * (cols // blk))
+        g = 1.0 if global_scale is None else float(_flat(global_scale)[0])
+        if (lib is None or od is None or _dtype_code(od) is None or od.size != rows * cols
+                or codes.dtype != np.uint8 or codes.size != rows * mx.codes_cols(fmt, cols)
+                or scales.dtype != np.uint8 or scales.size != nscales
+                or (fmt == "nvfp4") != (global_scale is not None)):
+            return super().mx_dequantize(codes, scales, out, rows=rows, cols=cols, fmt=fmt,
+                                         swizzled=swizzled, global_scale=global_scale)
+        lib.qc_mx_dequantize(_ptr(codes), _ptr(scales), rows, cols, mx.MX_FORMAT_CODE[fmt],
+                             int(bool(swizzled)), g, _ptr(od), _dtype_code(od), self._threads)
+
+    def swizzle_scales(self, scales, out, *, rows, cols):
+        lib, od = self.library(), _direct(out, np.uint8)
+        if (lib is None or od is None or scales.dtype != np.uint8 or scales.size != rows * cols
+                or od.size != int(np.prod(mx.swizzled_shape(rows, cols)))):
+            return super().swizzle_scales(scales, out, rows=rows, cols=cols)
+        lib.qc_swizzle_scales(_ptr(scales), _ptr(od), rows, cols)
+
+    def unswizzle_scales(self, swz, out, *, rows, cols):
+        lib, od = self.library(), _direct(out, np.uint8)
+        if (lib is None or od is None or swz.dtype != np.uint8 or od.size != rows * cols
+                or swz.size != int(np.prod(mx.swizzled_shape(rows, cols)))):
+            return super().unswizzle_scales(swz, out, rows=rows, cols=cols)
+        lib.qc_unswizzle_scales(_ptr(swz), _ptr(od), rows, cols)
 
 
 def create() -> CpuBackend:
