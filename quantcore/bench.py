@@ -305,11 +305,11 @@ class Bench:
             src = np.random.default_rng(0).standard_normal(n).astype(np.float32)
             dst = np.empty_like(src)
             ps, pd = src.ctypes.data, dst.ctypes.data
-            read = self.measure("stream read", "256 MiB fp32 sum", "C++ OpenMP", src.nbytes,
+            read = self.measure("stream read", f"{src.nbytes >> 20} MiB fp32 sum", "C++ OpenMP", src.nbytes,
                                 [lambda: lib.qc_stream_read(ps, n, 0)])
             self.read_gbps = read.gbps
             read.pct_read = 100.0 if read.gbps else None
-            row = self.measure("stream copy", "256 MiB", "C++ OpenMP", 2 * src.nbytes,
+            row = self.measure("stream copy", f"{src.nbytes >> 20} MiB", "C++ OpenMP", 2 * src.nbytes,
                                [lambda: lib.qc_stream_copy(ps, pd, n, 0)])
             del src, dst
         else:

@@ -281,3 +281,33 @@ def test_reference_backend_passes_quick():
     report = run("reference", "quick")
     assert report.ok and not report.failures, report.reasons
     assert report.backend == "reference"
+
+
+@needs_compiler
+def test_bench_cpu_has_ceilings_and_peers(capsys, monkeypatch):
+    """``quantcore bench --backend cpu`` (tiny shapes): the stream ceilings, quantcore's rows, and
+    the host peers that are installed, with speedups."""
+    from quantcore import bench
+
+    monkeypatch.setattr(bench, "HOST_STREAM_BYTES", 16 << 20)
+    monkeypatch.setattr(bench, "HOST_ROTATE_BYTES", 1 << 20)
+    sizes = {"gemv_4bit": [(1, 256, 512)], "gemm_w4a8": [(1, 256, 512)], "dequantize_4bit": [(256, 512)]}
+    rep = bench.run("cpu", ops=list(sizes), sizes=sizes, reps=3, verbose=True, png_path=None)
+    out = capsys.readouterr().out
+    impls = {(r["op"], r["impl"]) for r in rep["rows"]}
+    assert {("stream read", "C++ OpenMP"), ("stream copy", "C++ OpenMP")} <= impls
+    assert rep["read_gbps"] > 0 and rep["copy_gbps"] > 0
+    assert {("gemv_4bit", "quantcore"), ("gemm_w4a8", "quantcore"), ("dequantize_4bit", "quantcore")} <= impls
+    assert "% read" in out and "best us" in out and "  gemv_4bit" in out  # table and progress lines
+    qc_gemv = next(r for r in rep["rows"] if r["op"] == "gemv_4bit" and r["impl"] == "quantcore")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return
+    assert {("gemv_4bit", "torch-fp32"), ("gemv_4bit", "torch-bf16"), ("gemm_w4a8", "torch-bf16")} <= impls
+    assert {"torch-fp32", "torch-bf16"} <= set(qc_gemv["speedup"])
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        return
+    assert ("gemv_4bit", "bnb") in impls and "bnb" in qc_gemv["speedup"]
