@@ -116,7 +116,7 @@ def get_backend(name: str | None = None) -> Backend:
 
 
 def set_backend(name: str) -> Backend:
-    """Select the process-wide backend ("cpu", "cuda", "sycl", "maca" or a registered one)."""
+    """Select the process-wide backend ("cpu", "reference", "cuda", "sycl", "maca" or a registered one)."""
     backend = get_backend(name)
     _global_name[0] = name
     return backend
