@@ -14,7 +14,7 @@ import nox
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
 
-BACKENDS = ["cpu", "cuda", "sycl", "maca"]
+BACKENDS = ["cpu", "reference", "cuda", "sycl", "maca"]
 # torch is optional: it lets the tests cover torch-in/torch-out. 2.13.0 is the CPU build these
 # machines keep on disk (a newer release would pull a multi-GB CUDA build). QC_NOX_TORCH=0 skips it.
 TORCH = [os.environ.get("QC_NOX_TORCH_SPEC", "torch==2.13.0")] if os.environ.get("QC_NOX_TORCH", "1") == "1" else []

@@ -17,7 +17,12 @@ time per call of many back-to-back calls of the public API (validation, allocati
 overhead included) after one untimed call per input (steady state: a state's first gemv_4bit call
 also builds its launch plan), which is what a small shape costs a caller. The peers are timed through
 their public functions for both.
-Other backends (sycl, cpu) are timed with the host clock after ``synchronize()``; no peers.
+Other backends (sycl, cpu, reference) are timed with the host clock after ``synchronize()``.
+On the host backends (cpu, reference) the peers are bitsandbytes' CPU backend (``bnb.matmul_4bit``,
+``F.quantize_4bit`` / ``F.dequantize_4bit`` on torch CPU tensors) and torch's fp32 and bf16
+``F.linear`` on the unquantized weights, when installed; the ceilings are the compiled library's
+stream read (a multithreaded fp32 sum) and stream copy of 256 MiB; inputs are rotated until a pass
+over them is 96 MiB (three times a 32 MB L3), so the weights come from memory.
 """
 
 from __future__ import annotations
@@ -43,6 +48,10 @@ from .formats import bnb as fbnb
 from .registry import get_backend
 
 ROTATE_BYTES = 256 << 20  #: rotate input sets until a pass over them is this large (L2 is 50-60 MB)
+HOST_ROTATE_BYTES = 96 << 20  #: the same on the host backends (beyond the last-level cache)
+HOST_STREAM_BYTES = 256 << 20  #: array size of the host stream read / copy ceilings
+#: The host backends whose arrays are numpy arrays (bitsandbytes CPU and torch CPU peers).
+HOST_BACKENDS = ("cpu", "reference")
 SLEEP_CYCLES = 2_000_000  #: ~1 ms at 2 GHz: longer than the host needs to queue one timed call
 
 
@@ -53,9 +62,11 @@ class Row:
     impl: str
     nbytes: int
     kernel_us: float | None = None
+    best_us: float | None = None  #: host timers: the fastest call (a shared machine's medians wander)
     eager_us: float | None = None
     gbps: float | None = None
     pct_copy: float | None = None
+    pct_read: float | None = None
     speedup: dict[str, float] = field(default_factory=dict)  #: peer impl -> t_peer / t_quantcore
     note: str = ""
 
@@ -98,6 +109,7 @@ class HostTimer:
 
     def __init__(self, sync: Callable[[], None]):
         self.sync = sync
+        self.best_us: float | None = None  #: the fastest call of the last kernel() timing
 
     def kernel(self, fns: list[Callable[[], Any]], reps: int, warmup: int) -> float:
         for i in range(warmup):
@@ -109,6 +121,7 @@ class HostTimer:
             fns[i % len(fns)]()
             self.sync()
             times.append(time.perf_counter() - t0)
+        self.best_us = min(times) * 1e6
         return statistics.median(times) * 1e6
 
     def eager(self, fns: list[Callable[[], Any]], reps: int) -> float:
@@ -156,6 +169,14 @@ QUICK_HOST_SIZES = {
     "gemv_4bit": [(1, 1024, 1024)],
     "gemm_w4a8": [(1, 1024, 1024)],
 }
+#: The cpu backend's shapes (the goals of docs/cpu.md: 4096x4096 and 14336x4096, n = 1 and 8).
+CPU_SIZES = {
+    "dequantize_4bit": [(4096, 4096)],
+    "quantize_4bit": [(4096, 4096)],
+    "gemv_4bit": [(1, 4096, 4096), (1, 14336, 4096), (8, 4096, 4096)],
+    "gemm_w4a8": [(1, 4096, 4096), (1, 14336, 4096), (8, 4096, 4096)],
+    "mx_quantize": [(1024, 1024)], "scaled_fp4_mm": [(128, 128, 256)],
+}
 # -- MX family: NVFP4 / MXFP4 / MXFP8 quantize and scaled_fp4_mm (added with the CUDA MX kernels;
 # the methods of the same names are in Bench's "MX family" block) ---------------------------------
 CUDA_SIZES.update({"mx_quantize": [(16384, 16384)], "scaled_fp4_mm": [(8192, 8192, 8192)]})
@@ -186,6 +207,8 @@ class Bench:
         self.bnb = None
         self.rows: list[Row] = []
         self.copy_gbps: float | None = None
+        self.read_gbps: float | None = None
+        self.ht = None  #: torch for the host peers (CPU tensors)
         self.device = platform.processor() or platform.machine()
         self.notes: list[str] = []
         if backend == "cuda":
@@ -200,7 +223,38 @@ class Bench:
                 self.bnb = bitsandbytes
             except Exception as exc:  # noqa: BLE001 - not installed or broken: no bnb rows
                 self.notes.append(f"bitsandbytes not measured: {type(exc).__name__}: {exc}")
+        elif backend in HOST_BACKENDS:
+            self._host_peers()
         self.timer: Any = timer_for(self.be)
+
+    def _host_peers(self) -> None:
+        try:
+            import torch  # noqa: PLC0415 - optional peer
+
+            self.ht = torch
+            self.notes.append(f"torch {torch.__version__} CPU, {torch.get_num_threads()} threads")
+        except ImportError:
+            self.notes.append("torch not installed: no torch / bitsandbytes rows")
+            return
+        try:
+            import bitsandbytes  # noqa: PLC0415
+            import bitsandbytes.functional  # noqa: F401, PLC0415
+
+            self.bnb = bitsandbytes
+        except Exception as exc:  # noqa: BLE001 - not installed or broken: no bnb rows
+            self.notes.append(f"bitsandbytes not measured: {type(exc).__name__}: {exc}")
+        threads = getattr(self.be, "num_threads", None)
+        if callable(threads):
+            self.notes.append(f"quantcore {self.backend}: {self.be.availability().mode}")
+
+    def peer(self, x):
+        """A peer's view of one of our inputs: the tensor itself on CUDA, a torch CPU tensor (no
+        copy) on the host backends."""
+        if self.torch is not None:
+            return x
+        from .arrays import numpy_to_torch  # noqa: PLC0415
+
+        return numpy_to_torch(np.ascontiguousarray(x))
 
     # -- helpers --------------------------------------------------------------------------------------
     def log(self, msg: str) -> None:
@@ -208,7 +262,11 @@ class Bench:
             print(msg, flush=True)
 
     def sets(self, bytes_per_call: int) -> int:
-        return max(1, min(16, math.ceil(ROTATE_BYTES / max(bytes_per_call, 1)))) if self.torch else 1
+        if self.torch is not None:
+            return max(1, min(16, math.ceil(ROTATE_BYTES / max(bytes_per_call, 1))))
+        if self.backend in HOST_BACKENDS:
+            return max(1, min(16, math.ceil(HOST_ROTATE_BYTES / max(bytes_per_call, 1))))
+        return 1
 
     def rand(self, shape, dtype: str, scale: float = 1.0):
         if self.torch is not None:
@@ -222,10 +280,13 @@ class Bench:
         row = Row(op, shape, impl, nbytes, note=note)
         try:
             row.kernel_us = self.timer.kernel(fns, self.reps, warmup=max(3, len(fns)))
+            row.best_us = getattr(self.timer, "best_us", None)
             row.eager_us = self.timer.eager(eager or fns, max(10, self.reps // 2))
             row.gbps = nbytes / (row.kernel_us * 1e-6) / 1e9
             if self.copy_gbps:
                 row.pct_copy = 100.0 * row.gbps / self.copy_gbps
+            if self.read_gbps:
+                row.pct_read = 100.0 * row.gbps / self.read_gbps
         except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, not fatal
             row.note = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
         self.rows.append(row)
@@ -250,6 +311,19 @@ class Bench:
             row = self.measure("copy", "2 GiB d2d", "torch", 2 * nbytes, [lambda: dst.copy_(src)])
             del src, dst
             t.cuda.empty_cache()
+        elif getattr(self.be, "library", None) is not None and self.be.library() is not None:
+            lib = self.be.library()
+            n = HOST_STREAM_BYTES // 4
+            src = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+            dst = np.empty_like(src)
+            ps, pd = src.ctypes.data, dst.ctypes.data
+            read = self.measure("stream read", f"{src.nbytes >> 20} MiB fp32 sum", "C++ OpenMP", src.nbytes,
+                                [lambda: lib.qc_stream_read(ps, n, 0)])
+            self.read_gbps = read.gbps
+            read.pct_read = 100.0 if read.gbps else None
+            row = self.measure("stream copy", f"{src.nbytes >> 20} MiB", "C++ OpenMP", 2 * src.nbytes,
+                               [lambda: lib.qc_stream_copy(ps, pd, n, 0)])
+            del src, dst
         else:
             n = (64 << 20) // 8
             src = np.random.default_rng(0).standard_normal(n)
@@ -277,7 +351,8 @@ class Bench:
         del qs, outs
         if self.bnb is not None:
             F = self.bnb.functional
-            bq = [F.quantize_4bit(x, blocksize=bs, compress_statistics=True, quant_type=qt) for x in xs]
+            bq = [F.quantize_4bit(self.peer(x), blocksize=bs, compress_statistics=True, quant_type=qt)
+                  for x in xs]
             rows.append(self.measure("dequantize_4bit", shape, "bnb", nbytes,
                                      [lambda p=p, s=s: F.dequantize_4bit(p, s) for p, s in bq]))
             del bq
@@ -304,9 +379,10 @@ class Bench:
         del bufs
         if self.bnb is not None:
             F = self.bnb.functional
+            txs = [self.peer(x) for x in xs]
             rows.append(self.measure("quantize_4bit", shape, "bnb", nbytes,
                                      [lambda x=x: F.quantize_4bit(x, blocksize=bs, compress_statistics=True,
-                                                                  quant_type=qt) for x in xs]))
+                                                                  quant_type=qt) for x in txs]))
         self.group(rows)
 
     def gemv_4bit(self, bnk, qt: str = "nf4") -> None:
@@ -328,11 +404,15 @@ class Bench:
         del qs
         if self.bnb is not None:
             F = self.bnb.functional
-            bq = [F.quantize_4bit(w, blocksize=bs, compress_statistics=True, quant_type=qt) for w in ws]
+            bq = [F.quantize_4bit(self.peer(w), blocksize=bs, compress_statistics=True, quant_type=qt)
+                  for w in ws]
+            ta = self.peer(a)
             rows.append(self.measure("gemv_4bit", shape, "bnb", nbytes,
-                                     [lambda p=p, s=s: self.bnb.matmul_4bit(a, p.t(), quant_state=s)
+                                     [lambda p=p, s=s: self.bnb.matmul_4bit(ta, p.t(), quant_state=s)
                                       for p, s in bq]))
             del bq
+        if self.ht is not None:
+            self.host_linear(rows, "gemv_4bit", shape, ws, a, n, k, b)
         if self.torch is not None:
             lin = self.torch.nn.functional.linear
             tbytes = 2 * n * k + 2 * b * k + 2 * b * n
@@ -487,7 +567,25 @@ class Bench:
             rows.append(self.measure("gemm_w4a8", shape, "torch-bf16", tbytes, [lambda w=w: lin(a, w) for w in wt],
                                      note="bf16 weight bytes"))
             del wt
+        if self.ht is not None:
+            ws = [self.rand((m, k), "bfloat16", 0.05) for _ in range(self.sets(2 * m * k))]
+            self.host_linear(rows, "gemm_w4a8", shape, ws, a, m, k, nn)
         self.group(rows)
+
+    def host_linear(self, rows: list[Row], op: str, shape: str, ws: list, a, n: int, k: int, b: int) -> None:
+        """torch's fp32 and bf16 F.linear on the host, on the unquantized weights ``ws`` (rotated
+        beyond the last-level cache like ours)."""
+        t = self.ht
+        lin = t.nn.functional.linear
+        for dt, size in (("float32", 4), ("bfloat16", 2)):
+            tbytes = size * (n * k + b * k + b * n)
+            sets = self.sets(tbytes)
+            wt = [self.peer(ws[i % len(ws)]).to(getattr(t, dt)) for i in range(sets)]
+            ta = self.peer(a).to(getattr(t, dt))
+            rows.append(self.measure(op, shape, f"torch-{'fp32' if size == 4 else 'bf16'}", tbytes,
+                                     [lambda w=w, ta=ta: lin(ta, w) for w in wt],
+                                     note=f"{'fp32' if size == 4 else 'bf16'} weight bytes"))
+            del wt
 
     # -- MX family (NVFP4, MXFP4, MXFP8) -----------------------------------------------------------------
     def mx_quantize(self, rows_cols) -> None:
@@ -564,7 +662,8 @@ class Bench:
     def run(self, ops: tuple[str, ...], sizes: dict[str, list] | None) -> None:
         table = sizes or (
             (QUICK_CUDA_SIZES if self.quick else CUDA_SIZES) if self.torch is not None
-            else (QUICK_HOST_SIZES if self.quick else HOST_SIZES))
+            else QUICK_HOST_SIZES if self.quick
+            else CPU_SIZES if self.backend == "cpu" else HOST_SIZES)
         self.log(f"quantcore bench on {self.backend} ({self.device})")
         self.copy()
         for op in ops:
@@ -578,12 +677,16 @@ class Bench:
     # -- report --------------------------------------------------------------------------------------------
     def table(self) -> str:
         peers = sorted({p for r in self.rows for p in r.speedup})
-        header = ["op", "shape", "impl", "kernel us", "eager us", "GB/s", "% copy"] + [f"vs {p}" for p in peers]
+        read = [["% read"], []] if self.read_gbps else [[], []]
+        best = any(r.best_us is not None for r in self.rows)
+        header = ["op", "shape", "impl", "kernel us"] + (["best us"] if best else []) + \
+            ["eager us", "GB/s", "% copy"] + read[0] + [f"vs {p}" for p in peers]
         lines = []
         for r in self.rows:
-            lines.append([r.op, r.shape, r.impl, _f(r.kernel_us, 1), _f(r.eager_us, 1),
+            lines.append([r.op, r.shape, r.impl, _f(r.kernel_us, 1)] + ([_f(r.best_us, 1)] if best else []) +
+                         [_f(r.eager_us, 1),
                           _f(r.gbps, 0 if (r.gbps or 0) >= 100 else 2),
-                          _f(r.pct_copy, 1)] + [(_f(r.speedup[p], 2) + "x") if p in r.speedup else ""
+                          _f(r.pct_copy, 1)] + ([_f(r.pct_read, 1)] if self.read_gbps else []) + [(_f(r.speedup[p], 2) + "x") if p in r.speedup else ""
                                                 for p in peers] + ([r.note] if r.note else []))
         out = [f"quantcore {__version__} bench, backend {self.backend}, device: {self.device}",
                *table_lines(header, lines)]
@@ -593,9 +696,12 @@ class Bench:
         versions = {"quantcore": __version__, "python": platform.python_version(), "numpy": np.__version__}
         if self.torch is not None:
             versions["torch"] = self.torch.__version__
+        if self.ht is not None:
+            versions["torch"] = self.ht.__version__
         if self.bnb is not None:
             versions["bitsandbytes"] = getattr(self.bnb, "__version__", "?")
         return {"backend": self.backend, "device": self.device, "copy_gbps": self.copy_gbps,
+                "read_gbps": self.read_gbps,
                 "versions": versions, "method": __doc__.split("\n\n")[2].replace("\n", " "),
                 "rows": [asdict(r) for r in self.rows], "notes": self.notes}
 

@@ -23,6 +23,7 @@ DEFAULT_BACKEND = "cpu"
 #: Built-in backends, used when the package metadata is missing (a source tree on sys.path).
 _BUILTIN = {
     "cpu": "quantcore.backends.cpu:create",
+    "reference": "quantcore.backends.reference:create",
     "cuda": "quantcore.backends.cuda:create",
     "sycl": "quantcore.backends.sycl:create",
     "maca": "quantcore.backends.maca:create",
@@ -115,7 +116,7 @@ def get_backend(name: str | None = None) -> Backend:
 
 
 def set_backend(name: str) -> Backend:
-    """Select the process-wide backend ("cpu", "cuda", "sycl", "maca" or a registered one)."""
+    """Select the process-wide backend ("cpu", "reference", "cuda", "sycl", "maca" or a registered one)."""
     backend = get_backend(name)
     _global_name[0] = name
     return backend

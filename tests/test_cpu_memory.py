@@ -1,7 +1,8 @@
-"""The cpu reference works in chunks: bounded temporaries, and the same bits as one whole pass.
+"""The numpy reference works in chunks: bounded temporaries, and the same bits as one whole pass.
 
 quantcore/formats/bnb.py and ggml.py run their per-block math over chunks of whole blocks
-(``bnb.CHUNK_ELEMS``, ``ggml.CHUNK_BLOCKS``) and the cpu backend writes straight into the outputs
+(``bnb.CHUNK_ELEMS``, ``ggml.CHUNK_BLOCKS``) and the ``reference`` backend (the cpu backend's
+numpy path) writes straight into the outputs
 the core allocated; gemv_4bit dequantizes the weight a panel of rows at a time. Before this, the
 peak was about 5.5x the input (22 bytes per fp32 element) in quantize_4bit.
 
@@ -64,7 +65,7 @@ def big():
 
 @pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
 def test_quantize_4bit_peak_memory(big, nested):
-    (packed, st), peak = _traced(lambda: qc.quantize_4bit(big, 64, "nf4", nested, backend="cpu"))
+    (packed, st), peak = _traced(lambda: qc.quantize_4bit(big, 64, "nf4", nested, backend="reference"))
     outs = [packed, st.absmax] + ([st.offset, st.state2.absmax] if nested else [])
     _check_peak(peak, _nbytes(*outs), big.nbytes, big.nbytes)
     ref_p, ref_a = bnb.quantize_4bit(big[: 64 * 4096], 64, "nf4")  # spot check of the first blocks
@@ -74,39 +75,39 @@ def test_quantize_4bit_peak_memory(big, nested):
 
 
 def test_dequantize_4bit_peak_memory(big):
-    packed, st = qc.quantize_4bit(big, 64, "fp4", True, backend="cpu")
-    out, peak = _traced(lambda: qc.dequantize_4bit(packed, st, backend="cpu"))
+    packed, st = qc.quantize_4bit(big, 64, "fp4", True, backend="reference")
+    out, peak = _traced(lambda: qc.dequantize_4bit(packed, st, backend="reference"))
     _check_peak(peak, out.nbytes, big.nbytes, _nbytes(packed, st.absmax))
     assert np.abs(out - big).max() <= 0.25 * np.abs(big).max()
 
 
 def test_gemv_4bit_peak_memory(big):
     n, k = 4096, BIG // 4096
-    packed, st = qc.quantize_4bit(big.reshape(n, k), 64, "nf4", True, backend="cpu")
+    packed, st = qc.quantize_4bit(big.reshape(n, k), 64, "nf4", True, backend="reference")
     a = np.random.default_rng(2202).standard_normal((3, k), dtype=np.float32)
-    y, peak = _traced(lambda: qc.gemv_4bit(a, packed, st, backend="cpu"))
+    y, peak = _traced(lambda: qc.gemv_4bit(a, packed, st, backend="reference"))
     # No full dequantized weight (that alone would be 64 MB): only a panel of rows at a time.
     assert peak - y.nbytes <= FIXED // 2, f"gemv temporaries peaked at {(peak - y.nbytes) / MB:.0f} MB"
-    w = qc.dequantize_4bit(packed, st, backend="cpu")
+    w = qc.dequantize_4bit(packed, st, backend="reference")
     ref = a @ w.T  # one pass over the whole weight, as before
     assert np.all(np.abs(y - ref) <= 4 * k * np.finfo(np.float32).eps * (np.abs(a) @ np.abs(w).T))
 
 
 def test_blockwise_peak_memory(big):
-    (codes, st), peak = _traced(lambda: qc.quantize_blockwise(big, 4096, backend="cpu"))
+    (codes, st), peak = _traced(lambda: qc.quantize_blockwise(big, 4096, backend="reference"))
     _check_peak(peak, _nbytes(codes, st.absmax), big.nbytes, big.nbytes)
-    out, peak = _traced(lambda: qc.dequantize_blockwise(codes, st, backend="cpu"))
+    out, peak = _traced(lambda: qc.dequantize_blockwise(codes, st, backend="reference"))
     _check_peak(peak, out.nbytes, big.nbytes, _nbytes(codes, st.absmax))
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q8_1"])
 def test_ggml_peak_memory(big, fmt):
     w = big.reshape(-1, 4096)
-    q, peak = _traced(lambda: getattr(qc, f"quantize_{fmt}")(w, backend="cpu"))
+    q, peak = _traced(lambda: getattr(qc, f"quantize_{fmt}")(w, backend="reference"))
     _check_peak(peak, q.nbytes, big.nbytes, big.nbytes)
     if fmt == "q8_1":
         return
-    out, peak = _traced(lambda: getattr(qc, f"dequantize_{fmt}")(q, backend="cpu"))
+    out, peak = _traced(lambda: getattr(qc, f"dequantize_{fmt}")(q, backend="reference"))
     _check_peak(peak, out.nbytes, big.nbytes, q.nbytes)
 
 
@@ -115,10 +116,10 @@ def test_ggml_gemm_peak_memory():
     rng = np.random.default_rng(2209)
     w = rng.standard_normal((512, 4096), dtype=np.float32)
     a = rng.standard_normal((128, 4096), dtype=np.float32)
-    wq, aq = qc.quantize_q4_0(w, backend="cpu"), qc.quantize_q8_1(a, backend="cpu")
-    out, peak = _traced(lambda: qc.gemm_q4_0_q8_1(wq, aq, 512, 128, 4096, backend="cpu"))
+    wq, aq = qc.quantize_q4_0(w, backend="reference"), qc.quantize_q8_1(a, backend="reference")
+    out, peak = _traced(lambda: qc.gemm_q4_0_q8_1(wq, aq, 512, 128, 4096, backend="reference"))
     assert peak - out.nbytes <= FIXED, f"gemm temporaries peaked at {(peak - out.nbytes) / MB:.0f} MB"
-    out2, peak = _traced(lambda: qc.gemm_w4a8(wq, a, 512, 128, 4096, backend="cpu"))
+    out2, peak = _traced(lambda: qc.gemm_w4a8(wq, a, 512, 128, 4096, backend="reference"))
     assert peak - out2.nbytes <= FIXED and np.array_equal(out, out2)
 
 
@@ -170,12 +171,12 @@ def test_bnb_chunking_is_bit_exact(monkeypatch, dtype):
         res = []
         with np.errstate(all="ignore"):
             for x, bs, qt, nested in cases:
-                p, st = qc.quantize_4bit(x, bs, qt, nested, backend="cpu")
-                res += _flat_bytes(p, st, qc.dequantize_4bit(p, st, backend="cpu"),
-                                   qc.dequantize_4bit(p, st, "float32", backend="cpu"))
+                p, st = qc.quantize_4bit(x, bs, qt, nested, backend="reference")
+                res += _flat_bytes(p, st, qc.dequantize_4bit(p, st, backend="reference"),
+                                   qc.dequantize_4bit(p, st, "float32", backend="reference"))
                 if bs >= 64:
-                    c, s8 = qc.quantize_blockwise(x, bs, backend="cpu")
-                    res += _flat_bytes(c, s8, qc.dequantize_blockwise(c, s8, backend="cpu"))
+                    c, s8 = qc.quantize_blockwise(x, bs, backend="reference")
+                    res += _flat_bytes(c, s8, qc.dequantize_blockwise(c, s8, backend="reference"))
         return res
 
     whole = _with_chunks(monkeypatch, ONE_CHUNK, run)
@@ -210,9 +211,9 @@ def test_ggml_chunking_is_bit_exact(monkeypatch):
         with np.errstate(all="ignore"):
             for x in xs:
                 for fmt in ("q4_0", "q8_0", "q8_1"):
-                    q = getattr(qc, f"quantize_{fmt}")(x, backend="cpu")
-                    res += _flat_bytes(q, getattr(qc, f"dequantize_{fmt}")(q, backend="cpu"),
-                                       getattr(qc, f"dequantize_{fmt}")(q, "float16", backend="cpu"))
+                    q = getattr(qc, f"quantize_{fmt}")(x, backend="reference")
+                    res += _flat_bytes(q, getattr(qc, f"dequantize_{fmt}")(q, backend="reference"),
+                                       getattr(qc, f"dequantize_{fmt}")(q, "float16", backend="reference"))
                 # the reference functions themselves, on [..., K] of any rank
                 x3 = x.reshape(x.shape[0], 1, -1)
                 res += _flat_bytes(ggml.quantize_q4_0(x3), ggml.quantize_q8_0(x3), ggml.quantize_q8_1(x3),
@@ -231,14 +232,14 @@ def test_gemv_panels_match_one_pass(monkeypatch, shape):
     n, k = shape
     rng = np.random.default_rng(2206)
     w = rng.standard_normal(shape).astype(np.float32)
-    packed, st = qc.quantize_4bit(w, 64, "nf4", True, backend="cpu")
+    packed, st = qc.quantize_4bit(w, 64, "nf4", True, backend="reference")
     a = rng.standard_normal((4, k)).astype(np.float32)
-    whole = _with_chunks(monkeypatch, ONE_CHUNK, lambda: qc.gemv_4bit(a, packed, st, backend="cpu"))
-    wd = qc.dequantize_4bit(packed, st, backend="cpu")
+    whole = _with_chunks(monkeypatch, ONE_CHUNK, lambda: qc.gemv_4bit(a, packed, st, backend="reference"))
+    wd = qc.dequantize_4bit(packed, st, backend="reference")
     assert np.array_equal(whole, a @ wd.T)  # one pass is today's reference exactly
     scale = np.abs(a) @ np.abs(wd).T
     for elems in (4096, 1000, 64):
-        got = _with_chunks(monkeypatch, elems, lambda: qc.gemv_4bit(a, packed, st, backend="cpu"))
+        got = _with_chunks(monkeypatch, elems, lambda: qc.gemv_4bit(a, packed, st, backend="reference"))
         assert got.dtype == np.float32 and got.shape == whole.shape
         assert np.all(np.abs(got - whole) <= 4 * k * np.finfo(np.float32).eps * scale), elems
 
@@ -247,16 +248,16 @@ def test_gemv_panels_match_one_pass(monkeypatch, shape):
 def test_gemm_tiles_match_one_pass(monkeypatch, mnk):
     m, n, k = mnk
     rng = np.random.default_rng(2210)
-    wq = qc.quantize_q4_0(rng.standard_normal((m, k), dtype=np.float32), backend="cpu")
+    wq = qc.quantize_q4_0(rng.standard_normal((m, k), dtype=np.float32), backend="reference")
     a = rng.standard_normal((n, k), dtype=np.float32)
-    aq = qc.quantize_q8_1(a, backend="cpu")
-    whole = _with_chunks(monkeypatch, ONE_CHUNK, lambda: qc.gemm_q4_0_q8_1(wq, aq, m, n, k, backend="cpu"))
+    aq = qc.quantize_q8_1(a, backend="reference")
+    whole = _with_chunks(monkeypatch, ONE_CHUNK, lambda: qc.gemm_q4_0_q8_1(wq, aq, m, n, k, backend="reference"))
     assert np.array_equal(whole, ggml.gemm_q4_0_q8_1(wq, aq).astype(np.float32))
     for elems in (k // 32 * 7, k // 32 * 3) + ((1,) if m * n < 200 else ()):
-        got = _with_chunks(monkeypatch, elems, lambda: qc.gemm_q4_0_q8_1(wq, aq, m, n, k, backend="cpu"))
+        got = _with_chunks(monkeypatch, elems, lambda: qc.gemm_q4_0_q8_1(wq, aq, m, n, k, backend="reference"))
         # the same fp64 sum per output, so the same bits (tolerance as a fallback on other numpys)
         np.testing.assert_allclose(got, whole, rtol=1e-6, atol=0)
-        got = _with_chunks(monkeypatch, elems, lambda: qc.gemm_w4a8(wq, a, m, n, k, backend="cpu"))
+        got = _with_chunks(monkeypatch, elems, lambda: qc.gemm_w4a8(wq, a, m, n, k, backend="reference"))
         np.testing.assert_allclose(got, whole, rtol=1e-6, atol=0)
 
 
@@ -284,7 +285,7 @@ def _huge_round_trip() -> None:
         absmax_ref[i * GEN_CHUNK // 64 : (i * GEN_CHUNK + c.size) // 64] = \
             np.fmax.reduce(np.abs(c).reshape(-1, 64), axis=1)
     t_gen = time.perf_counter()
-    packed, st = qc.quantize_4bit(x, 64, "nf4", True, backend="cpu")
+    packed, st = qc.quantize_4bit(x, 64, "nf4", True, backend="reference")
     t_q = time.perf_counter()
 
     # The double quantization of all 2^25 + 1 absmax values, bit for bit.
@@ -305,7 +306,7 @@ def _huge_round_trip() -> None:
         expected[j] = (bnb.dequantize_4bit(p_ref, am, b - a, 64, "nf4", np.float32), am)
     del x  # the dequantization below regenerates what it compares with
     t_check = time.perf_counter()
-    y = qc.dequantize_4bit(packed, st, backend="cpu")
+    y = qc.dequantize_4bit(packed, st, backend="reference")
     t_dq = time.perf_counter()
     assert y.shape == (HUGE,) and y.dtype == np.float32
     for j in spans:

@@ -1,235 +1,313 @@
-"""The ``cpu`` backend: the numpy reference of :mod:`quantcore.formats`, always available.
+"""The ``cpu`` backend: compiled host kernels (C++17, OpenMP, SIMD), the numpy reference behind them.
 
-Native arrays are numpy arrays. torch CPU tensors are accepted and returned zero-copy.
+The kernels (``kernels_cpu/qc_cpu.cpp``) are built at first use by the system C++ compiler and
+cached (:mod:`quantcore.backends.cpu.build`, docs/cpu.md). Every op the library does not cover
+(mx_quantize, scaled_fp4_mm, an unusual layout) runs the numpy reference of the ``reference`` backend, which
+this class extends; without a compiler, or when the build fails, every op does, and
+``quantcore info`` says so. Native arrays are numpy arrays; torch CPU tensors are accepted and
+returned zero-copy.
 
-Memory: the reference functions work in chunks of whole blocks and write straight into the
-outputs the core allocated, so an op's temporaries are a few tens of MB whatever the tensor's size
-(tests/test_cpu_memory.py); gemv_4bit dequantizes the weight a panel of rows at a time.
+Threads: ``QUANTCORE_NUM_THREADS`` (read when the backend is created) or :func:`set_num_threads`;
+unset, OpenMP's default (``OMP_NUM_THREADS``, else one thread per core).
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from typing import Any
 
 import numpy as np
 
-from quantcore import ops
-from quantcore.arrays import array_kind, device_of, numpy_to_torch, torch_to_numpy
-from quantcore.backend import Availability, Backend, Nested
-from quantcore.errors import DeviceError
+from quantcore.backend import Availability, Nested
+from quantcore.errors import ParameterError, QuantcoreError
 from quantcore.formats import bnb, ggml, mx
+from quantcore.formats.kernel_defines import DTYPE_CODE, QUANT_TYPE_CODE
+
+from ..reference import ReferenceBackend, _direct, _flat
+
+#: Environment variable: the number of threads of the compiled kernels.
+ENV_THREADS = "QUANTCORE_NUM_THREADS"
+
+#: Ops the compiled library runs (for supported layouts); the others run the numpy reference.
+COMPILED_OPS = ("quantize_4bit", "dequantize_4bit", "double_quantize", "gemv_4bit",
+                "quantize_blockwise", "dequantize_blockwise", "quantize_q4_0", "quantize_q8_0",
+                "quantize_q8_1", "dequantize_ggml", "gemm_q4_0_q8_1", "gemm_w4a8", "mx_dequantize",
+                "swizzle_scales", "unswizzle_scales")
+NUMPY_OPS = ("mx_quantize", "scaled_fp4_mm")
+
+_GGML_FMT_CODE = {"q4_0": 0, "q8_0": 1, "q8_1": 2}
 
 
-def _flat(a: np.ndarray) -> np.ndarray:
-    return a.reshape(-1)
+def _ptr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
 
 
-def _store(out: np.ndarray, values: np.ndarray) -> None:
-    out.reshape(-1)[...] = values.reshape(-1).astype(out.dtype, copy=False)
+def _dtype_code(a: np.ndarray) -> int | None:
+    return DTYPE_CODE.get(a.dtype.name)
 
 
-def _direct(out: np.ndarray, dtype=None) -> np.ndarray | None:
-    """``out`` when the reference can write into it (contiguous, and of ``dtype`` if given)."""
-    if out.flags.c_contiguous and (dtype is None or out.dtype == np.dtype(dtype)):
-        return out
-    return None
+def _threads_from_env() -> int:
+    raw = os.environ.get(ENV_THREADS, "").strip()
+    if not raw:
+        return 0
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ParameterError(f"{ENV_THREADS}={raw!r} is not an integer") from None
+    if n < 0:
+        raise ParameterError(f"{ENV_THREADS}={raw!r} must be >= 0 (0: the OpenMP default)")
+    return n
 
 
-class CpuBackend(Backend):
+class CpuBackend(ReferenceBackend):
     name = "cpu"
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lib: Any = None
+        self._tried = False
+        self._why_not = ""
+        self._path = ""
+        self._threads = _threads_from_env()
+        self._scratch = threading.local()
+
+    # -- the library ---------------------------------------------------------------------------
+    def library(self) -> Any:
+        """The loaded kernel library, built at the first call; None when it cannot be (see
+        :meth:`availability` for why)."""
+        if self._tried:
+            return self._lib
+        with self._lock:
+            if not self._tried:
+                from . import build
+
+                try:
+                    path = build.build()
+                    self._lib = build.load(path)
+                    self._path = str(path)
+                except (QuantcoreError, OSError) as exc:
+                    self._why_not = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+                    self._lib = None
+                self._tried = True
+        return self._lib
+
+    @property
+    def compiled(self) -> bool:
+        return self.library() is not None
+
+    def set_num_threads(self, n: int) -> None:
+        """Threads of the compiled kernels; 0 restores the OpenMP default."""
+        if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
+            raise ParameterError(f"the number of threads must be an integer >= 0, got {n!r}")
+        self._threads = int(n)
+
+    def num_threads(self) -> int:
+        """The threads the compiled kernels use (the OpenMP default when none was set)."""
+        lib = self.library()
+        if self._threads:
+            return self._threads
+        return int(lib.qc_cpu_max_threads()) if lib is not None else 1
+
     def availability(self) -> Availability:
-        return Availability(True, "numpy reference (always available)")
-
-    def devices(self) -> list[str]:
-        return ["cpu"]
-
-    def capabilities(self):
-        return ops.ALL_CAPABILITIES
-
-    # -- arrays --------------------------------------------------------------------------------
-    def prepare(self, x: Any) -> np.ndarray:
-        kind = array_kind(x)
-        if kind == "numpy":
-            return np.ascontiguousarray(x)
-        if kind == "torch" and x.device.type == "cpu":
-            return torch_to_numpy(x)
-        if kind in ("torch", "cupy", "usm"):
-            raise DeviceError(f"the cpu backend takes host arrays; this one is on {device_of(x)}. "
-                              "Move it to the host (.cpu()) or select the matching backend")
-        return np.ascontiguousarray(np.asarray(x))
-
-    def finish(self, native: np.ndarray, like: Any) -> Any:
-        return numpy_to_torch(native) if array_kind(like) == "torch" else native
-
-    def empty(self, shape, dtype, like=None) -> np.ndarray:
-        return np.empty(shape, dtype=dtype)
-
-    def from_numpy(self, a, like=None) -> np.ndarray:
-        return np.array(a, copy=True)
-
-    def to_numpy(self, x) -> np.ndarray:
-        return np.array(x, copy=True)
-
-    def view(self, buf, byte_offset, shape, dtype) -> np.ndarray:
-        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        return buf[byte_offset: byte_offset + nbytes].view(dtype).reshape(shape)
+        lib = self.library()
+        if lib is None:
+            return Availability(True, "numpy reference (always available)",
+                                mode=f"numpy fallback, no compiled kernels: {self._why_not}")
+        info = lib.qc_cpu_build_info().decode()
+        return Availability(True, "compiled host kernels",
+                            mode=f"compiled host kernels ({info}, {self.num_threads()} threads); "
+                                 f"numpy reference for {', '.join(NUMPY_OPS)}")
 
     # -- bitsandbytes --------------------------------------------------------------------------
     def quantize_4bit(self, x, packed, absmax, *, blocksize, quant_type):
+        lib, dt = self.library(), _dtype_code(x)
         pd, ad = _direct(packed, np.uint8), _direct(absmax, np.float32)
-        p, a = bnb.quantize_4bit(_flat(x), blocksize, quant_type, packed=pd, absmax=ad)
-        if pd is None:
-            _store(packed, p)
-        if ad is None:
-            _store(absmax, a)
+        n = x.size
+        if (lib is None or dt is None or pd is None or ad is None or pd.size != (n + 1) // 2
+                or ad.size != bnb.nblocks(n, blocksize)):
+            return super().quantize_4bit(x, packed, absmax, blocksize=blocksize, quant_type=quant_type)
+        lib.qc_quantize_4bit(_ptr(x), dt, n, blocksize, QUANT_TYPE_CODE[quant_type], _ptr(pd),
+                             _ptr(ad), self._threads)
 
-    def _absmax(self, absmax, nested: Nested | None) -> np.ndarray:
+    def _nested_args(self, absmax, nested: Nested | None, nblocks: int):
+        """(absmax, qabsmax, absmax2, code2, offset) pointers for the library, or None."""
         if nested is None:
-            return _flat(absmax)
-        return bnb.dequantize_absmax(_flat(absmax), _flat(nested.absmax2), _flat(nested.offset)[0],
-                                     _flat(nested.code2))
+            if absmax.dtype != np.float32 or absmax.size < nblocks:
+                return None
+            return (_ptr(absmax), None, None, None, 0.0)
+        a2, c2, off = nested.absmax2, nested.code2, nested.offset
+        if (absmax.dtype != np.uint8 or absmax.size < nblocks or a2.dtype != np.float32
+                or a2.size < bnb.nblocks(nblocks, bnb.NESTED_BLOCKSIZE) or c2.dtype != np.float32
+                or c2.size != 256 or off.size < 1):
+            return None
+        return (None, _ptr(absmax), _ptr(a2), _ptr(c2), float(_flat(off)[0]))
 
     def dequantize_4bit(self, packed, absmax, out, *, blocksize, quant_type, nested):
-        od = _direct(out)
-        vals = bnb.dequantize_4bit(packed, self._absmax(absmax, nested), out.size, blocksize,
-                                   quant_type, out.dtype, out=od)
-        if od is None:
-            _store(out, vals)
+        lib, od = self.library(), _direct(out)
+        n = out.size
+        args = None if lib is None else self._nested_args(absmax, nested, bnb.nblocks(n, blocksize))
+        if (args is None or od is None or _dtype_code(od) is None or packed.dtype != np.uint8
+                or 2 * packed.size < n):
+            return super().dequantize_4bit(packed, absmax, out, blocksize=blocksize,
+                                           quant_type=quant_type, nested=nested)
+        lib.qc_dequantize_4bit(_ptr(packed), *args, n, blocksize, QUANT_TYPE_CODE[quant_type],
+                               _ptr(od), _dtype_code(od), self._threads)
 
     def double_quantize(self, absmax, qabsmax, absmax2, offset):
-        qd, a2d = _direct(qabsmax, np.uint8), _direct(absmax2, np.float32)
-        q, a2, off = bnb.double_quantize(_flat(absmax), qabsmax=qd, absmax2=a2d)
-        if qd is None:
-            _store(qabsmax, q)
-        if a2d is None:
-            _store(absmax2, a2)
-        _store(offset, np.array([off], dtype=np.float32))
+        lib = self.library()
+        qd, a2d, od = _direct(qabsmax, np.uint8), _direct(absmax2, np.float32), _direct(offset, np.float32)
+        nb = absmax.size
+        if (lib is None or absmax.dtype != np.float32 or qd is None or a2d is None or od is None
+                or qd.size != nb or a2d.size != bnb.nblocks(nb, bnb.NESTED_BLOCKSIZE) or od.size != 1):
+            return super().double_quantize(absmax, qabsmax, absmax2, offset)
+        lib.qc_double_quantize(_ptr(absmax), nb, _ptr(qd), _ptr(a2d), _ptr(od), self._threads)
 
     def quantize_blockwise(self, x, thresholds, codes, absmax, *, blocksize):
+        lib, dt = self.library(), _dtype_code(x)
         cd, ad = _direct(codes, np.uint8), _direct(absmax, np.float32)
-        q, a = bnb.quantize_blockwise(_flat(x), blocksize, _flat(thresholds), codes=cd, absmax=ad)
-        if cd is None:
-            _store(codes, q)
-        if ad is None:
-            _store(absmax, a)
+        th = np.ascontiguousarray(_flat(thresholds), dtype=np.float32)
+        n = x.size
+        if (lib is None or dt is None or cd is None or ad is None or cd.size != n
+                or ad.size != bnb.nblocks(n, blocksize) or th.size != bnb.DYNAMIC_THRESHOLDS.size):
+            return super().quantize_blockwise(x, thresholds, codes, absmax, blocksize=blocksize)
+        lib.qc_quantize_blockwise(_ptr(x), dt, n, blocksize, _ptr(th), _ptr(cd), _ptr(ad), self._threads)
 
     def dequantize_blockwise(self, codes, absmax, code, out, *, blocksize):
-        od = _direct(out)
-        vals = bnb.dequantize_blockwise(codes, absmax, blocksize, out.dtype, _flat(code), out=od)
-        if od is None:
-            _store(out, vals)
+        lib, od = self.library(), _direct(out)
+        cf = np.ascontiguousarray(_flat(code), dtype=np.float32)
+        n = out.size
+        if (lib is None or od is None or _dtype_code(od) is None or codes.dtype != np.uint8
+                or codes.size != n or absmax.dtype != np.float32
+                or absmax.size < bnb.nblocks(n, blocksize) or cf.size != 256):
+            return super().dequantize_blockwise(codes, absmax, code, out, blocksize=blocksize)
+        lib.qc_dequantize_blockwise(_ptr(codes), _ptr(absmax), _ptr(cf), n, blocksize, _ptr(od),
+                                    _dtype_code(od), self._threads)
 
     def gemv_4bit(self, a, packed, absmax, out, *, n, k, blocksize, quant_type, nested):
-        # The weight is dequantized a panel of whole rows at a time (about bnb.CHUNK_ELEMS
-        # elements), each output column computed by one fp32 matmul over all of K; only a row
-        # longer than the chunk is split along K, its partial products summed in fp32.
-        p = np.asarray(packed, dtype=np.uint8).reshape(-1)
-        am = np.asarray(self._absmax(absmax, nested), dtype=np.float32).reshape(-1)
-        code = bnb.code_4bit(quant_type)
-        a32 = a.reshape(-1, k).astype(np.float32)
-        direct = _direct(out, np.float32)
-        shape = (a32.shape[0], n)
-        res = np.empty(shape, np.float32) if direct is None else direct.reshape(shape)
-        step = max(1, bnb.CHUNK_ELEMS)
-        if k <= step:
-            rows = max(1, step // max(k, 1))
-            for r0 in range(0, n, rows):
-                r1 = min(n, r0 + rows)
-                w = bnb.dequantize_range_4bit(p, am, r0 * k, r1 * k, blocksize, code).reshape(r1 - r0, k)
-                res[:, r0:r1] = a32 @ w.T
-        else:
-            for r in range(n):
-                acc = np.zeros(a32.shape[0], np.float32)
-                for k0 in range(0, k, step):
-                    k1 = min(k, k0 + step)
-                    w = bnb.dequantize_range_4bit(p, am, r * k + k0, r * k + k1, blocksize, code)
-                    acc += a32[:, k0:k1] @ w
-                res[:, r] = acc
-        if direct is None:
-            _store(out, res)
+        lib, dt, od = self.library(), _dtype_code(a), _direct(out)
+        rows = a.size // k if k else 0
+        args = None if lib is None else self._nested_args(absmax, nested, bnb.nblocks(n * k, blocksize))
+        if (args is None or dt is None or od is None or od.dtype != a.dtype or k == 0
+                or a.size != rows * k or od.size != rows * n or packed.dtype != np.uint8
+                or 2 * packed.size < n * k):
+            return super().gemv_4bit(a, packed, absmax, out, n=n, k=k, blocksize=blocksize,
+                                     quant_type=quant_type, nested=nested)
+        lib.qc_gemv_4bit(_ptr(a), dt, rows, n, k, _ptr(packed), *args, blocksize,
+                         QUANT_TYPE_CODE[quant_type], _ptr(od), self._threads)
 
     # -- ggml ----------------------------------------------------------------------------------
-    def _quantize_ggml(self, fn, x, out, width):
-        x2 = x.reshape(-1, x.shape[-1])
-        od = _direct(out, np.uint8)
-        if od is not None and od.size == x2.size // ggml.QK * width:
-            fn(x2, out=od.reshape(x2.shape[0], x2.shape[1] // ggml.QK, width))
+    def _ggml_quantize(self, x, out, kind: int, width: int) -> bool:
+        lib, dt, od = self.library(), _dtype_code(x), _direct(out, np.uint8)
+        if (lib is None or dt is None or od is None or x.ndim == 0 or x.shape[-1] % ggml.QK
+                or od.size != x.size // ggml.QK * width):
+            return False
+        if kind < 0:
+            lib.qc_quantize_q4_0(_ptr(x), dt, x.size // ggml.QK, _ptr(od), self._threads)
         else:
-            _store(out, fn(x2))
+            lib.qc_quantize_q8(_ptr(x), dt, x.size // ggml.QK, kind, _ptr(od), self._threads)
+        return True
 
     def quantize_q4_0(self, w, out):
-        self._quantize_ggml(ggml.quantize_q4_0, w, out, ggml.Q4_0_BLOCK_BYTES)
+        if not self._ggml_quantize(w, out, -1, ggml.Q4_0_BLOCK_BYTES):
+            super().quantize_q4_0(w, out)
 
     def quantize_q8_0(self, a, out):
-        self._quantize_ggml(ggml.quantize_q8_0, a, out, ggml.Q8_0_BLOCK_BYTES)
+        if not self._ggml_quantize(a, out, 0, ggml.Q8_0_BLOCK_BYTES):
+            super().quantize_q8_0(a, out)
 
     def quantize_q8_1(self, a, out):
-        self._quantize_ggml(ggml.quantize_q8_1, a, out, ggml.Q8_1_BLOCK_BYTES)
+        if not self._ggml_quantize(a, out, 1, ggml.Q8_1_BLOCK_BYTES):
+            super().quantize_q8_1(a, out)
 
     def dequantize_ggml(self, q, out, *, fmt):
+        lib, od = self.library(), _direct(out)
         width = ggml.BLOCK_BYTES[fmt]
-        od = _direct(out)
-        if q.ndim >= 2 and q.shape[-1] == width and q.size and od is not None \
-                and od.size == q.size // width * ggml.QK:
-            target = od.reshape(q.shape[:-2] + (q.shape[-2] * ggml.QK,))
-        else:
-            target = None
-        if fmt == "q4_0":
-            vals = ggml.dequantize_q4_0(q, out=target)
-        else:
-            vals = ggml.dequantize_q8(q, fmt, out=target)
-        if target is None:
-            _store(out, vals)
+        if (lib is None or od is None or _dtype_code(od) is None or q.dtype != np.uint8 or q.ndim < 2
+                or q.shape[-1] != width or od.size != q.size // width * ggml.QK):
+            return super().dequantize_ggml(q, out, fmt=fmt)
+        lib.qc_dequantize_ggml(_ptr(q), _GGML_FMT_CODE[fmt], q.size // width, _ptr(od),
+                               _dtype_code(od), self._threads)
+
+    def _gemm_ok(self, wq, aq, out) -> np.ndarray | None:
+        od = _direct(out, np.float32)
+        if (self.library() is None or od is None or wq.dtype != np.uint8 or aq.dtype != np.uint8
+                or wq.ndim != 3 or aq.ndim != 3 or wq.shape[2] != ggml.Q4_0_BLOCK_BYTES
+                or aq.shape[2] != ggml.Q8_1_BLOCK_BYTES or wq.shape[1] != aq.shape[1]
+                or od.size != wq.shape[0] * aq.shape[0]):
+            return None
+        return od
 
     def gemm_q4_0_q8_1(self, wq, aq, out):
-        # The fp64 reference holds M x N x K/32 partial sums: computed in [mc, nc] output tiles
-        # of about bnb.CHUNK_ELEMS of them (each output element is the same sum either way).
-        m, n, nb = wq.shape[0], aq.shape[0], wq.shape[1]
-        budget = max(1, bnb.CHUNK_ELEMS // max(nb, 1))
-        nc = max(1, min(n, budget))
-        mc = max(1, budget // nc)
-        direct = _direct(out, np.float32)
-        res = np.empty((m, n), np.float32) if direct is None else direct.reshape(m, n)
-        for m0 in range(0, m, mc):
-            for n0 in range(0, n, nc):
-                res[m0 : m0 + mc, n0 : n0 + nc] = ggml.gemm_q4_0_q8_1(wq[m0 : m0 + mc], aq[n0 : n0 + nc])
-        if direct is None:
-            _store(out, res)
+        od = self._gemm_ok(wq, aq, out)
+        if od is None:
+            return super().gemm_q4_0_q8_1(wq, aq, out)
+        self._lib.qc_gemm_q4_0_q8_1(_ptr(wq), _ptr(aq), wq.shape[0], aq.shape[0], wq.shape[1],
+                                    _ptr(od), self._threads)
+
+    def _q8_scratch(self, rows: int, nb: int) -> np.ndarray:
+        """A per-thread buffer for the Q8_1 activation of gemm_w4a8, kept between calls."""
+        buf = getattr(self._scratch, "q8", None)
+        need = rows * nb * ggml.Q8_1_BLOCK_BYTES
+        if buf is None or buf.size < need:
+            buf = np.empty(need, np.uint8)
+            self._scratch.q8 = buf
+        return buf[:need].reshape(rows, nb, ggml.Q8_1_BLOCK_BYTES)
 
     def gemm_w4a8(self, wq, a, out):
-        self.gemm_q4_0_q8_1(wq, ggml.quantize_q8_1(a.reshape(-1, a.shape[-1])), out)
+        lib, dt = self.library(), _dtype_code(a)
+        if lib is None or dt is None or a.ndim == 0 or a.shape[-1] % ggml.QK or wq.ndim != 3:
+            return super().gemm_w4a8(wq, a, out)
+        rows, nb = a.size // a.shape[-1], a.shape[-1] // ggml.QK
+        aq = self._q8_scratch(rows, nb)
+        lib.qc_quantize_q8(_ptr(a), dt, rows * nb, 1, _ptr(aq), self._threads)
+        self.gemm_q4_0_q8_1(wq, aq, out)
 
-    # -- MX family (NVFP4, MXFP4, MXFP8) -------------------------------------------------------
-    def mx_quantize(self, x, codes, scales, *, rows, cols, fmt, scale_mode, swizzled,
-                    global_scale=None):
-        g = None if global_scale is None else _flat(global_scale)[0]
-        c, s = mx.quantize(x.reshape(rows, cols), fmt, scale_mode=scale_mode or "floor",
-                           global_scale=g)
-        _store(codes, c)
-        _store(scales, mx.swizzle(s) if swizzled else s)
-
-    def _row_major_scales(self, scales, rows, cols, fmt, swizzled):
-        ncols = cols // mx.block_size(fmt)
-        return mx.unswizzle(scales, rows, ncols) if swizzled else scales.reshape(rows, ncols)
-
+    # -- MX family: dequantize and the scale layout compiled; quantize and the GEMM run numpy ----
     def mx_dequantize(self, codes, scales, out, *, rows, cols, fmt, swizzled, global_scale=None):
-        g = None if global_scale is None else _flat(global_scale)[0]
-        s = self._row_major_scales(scales, rows, cols, fmt, swizzled)
-        q = codes.reshape(rows, mx.codes_cols(fmt, cols))
-        _store(out, mx.dequantize(q, s, fmt, global_scale=g, out_dtype=out.dtype))
+        lib, od = self.library(), _direct(out)
+        blk = mx.block_size(fmt)
+        nscales = (int(np.prod(mx.swizzled_shape(rows, cols // blk))) if swizzled
+                   else rows * (cols // blk))
+        g = 1.0 if global_scale is None else float(_flat(global_scale)[0])
+        if (lib is None or od is None or _dtype_code(od) is None or od.size != rows * cols
+                or codes.dtype != np.uint8 or codes.size != rows * mx.codes_cols(fmt, cols)
+                or scales.dtype != np.uint8 or scales.size != nscales
+                or (fmt == "nvfp4") != (global_scale is not None)):
+            return super().mx_dequantize(codes, scales, out, rows=rows, cols=cols, fmt=fmt,
+                                         swizzled=swizzled, global_scale=global_scale)
+        lib.qc_mx_dequantize(_ptr(codes), _ptr(scales), rows, cols, mx.MX_FORMAT_CODE[fmt],
+                             int(bool(swizzled)), g, _ptr(od), _dtype_code(od), self._threads)
 
     def swizzle_scales(self, scales, out, *, rows, cols):
-        _store(out, mx.swizzle(scales.reshape(rows, cols)))
+        lib, od = self.library(), _direct(out, np.uint8)
+        if (lib is None or od is None or scales.dtype != np.uint8 or scales.size != rows * cols
+                or od.size != int(np.prod(mx.swizzled_shape(rows, cols)))):
+            return super().swizzle_scales(scales, out, rows=rows, cols=cols)
+        lib.qc_swizzle_scales(_ptr(scales), _ptr(od), rows, cols)
 
     def unswizzle_scales(self, swz, out, *, rows, cols):
-        _store(out, mx.unswizzle(swz, rows, cols))
-
-    def scaled_fp4_mm(self, a, b, scale_a, scale_b, alpha, bias, out, *, m, n, k, fmt):
-        bias_v = None if bias is None else _flat(bias)
-        _store(out, mx.scaled_fp4_mm(a.reshape(m, k // 2), b.reshape(n, k // 2), scale_a, scale_b,
-                                     _flat(alpha)[0], bias_v, fmt))
+        lib, od = self.library(), _direct(out, np.uint8)
+        if (lib is None or od is None or swz.dtype != np.uint8 or od.size != rows * cols
+                or swz.size != int(np.prod(mx.swizzled_shape(rows, cols)))):
+            return super().unswizzle_scales(swz, out, rows=rows, cols=cols)
+        lib.qc_unswizzle_scales(_ptr(swz), _ptr(od), rows, cols)
 
 
 def create() -> CpuBackend:
     return CpuBackend()
+
+
+def set_num_threads(n: int) -> None:
+    """Threads of the registered ``cpu`` backend's compiled kernels (0: the OpenMP default)."""
+    from quantcore.registry import get_backend
+
+    be = get_backend("cpu")
+    be.set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    """Threads the registered ``cpu`` backend's compiled kernels use."""
+    from quantcore.registry import get_backend
+
+    return get_backend("cpu").num_threads()

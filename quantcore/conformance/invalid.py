@@ -2,14 +2,15 @@
 backend, with the same message, and a host array given to a device backend raises
 :class:`~quantcore.errors.DeviceError`.
 
-Each invalid input is built twice from the same numpy data: once as numpy arrays for the ``cpu``
-reference backend, once as the backend's own arrays (``be.from_numpy``), and the public function
-is called with ``backend=``. The cpu backend must raise a :class:`~quantcore.errors.QuantcoreError`
-subclass (never a built-in exception), and the backend the same type with the same message (the
-backend's name read as "cpu"): the core validates before any kernel launch, so a difference means
-the core cannot read the backend's arrays, or the backend validates on its own. A call that the
-cpu backend accepts must succeed on the backend too. The cpu reference declares exactly the capabilities of
-the backend under test, so a call outside them raises UnsupportedError on both.
+Each invalid input is built twice from the same numpy data: once as numpy arrays for the numpy
+``reference`` backend, once as the backend's own arrays (``be.from_numpy``), and the public
+function is called with ``backend=``. The reference must raise a
+:class:`~quantcore.errors.QuantcoreError` subclass (never a built-in exception), and the backend the
+same type with the same message (the backend's name read as "reference"): the core validates before
+any kernel launch, so a difference means the core cannot read the backend's arrays, or the backend
+validates on its own. A call that the reference accepts must succeed on the backend too. The
+reference declares exactly the capabilities of the backend under test, so a call outside them
+raises UnsupportedError on both.
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ class Invalid:
 
 
 def _reference_backend(declared: frozenset[Capability]) -> Backend:
-    """The cpu backend, declaring exactly what the backend under test declares, so that a call
-    outside the declared capabilities raises UnsupportedError on both."""
-    from ..backends.cpu import CpuBackend
+    """The numpy reference backend, declaring exactly what the backend under test declares, so
+    that a call outside the declared capabilities raises UnsupportedError on both."""
+    from ..backends.reference import ReferenceBackend
 
-    class Reference(CpuBackend):
+    class Reference(ReferenceBackend):
         def capabilities(self) -> frozenset[Capability]:
             return declared
 
@@ -65,20 +66,20 @@ def _same_error(item: Invalid) -> Callable[[Backend, np.random.Generator], Verdi
         expected, etext, emsg = _outcome(item.build(lambda a: a, _reference_backend(frozenset(be.capabilities()))))
         got, text, msg = _outcome(item.build(lambda a: be.from_numpy(np.ascontiguousarray(a)), be))
         if expected is not None and not issubclass(expected, QuantcoreError):
-            v.fail(SAFETY, f"the cpu backend raised {etext}: invalid input must raise a QuantcoreError "
+            v.fail(SAFETY, f"the reference backend raised {etext}: invalid input must raise a QuantcoreError "
                            "subclass (a defect of the core's validation)")
         elif expected is None and got is not None:
-            v.fail(SAFETY, f"a valid call raised {text} (the cpu backend accepts it)")
+            v.fail(SAFETY, f"a valid call raised {text} (the reference backend accepts it)")
         elif expected is not None and got is None:
-            v.fail(SAFETY, f"an invalid input was accepted; the cpu backend raises {expected.__name__}")
+            v.fail(SAFETY, f"an invalid input was accepted; the reference backend raises {expected.__name__}")
         elif expected is not got:
-            v.fail(SAFETY, f"raised {text}; the cpu backend raises {expected.__name__} "
+            v.fail(SAFETY, f"raised {text}; the reference backend raises {expected.__name__} "
                            "(every backend must raise the same type)")
-        elif msg.replace(repr(be.name), "'cpu'") != emsg:
-            v.fail(SAFETY, f"raised {expected.__name__} with the message {msg!r}; the cpu backend's is "
+        elif msg.replace(repr(be.name), "'reference'") != emsg:
+            v.fail(SAFETY, f"raised {expected.__name__} with the message {msg!r}; the reference backend's is "
                            f"{emsg!r} (every backend must give the same message)")
         else:
-            v.note(f"raised {expected.__name__ if expected else 'nothing'}, as the cpu backend does")
+            v.note(f"raised {expected.__name__ if expected else 'nothing'}, as the reference backend does")
         return v
 
     return run

@@ -405,12 +405,12 @@ def _gemv_4bit(cap: Capability, shape: tuple[int, int, int], nested: bool, a_nd:
 # -- the public API, end to end with the backend's arrays -------------------------------------------
 def _api_roundtrip(cap: Capability, be: Backend, rng: np.random.Generator) -> Verdict:
     """quantize_4bit (double quant) + dequantize_4bit through the public API, compared with the
-    cpu backend on numpy arrays: every array of the state and the result bit for bit."""
+    numpy reference backend on numpy arrays: every array of the state and the result bit for bit."""
     v = Verdict()
     x = cast(scaled_normal(rng, 3 * 5 * cap.blocksize + 6, cap.blocksize), DTYPES[cap.dtype])
     x = x.reshape(3, -1)
     results = []
-    for backend, arr, back in ((_cpu(), lambda a: a, np.asarray),
+    for backend, arr, back in ((_reference(), lambda a: a, np.asarray),
                                (be, be.from_numpy, lambda t: np.asarray(be.to_numpy(t)))):
         packed, state = api.quantize_4bit(arr(x), cap.blocksize, cap.fmt, compress_statistics=True,
                                           backend=backend)
@@ -421,7 +421,7 @@ def _api_roundtrip(cap: Capability, be: Backend, rng: np.random.Generator) -> Ve
     for name, ref in results[0].items():
         got = results[1][name]
         if got.shape != ref.shape:
-            v.fail(BIT_EXACT, f"{name}: shape {got.shape}, the cpu backend gives {ref.shape}")
+            v.fail(BIT_EXACT, f"{name}: shape {got.shape}, the reference backend gives {ref.shape}")
             continue
         compare_bits(name, [results[1]], ref, None, v)
     return v
@@ -482,7 +482,7 @@ def _api_blockwise(cap: Capability, be: Backend, rng: np.random.Generator) -> Ve
     v = Verdict()
     x = cast(scaled_normal(rng, 2 * 3 * cap.blocksize + 10, cap.blocksize), DTYPES[cap.dtype])
     results = []
-    for backend, arr, back in ((_cpu(), lambda a: a, np.asarray),
+    for backend, arr, back in ((_reference(), lambda a: a, np.asarray),
                                (be, be.from_numpy, lambda t: np.asarray(be.to_numpy(t)))):
         codes, state = api.quantize_blockwise(arr(x.reshape(2, -1)), cap.blocksize, backend=backend)
         out = api.dequantize_blockwise(codes, state, backend=backend)
@@ -492,10 +492,10 @@ def _api_blockwise(cap: Capability, be: Backend, rng: np.random.Generator) -> Ve
     return v
 
 
-def _cpu() -> Backend:
-    from ...backends.cpu import CpuBackend
+def _reference() -> Backend:
+    from ...backends.reference import ReferenceBackend
 
-    return CpuBackend()
+    return ReferenceBackend()
 
 
 # -- invalid inputs ----------------------------------------------------------------------------------

@@ -313,8 +313,8 @@ def _gemm_w4a8(cap: Capability, shape, a_1d: bool, be: Backend, rng: np.random.G
 # -- the public API end to end ---------------------------------------------------------------------------
 def _api_roundtrip(cap: Capability, be: Backend, rng: np.random.Generator) -> Verdict:
     """quantize_<fmt> then dequantize_<fmt> through the public API with 2-D and 1-D inputs,
-    compared bit for bit with the cpu backend on numpy arrays."""
-    from ...backends.cpu import CpuBackend
+    compared bit for bit with the reference backend on numpy arrays."""
+    from ...backends.reference import ReferenceBackend
 
     v = Verdict()
     fmt = cap.fmt
@@ -322,7 +322,7 @@ def _api_roundtrip(cap: Capability, be: Backend, rng: np.random.Generator) -> Ve
     quant = getattr(api, f"quantize_{fmt}")
     dequant = getattr(api, f"dequantize_{fmt}")
     res = []
-    for backend, arr, back in ((CpuBackend(), lambda t: t, np.asarray),
+    for backend, arr, back in ((ReferenceBackend(), lambda t: t, np.asarray),
                                (be, be.from_numpy, lambda t: np.asarray(be.to_numpy(t)))):
         q2 = quant(arr(x), backend=backend)
         q1 = quant(arr(x[1]), backend=backend)
@@ -331,7 +331,7 @@ def _api_roundtrip(cap: Capability, be: Backend, rng: np.random.Generator) -> Ve
                     "x-1d": back(dequant(q1, cap.dtype, backend=backend))})
     for name, ref in res[0].items():
         if res[1][name].shape != ref.shape:
-            v.fail(BIT_EXACT, f"{name}: shape {res[1][name].shape}, the cpu backend gives {ref.shape}")
+            v.fail(BIT_EXACT, f"{name}: shape {res[1][name].shape}, the reference backend gives {ref.shape}")
             continue
         compare_bits(name, [res[1]], ref, None, v)
     return v

@@ -452,8 +452,8 @@ def _mm(cap: Capability, shape, with_bias: bool, random_codes: bool, be: Backend
 # -- the public API end to end ---------------------------------------------------------------------
 def _api_roundtrip(cap: Capability, be: Backend, rng: np.random.Generator) -> Verdict:
     """quantize / dequantize / swizzle through the public API on the backend's arrays, compared
-    bit for bit with the cpu backend on numpy arrays (default swizzled scales and row-major)."""
-    from ...backends.cpu import CpuBackend
+    bit for bit with the reference backend on numpy arrays (default swizzled scales and row-major)."""
+    from ...backends.reference import ReferenceBackend
 
     v = Verdict()
     fmt = cap.fmt
@@ -462,7 +462,7 @@ def _api_roundtrip(cap: Capability, be: Backend, rng: np.random.Generator) -> Ve
     kw = {"global_scale": float(_global_scale(x))} if fmt == "nvfp4" else {"scale_mode": "rceil"}
     g = kw.get("global_scale")
     res = []
-    for backend, arr, back in ((CpuBackend(), lambda t: t, np.asarray),
+    for backend, arr, back in ((ReferenceBackend(), lambda t: t, np.asarray),
                                (be, be.from_numpy, lambda t: np.asarray(be.to_numpy(t)))):
         c, s = api_mx.quantize_mx(arr(x), fmt, backend=backend, **kw)
         c2, s2 = api_mx.quantize_mx(arr(x), fmt, swizzle=False, backend=backend, **kw)
@@ -472,7 +472,7 @@ def _api_roundtrip(cap: Capability, be: Backend, rng: np.random.Generator) -> Ve
                     "x-swizzled": back(y), "x": back(y2)})
     for name, ref in res[0].items():
         if res[1][name].shape != ref.shape or res[1][name].dtype != ref.dtype:
-            v.fail(BIT_EXACT, f"{name}: {res[1][name].dtype} {res[1][name].shape}, the cpu backend "
+            v.fail(BIT_EXACT, f"{name}: {res[1][name].dtype} {res[1][name].shape}, the reference backend "
                               f"gives {ref.dtype} {ref.shape}")
             continue
         compare_bits(name, [res[1]], ref, None, v)

@@ -1,0 +1,161 @@
+"""Build, cache and load the host kernels of the ``cpu`` backend (``kernels_cpu/qc_cpu.cpp``).
+
+At first use the system C++ compiler builds one shared library (C++17, ``-O3 -fopenmp``, tuned for
+the build machine's CPU) against ``quantcore_constants.h``, which
+:mod:`quantcore.formats.kernel_defines` generates from the core's format constants. The library is
+cached through :mod:`quantcore.cache` (folder ``cpu`` of the cache root) under a name that digests
+everything it depends on: the source, the generated header, the compiler's path and ``--version``,
+the flags, and the CPU (architecture, model and feature flags), so a cache shared by machines with
+different CPUs or compilers never hands one a library built for another. Loaded with ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from importlib import resources
+from pathlib import Path
+
+from quantcore import cache
+from quantcore.errors import BackendUnavailableError, KernelError
+from quantcore.formats import kernel_defines
+
+#: The compiler to use (a name on PATH or a path); default: $CXX, else c++, g++, clang++.
+ENV_CXX = "QUANTCORE_CPU_CXX"
+KERNEL_PACKAGE = "quantcore.kernels_cpu"
+KERNEL_SOURCE = "qc_cpu.cpp"
+#: Flags of every build. -ffp-contract=off: the bit-exact ops round each product and sum as the
+#: reference does (no FMA contraction); no -ffast-math (NaN rules, IEEE division).
+BASE_FLAGS = ("-std=c++17", "-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
+
+_lock = threading.RLock()
+
+
+def compiler() -> str:
+    """Path of the C++ compiler; BackendUnavailableError naming what was tried."""
+    want = os.environ.get(ENV_CXX)
+    cands = [want] if want else [os.environ.get("CXX"), "c++", "g++", "clang++"]
+    for cand in cands:
+        if cand and shutil.which(cand):
+            return shutil.which(cand) or cand
+    tried = f"${ENV_CXX}={want}" if want else "$CXX, c++, g++, clang++"
+    raise BackendUnavailableError(f"no C++ compiler found (tried {tried})")
+
+
+def compiler_version(cxx: str) -> str:
+    try:
+        res = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise BackendUnavailableError(f"the C++ compiler {cxx} does not run ({exc})") from exc
+    if res.returncode != 0:
+        raise BackendUnavailableError(f"`{cxx} --version` failed: {res.stderr.strip()}")
+    return res.stdout.strip()
+
+
+def arch_flags() -> tuple[str, ...]:
+    """Tune for the build machine's CPU: -march=native on x86, -mcpu=native on ARM, else none."""
+    m = platform.machine().lower()
+    if m in ("x86_64", "amd64", "i686", "i386"):
+        return ("-march=native",)
+    if m.startswith(("aarch64", "arm64", "arm")):
+        return ("-mcpu=native",)
+    return ()
+
+
+def cpu_identity() -> str:
+    """What ``-march=native`` depends on: the architecture, the CPU model and its feature flags
+    (from /proc/cpuinfo where there is one, sorted and deduplicated)."""
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip().lower()
+                if key in ("model name", "cpu part", "cpu implementer") and not model:
+                    model = value.strip()
+                elif key in ("flags", "features"):
+                    flags.update(value.split())
+    except OSError:
+        model = platform.processor()
+    return f"{platform.machine()}|{model}|{' '.join(sorted(flags))}"
+
+
+def source_text() -> str:
+    return resources.files(KERNEL_PACKAGE).joinpath(KERNEL_SOURCE).read_text()
+
+
+def build_flags() -> tuple[str, ...]:
+    return BASE_FLAGS + arch_flags()
+
+
+def artifact_key(cxx: str, version: str) -> str:
+    return cache.digest(source_text(), kernel_defines.constants_header(), cxx, version,
+                        *build_flags(), cpu_identity(), length=24)
+
+
+def build(force: bool = False) -> Path:
+    """Path of the kernel library, built now unless a verified cached build matches its inputs.
+
+    Raises BackendUnavailableError (no compiler, cache folder not private) or KernelError (the
+    build failed, with the compiler's log)."""
+    with _lock:
+        cxx = compiler()
+        version = compiler_version(cxx)
+        folder = cache.private_dir("cpu")
+        target = folder / f"qc_cpu-{artifact_key(cxx, version)}.so"
+        if not force and cache.verified(target) is not None:
+            return target
+        with tempfile.TemporaryDirectory(prefix="qc_cpu_build.", dir=folder) as tmpdir:
+            kernel_defines.write_header(tmpdir)
+            src = Path(tmpdir) / KERNEL_SOURCE
+            src.write_text(source_text())
+            out = Path(tmpdir) / "qc_cpu.so"
+            cmd = [cxx, *build_flags(), f"-I{tmpdir}", str(src), "-o", str(out)]
+            try:
+                res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            except (OSError, subprocess.SubprocessError) as exc:
+                raise KernelError(f"building the cpu kernels failed: {exc}") from exc
+            if res.returncode != 0:
+                raise KernelError(f"building the cpu kernels failed:\n$ {' '.join(cmd)}\n"
+                                  f"{res.stdout}{res.stderr}")
+            cache.install_artifact(out, target)
+        return target
+
+
+_i64, _i32, _f32, _vp = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+
+#: ctypes signatures of the library's entry points (see kernels_cpu/qc_cpu.cpp).
+SIGNATURES = {
+    "qc_cpu_build_info": (ctypes.c_char_p, []),
+    "qc_cpu_max_threads": (_i32, []),
+    "qc_stream_read": (ctypes.c_double, [_vp, _i64, _i32]),
+    "qc_stream_copy": (None, [_vp, _vp, _i64, _i32]),
+    "qc_quantize_4bit": (None, [_vp, _i32, _i64, _i32, _i32, _vp, _vp, _i32]),
+    "qc_dequantize_4bit": (None, [_vp, _vp, _vp, _vp, _vp, _f32, _i64, _i32, _i32, _vp, _i32, _i32]),
+    "qc_double_quantize": (None, [_vp, _i64, _vp, _vp, _vp, _i32]),
+    "qc_quantize_blockwise": (None, [_vp, _i32, _i64, _i32, _vp, _vp, _vp, _i32]),
+    "qc_dequantize_blockwise": (None, [_vp, _vp, _vp, _i64, _i32, _vp, _i32, _i32]),
+    "qc_gemv_4bit": (None, [_vp, _i32, _i64, _i64, _i64, _vp, _vp, _vp, _vp, _vp, _f32, _i32, _i32,
+                            _vp, _i32]),
+    "qc_quantize_q4_0": (None, [_vp, _i32, _i64, _vp, _i32]),
+    "qc_quantize_q8": (None, [_vp, _i32, _i64, _i32, _vp, _i32]),
+    "qc_dequantize_ggml": (None, [_vp, _i32, _i64, _vp, _i32, _i32]),
+    "qc_gemm_q4_0_q8_1": (None, [_vp, _vp, _i64, _i64, _i64, _vp, _i32]),
+    "qc_mx_dequantize": (None, [_vp, _vp, _i64, _i64, _i32, _i32, _f32, _vp, _i32, _i32]),
+    "qc_swizzle_scales": (None, [_vp, _vp, _i64, _i64]),
+    "qc_unswizzle_scales": (None, [_vp, _vp, _i64, _i64]),
+}
+
+
+def load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    for name, (res, args) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = res
+        fn.argtypes = args
+    return lib

@@ -1,0 +1,1 @@
+"""Kernel sources (package data); see the backend of the same vendor."""

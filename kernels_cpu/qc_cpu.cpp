@@ -1,0 +1,826 @@
+// Host kernels of the `cpu` backend: C++17, OpenMP threads, AVX2 where the build target has it.
+//
+// The semantics are those of the numpy reference (quantcore/formats/bnb.py, ggml.py): every
+// quantizer and dequantizer here is bit for bit the same; gemv_4bit and the Q4_0 x Q8_1 GEMM are
+// tolerance-tier ops (fp32 accumulation, see quantcore/conformance/bounds.py). The build must not
+// contract a*b+c into an FMA where the reference rounds twice (-ffp-contract=off) and must not
+// use -ffast-math (NaN rules, exact fp32 division). Format constants come from the generated
+// quantcore_constants.h (quantcore.formats.kernel_defines), never spelled here.
+//
+// Every entry point takes `nt`, the number of OpenMP threads (<= 0: the OpenMP default), writes
+// only into the outputs it is given and allocates nothing but a thread-local fp32 copy of a
+// half-precision gemv activation (kept between calls).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QC_AVX2 1
+#else
+#define QC_AVX2 0
+#endif
+// AVX-512 (F + BW) adds a 16-entry register table lookup for the 4-bit decode (vpermps).
+#if QC_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__)
+#define QC_AVX512 1
+#else
+#define QC_AVX512 0
+#endif
+
+#include "quantcore_constants.h"
+
+namespace {
+
+using i64 = int64_t;
+
+constexpr float kNF4[16] = QC_NF4_CODE_INIT;
+constexpr float kFP4[16] = QC_FP4_CODE_INIT;
+constexpr float kNF4Thr[QC_NF4_NTHRESHOLDS] = QC_NF4_THRESHOLDS_INIT;
+constexpr float kFP4Thr[QC_FP4_NTHRESHOLDS] = QC_FP4_THRESHOLDS_INIT;
+constexpr uint8_t kFP4Step[QC_FP4_NTHRESHOLDS + 1] = QC_FP4_STEP_CODES_INIT;
+constexpr int32_t kFP4Step8[8] = QC_FP4_STEP_CODES_INIT;
+constexpr float kDynThr[QC_DYNAMIC_NTHRESHOLDS] = QC_DYNAMIC_THRESHOLDS_INIT;
+
+// Work below this many elements runs on one thread (a parallel region costs microseconds).
+constexpr i64 kSerialBelow = 1 << 15;
+
+inline int threads(int nt) { return nt > 0 ? nt : omp_get_max_threads(); }
+inline int threads_for(int nt, i64 work) { return work < kSerialBelow ? 1 : threads(nt); }
+
+// -- scalar conversions (exact; round to nearest even like numpy / ml_dtypes) -------------------
+inline uint32_t bits_of(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  if (exp == 0x1F) return float_of(sign | 0x7F800000u | (man << 13));
+  if (exp == 0) {
+    // zero or subnormal: man * 2^-24, exact in fp32
+    float v = (float)man * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+  }
+  return float_of(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+inline uint16_t float_to_half(float f) {
+  uint32_t x = bits_of(f);
+  uint32_t sign = (x >> 16) & 0x8000;
+  uint32_t ax = x & 0x7FFFFFFFu;
+  if (ax > 0x7F800000u) return (uint16_t)(sign | 0x7E00 | ((ax >> 13) & 0x3FF));  // NaN, quiet
+  if (ax >= 0x477FF000u) return (uint16_t)(sign | 0x7C00);  // rounds to >= 65520: inf
+  if (ax < 0x38800000u) {  // below the smallest fp16 normal: subnormal or zero
+    if (ax < 0x33000000u) return (uint16_t)sign;  // < 2^-25: rounds to zero (2^-25 ties to even 0)
+    uint32_t e = ax >> 23, m = (ax & 0x7FFFFF) | 0x800000;
+    uint32_t shift = 126 - e;  // 14 + (113 - e) ... value = m * 2^(e-150); half unit 2^-24
+    // result = round(m * 2^(e - 150 + 24)) = round(m >> (126 - e))
+    uint32_t q = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (q & 1))) q++;
+    return (uint16_t)(sign | q);
+  }
+  uint32_t r = ax + 0xFFF + ((ax >> 13) & 1);  // round the 13 dropped bits to nearest even
+  return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
+}
+
+inline float bf16_to_float(uint16_t h) { return float_of((uint32_t)h << 16); }
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t x = bits_of(f);
+  if ((x & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((x >> 16) | 0x40);
+  return (uint16_t)((x + 0x7FFF + ((x >> 16) & 1)) >> 16);
+}
+
+inline float load_as_float(const void* p, int dtype, i64 i) {
+  if (dtype == QC_DTYPE_F32) return ((const float*)p)[i];
+  if (dtype == QC_DTYPE_F16) return half_to_float(((const uint16_t*)p)[i]);
+  return bf16_to_float(((const uint16_t*)p)[i]);
+}
+
+inline void store_from_float(void* p, int dtype, i64 i, float v) {
+  if (dtype == QC_DTYPE_F32) ((float*)p)[i] = v;
+  else if (dtype == QC_DTYPE_F16) ((uint16_t*)p)[i] = float_to_half(v);
+  else ((uint16_t*)p)[i] = float_to_bf16(v);
+}
+
+inline float read_half(const uint8_t* p) { uint16_t h; std::memcpy(&h, p, 2); return half_to_float(h); }
+inline void write_half(uint8_t* p, uint16_t h) { std::memcpy(p, &h, 2); }
+
+#if QC_AVX2
+// -- AVX2 helpers ------------------------------------------------------------------------------
+inline __m256 load8(const void* p, int dtype, i64 i) {
+  if (dtype == QC_DTYPE_F32) return _mm256_loadu_ps((const float*)p + i);
+  __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)p + i));
+  if (dtype == QC_DTYPE_F16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline void store8(void* p, int dtype, i64 i, __m256 v) {
+  if (dtype == QC_DTYPE_F32) { _mm256_storeu_ps((float*)p + i, v); return; }
+  __m128i h;
+  if (dtype == QC_DTYPE_F16) {
+    h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  } else {
+    __m256i x = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(0x40));
+    __m256 isnan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(qnan), isnan));
+    h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  }
+  _mm_storeu_si128((__m128i*)((uint16_t*)p + i), h);
+}
+
+// code[idx] for eight 4-bit indices (one per 32-bit lane).
+inline __m256 lut16(__m256 lo, __m256 hi, __m256i idx) {
+  __m256 a = _mm256_permutevar8x32_ps(lo, idx), b = _mm256_permutevar8x32_ps(hi, idx);
+  return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+
+// 16 packed bytes (bitsandbytes order: element 2i in the high nibble) -> 32 indices in order.
+inline void unpack32(const uint8_t* p, __m128i& e0, __m128i& e1) {
+  __m128i v = _mm_loadu_si128((const __m128i*)p);
+  __m128i m = _mm_set1_epi8(0x0F);
+  __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), m), lo = _mm_and_si128(v, m);
+  e0 = _mm_unpacklo_epi8(hi, lo);
+  e1 = _mm_unpackhi_epi8(hi, lo);
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline int hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+#endif
+
+inline const float* code_table(int quant_type) { return quant_type == QC_QUANT_NF4 ? kNF4 : kFP4; }
+
+// absmax of block b: plain fp32, or double quantization's code2[q] * absmax2[b / 256] + offset
+// (two fp32 roundings; -ffp-contract=off keeps them two).
+struct Absmax {
+  const float* plain;
+  const uint8_t* q;
+  const float* absmax2;
+  const float* code2;
+  float offset;
+  inline float operator()(i64 b) const {
+    if (!q) return plain[b];
+    float prod = code2[q[b]] * absmax2[b / QC_NESTED_BLOCKSIZE];
+    return prod + offset;
+  }
+};
+
+inline uint8_t nibble(const uint8_t* packed, i64 i) {
+  uint8_t byte = packed[i >> 1];
+  return (i & 1) ? (byte & 0x0F) : (byte >> 4);
+}
+
+// NaN-ignoring max of |x| over [i0, i1) (np.fmax.reduce); `start` is 0 for a zero-padded block,
+// NaN otherwise (an all-NaN unpadded block keeps NaN).
+inline float absmax_range(const void* x, int dtype, i64 i0, i64 i1, float start) {
+  float m = start;
+  i64 i = i0;
+#if QC_AVX2
+  if (i1 - i0 >= 8) {
+    // maxps returns its second operand when either is NaN: NaN elements are skipped; -1 marks
+    // "no number seen" (every |x| is >= 0)
+    __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 vm = _mm256_set1_ps(-1.0f);
+    for (; i + 8 <= i1; i += 8) vm = _mm256_max_ps(_mm256_and_ps(load8(x, dtype, i), absmask), vm);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    float vmax = _mm_cvtss_f32(h);
+    if (vmax >= 0.0f) m = (vmax > m || m != m) ? vmax : m;
+  }
+#endif
+  for (; i < i1; ++i) {
+    float v = std::fabs(load_as_float(x, dtype, i));
+    m = (v > m || m != m) ? v : m;
+  }
+  return m;
+}
+
+inline uint8_t code_4bit(float s, int quant_type) {
+  if (quant_type == QC_QUANT_NF4) {
+    int c = 0;
+    for (int t = 0; t < QC_NF4_NTHRESHOLDS; ++t) c += s > kNF4Thr[t];
+    return (uint8_t)c;
+  }
+  float mag = std::fabs(s);
+  int c = 0;
+  for (int t = 0; t < QC_FP4_NTHRESHOLDS; ++t) c += mag > kFP4Thr[t];
+  return (uint8_t)(kFP4Step[c] | (s < 0.0f ? QC_FP4_SIGN_BIT : 0));
+}
+
+// searchsorted(thresholds, s, "left") over a sorted 255-entry table (the number of entries
+// below s), branch free; NaN -> 0.
+static_assert(QC_DYNAMIC_NTHRESHOLDS == 255, "code_8bit searches 255 thresholds");
+inline uint8_t code_8bit(float s, const float* thr) {
+  int pos = 0;
+  for (int step = 128; step >= 1; step >>= 1) pos += (thr[pos + step - 1] < s) ? step : 0;
+  return (uint8_t)pos;
+}
+
+// Perfect binary tree sum in fp64 of v[lo, lo + size) with zeros past n (bnb.pairwise_sum_f64):
+// the same tree level by level inside a leaf of up to 64 values, recursion above it.
+double tree_sum(const float* v, i64 n, i64 lo, i64 size) {
+  if (lo >= n) return 0.0;
+  if (size <= 64) {
+    double buf[64];
+    for (i64 i = 0; i < size; ++i) buf[i] = lo + i < n ? (double)v[lo + i] : 0.0;
+    for (i64 w = size; w > 1; w /= 2)
+      for (i64 i = 0; i < w / 2; ++i) buf[i] = buf[2 * i] + buf[2 * i + 1];
+    return buf[0];
+  }
+  i64 h = size / 2;
+  return tree_sum(v, n, lo, h) + tree_sum(v, n, lo + h, h);
+}
+
+void quantize_blockwise_impl(const void* x, int dtype, i64 n, int bs, const float* thr,
+                             uint8_t* codes, float* absmax, int nt) {
+  i64 nb = (n + bs - 1) / bs;
+#pragma omp parallel for num_threads(threads_for(nt, n)) schedule(static)
+  for (i64 b = 0; b < nb; ++b) {
+    i64 i0 = b * bs, i1 = i0 + bs < n ? i0 + bs : n;
+    float m = absmax_range(x, dtype, i0, i1, i1 - i0 < bs ? 0.0f : NAN);
+    absmax[b] = m;
+    float r = 1.0f / m;
+    for (i64 i = i0; i < i1; ++i) codes[i] = code_8bit(load_as_float(x, dtype, i) * r, thr);
+  }
+}
+
+// One weight row against NB activation rows (rows of whole blocks): res[t] = row . a_t.
+// NB is a template parameter so the accumulators stay in registers.
+template <int NB>
+void gemv_row(const float* af, i64 K, i64 r, const uint8_t* packed, const Absmax& am, int bs,
+              const float* code, float* res) {
+  i64 kb = K / bs;
+#if QC_AVX512
+    __m512 lut = _mm512_loadu_ps(code);
+    __m512 acc[NB];
+    for (int t = 0; t < NB; ++t) acc[t] = _mm512_setzero_ps();
+    for (i64 blk = 0; blk < kb; ++blk) {
+      __m512 b0acc[NB], b1acc[NB];
+      for (int t = 0; t < NB; ++t) b0acc[t] = b1acc[t] = _mm512_setzero_ps();
+      const uint8_t* p = packed + (r * K + blk * bs) / 2;
+      i64 k0 = blk * bs;
+      for (i64 g = 0; g < bs; g += 32) {
+        __m128i e0, e1;
+        unpack32(p + g / 2, e0, e1);
+        __m512 w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(e0), lut);
+        __m512 w1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(e1), lut);
+        for (int t = 0; t < NB; ++t) {
+          const float* ap = af + t * K + k0 + g;
+          b0acc[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(ap), b0acc[t]);
+          b1acc[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(ap + 16), b1acc[t]);
+        }
+      }
+      __m512 vs = _mm512_set1_ps(am(r * kb + blk));
+      for (int t = 0; t < NB; ++t) acc[t] = _mm512_fmadd_ps(_mm512_add_ps(b0acc[t], b1acc[t]), vs, acc[t]);
+    }
+    for (int t = 0; t < NB; ++t) res[t] = _mm512_reduce_add_ps(acc[t]);
+#elif QC_AVX2
+    __m256 lo = _mm256_loadu_ps(code), hi = _mm256_loadu_ps(code + 8);
+    __m256 acc[NB];
+    for (int t = 0; t < NB; ++t) acc[t] = _mm256_setzero_ps();
+    for (i64 blk = 0; blk < kb; ++blk) {
+      __m256 bacc[NB];
+      for (int t = 0; t < NB; ++t) bacc[t] = _mm256_setzero_ps();
+      const uint8_t* p = packed + (r * K + blk * bs) / 2;
+      i64 k0 = blk * bs;
+      for (i64 g = 0; g < bs; g += 32) {
+        __m128i e0, e1;
+        unpack32(p + g / 2, e0, e1);
+        __m256 w0 = lut16(lo, hi, _mm256_cvtepu8_epi32(e0));
+        __m256 w1 = lut16(lo, hi, _mm256_cvtepu8_epi32(_mm_srli_si128(e0, 8)));
+        __m256 w2 = lut16(lo, hi, _mm256_cvtepu8_epi32(e1));
+        __m256 w3 = lut16(lo, hi, _mm256_cvtepu8_epi32(_mm_srli_si128(e1, 8)));
+        for (int t = 0; t < NB; ++t) {
+          const float* ap = af + t * K + k0 + g;
+          __m256 s = _mm256_mul_ps(w0, _mm256_loadu_ps(ap));
+          s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(ap + 8), s);
+          s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(ap + 16), s);
+          s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(ap + 24), s);
+          bacc[t] = _mm256_add_ps(bacc[t], s);
+        }
+      }
+      __m256 vs = _mm256_set1_ps(am(r * kb + blk));
+      for (int t = 0; t < NB; ++t) acc[t] = _mm256_fmadd_ps(bacc[t], vs, acc[t]);
+    }
+    for (int t = 0; t < NB; ++t) res[t] = hsum8(acc[t]);
+#else
+    for (i64 blk = 0; blk < kb; ++blk) {
+      float scale = am(r * kb + blk);
+      i64 k0 = blk * bs;
+      const uint8_t* p = packed + (r * K + k0) / 2;
+      for (int t = 0; t < NB; ++t) {
+        const float* ap = af + t * K + k0;
+        float s = 0.0f;
+        for (i64 j = 0; j < bs / 2; ++j) {
+          s += ap[2 * j] * code[p[j] >> 4];
+          s += ap[2 * j + 1] * code[p[j] & 0x0F];
+        }
+        res[t] += s * scale;
+      }
+    }
+#endif
+}
+
+// One Q4_0 weight row against NT Q8_1 activation rows (stride nb blocks): acc[t] = row . a_t.
+template <int NT>
+void gemm_row(const uint8_t* wrow, const uint8_t* aq, i64 nb, float* acc) {
+  for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+  i64 b = 0;
+#if QC_AVX2
+  // four blocks at a time: exact int32 block sums, then the block terms as fp32 vectors
+  __m128 vacc[NT];
+  for (int t = 0; t < NT; ++t) vacc[t] = _mm_setzero_ps();
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m128 eight = _mm_set1_ps((float)QC_Q4_0_OFFSET);
+  for (; b + 4 <= nb; b += 4) {
+    const uint8_t* w = wrow + b * QC_Q4_0_BLOCK_BYTES;
+    __m256i q4[4];
+    uint16_t dh[4];
+    for (int u = 0; u < 4; ++u) {
+      const uint8_t* wb = w + u * QC_Q4_0_BLOCK_BYTES;
+      __m128i v = _mm_loadu_si128((const __m128i*)(wb + 2));
+      q4[u] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+      std::memcpy(&dh[u], wb, 2);
+    }
+    __m128 d4 = _mm_cvtph_ps(_mm_setr_epi16((short)dh[0], (short)dh[1], (short)dh[2], (short)dh[3], 0, 0, 0, 0));
+    for (int t = 0; t < NT; ++t) {
+      const uint8_t* a = aq + (t * nb + b) * QC_Q8_1_BLOCK_BYTES;
+      __m256i p[4];
+      uint16_t ah[8];
+      for (int u = 0; u < 4; ++u) {
+        const uint8_t* ab = a + u * QC_Q8_1_BLOCK_BYTES;
+        __m256i q8 = _mm256_loadu_si256((const __m256i*)(ab + 4));
+        p[u] = _mm256_madd_epi16(_mm256_maddubs_epi16(q4[u], q8), ones);
+        std::memcpy(&ah[u], ab, 2);
+        std::memcpy(&ah[4 + u], ab + 2, 2);
+      }
+      __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+      __m128i sumi = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+      __m256 ds = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)ah));
+      __m128 d8 = _mm256_castps256_ps128(ds), s8 = _mm256_extractf128_ps(ds, 1);
+      __m128 inner = _mm_sub_ps(_mm_mul_ps(d8, _mm_cvtepi32_ps(sumi)), _mm_mul_ps(eight, s8));
+      vacc[t] = _mm_add_ps(vacc[t], _mm_mul_ps(d4, inner));
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    __m128 v = vacc[t];
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_movehdup_ps(v));
+    acc[t] = _mm_cvtss_f32(v);
+  }
+#endif
+  for (; b < nb; ++b) {
+    const uint8_t* w = wrow + b * QC_Q4_0_BLOCK_BYTES;
+    float d4 = read_half(w);
+    for (int t = 0; t < NT; ++t) {
+      const uint8_t* a = aq + (t * nb + b) * QC_Q8_1_BLOCK_BYTES;
+      const int8_t* qs = (const int8_t*)(a + 4);
+      int sumi = 0;
+      for (int j = 0; j < QC_QK / 2; ++j)
+        sumi += (w[2 + j] & 0x0F) * qs[j] + (w[2 + j] >> 4) * qs[j + QC_QK / 2];
+      float d8 = read_half(a), s8 = read_half(a + 2);
+      float inner = d8 * (float)sumi;
+      inner = inner - (float)QC_Q4_0_OFFSET * s8;
+      acc[t] += d4 * inner;
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* qc_cpu_build_info() {
+  return QC_AVX512 ? "avx512+avx2+fma+f16c" : QC_AVX2 ? "avx2+fma+f16c" : "scalar";
+}
+
+int qc_cpu_max_threads() { return omp_get_max_threads(); }
+
+// -- the bandwidth ceilings of `quantcore bench` ---------------------------------------------------
+// Stream read: sum n fp32 values (8 independent vector sums per thread); stream copy: dst = src.
+double qc_stream_read(const float* p, i64 n, int nt) {
+  double total = 0.0;
+#pragma omp parallel for num_threads(threads(nt)) schedule(static) reduction(+ : total)
+  for (i64 c = 0; c < n / 1024; ++c) {
+    const float* q = p + c * 1024;
+#if QC_AVX2
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int j = 0; j < 1024; j += 32) {
+      s0 = _mm256_add_ps(s0, _mm256_loadu_ps(q + j));
+      s1 = _mm256_add_ps(s1, _mm256_loadu_ps(q + j + 8));
+      s2 = _mm256_add_ps(s2, _mm256_loadu_ps(q + j + 16));
+      s3 = _mm256_add_ps(s3, _mm256_loadu_ps(q + j + 24));
+    }
+    total += (double)hsum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+#else
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int j = 0; j < 1024; ++j) acc[j & 7] += q[j];
+    total += (double)(acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7]);
+#endif
+  }
+  return total;
+}
+
+void qc_stream_copy(const float* src, float* dst, i64 n, int nt) {
+#pragma omp parallel for num_threads(threads(nt)) schedule(static)
+  for (i64 c = 0; c < n / 1024; ++c) std::memcpy(dst + c * 1024, src + c * 1024, 1024 * sizeof(float));
+}
+
+// -- bitsandbytes 4-bit ----------------------------------------------------------------------------
+void qc_quantize_4bit(const void* x, int dtype, i64 n, int bs, int quant_type, uint8_t* packed,
+                      float* absmax, int nt) {
+  i64 nb = (n + bs - 1) / bs;
+#pragma omp parallel for num_threads(threads_for(nt, n)) schedule(static)
+  for (i64 b = 0; b < nb; ++b) {
+    i64 i0 = b * bs, i1 = i0 + bs < n ? i0 + bs : n;
+    float m = absmax_range(x, dtype, i0, i1, i1 - i0 < bs ? 0.0f : NAN);
+    absmax[b] = m;
+    float r = 1.0f / m;
+    i64 len = i1 - i0;  // bs is even, so i0 is even: the block owns its bytes
+    uint8_t* out = packed + i0 / 2;
+    i64 pairs = len / 2;
+    i64 j = 0;
+#if QC_AVX2
+    // 32 elements at a time: codes by threshold counting, pairs packed as (even << 4) | odd
+    __m256 vr = _mm256_set1_ps(r);
+    __m256i pairw = _mm256_set1_epi16(0x0110);  // bytes (16, 1): even * 16 + odd
+    __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256i step = _mm256_loadu_si256((const __m256i*)kFP4Step8);
+    for (; 2 * j + 32 <= len; j += 16) {
+      __m256i c[4];
+      for (int g = 0; g < 4; ++g) {
+        __m256 sv = _mm256_mul_ps(load8(x, dtype, i0 + 2 * j + 8 * g), vr);
+        __m256i cnt = _mm256_setzero_si256();
+        if (quant_type == QC_QUANT_NF4) {
+          for (int t = 0; t < QC_NF4_NTHRESHOLDS; ++t)
+            cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(_mm256_cmp_ps(sv, _mm256_set1_ps(kNF4Thr[t]), _CMP_GT_OQ)));
+        } else {
+          __m256 mag = _mm256_and_ps(sv, absmask);
+          for (int t = 0; t < QC_FP4_NTHRESHOLDS; ++t)
+            cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(_mm256_cmp_ps(mag, _mm256_set1_ps(kFP4Thr[t]), _CMP_GT_OQ)));
+          cnt = _mm256_permutevar8x32_epi32(step, cnt);
+          __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(sv, _mm256_setzero_ps(), _CMP_LT_OQ));
+          cnt = _mm256_or_si256(cnt, _mm256_and_si256(neg, _mm256_set1_epi32(QC_FP4_SIGN_BIT)));
+        }
+        c[g] = cnt;
+      }
+      // 32 int32 codes -> 32 bytes in element order
+      __m256i w01 = _mm256_packus_epi32(c[0], c[1]), w23 = _mm256_packus_epi32(c[2], c[3]);
+      __m256i b = _mm256_packus_epi16(w01, w23);
+      b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      __m256i pk = _mm256_maddubs_epi16(b, pairw);  // int16: even * 16 + odd
+      __m128i bytes = _mm_packus_epi16(_mm256_castsi256_si128(pk), _mm256_extracti128_si256(pk, 1));
+      _mm_storeu_si128((__m128i*)(out + j), bytes);
+    }
+#endif
+    for (; j < pairs; ++j) {
+      uint8_t c0 = code_4bit(load_as_float(x, dtype, i0 + 2 * j) * r, quant_type);
+      uint8_t c1 = code_4bit(load_as_float(x, dtype, i0 + 2 * j + 1) * r, quant_type);
+      out[j] = (uint8_t)((c0 << 4) | c1);
+    }
+    if (len & 1) {  // the odd last element; its partner nibble is the block's code of 0.0
+      uint8_t c0 = code_4bit(load_as_float(x, dtype, i1 - 1) * r, quant_type);
+      uint8_t c1 = code_4bit(0.0f * r, quant_type);
+      out[pairs] = (uint8_t)((c0 << 4) | c1);
+    }
+  }
+}
+
+void qc_dequantize_4bit(const uint8_t* packed, const float* absmax, const uint8_t* qabsmax,
+                        const float* absmax2, const float* code2, float offset, i64 n, int bs,
+                        int quant_type, void* out, int dtype, int nt) {
+  const float* code = code_table(quant_type);
+  Absmax am{absmax, qabsmax, absmax2, code2, offset};
+  i64 nb = (n + bs - 1) / bs;
+#pragma omp parallel for num_threads(threads_for(nt, n)) schedule(dynamic, 1024)
+  for (i64 b = 0; b < nb; ++b) {
+    i64 i0 = b * bs, i1 = i0 + bs < n ? i0 + bs : n;
+    float scale = am(b);
+    i64 i = i0;
+#if QC_AVX512
+    __m512 lut = _mm512_loadu_ps(code), vs16 = _mm512_set1_ps(scale);
+    for (; i + 32 <= i1; i += 32) {
+      __m128i e0, e1;
+      unpack32(packed + i / 2, e0, e1);
+      __m512 w0 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(e0), lut), vs16);
+      __m512 w1 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(e1), lut), vs16);
+      if (dtype == QC_DTYPE_F32) {
+        _mm512_storeu_ps((float*)out + i, w0);
+        _mm512_storeu_ps((float*)out + i + 16, w1);
+      } else {
+        store8(out, dtype, i, _mm512_castps512_ps256(w0));
+        store8(out, dtype, i + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w0), 1)));
+        store8(out, dtype, i + 16, _mm512_castps512_ps256(w1));
+        store8(out, dtype, i + 24, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w1), 1)));
+      }
+    }
+#endif
+#if QC_AVX2
+    __m256 lo = _mm256_loadu_ps(code), hi = _mm256_loadu_ps(code + 8), vs = _mm256_set1_ps(scale);
+    for (; i + 32 <= i1; i += 32) {
+      __m128i e0, e1;
+      unpack32(packed + i / 2, e0, e1);
+      store8(out, dtype, i, _mm256_mul_ps(lut16(lo, hi, _mm256_cvtepu8_epi32(e0)), vs));
+      store8(out, dtype, i + 8, _mm256_mul_ps(lut16(lo, hi, _mm256_cvtepu8_epi32(_mm_srli_si128(e0, 8))), vs));
+      store8(out, dtype, i + 16, _mm256_mul_ps(lut16(lo, hi, _mm256_cvtepu8_epi32(e1)), vs));
+      store8(out, dtype, i + 24, _mm256_mul_ps(lut16(lo, hi, _mm256_cvtepu8_epi32(_mm_srli_si128(e1, 8))), vs));
+    }
+#endif
+    for (; i < i1; ++i) store_from_float(out, dtype, i, code[nibble(packed, i)] * scale);
+  }
+}
+
+void qc_double_quantize(const float* absmax, i64 nb, uint8_t* qabsmax, float* absmax2,
+                        float* offset_out, int nt) {
+  if (nb <= 0) { offset_out[0] = 0.0f; return; }
+  i64 size = 1;
+  while (size < nb) size <<= 1;
+  float offset = (float)(tree_sum(absmax, nb, 0, size) / (double)nb);
+  offset_out[0] = offset;
+  i64 nb2 = (nb + QC_NESTED_BLOCKSIZE - 1) / QC_NESTED_BLOCKSIZE;
+#pragma omp parallel for num_threads(threads_for(nt, nb)) schedule(static)
+  for (i64 b = 0; b < nb2; ++b) {
+    i64 i0 = b * QC_NESTED_BLOCKSIZE;
+    i64 i1 = i0 + QC_NESTED_BLOCKSIZE < nb ? i0 + QC_NESTED_BLOCKSIZE : nb;
+    float m = i1 - i0 < QC_NESTED_BLOCKSIZE ? 0.0f : NAN;
+    for (i64 i = i0; i < i1; ++i) {
+      float v = std::fabs(absmax[i] - offset);
+      m = (v > m || m != m) ? v : m;
+    }
+    absmax2[b] = m;
+    float r = 1.0f / m;
+    for (i64 i = i0; i < i1; ++i) {
+      float centered = absmax[i] - offset;
+      qabsmax[i] = code_8bit(centered * r, kDynThr);
+    }
+  }
+}
+
+// -- blockwise 8-bit -------------------------------------------------------------------------------
+void qc_quantize_blockwise(const void* x, int dtype, i64 n, int bs, const float* thresholds,
+                           uint8_t* codes, float* absmax, int nt) {
+  quantize_blockwise_impl(x, dtype, n, bs, thresholds, codes, absmax, nt);
+}
+
+void qc_dequantize_blockwise(const uint8_t* codes, const float* absmax, const float* code, i64 n,
+                             int bs, void* out, int dtype, int nt) {
+  i64 nb = (n + bs - 1) / bs;
+#pragma omp parallel for num_threads(threads_for(nt, n)) schedule(static)
+  for (i64 b = 0; b < nb; ++b) {
+    i64 i0 = b * bs, i1 = i0 + bs < n ? i0 + bs : n;
+    float scale = absmax[b];
+    i64 i = i0;
+#if QC_AVX2
+    __m256 vs = _mm256_set1_ps(scale);
+    for (; i + 8 <= i1; i += 8) {
+      __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(codes + i)));
+      store8(out, dtype, i, _mm256_mul_ps(_mm256_i32gather_ps(code, idx, 4), vs));
+    }
+#endif
+    for (; i < i1; ++i) store_from_float(out, dtype, i, code[codes[i]] * scale);
+  }
+}
+
+// -- gemv_4bit: out[b, r] = sum_k a[b, k] * code[q(r, k)] * absmax(block(r, k)) --------------------
+// fp32 accumulation. A block's products a * code are summed in fp32, then scaled by its absmax
+// once (a term of the tolerance tier's bound: one rounding for the product, one for the scaling).
+void qc_gemv_4bit(const void* a, int adtype, i64 B, i64 N, i64 K, const uint8_t* packed,
+                  const float* absmax, const uint8_t* qabsmax, const float* absmax2,
+                  const float* code2, float offset, int bs, int quant_type, void* out, int nt) {
+  const float* code = code_table(quant_type);
+  Absmax am{absmax, qabsmax, absmax2, code2, offset};
+  const float* af;
+  thread_local std::vector<float> converted;
+  if (adtype == QC_DTYPE_F32) {
+    af = (const float*)a;
+  } else {
+    if ((i64)converted.size() < B * K) converted.resize((size_t)(B * K));
+    for (i64 i = 0; i < B * K; ++i) converted[(size_t)i] = load_as_float(a, adtype, i);
+    af = converted.data();
+  }
+  bool aligned = K % bs == 0 && bs % 32 == 0;
+  constexpr int TILE = 4;
+#pragma omp parallel for num_threads(threads_for(nt, N * K)) schedule(dynamic, 16)
+  for (i64 r = 0; r < N; ++r) {
+    for (i64 b0 = 0; b0 < B; b0 += TILE) {
+      int nbt = (int)(B - b0 < TILE ? B - b0 : TILE);
+      float res[TILE] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (aligned) {
+        switch (nbt) {
+          case 1: gemv_row<1>(af + b0 * K, K, r, packed, am, bs, code, res); break;
+          case 2: gemv_row<2>(af + b0 * K, K, r, packed, am, bs, code, res); break;
+          case 3: gemv_row<3>(af + b0 * K, K, r, packed, am, bs, code, res); break;
+          default: gemv_row<4>(af + b0 * K, K, r, packed, am, bs, code, res); break;
+        }
+      } else {  // rows not aligned to blocks (or an odd K): element by element, w = f32(code * absmax)
+        for (i64 k = 0; k < K; ++k) {
+          i64 i = r * K + k;
+          float w = code[nibble(packed, i)] * am(i / bs);
+          for (int t = 0; t < nbt; ++t) res[t] += af[(b0 + t) * K + k] * w;
+        }
+      }
+      for (int t = 0; t < nbt; ++t) store_from_float(out, adtype, (b0 + t) * N + r, res[t]);
+    }
+  }
+}
+
+// -- ggml ---------------------------------------------------------------------------------------------
+void qc_quantize_q4_0(const void* x, int dtype, i64 nblocks, uint8_t* out, int nt) {
+#pragma omp parallel for num_threads(threads_for(nt, nblocks * QC_QK)) schedule(static)
+  for (i64 b = 0; b < nblocks; ++b) {
+    float v[QC_QK];
+    for (int j = 0; j < QC_QK; ++j) v[j] = load_as_float(x, dtype, b * QC_QK + j);
+    float best = -1.0f, mx = 0.0f;
+    for (int j = 0; j < QC_QK; ++j) {
+      float mag = std::fabs(v[j]);
+      if (mag != mag) mag = -1.0f;
+      if (mag > best) { best = mag; mx = v[j]; }
+    }
+    if (mx != mx) mx = 0.0f;
+    float d = mx / (float)(-QC_Q4_0_OFFSET);
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    uint8_t* blk = out + b * QC_Q4_0_BLOCK_BYTES;
+    write_half(blk, float_to_half(d));
+    uint8_t q[QC_QK];
+    for (int j = 0; j < QC_QK; ++j) {
+      float biased = v[j] * id + QC_Q4_0_ROUND_BIAS;
+      int t = std::isfinite(biased) ? (int)std::fmax(-128.0f, std::fmin(127.0f, std::trunc(biased))) : 0;
+      q[j] = (uint8_t)(t < 15 ? t : 15);
+    }
+    for (int j = 0; j < QC_QK / 2; ++j) blk[2 + j] = (uint8_t)((q[j] & 0x0F) | (q[j + QC_QK / 2] << 4));
+  }
+}
+
+// kind 0: Q8_0 (34 bytes: d, qs); kind 1: Q8_1 (36 bytes: d, s, qs).
+void qc_quantize_q8(const void* x, int dtype, i64 nblocks, int kind, uint8_t* out, int nt) {
+  int width = kind ? QC_Q8_1_BLOCK_BYTES : QC_Q8_0_BLOCK_BYTES;
+#pragma omp parallel for num_threads(threads_for(nt, nblocks * QC_QK)) schedule(static)
+  for (i64 b = 0; b < nblocks; ++b) {
+    float v[QC_QK];
+    for (int j = 0; j < QC_QK; ++j) v[j] = load_as_float(x, dtype, b * QC_QK + j);
+    float amax = NAN;
+    for (int j = 0; j < QC_QK; ++j) {
+      float m = std::fabs(v[j]);
+      amax = (m > amax || amax != amax) ? m : amax;
+    }
+    if (amax != amax) amax = 0.0f;
+    float d = amax / (float)QC_Q8_MAX;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    uint8_t* blk = out + b * width;
+    int8_t* qs = (int8_t*)(blk + (kind ? 4 : 2));
+    int sum = 0;
+    for (int j = 0; j < QC_QK; ++j) {
+      float s = v[j] * id;
+      int q = std::isfinite(s) ? (int)std::fmax(-128.0f, std::fmin(127.0f, std::round(s))) : 0;
+      qs[j] = (int8_t)q;
+      sum += q;
+    }
+    write_half(blk, float_to_half(d));
+    if (kind) {
+      float s = (float)sum * d;
+      write_half(blk + 2, s != s ? (uint16_t)QC_Q8_1_NAN_S_BITS : float_to_half(s));
+    }
+  }
+}
+
+// fmt 0: Q4_0, 1: Q8_0, 2: Q8_1 -> out [nblocks * 32] in dtype.
+void qc_dequantize_ggml(const uint8_t* q, int fmt, i64 nblocks, void* out, int dtype, int nt) {
+  int width = fmt == 0 ? QC_Q4_0_BLOCK_BYTES : fmt == 1 ? QC_Q8_0_BLOCK_BYTES : QC_Q8_1_BLOCK_BYTES;
+#pragma omp parallel for num_threads(threads_for(nt, nblocks * QC_QK)) schedule(static)
+  for (i64 b = 0; b < nblocks; ++b) {
+    const uint8_t* blk = q + b * width;
+    float d = read_half(blk);
+    i64 o = b * QC_QK;
+    if (fmt == 0) {
+      for (int j = 0; j < QC_QK / 2; ++j) {
+        store_from_float(out, dtype, o + j, ((float)(blk[2 + j] & 0x0F) - (float)QC_Q4_0_OFFSET) * d);
+        store_from_float(out, dtype, o + j + QC_QK / 2, ((float)(blk[2 + j] >> 4) - (float)QC_Q4_0_OFFSET) * d);
+      }
+    } else {
+      const int8_t* qs = (const int8_t*)(blk + (fmt == 2 ? 4 : 2));
+      for (int j = 0; j < QC_QK; ++j) store_from_float(out, dtype, o + j, (float)qs[j] * d);
+    }
+  }
+}
+
+// out[m, n] = sum_b d4[m,b] * (d8[n,b] * sumi - 8 * s8[n,b]); wq [M, nb, 18], aq [N, nb, 36].
+// The integer dot product is exact; each block term is three fp32 roundings (d8 * sumi, the
+// subtraction, d4 *), summed in fp32 (the tolerance tier's bound allows four).
+void qc_gemm_q4_0_q8_1(const uint8_t* wq, const uint8_t* aq, i64 M, i64 N, i64 nb, float* out, int nt) {
+  constexpr int TILE = 4;  // activation rows per pass over a weight row
+#pragma omp parallel for num_threads(threads_for(nt, M * nb * QC_QK)) schedule(dynamic, 16)
+  for (i64 m = 0; m < M; ++m) {
+    const uint8_t* wrow = wq + m * nb * QC_Q4_0_BLOCK_BYTES;
+    for (i64 n0 = 0; n0 < N; n0 += TILE) {
+      int nt_ = (int)(N - n0 < TILE ? N - n0 : TILE);
+      float acc[TILE];
+      const uint8_t* arow = aq + n0 * nb * QC_Q8_1_BLOCK_BYTES;
+      switch (nt_) {
+        case 1: gemm_row<1>(wrow, arow, nb, acc); break;
+        case 2: gemm_row<2>(wrow, arow, nb, acc); break;
+        case 3: gemm_row<3>(wrow, arow, nb, acc); break;
+        default: gemm_row<4>(wrow, arow, nb, acc); break;
+      }
+      for (int t = 0; t < nt_; ++t) out[m * N + n0 + t] = acc[t];
+    }
+  }
+}
+
+// -- MX family: dequantize and the swizzled scale layout (quantcore/formats/mx.py) -----------------
+}  // extern "C"
+
+namespace {
+
+constexpr float kE2M1[16] = QC_E2M1_VALUES_INIT;
+
+inline float e4m3_value(uint8_t b) {
+  int e = (b >> 3) & 0xF, m = b & 7;
+  float v;
+  if (e == 0xF && m == 7) v = NAN;
+  else if (e == 0) v = (float)m * 0.001953125f;  // m * 2^-9, exact
+  else v = float_of((uint32_t)(e + 120) << 23 | (uint32_t)m << 20);  // (1 + m/8) * 2^(e-7)
+  return (b & 0x80) ? -v : v;
+}
+
+inline float e8m0_value(uint8_t b) {
+  if (b == QC_E8M0_NAN) return NAN;
+  return b == 0 ? float_of(0x00400000u) : float_of((uint32_t)b << 23);  // 2^(b-127); b = 0: the denormal 2^-127
+}
+
+// Byte offset of scale (r, c) in the swizzled layout of a [*, ncols] scale matrix.
+inline i64 swizzle_offset(i64 r, i64 c, i64 ncols) {
+  i64 pc = (ncols + QC_SWIZZLE_COLS - 1) / QC_SWIZZLE_COLS * QC_SWIZZLE_COLS;
+  i64 tile = (r / QC_SWIZZLE_ROWS) * (pc / QC_SWIZZLE_COLS) + c / QC_SWIZZLE_COLS;
+  i64 inner = (r % QC_SWIZZLE_ROW_GROUP) * 16 + ((r % QC_SWIZZLE_ROWS) / QC_SWIZZLE_ROW_GROUP) * 4 +
+              c % QC_SWIZZLE_COLS;
+  return tile * QC_SWIZZLE_TILE_BYTES + inner;
+}
+
+}  // namespace
+
+extern "C" {
+
+// codes [rows, cols/2] (fp4, element 2i in the low nibble) or [rows, cols] (E4M3 bytes), scales
+// row-major [rows, cols/blk] or swizzled -> out [rows, cols]: f32(elem * scale) (nvfp4:
+// f32(f32(elem * scale) / g)), rounded once to dtype.
+void qc_mx_dequantize(const uint8_t* codes, const uint8_t* scales, i64 rows, i64 cols, int fmt,
+                      int swizzled, float g, void* out, int dtype, int nt) {
+  int blk = fmt == QC_FMT_NVFP4 ? QC_NVFP4_BLOCK : QC_MX_BLOCK;
+  bool fp4 = fmt != QC_FMT_MXFP8;
+  i64 ncols = cols / blk;
+#pragma omp parallel for num_threads(threads_for(nt, rows * cols)) schedule(static)
+  for (i64 r = 0; r < rows; ++r) {
+    for (i64 c = 0; c < ncols; ++c) {
+      uint8_t sb = scales[swizzled ? swizzle_offset(r, c, ncols) : r * ncols + c];
+      float scale = fmt == QC_FMT_NVFP4 ? e4m3_value(sb) : e8m0_value(sb);
+      for (int j = 0; j < blk; ++j) {
+        i64 k = c * blk + j;
+        float v;
+        if (fp4) {
+          uint8_t byte = codes[r * (cols / 2) + k / 2];
+          v = kE2M1[(k & 1) ? byte >> 4 : byte & 0x0F];
+        } else {
+          v = e4m3_value(codes[r * cols + k]);
+        }
+        float prod = v * scale;
+        if (fmt == QC_FMT_NVFP4) prod = prod / g;
+        store_from_float(out, dtype, r * cols + k, prod);
+      }
+    }
+  }
+}
+
+// scales uint8 [rows, cols] -> out [ceil(rows/128)*128, ceil(cols/4)*4] swizzled, padding zeroed.
+void qc_swizzle_scales(const uint8_t* scales, uint8_t* out, i64 rows, i64 cols) {
+  i64 pr = (rows + QC_SWIZZLE_ROWS - 1) / QC_SWIZZLE_ROWS * QC_SWIZZLE_ROWS;
+  i64 pc = (cols + QC_SWIZZLE_COLS - 1) / QC_SWIZZLE_COLS * QC_SWIZZLE_COLS;
+  std::memset(out, 0, (size_t)(pr * pc));
+  for (i64 r = 0; r < rows; ++r)
+    for (i64 c = 0; c < cols; ++c) out[swizzle_offset(r, c, cols)] = scales[r * cols + c];
+}
+
+void qc_unswizzle_scales(const uint8_t* swz, uint8_t* out, i64 rows, i64 cols) {
+  for (i64 r = 0; r < rows; ++r)
+    for (i64 c = 0; c < cols; ++c) out[r * cols + c] = swz[swizzle_offset(r, c, cols)];
+}
+
+}  // extern "C"
