@@ -168,6 +168,20 @@ case("dequantize_4bit", "reversed-nf4-map", StateError,
          e.state, code=e.arr(bnb.code_4bit("nf4")[::-1].copy())), backend=e.name))
 case("dequantize_4bit", "8bit-state", StateError, lambda e: qc.dequantize_4bit(e.codes8, e.state8, backend=e.name))
 
+# gemv_4bit_grouped (the pair list, then each weight as gemv_4bit checks it)
+case("gemv_4bit_grouped", "weights-empty", ParameterError,
+     lambda e: qc.gemv_4bit_grouped(e.arr(np.zeros((1, 64), np.float32)), [], backend=e.name))
+case("gemv_4bit_grouped", "weights-not-pairs", ParameterError,
+     lambda e: qc.gemv_4bit_grouped(e.arr(np.zeros((1, 64), np.float32)), [e.packed], backend=e.name))
+case("gemv_4bit_grouped", "A=float64", DTypeError,
+     lambda e: qc.gemv_4bit_grouped(e.arr(np.zeros((1, 64), np.float64)), [(e.packed, e.state)], backend=e.name))
+case("gemv_4bit_grouped", "A-wrong-K", ShapeError,
+     lambda e: qc.gemv_4bit_grouped(e.arr(np.zeros((1, 32), np.float32)), [(e.packed, e.state)] * 2,
+                                    backend=e.name))
+case("gemv_4bit_grouped", "state-1d", ShapeError,
+     lambda e: qc.gemv_4bit_grouped(e.arr(np.zeros((1, 64), np.float32)),
+                                    [(e.packed, dataclasses.replace(e.state, shape=(e.state.shape[0] * 64,)))],
+                                    backend=e.name))
 # gemv_4bit
 for k, bad in NOT_ARRAYS.items():
     case("gemv_4bit", f"A={k}", DTypeError, lambda e, bad=bad: qc.gemv_4bit(bad, e.packed, e.state, backend=e.name))
@@ -397,7 +411,7 @@ PUBLIC = sorted(n for n in qc.__all__ if getattr(getattr(qc, n), "__module__", "
 
 def test_every_public_function_has_cases():
     covered = {fn for fn, *_ in CASES}
-    assert len(PUBLIC) == 30
+    assert len(PUBLIC) == 31
     assert set(PUBLIC) - covered == set()
 
 
