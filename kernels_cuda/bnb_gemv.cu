@@ -134,6 +134,7 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
             c2s[i] = ldg_f32(c2p + i % kDynCodes);
         }
     }
+    __syncthreads();  // the table and the code2 copies are read by every warp
     const u32 lutx = smem_addr(lut) | (4u * (u32)lane);
 
     // the tile list: group i owns tiles [tb(i), tb(i + 1)) (read from the parameters where used, so
