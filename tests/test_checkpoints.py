@@ -316,7 +316,7 @@ def test_gguf_dispatch_writes_atomically(tmp_path, monkeypatch, capsys):
 
     seen = []
 
-    def requantize_gguf(src, dst, fmt, *, pure=False, backend=None, progress=True):
+    def requantize_gguf(src, dst, fmt, *, pure=False, backend=None, progress=True, allow_requantize=False):
         seen.append((src, dst, fmt, pure))
         assert "quantcore-tmp" in dst and not os.path.exists(dst)
         if fmt == "q8_0" and not pure:
