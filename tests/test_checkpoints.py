@@ -416,16 +416,19 @@ def test_checkpoint_larger_than_the_memory_limit(tmp_path, fmt):
 
 
 # -- device backends ---------------------------------------------------------------------------------------------------
-_SYCL = availability("sycl")
+_DEVICES = {name: availability(name) for name in ("sycl", "cuda", "maca")}
 
 
-@pytest.mark.skipif(not _SYCL, reason=f"sycl backend unavailable: {_SYCL.reason}")
+@pytest.mark.parametrize("backend", list(_DEVICES))
 @pytest.mark.parametrize("fmt", ["nf4", "nvfp4", "mxfp4"])
-def test_sycl_backend_gives_the_cpu_bytes(model_file, tmp_path, monkeypatch, fmt):
+def test_device_backend_gives_the_cpu_bytes(model_file, tmp_path, monkeypatch, fmt, backend):
+    """--backend and QUANTCORE_BACKEND move each tensor to the device and back: the cpu's bytes."""
+    if not _DEVICES[backend]:
+        pytest.skip(f"{backend} backend unavailable: {_DEVICES[backend].reason}")
     quantize_checkpoint(model_file, tmp_path / "cpu.safetensors", fmt, backend="cpu", progress=False)
-    assert main(["quantize", str(model_file), "-o", str(tmp_path / "sycl.safetensors"), "--format", fmt, "-q",
-                 "--backend", "sycl"]) == 0
-    monkeypatch.setenv("QUANTCORE_BACKEND", "sycl")
+    assert main(["quantize", str(model_file), "-o", str(tmp_path / "dev.safetensors"), "--format", fmt, "-q",
+                 "--backend", backend]) == 0
+    monkeypatch.setenv("QUANTCORE_BACKEND", backend)
     assert main(["quantize", str(model_file), "-o", str(tmp_path / "env.safetensors"), "--format", fmt, "-q"]) == 0
     ref = (tmp_path / "cpu.safetensors").read_bytes()
-    assert (tmp_path / "sycl.safetensors").read_bytes() == ref and (tmp_path / "env.safetensors").read_bytes() == ref
+    assert (tmp_path / "dev.safetensors").read_bytes() == ref and (tmp_path / "env.safetensors").read_bytes() == ref
