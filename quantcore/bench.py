@@ -277,11 +277,18 @@ class Bench:
 
     def measure(self, op: str, shape: str, impl: str, nbytes: int, fns: list[Callable[[], Any]],
                 note: str = "", eager: list[Callable[[], Any]] | None = None) -> Row:
-        row = Row(op, shape, impl, nbytes, note=note)
-        try:
+        def timed(row: Row) -> None:
             row.kernel_us = self.timer.kernel(fns, self.reps, warmup=max(3, len(fns)))
             row.best_us = getattr(self.timer, "best_us", None)
             row.eager_us = self.timer.eager(eager or fns, max(10, self.reps // 2))
+
+        return self._row(op, shape, impl, nbytes, timed, note)
+
+    def _row(self, op: str, shape: str, impl: str, nbytes: int, timed: Callable[[Row], None], note: str) -> Row:
+        """A table row: ``timed`` fills its times; rates and ceilings from kernel_us."""
+        row = Row(op, shape, impl, nbytes, note=note)
+        try:
+            timed(row)
             row.gbps = nbytes / (row.kernel_us * 1e-6) / 1e9
             if self.copy_gbps:
                 row.pct_copy = 100.0 * row.gbps / self.copy_gbps
@@ -532,17 +539,10 @@ class Bench:
         self.group(rows)
 
     def _graph_row(self, op: str, shape: str, impl: str, nbytes: int, fn: Callable[[], Any], note: str = "") -> Row:
-        row = Row(op, shape, impl, nbytes, note=note)
-        try:
+        def timed(row: Row) -> None:
             row.kernel_us = self.graph_us(fn)
-            row.gbps = nbytes / (row.kernel_us * 1e-6) / 1e9
-            if self.copy_gbps:
-                row.pct_copy = 100.0 * row.gbps / self.copy_gbps
-        except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, not fatal
-            row.note = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
-        self.rows.append(row)
-        self.log(f"  {op:16s} {shape:22s} {impl:12s} {row.kernel_us or float('nan'):10.1f} us  {row.note}")
-        return row
+
+        return self._row(op, shape, impl, nbytes, timed, note)
 
     def gemm_w4a8(self, nmk) -> None:
         nn, m, k = nmk
