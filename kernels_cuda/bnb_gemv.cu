@@ -27,14 +27,18 @@ namespace qc {
 // Decode: the 64 KiB table holds T(hi nibble), T(lo nibble) for each byte, one copy per lane
 // (conflict-free); its shared address is a multiple of 64 KiB so one byte_perm forms the entry's
 // address (table + byte * 256 + lane * 4).
-constexpr int kGtWarps = 16;
-constexpr int kGtGroups = 4;   // weights per launch at most
-constexpr int kGtChunks = 8;   // chunks per stage
-constexpr int kGtStages = 2;   // stages per warp ring
-constexpr int kGtPitch = 32 * kGtChunks + 32;  // bytes per row in a slot (rows g = 0..3 on distinct banks)
+// The geometry comes from the generated header (quantcore.formats.kernel_defines.LAUNCH_GEOMETRY),
+// which the launcher reads too.
+constexpr int kGtWarps = QC_GV_WARPS;
+constexpr int kGtGroups = QC_GV_GROUPS;  // weights per launch at most
+constexpr int kGtChunks = QC_GV_CHUNKS;  // chunks per stage
+constexpr int kGtStages = QC_GV_STAGES;  // stages per warp ring
+constexpr int kGtPitch = QC_GV_PITCH;    // bytes per row in a slot: 32 per chunk + 32 (rows g = 0..3 on distinct banks)
+static_assert(kGtPitch == 32 * kGtChunks + 32, "the slot layout the kernel reads");
 constexpr int kGtSc = kGtChunks / 4;  // chunks whose scales one lane decodes per stage
 constexpr int kGtSlot = 16 * kGtPitch;
-constexpr int kGtRing = kGtStages * kGtSlot;
+constexpr int kGtRing = QC_GV_RING;
+static_assert(kGtRing == kGtStages * kGtSlot, "the ring the launcher sizes");
 
 template <int NB>
 struct GtGeo {

@@ -32,7 +32,7 @@ from quantcore.arrays import as_dtype, dtype_name
 from quantcore.backend import Availability, Backend, Nested
 from quantcore.errors import DeviceError, DTypeError, KernelError
 from quantcore.formats import bnb, ggml
-from quantcore.formats.kernel_defines import GGML_FORMAT_CODE, QUANT_TYPE_CODE
+from quantcore.formats.kernel_defines import GGML_FORMAT_CODE, LAUNCH_GEOMETRY, QUANT_TYPE_CODE
 
 from . import mx as _mx
 from . import runtime as rt
@@ -768,11 +768,10 @@ def create() -> CudaBackend:
 # -- gemv_4bit: the kernel choice (shared by the launcher and the eager launch plans) ----------------
 #: positions of a and out in the older gemv kernels' parameter lists (the per-call slots of a plan)
 _GEMV_SLOTS = (0, 6)
-# bnb_gemv.cu: warps per CTA, weights per launch; a and out are
-# parameters 0 and 1 + 6 * _GT_GROUPS
-_GT_WARPS, _GT_GROUPS = 16, 4
+# bnb_gemv.cu: warps per CTA, weights per launch, the bytes of a warp's ring (the generated header's
+# QC_GV_*, which the kernel compiles with); a and out are parameters 0 and 1 + 6 * _GT_GROUPS
+_GT_WARPS, _GT_GROUPS, _GT_RING = (LAUNCH_GEOMETRY[k] for k in ("QC_GV_WARPS", "QC_GV_GROUPS", "QC_GV_RING"))
 _GT_SLOTS = (0, 1 + 6 * _GT_GROUPS)
-_GT_RING = 2 * 16 * (32 * 8 + 32)  # kGtStages x 16 rows x kGtPitch
 
 
 def _gt_smem(nb: int, device: int) -> int:

@@ -23,6 +23,18 @@ QUANT_TYPE_CODE = {"nf4": 0, "fp4": 1}
 GGML_FORMAT_CODE = {"q4_0": 0, "q8_0": 1, "q8_1": 2}
 
 
+def _gemv_geometry(warps: int, groups: int, chunks: int, stages: int) -> dict[str, int]:
+    pitch = 32 * chunks + 32  # bytes per row of a ring slot: 64-element chunks of 32 bytes, rows on distinct banks
+    return {"QC_GV_WARPS": warps, "QC_GV_GROUPS": groups, "QC_GV_CHUNKS": chunks, "QC_GV_STAGES": stages,
+            "QC_GV_PITCH": pitch, "QC_GV_RING": stages * 16 * pitch}
+
+
+#: Launch geometry that a kernel and its launcher share, generated into the header like the format
+#: constants (kernels_cuda/bnb_gemv.cu, the decode gemv: warps per CTA, weights per launch, chunks
+#: per ring stage, stages per warp ring, the ring's row pitch and size in bytes).
+LAUNCH_GEOMETRY = _gemv_geometry(warps=16, groups=4, chunks=8, stages=2)
+
+
 def _f32_list(values) -> str:
     vals = np.asarray(values, dtype=np.float32)
     items = []
@@ -66,6 +78,7 @@ def _entries() -> list[tuple[str, str]]:
         ("QC_DTYPE_F32", str(DTYPE_CODE["float32"])),
         ("QC_DTYPE_F16", str(DTYPE_CODE["float16"])),
         ("QC_DTYPE_BF16", str(DTYPE_CODE["bfloat16"])),
+        *((name, str(value)) for name, value in LAUNCH_GEOMETRY.items()),
     ]
     try:  # the MX family adds its constants when present
         from . import mx
