@@ -111,7 +111,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     quantize_checkpoint(args.input, args.output, args.format, blocksize=args.blocksize, backend=args.backend,
                         skip=args.skip, max_shard_size=args.max_shard_size, force=args.force, pure=args.pure,
-                        progress=not args.quiet, min_numel=args.min_numel, allow_requantize=args.allow_requantize)
+                        progress=not args.quiet, min_numel=args.min_numel, allow_requantize=args.allow_requantize,
+                        workers=args.workers, devices=args.devices)
     return 0
 
 
@@ -177,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--max-shard-size", default="5GB", help="largest output shard of a folder (default 5GB)")
     q.add_argument("--force", action="store_true", help="replace an existing output")
     q.add_argument("--pure", action="store_true", help="GGUF: every 2-D tensor in --format (llama-quantize --pure)")
+    q.add_argument("--workers", type=int, default=1,
+                   help="processes that quantize tensors in parallel (the output is byte-identical to one process)")
+    q.add_argument("--devices", default=None,
+                   help="GPUs to spread the tensors over, e.g. cuda:0,cuda:1 (one worker process each; implies "
+                        "--backend cuda unless given)")
     q.add_argument("--allow-requantize", action="store_true",
                    help="GGUF: accept Q4_0 / Q8_0 input tensors, dequantized first (llama-quantize --allow-requantize)")
     q.add_argument("--backend", default=None, help="quantize on this backend (default $QUANTCORE_BACKEND, else cpu)")

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from . import api, registry
+from . import validate as v
 from .arrays import FLOAT_DTYPES, as_dtype
 from .errors import CheckpointError, ParameterError, UnsupportedError
 from .formats import GGUF_FORMATS, QUANTIZE_FORMATS, bnb, mx
@@ -193,6 +194,89 @@ def _quantize_mxfp4(name: str, a: np.ndarray, mv: _Mover, experts: bool) -> dict
     return {f"{name}_blocks": blocks, f"{name}_scales": scales}
 
 
+def _quantize_tensor(name: str, a: np.ndarray, fmt: str, blocksize: int, mv: _Mover, experts: bool
+                     ) -> dict[str, np.ndarray]:
+    if fmt in bnb.QUANT_TYPES:
+        return _quantize_bnb(name, a, fmt, blocksize, mv)
+    if fmt == "nvfp4":
+        return _quantize_nvfp4(name, a, mv)
+    return _quantize_mxfp4(name, a, mv, experts)
+
+
+# -- conversion spread over processes (--workers N, --devices cuda:0,cuda:1) ---------------------------
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_init(backend: Any, devices: Any) -> None:
+    """A worker process: its device (one of ``devices``, taken in turn through a shared queue, set
+    as the only visible GPU before any CUDA work) and its backend."""
+    if devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(devices.get())
+    _WORKER["mover"] = _Mover(backend)
+    _WORKER["files"] = {}
+
+
+def _worker_quantize(task: tuple) -> dict[str, np.ndarray]:
+    path, name, fmt, blocksize, experts = task
+    from .io import SafetensorsFile
+
+    files = _WORKER["files"]
+    f = files.get(path)
+    if f is None:
+        f = files[path] = SafetensorsFile(path)
+    return _quantize_tensor(name, f.get(name), fmt, blocksize, _WORKER["mover"], experts)
+
+
+class _Pool:
+    """Tensors quantized in ``workers`` processes, results taken back in the plan's order (so the
+    output is the one a single process writes, byte for byte); at most 2 x workers in flight."""
+
+    def __init__(self, workers: int, backend: Any, devices: list[str] | None):
+        import concurrent.futures
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # no CUDA context or threads inherited
+        queue = None
+        if devices:
+            queue = ctx.Manager().Queue()
+            for i in range(workers):
+                queue.put(devices[i % len(devices)].split(":")[-1])
+        backend_name = backend if isinstance(backend, str) or backend is None else backend.name
+        self.ex = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
+                                                         initargs=(backend_name, queue))
+        self.depth = 2 * workers
+        self.pending: list[Any] = []
+
+    def results(self, tasks: list[tuple]):
+        """Yields each task's result in order."""
+        it = iter(tasks)
+        for t in it:
+            self.pending.append(self.ex.submit(_worker_quantize, t))
+            if len(self.pending) >= self.depth:
+                break
+        for t in it:
+            yield self.pending.pop(0).result()
+            self.pending.append(self.ex.submit(_worker_quantize, t))
+        while self.pending:
+            yield self.pending.pop(0).result()
+
+    def close(self) -> None:
+        for f in self.pending:
+            f.cancel()
+        self.ex.shutdown(wait=True, cancel_futures=True)
+
+
+def parse_devices(text: str | None) -> list[str] | None:
+    """``--devices cuda:0,cuda:1`` -> ["cuda:0", "cuda:1"] (None when not given)."""
+    if text is None:
+        return None
+    devs = [d.strip() for d in str(text).split(",") if d.strip()]
+    bad = [d for d in devs if not (d.split(":")[-1].isdigit() and (":" not in d or d.split(":")[0] in ("cuda", "gpu")))]
+    if not devs or bad:
+        raise ParameterError(f"--devices takes a comma-separated list such as cuda:0,cuda:1, got {text!r}")
+    return devs
+
+
 def _out_bytes(fmt: str, shape: tuple[int, ...], blocksize: int) -> int:
     n = math.prod(shape)
     if fmt in bnb.QUANT_TYPES:
@@ -317,7 +401,8 @@ def _is_gguf(path: str) -> bool:
 def quantize_checkpoint(src: str, dst: str, fmt: str, *, blocksize: int = 64, backend: Any = None,
                         skip: list[str] | tuple[str, ...] = (), max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
                         force: bool = False, pure: bool = False, progress: bool = True,
-                        min_numel: int = 4096, allow_requantize: bool = False) -> Summary | None:
+                        min_numel: int = 4096, allow_requantize: bool = False, workers: int = 1,
+                        devices: str | list[str] | None = None) -> Summary | None:
     """Quantize ``src`` into ``dst`` (see the module docstring); returns the :class:`Summary`
     (None for a GGUF input). Raises a :class:`quantcore.QuantcoreError` subclass before any work for
     a bad request, and leaves ``dst`` as it was on any failure."""
@@ -327,6 +412,8 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, *, blocksize: int = 64, ba
     if not os.path.exists(src):
         raise CheckpointError(f"{src} does not exist")
     if _is_gguf(src):
+        if workers != 1 or devices is not None:
+            raise ParameterError("--workers / --devices apply to safetensors inputs (a GGUF is requantized in one process)")
         if skip:
             raise ParameterError("--skip applies to safetensors inputs; a GGUF follows llama-quantize's rules")
         return _quantize_gguf(src, dst, fmt, pure=pure, backend=backend, progress=progress, force=force,
@@ -342,6 +429,11 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, *, blocksize: int = 64, ba
     if fmt in bnb.QUANT_TYPES and blocksize not in bnb.BLOCKSIZES_4BIT:
         raise ParameterError(f"{fmt} blocksize must be one of {bnb.BLOCKSIZES_4BIT}, got {blocksize}")
     shard_limit = parse_size(max_shard_size)
+    devs = devices if isinstance(devices, list) else parse_devices(devices)
+    nworkers = v.positive_int(workers, "workers")
+    if devs is not None:
+        nworkers = max(nworkers, len(devs))
+        backend = backend or "cuda"
     mover = _Mover(backend)  # BackendUnavailableError now, before any work
     ckpt = open_checkpoint(src)
     if ckpt.config is not None and "quantization_config" in ckpt.config:
@@ -370,14 +462,15 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, *, blocksize: int = 64, ba
         sel = select_by_name(ckpt, skip, min_numel)
     items = _plan(ckpt, sel, fmt)
     with sigterm_raises(), AtomicOutput(dst, folder=ckpt.is_folder) as tmp:
-        summary = _convert(ckpt, sel, items, tmp, dst, fmt, blocksize, mover, shard_limit, skip, progress)
+        pool = _Pool(nworkers, backend, devs) if nworkers > 1 else None
+        summary = _convert(ckpt, sel, items, tmp, dst, fmt, blocksize, mover, shard_limit, skip, progress, pool)
     for line in summary.lines():
         print(line, file=sys.stderr)
     return summary
 
 
 def _convert(ckpt: Checkpoint, sel: Selection, items: list[Item], tmp: str, dst: str, fmt: str, blocksize: int,
-             mover: _Mover, shard_limit: int, skip: list[str], progress: bool) -> Summary:
+             mover: _Mover, shard_limit: int, skip: list[str], progress: bool, pool: _Pool | None = None) -> Summary:
     summary = Summary(dst, fmt, in_bytes=ckpt.nbytes)
     shards: list[ShardWriter] = []
     weight_map: dict[str, int] = {}
@@ -395,6 +488,9 @@ def _convert(ckpt: Checkpoint, sel: Selection, items: list[Item], tmp: str, dst:
 
     bar = Progress(ckpt.nbytes, len(items), f"quantize {os.path.basename(os.path.normpath(ckpt.path))} -> {fmt}",
                    progress)
+    tasks = [(ckpt.tensors[it.name].file.path, it.name, fmt, blocksize, it.experts)
+             for it in items if it.action != "copy"]
+    done = pool.results(tasks) if pool is not None else None
     try:
         for it in items:
             t = ckpt.tensors[it.name]
@@ -405,14 +501,12 @@ def _convert(ckpt: Checkpoint, sel: Selection, items: list[Item], tmp: str, dst:
                 summary.kept[it.name] = it.reason
             else:
                 w = shard_for(_out_bytes(fmt, t.info.shape, blocksize))
-                a = t.file.get(it.name)
-                if fmt in bnb.QUANT_TYPES:
-                    out = _quantize_bnb(it.name, a, fmt, blocksize, mover)
-                elif fmt == "nvfp4":
-                    out = _quantize_nvfp4(it.name, a, mover)
+                if done is not None:
+                    out = next(done)
                 else:
-                    out = _quantize_mxfp4(it.name, a, mover, it.experts)
-                del a
+                    a = t.file.get(it.name)
+                    out = _quantize_tensor(it.name, a, fmt, blocksize, mover, it.experts)
+                    del a
                 for k, v in out.items():
                     w.add(k, v)
                     weight_map[k] = len(shards) - 1
@@ -428,6 +522,8 @@ def _convert(ckpt: Checkpoint, sel: Selection, items: list[Item], tmp: str, dst:
         raise
     finally:
         bar.close()
+        if pool is not None:
+            pool.close()
     summary.out_bytes = sum(s.size for s in shards)
     if not ckpt.is_folder:
         summary.shards = [dst]

@@ -432,3 +432,23 @@ def test_device_backend_gives_the_cpu_bytes(model_file, tmp_path, monkeypatch, f
     assert main(["quantize", str(model_file), "-o", str(tmp_path / "env.safetensors"), "--format", fmt, "-q"]) == 0
     ref = (tmp_path / "cpu.safetensors").read_bytes()
     assert (tmp_path / "dev.safetensors").read_bytes() == ref and (tmp_path / "env.safetensors").read_bytes() == ref
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "nvfp4"])
+def test_workers_write_the_bytes_of_one_process(model_file, tmp_path, fmt):
+    """--workers N quantizes tensors in N processes and writes them in the plan's order: the output
+    equals one process's byte for byte (a file, and a folder of several shards)."""
+    quantize_checkpoint(model_file, tmp_path / "one.safetensors", fmt, progress=False)
+    assert main(["quantize", str(model_file), "-o", str(tmp_path / "two.safetensors"), "--format", fmt, "-q",
+                 "--workers", "2"]) == 0
+    assert (tmp_path / "two.safetensors").read_bytes() == (tmp_path / "one.safetensors").read_bytes()
+
+
+def test_workers_and_devices_are_checked(model_file, tmp_path, capsys):
+    assert main(["quantize", str(model_file), "-o", str(tmp_path / "x.safetensors"), "--format", "nf4",
+                 "--workers", "0"]) == 2
+    assert "workers" in _one_line_error(capsys)
+    assert main(["quantize", str(model_file), "-o", str(tmp_path / "x.safetensors"), "--format", "nf4",
+                 "--devices", "cuda:x"]) == 2
+    assert "--devices" in _one_line_error(capsys)
+    assert not (tmp_path / "x.safetensors").exists()
