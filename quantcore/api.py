@@ -209,7 +209,8 @@ def gemv_4bit(A: Any, packed: Any, state: QuantState, *, backend: str | Backend 
     """``A @ W.T`` for a 4-bit weight W of shape [N, K]: A [..., K] -> [..., N] in A's dtype.
 
     fp32 accumulation. B, the number of rows of A (its leading dimensions flattened: the tokens),
-    may be any: bitsandbytes takes one token; the backends read the weight once for B up to 8.
+    may be any: bitsandbytes takes one token; the backends read the weight once for B up to 8
+    (cuda's decode kernel on sm_90: 16).
     """
     be = _backend(backend)
     if EAGER_PLANS:
@@ -292,14 +293,14 @@ def concat_last(results: Sequence[Any]) -> Any:
     """Arrays of one kind (numpy, torch, CuPy, or any array-API namespace such as dpctl.tensor)
     concatenated along the last dimension."""
     first = results[0]
-    if isinstance(first, np.ndarray):
+    kind = array_kind(first)
+    if kind == "numpy":
         return np.concatenate(results, axis=-1)
-    mod = type(first).__module__.split(".")[0]
-    if mod == "torch":
+    if kind == "torch":
         import torch
 
         return torch.cat(list(results), dim=-1)
-    if mod == "cupy":
+    if kind == "cupy":
         import cupy
 
         return cupy.concatenate(results, axis=-1)

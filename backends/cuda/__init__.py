@@ -468,21 +468,19 @@ class CudaBackend(Backend):
             return
         launch = Launcher(a)
         dev, dt = launch.device, dtype_name(a.dtype)
+        tc = _gemv_tc_takes_input(dev, dt, a, rows, k)
         col, i = 0, 0
         while i < len(groups):
             p, am, nst, n, bs, qt = groups[i]
-            if _gemv_tc_applies(dev, dt, a, [p], rows, k, bs):
+            j = i + 1
+            if tc and _gemv_tc_takes_weight(p, bs):
                 # the following weights of the same kind go in the same launch (at most _GT_GROUPS)
-                j = i + 1
                 while (j < len(groups) and j - i < _GT_GROUPS and groups[j][4:] == (bs, qt)
-                       and (groups[j][2] is None) == (nst is None)
-                       and _gemv_tc_applies(dev, dt, a, [groups[j][0]], rows, k, bs)):
+                       and (groups[j][2] is None) == (nst is None) and _gemv_tc_takes_weight(groups[j][0], bs)):
                     j += 1
-                ws = [g[:4] for g in groups[i:j]]
-                launch(*_gemv_tc_launch(dev, a, ws, out[:, col:], rows=rows, k=k, blocksize=bs, quant_type=qt,
-                                        ldo=ntot)[:6], pdl=True)
+                launch(*_gemv_tc_launch(dev, a, [g[:4] for g in groups[i:j]], out[:, col:], rows=rows, k=k,
+                                        blocksize=bs, quant_type=qt, ldo=ntot)[:6], pdl=True)
             else:
-                j = i + 1
                 tmp = self.empty((rows, n), as_dtype(dt), like=a)
                 self.gemv_4bit(a, p, am, tmp, n=n, k=k, blocksize=bs, quant_type=qt, nested=nst)
                 out[:, col:col + n] = tmp
@@ -782,13 +780,17 @@ def _gt_smem(nb: int, device: int) -> int:
     return max(need + _GT_RING, int(rt.device_props(device).get("sharedMemPerBlockOptin", 0)))
 
 
-def _gemv_tc_applies(device: int, dt: str, a: Any, packeds: list, rows: int, k: int, blocksize: int) -> bool:
-    """Does the decode kernel (bnb_gemv.cu) take this call? fp16 / bf16 input (16 rows per
-    weight pass), 64-element chunks inside blocks, 16-byte input rows and 8-byte weight rows, sm_90."""
-    return (dt != "float32" and rows > 0 and k % 64 == 0 and blocksize >= 64
-            and aligned(a, 16) and all(aligned(p, 8) for p in packeds) and rt.device_arch(device) >= 90
-            and all(rt.numel(p) * 2 // 64 < 1 << 31 for p in packeds) and k < 1 << 26
-            and rt.tune("gemv_kernel", 0) == 0)  # gemv_kernel=1: the mma kernel (comparisons)
+def _gemv_tc_takes_input(device: int, dt: str, a: Any, rows: int, k: int) -> bool:
+    """Does the decode kernel (bnb_gemv.cu) take this input? fp16 / bf16 (16 rows per weight
+    pass), 64-element chunks, 16-byte rows, sm_90; ``gemv_kernel=1`` picks the mma kernel instead
+    (comparisons)."""
+    return (dt != "float32" and rows > 0 and k % 64 == 0 and k < 1 << 26 and aligned(a, 16)
+            and rt.device_arch(device) >= 90 and rt.tune("gemv_kernel", 0) == 0)
+
+
+def _gemv_tc_takes_weight(packed: Any, blocksize: int) -> bool:
+    """... and this weight: chunks inside blocks, 8-byte rows, chunk counts in 32 bits."""
+    return blocksize >= 64 and aligned(packed, 8) and rt.numel(packed) * 2 // 64 < 1 << 31
 
 
 def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, ldo):
@@ -817,7 +819,7 @@ def _gemv_launch(device, a, packed, absmax, out, *, rows, n, k, blocksize, quant
     """(file, kernel, grid, block, arguments, shared memory, slots) of the gemv for these arrays;
     ``out`` None leaves its pointer 0 (a plan fills it per call)."""
     dt = dtype_name(a.dtype)
-    if _gemv_tc_applies(device, dt, a, [packed], rows, k, blocksize):
+    if _gemv_tc_takes_input(device, dt, a, rows, k) and _gemv_tc_takes_weight(packed, blocksize):
         return _gemv_tc_launch(device, a, [(packed, absmax, nested, n)], out, rows=rows, k=k,
                                blocksize=blocksize, quant_type=quant_type, ldo=n)
     nest = (ptr_arg(nested.absmax2), ptr_arg(nested.code2), ptr_arg(nested.offset)) if nested else (NULL,) * 3
