@@ -180,17 +180,18 @@ def _quantize_nvfp4(name: str, a: np.ndarray, mv: _Mover) -> dict[str, np.ndarra
 
 
 def _quantize_mxfp4(name: str, a: np.ndarray, mv: _Mover, experts: bool) -> dict[str, np.ndarray]:
+    nb, per = mx.MX_BLOCK, mx.MX_BLOCK // 2  # E2M1 codes of a block: 32 elements in 16 bytes
     if experts:  # gpt-oss keeps [E, K, N] in memory and [E, N, K/32, 16] on disk
         e, k, n = a.shape
-        blocks = np.empty((e, n, k // 32, 16), np.uint8)
-        scales = np.empty((e, n, k // 32), np.uint8)
+        blocks = np.empty((e, n, k // nb, per), np.uint8)
+        scales = np.empty((e, n, k // nb), np.uint8)
         for i in range(e):
             c, s = _quantize_mx_rows(np.ascontiguousarray(a[i].T), "mxfp4", None, mv)
-            blocks[i], scales[i] = c.reshape(n, k // 32, 16), s
+            blocks[i], scales[i] = c.reshape(n, k // nb, per), s
     else:
         rows, k = a.shape
         c, scales = _quantize_mx_rows(a, "mxfp4", None, mv)
-        blocks = c.reshape(rows, k // 32, 16)
+        blocks = c.reshape(rows, k // nb, per)
     return {f"{name}_blocks": blocks, f"{name}_scales": scales}
 
 
@@ -280,8 +281,8 @@ def parse_devices(text: str | None) -> list[str] | None:
 def _out_bytes(fmt: str, shape: tuple[int, ...], blocksize: int) -> int:
     n = math.prod(shape)
     if fmt in bnb.QUANT_TYPES:
-        nb = -(-n // blocksize)
-        return (n + 1) // 2 + nb + 4 * (-(-nb // bnb.NESTED_BLOCKSIZE)) + 64 + 1024 + 256
+        nb = bnb.nblocks(n, blocksize)
+        return (n + 1) // 2 + nb + 4 * bnb.nblocks(nb, bnb.NESTED_BLOCKSIZE) + 64 + 1024 + 256
     return n // 2 + n // mx.block_size(fmt) + 4
 
 
@@ -335,7 +336,7 @@ def _plan(ckpt: Checkpoint, sel: Selection, fmt: str) -> list[Item]:
         info = ckpt.tensors[name].info
         if fmt == "mxfp4" and ckpt.is_folder:
             if name in experts:
-                if info.dtype not in FLOAT_DTYPES or len(info.shape) != 3 or info.shape[1] % 32:
+                if info.dtype not in FLOAT_DTYPES or len(info.shape) != 3 or info.shape[1] % mx.MX_BLOCK:
                     raise CheckpointError(f"{name}: a gpt-oss expert tensor of shape {info.shape} {info.dtype} "
                                           "cannot be MXFP4 (needs float [E, K, N], K a multiple of 32)")
                 items.append(Item(name, "quantize", experts=True))
@@ -375,7 +376,7 @@ def bnb_quantization_config(fmt: str, skip: list[str] | None, compute_dtype: str
 def nvfp4_quantization_config(ignore: list[str]) -> dict[str, Any]:
     """compressed-tensors' config for NVFP4 weights (group 16, tensor_group strategy with a global
     scale), no activation quantization, stored ``nvfp4-pack-quantized``."""
-    weights = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
+    weights = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": mx.NVFP4_BLOCK, "strategy": "tensor_group",
                "block_structure": None, "dynamic": False, "actorder": None, "observer": "minmax",
                "observer_kwargs": {}}
     return {

@@ -33,6 +33,7 @@ import numpy as np
 
 from ..errors import ParameterError, QuantcoreError, UnsupportedError
 from ..formats import ggml
+from .atomic import _same_file
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSION = 3  #: the version written; versions 2 and 3 are read (same layout, 64-bit counts)
@@ -94,11 +95,13 @@ class GGMLType:
         return ne0 // self.block_size * self.type_size
 
 
+#: the types quantcore encodes take their sizes from quantcore.formats.ggml; the others are ggml's
 _TYPE_TABLE = [
-    (0, "F32", 1, 4), (1, "F16", 1, 2), (2, "Q4_0", 32, 18), (3, "Q4_1", 32, 20),
-    (6, "Q5_0", 32, 22), (7, "Q5_1", 32, 24), (8, "Q8_0", 32, 34), (9, "Q8_1", 32, 36),
+    (0, "F32", 1, 4), (1, "F16", 1, 2), (2, "Q4_0", ggml.QK, ggml.Q4_0_BLOCK_BYTES), (3, "Q4_1", 32, 20),
+    (6, "Q5_0", 32, 22), (7, "Q5_1", 32, 24), (8, "Q8_0", ggml.QK, ggml.Q8_0_BLOCK_BYTES),
+    (9, "Q8_1", ggml.QK, ggml.Q8_1_BLOCK_BYTES),
     (10, "Q2_K", 256, 84), (11, "Q3_K", 256, 110), (12, "Q4_K", 256, 144), (13, "Q5_K", 256, 176),
-    (14, "Q6_K", 256, 210), (15, "Q8_K", 256, 292), (16, "IQ2_XXS", 256, 66), (17, "IQ2_XS", 256, 74),
+    (14, "Q6_K", ggml.QK_K, ggml.Q6_K_BLOCK_BYTES), (15, "Q8_K", 256, 292), (16, "IQ2_XXS", 256, 66), (17, "IQ2_XS", 256, 74),
     (18, "IQ3_XXS", 256, 98), (19, "IQ1_S", 256, 50), (20, "IQ4_NL", 32, 18), (21, "IQ3_S", 256, 110),
     (22, "IQ2_S", 256, 82), (23, "IQ4_XS", 256, 136), (24, "I8", 1, 1), (25, "I16", 1, 2),
     (26, "I32", 1, 4), (27, "I64", 1, 8), (28, "F64", 1, 8), (29, "IQ1_M", 256, 56),
@@ -727,7 +730,7 @@ def requantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, fmt: str, *,
     if fmt not in LLAMA_FTYPE:
         raise ParameterError(f"GGUF requantization supports q4_0 and q8_0, not {fmt!r}")
     default = Q4_0 if fmt == "q4_0" else Q8_0
-    if os.path.exists(dst) and os.path.samefile(src, dst):
+    if _same_file(src, dst):
         raise ParameterError(f"the output {os.fspath(dst)!r} is the input file; write to another path")
     g = read_gguf(src)
     bar = None
