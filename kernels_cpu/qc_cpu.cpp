@@ -533,8 +533,7 @@ void qc_dequantize_4bit(const uint8_t* packed, const float* absmax, const uint8_
         store8(out, dtype, i + 24, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w1), 1)));
       }
     }
-#endif
-#if QC_AVX2
+#elif QC_AVX2  // (the AVX-512 loop above leaves no whole 32-element group)
     __m256 lo = _mm256_loadu_ps(code), hi = _mm256_loadu_ps(code + 8), vs = _mm256_set1_ps(scale);
     for (; i + 32 <= i1; i += 32) {
       __m128i e0, e1;
@@ -704,19 +703,19 @@ void qc_quantize_q8(const void* x, int dtype, i64 nblocks, int kind, uint8_t* ou
 
 // fmt 0: Q4_0, 1: Q8_0, 2: Q8_1 -> out [nblocks * 32] in dtype.
 void qc_dequantize_ggml(const uint8_t* q, int fmt, i64 nblocks, void* out, int dtype, int nt) {
-  int width = fmt == 0 ? QC_Q4_0_BLOCK_BYTES : fmt == 1 ? QC_Q8_0_BLOCK_BYTES : QC_Q8_1_BLOCK_BYTES;
+  int width = fmt == QC_FMT_Q4_0 ? QC_Q4_0_BLOCK_BYTES : fmt == QC_FMT_Q8_0 ? QC_Q8_0_BLOCK_BYTES : QC_Q8_1_BLOCK_BYTES;
 #pragma omp parallel for num_threads(threads_for(nt, nblocks * QC_QK)) schedule(static)
   for (i64 b = 0; b < nblocks; ++b) {
     const uint8_t* blk = q + b * width;
     float d = read_half(blk);
     i64 o = b * QC_QK;
-    if (fmt == 0) {
+    if (fmt == QC_FMT_Q4_0) {
       for (int j = 0; j < QC_QK / 2; ++j) {
         store_from_float(out, dtype, o + j, ((float)(blk[2 + j] & 0x0F) - (float)QC_Q4_0_OFFSET) * d);
         store_from_float(out, dtype, o + j + QC_QK / 2, ((float)(blk[2 + j] >> 4) - (float)QC_Q4_0_OFFSET) * d);
       }
     } else {
-      const int8_t* qs = (const int8_t*)(blk + (fmt == 2 ? 4 : 2));
+      const int8_t* qs = (const int8_t*)(blk + (fmt == QC_FMT_Q8_1 ? 4 : 2));
       for (int j = 0; j < QC_QK; ++j) store_from_float(out, dtype, o + j, (float)qs[j] * d);
     }
   }

@@ -22,7 +22,7 @@ import numpy as np
 from quantcore.backend import Availability, Nested
 from quantcore.errors import ParameterError, QuantcoreError
 from quantcore.formats import bnb, ggml, mx
-from quantcore.formats.kernel_defines import DTYPE_CODE, QUANT_TYPE_CODE
+from quantcore.formats.kernel_defines import DTYPE_CODE, GGML_FORMAT_CODE, QUANT_TYPE_CODE
 
 from ..reference import ReferenceBackend, _direct, _flat
 
@@ -36,7 +36,6 @@ COMPILED_OPS = ("quantize_4bit", "dequantize_4bit", "double_quantize", "gemv_4bi
                 "swizzle_scales", "unswizzle_scales")
 NUMPY_OPS = ("mx_quantize", "scaled_fp4_mm")
 
-_GGML_FMT_CODE = {"q4_0": 0, "q8_0": 1, "q8_1": 2}
 
 
 def _ptr(a: np.ndarray) -> int:
@@ -139,7 +138,7 @@ class CpuBackend(ReferenceBackend):
         a2, c2, off = nested.absmax2, nested.code2, nested.offset
         if (absmax.dtype != np.uint8 or absmax.size < nblocks or a2.dtype != np.float32
                 or a2.size < bnb.nblocks(nblocks, bnb.NESTED_BLOCKSIZE) or c2.dtype != np.float32
-                or c2.size != 256 or off.size < 1):
+                or c2.size != bnb.DYNAMIC_MAP.size or off.size < 1):
             return None
         return (None, _ptr(absmax), _ptr(a2), _ptr(c2), float(_flat(off)[0]))
 
@@ -179,7 +178,7 @@ class CpuBackend(ReferenceBackend):
         n = out.size
         if (lib is None or od is None or _dtype_code(od) is None or codes.dtype != np.uint8
                 or codes.size != n or absmax.dtype != np.float32
-                or absmax.size < bnb.nblocks(n, blocksize) or cf.size != 256):
+                or absmax.size < bnb.nblocks(n, blocksize) or cf.size != bnb.DYNAMIC_MAP.size):
             return super().dequantize_blockwise(codes, absmax, code, out, blocksize=blocksize)
         lib.qc_dequantize_blockwise(_ptr(codes), _ptr(absmax), _ptr(cf), n, blocksize, _ptr(od),
                                     _dtype_code(od), self._threads)
@@ -226,7 +225,7 @@ class CpuBackend(ReferenceBackend):
         if (lib is None or od is None or _dtype_code(od) is None or q.dtype != np.uint8 or q.ndim < 2
                 or q.shape[-1] != width or od.size != q.size // width * ggml.QK):
             return super().dequantize_ggml(q, out, fmt=fmt)
-        lib.qc_dequantize_ggml(_ptr(q), _GGML_FMT_CODE[fmt], q.size // width, _ptr(od),
+        lib.qc_dequantize_ggml(_ptr(q), GGML_FORMAT_CODE[fmt], q.size // width, _ptr(od),
                                _dtype_code(od), self._threads)
 
     def _gemm_ok(self, wq, aq, out) -> np.ndarray | None:

@@ -16,7 +16,6 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import threading
 from importlib import resources
 from pathlib import Path
@@ -106,16 +105,14 @@ def build(force: bool = False) -> Path:
     with _lock:
         cxx = compiler()
         version = compiler_version(cxx)
-        folder = cache.private_dir("cpu")
-        target = folder / f"qc_cpu-{artifact_key(cxx, version)}.so"
-        if not force and cache.verified(target) is not None:
-            return target
-        with tempfile.TemporaryDirectory(prefix="qc_cpu_build.", dir=folder) as tmpdir:
+        flags = build_flags()
+
+        def compile_into(tmpdir: Path) -> Path:
             kernel_defines.write_header(tmpdir)
-            src = Path(tmpdir) / KERNEL_SOURCE
+            src = tmpdir / KERNEL_SOURCE
             src.write_text(source_text())
-            out = Path(tmpdir) / "qc_cpu.so"
-            cmd = [cxx, *build_flags(), f"-I{tmpdir}", str(src), "-o", str(out)]
+            out = tmpdir / "qc_cpu.so"
+            cmd = [cxx, *flags, f"-I{tmpdir}", str(src), "-o", str(out)]
             try:
                 res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             except (OSError, subprocess.SubprocessError) as exc:
@@ -123,8 +120,10 @@ def build(force: bool = False) -> Path:
             if res.returncode != 0:
                 raise KernelError(f"building the cpu kernels failed:\n$ {' '.join(cmd)}\n"
                                   f"{res.stdout}{res.stderr}")
-            cache.install_artifact(out, target)
-        return target
+            return out
+
+        return cache.cached_file(cache.private_dir("cpu"), f"qc_cpu-{artifact_key(cxx, version)}.so", compile_into,
+                                 force=force)
 
 
 _i64, _i32, _f32, _vp = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
