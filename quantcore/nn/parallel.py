@@ -179,12 +179,12 @@ def shard_4bit(src: dict[str, Any], n: int, k: int, blocksize: int, style: str, 
         b0, b1 = e0 // blocksize, e1 // blocksize
         out["weight"] = None if packed is None else _take(packed[e0 // 2: e1 // 2]).reshape(-1, 1)
         q = absmax[b0:b1]
+        a2 = src["nested_absmax"].reshape(-1)[b0 // _NB: bnb.nblocks(b1, _NB)] if nested else None
         if nested and b0 % _NB == 0 and (b1 % _NB == 0 or b1 == nb):
             out["absmax"] = _take(q)
-            out["nested_absmax"] = _take(src["nested_absmax"].reshape(-1)[b0 // _NB: -(-b1 // _NB)])
+            out["nested_absmax"] = _take(a2)
             out["nested_quant_map"], out["offset"] = _take(src["nested_quant_map"]), _take(src["offset"]).reshape(1)
         elif nested:
-            a2 = src["nested_absmax"].reshape(-1)[b0 // _NB: -(-b1 // _NB)]
             out["absmax"] = _decode_absmax(q, torch.arange(b0, b1), a2, b0 // _NB, src["offset"],
                                            src["nested_quant_map"])
         else:
@@ -485,12 +485,10 @@ def _quantize_4bit_shard(part: torch.Tensor, spec: ShardSpec, group: Any, fmt: s
     mod = Linear4bit(k_l, n_l, False, compute_dtype, nested, fmt, blocksize, device="meta", dtype=part.dtype)
     mod.weight = _frozen(packed)
     dev = packed.device
-    mod._buffers["quant_map"] = torch.tensor(bnb.code_4bit(fmt), device=dev)
     if not nested:
-        mod._buffers["absmax"] = absmax
-        for key in ("nested_absmax", "nested_quant_map", "offset"):
-            mod._buffers[key] = None
+        mod._set_state(st)  # absmax, quant_map and no nested statistics
         return mod
+    mod._buffers["quant_map"] = torch.tensor(bnb.code_4bit(fmt), device=dev)
     parts = [absmax]
     if spec.world > 1:
         parts = [torch.empty_like(absmax) for _ in range(spec.world)]
