@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(256) absmax_tree_sum_kernel(
 
 
 // ==================================================================================================
-// Version 2 (double_quantize in two launches; quantize_blockwise by cells)
+// quantize_blockwise by cells (the default) and double_quantize in two launches
 // ==================================================================================================
 // 8 consecutive elements as raw 32-bit words
 template <typename T>
@@ -162,140 +162,21 @@ __device__ __forceinline__ void raw8_to_f(const Raw8<T>& r, float (&v)[8]) {
     }
 }
 
-// do so - when no CTA still needs them - writes those blocks. No CTA waits for another.
-template <typename T>
-__global__ void __launch_bounds__(512, 2) quantize_blockwise_v2_kernel(
-    const typename T::S* __restrict__ x, const float* __restrict__ thresholds, u8* codes,
-    float* __restrict__ absmax, i64 n, int log2bs, int vec, const double* partials, int npart,
-    int nchunks, u32* counter, float* __restrict__ offset, i64 nb, int ndefer) {
-    __shared__ Cells8 tab;
-    __shared__ float red[16];
-    __shared__ double ws[8];
-    __shared__ float s_off;
-    __shared__ int s_last;
-
-    const int G = (1 << log2bs) >> 3;
-    const i64 nthreads = (n + 7) >> 3;
-    const i64 stride = (i64)gridDim.x * blockDim.x;
-    i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    Raw8<T> raw;
-    if (vec && (t + 1) * 8 <= n) raw8_load<T>(x + t * 8, raw);
-
-    float off = 0.0f;
-    const bool dq = partials != nullptr;
-    if (dq) {
-        const double total = chunk_tree_top(partials, npart, nchunks, ws);
-        if (threadIdx.x == 0) {
-            s_off = __double2float_rn(__ddiv_rn(total, (double)nb));
-            if (blockIdx.x == 0) offset[0] = s_off;
-            __threadfence();
-            s_last = atomicAdd(counter, 1u) == gridDim.x - 1;
-        }
-    }
-    build_cells8(tab, thresholds);  // barriers: s_off and s_last are visible after it
-    if (dq) off = s_off;
-    const bool cells = !tab.bad;
-
-    auto process = [&](i64 tt, float (&v)[8]) {
-        blockwise8_task(v, tt * 8, n, dq, off, G, red, (int)threadIdx.x, tab, cells, absmax, log2bs, codes, vec);
-    };
-
-    const i64 tdefer = (i64)ndefer << (log2bs - 3);  // the deferred blocks' threads (G = 32 there)
-    for (; t - threadIdx.x < nthreads; t += stride) {  // uniform over the CTA (barriers inside)
-        const i64 e0 = t * 8;
-        float v[8];
-        if (vec && e0 + 8 <= n) {
-            raw8_to_f<T>(raw, v);
-        } else {
-            load8<T>(x, e0, n, false, v);
-        }
-        const i64 e1 = e0 + stride * 8;
-        if (vec && e1 + 8 <= n) raw8_load<T>(x + e1, raw);
-        if (t - (threadIdx.x & 31) < tdefer) continue;  // whole warps (one block each)
-        process(t, v);
-        if (G > 32) __syncthreads();  // red[] is rewritten by the next iteration
-    }
-    if (dq && s_last) {  // up to 2 tasks per thread, their loads first (this CTA is the tail)
-        const i64 lane = threadIdx.x & 31;
-        for (i64 t0 = threadIdx.x; t0 - lane < tdefer; t0 += 2 * (i64)blockDim.x) {
-            float v[2][8];
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const i64 tt = t0 + j * (i64)blockDim.x;
-                if (tt - lane < tdefer) load8<T>(x, tt * 8, n, false, v[j]);
-            }
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const i64 tt = t0 + j * (i64)blockDim.x;
-                if (tt - lane < tdefer) process(tt, v[j]);
-            }
-        }
-    }
-}
-
-// Chunk sums of the double-quantization tree: CTA c sums absmax[c * 8192, (c + 1) * 8192) (zeros
-// past nb) over the perfect binary tree - 32 contiguous values per thread in registers, the
-// butterfly over the warp, the 8 warp sums - and writes partials[c]; CTA 0 zeroes the counter
-// quantize_blockwise_v2_kernel counts its CTAs with (stream order: before any of them runs).
-constexpr int kSumPerThread = 32;
-constexpr int kSumChunk = 256 * kSumPerThread;
-
-__global__ void __launch_bounds__(256) absmax_chunk_sum_kernel(
-    const float* __restrict__ in, i64 nb, int vec, double* partials, u32* counter) {
-    __shared__ double ws[8];
-    const i64 base = (i64)blockIdx.x * kSumChunk + (i64)threadIdx.x * kSumPerThread;
-    float f[kSumPerThread];
-    if (vec && base + kSumPerThread <= nb) {
-        u32 w[kSumPerThread];
-#pragma unroll
-        for (int q = 0; q < kSumPerThread / 4; ++q)
-            ldg_v4(in + base + 4 * q, w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
-#pragma unroll
-        for (int i = 0; i < kSumPerThread; ++i) f[i] = __uint_as_float(w[i]);
-    } else {
-#pragma unroll
-        for (int i = 0; i < kSumPerThread; ++i) f[i] = base + i < nb ? ldg_f32(in + base + i) : 0.0f;
-    }
-    double v[kSumPerThread / 2];
-#pragma unroll
-    for (int i = 0; i < kSumPerThread / 2; ++i) v[i] = (double)f[2 * i] + (double)f[2 * i + 1];
-#pragma unroll
-    for (int l = 0; l < 4; ++l) {  // widths 16 -> 8 -> 4 -> 2 -> 1
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-            if (i < (8 >> l)) v[i] = v[2 * i] + v[2 * i + 1];
-    }
-    double t = v[0];
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) t = t + shfl_xor_f64(t, o);
-    if (lane_id() == 0) ws[threadIdx.x >> 5] = t;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        partials[blockIdx.x] = ((ws[0] + ws[1]) + (ws[2] + ws[3])) + ((ws[4] + ws[5]) + (ws[6] + ws[7]));
-        if (blockIdx.x == 0) *counter = 0u;
-    }
-}
-
-
-// ==================================================================================================
-// Version 3 (double_quantize: the same two launches and chunk-sum layout as version 2, without the
-// serial prologue)
-// ==================================================================================================
-// What version 2's quantize prologue spent its time on, and what replaces it here:
+// What the kernel's prologue does:
 // - the cell table: built at compile time from QC_DYNAMIC_THRESHOLDS_INIT (below) and copied to
 //   shared memory; built at run time (build_cells8) only when the thresholds passed differ from
 //   the dynamic map's in some bit, which the CTA finds with one comparison per thread;
-// - the counter: a non-blocking release atomic whose result is read after the first tasks, not a
-//   __threadfence plus a blocking atomic; it lives in the offset's 4 bytes (the CTA that counts
+// - double quantization: the CTAs count themselves with a non-blocking release atomic whose result
+//   is read after the first tasks; the counter lives in the offset's 4 bytes (the CTA that counts
 //   itself in last writes the offset over it), so only the chunk sums lie in ``codes``: 16 blocks
 //   to defer at 4 M values, one task per thread of that CTA;
-// - the tree top: 512 threads, one to eight chunk sums each.
-// The main loop keeps two tasks' loads (16 elements) in flight per thread instead of one.
+// - the tree top over the chunk sums: 512 threads, one to eight chunk sums each.
+// The main loop keeps two tasks' loads (16 elements) in flight per thread.
 
 constexpr int kQ3Threads = 512;
 
-// quantize_blockwise, version 3: as version 2 (one thread per 8 elements, G = blocksize / 8 threads
-// per block, persistent grid), with the prologue above and two tasks' loads ahead: task t + 2 * stride
+// quantize_blockwise by cells: one thread per 8 elements, G = blocksize / 8 threads per block, a
+// persistent grid, the prologue above and two tasks' loads ahead: task t + 2 * stride
 // is loaded when task t's registers are freed. Double quantization (partials != null): the offset
 // from the chunk sums, ``offset`` holding the counter (zeroed by the sum launch) until the CTA that
 // counts itself in last writes the offset over it; that CTA also writes the blocks below
@@ -446,12 +327,13 @@ __global__ void __launch_bounds__(kQ3Threads, 2) quantize_blockwise_v3_kernel(
     if (pending) deferred();
 }
 
-// Version 3's chunk sums: the same chunks of kSumChunk values and partials as
-// absmax_chunk_sum_kernel (``counter``: the offset's word for version 3), read coalesced - 1024 threads, 8 contiguous values each (two 16-byte
+// The chunk sums of the double-quantization tree: CTA c sums absmax[c * kSumChunk, (c + 1) * kSumChunk)
+// (zeros past nb) into partials[c] and zeroes ``counter`` (the offset's word); read coalesced - 1024
+// threads, 8 contiguous values each (two 16-byte
 // loads, lanes 32 bytes apart) - three levels in registers, the butterfly over the warp, then the
 // 32 warp sums' butterfly in warp 0. At most 32 registers: two CTAs per multiprocessor.
 constexpr int kSum3Threads = 1024;
-static_assert(kSum3Threads * 8 == kSumChunk, "version 3's chunks are version 2's");
+constexpr int kSumChunk = kSum3Threads * 8;
 
 __global__ void __launch_bounds__(kSum3Threads, 2) absmax_chunk_sum_v3_kernel(
     const float* __restrict__ in, i64 nb, int vec, double* partials, u32* counter) {

@@ -2,7 +2,7 @@
 against quantcore.formats.bnb on unaligned pointers (the element paths), odd n, zero, tiny
 (1/absmax = inf), NaN and -inf blocks, and tensors large enough that every CTA of the persistent
 grids walks several tiles (quantize_4bit: version 3 for blocksizes up to 512, version 2 above).
-(The version comparisons these tests first ran: tools/dev/bnb4_time.py, tools/dev/q4_time.py.)
+(The kernel versions these tests first compared were removed; their measurements are in docs/performance.md.)
 
 GPU tests: skipped with the reason where the cuda backend is unavailable.
 """

@@ -1,16 +1,15 @@
-"""double_quantize and quantize_blockwise of the cuda backend, all three kernel versions, at the
-kernel-level op: bit-exact against quantcore.formats.bnb.
+"""double_quantize and quantize_blockwise of the cuda backend at the kernel-level op: bit-exact
+against quantcore.formats.bnb.
 
-(The one-launch form of double quantization, fused into quantize_4bit, is tested in
-tests/test_cuda_quantize_nested.py.) Versions 2 and 3 round by a cell table and reduce the offset's chunk sums inside
-the quantize launch, with the sums in qabsmax's first bytes; version 3 takes the table built at
-compile time when the thresholds passed are the dynamic map's bit for bit (else it builds it), and
-counts its CTAs in the offset's 4 bytes. These tests aim at what that can get wrong: every cell edge and threshold neighbour of the rounding, NaN / inf / -0.0 / constant blocks
+quantize_blockwise rounds by a cell table (built at compile time when the thresholds passed are the
+dynamic map's bit for bit, else at run time); double_quantize above one chunk sum (8192 values)
+reduces the offset's chunk sums inside the quantize launch, with the sums in qabsmax's first bytes
+and the CTA counter in the offset's 4 bytes; below, tree levels and the kernel that subtracts the
+offset read from device memory. These tests aim at what that can get wrong: every cell edge and threshold neighbour of the rounding, NaN / inf / -0.0 / constant blocks
 (1/absmax2 = inf), thresholds the cell table cannot hold (the round8 fallback), unaligned pointers
 (element paths, the sums' 8-byte alignment inside qabsmax), one chunk more than the minimum, and
 the largest tree the quantize launch reduces (4096 chunk sums, 65 deferred blocks), thresholds one
 ulp off the dynamic map's, repeated calls on the same buffers (the counter is re-zeroed).
-QUANTCORE_CUDA_TUNE=dq_v=V,qbw_v=V selects version V. Timing: tools/dev/dq_device.sh.
 
 GPU tests: skipped with the reason where the cuda backend is unavailable.
 """
@@ -24,7 +23,7 @@ import quantcore as qc
 from quantcore.formats import bnb
 
 from .conftest import FLOAT_DTYPES, bits, same_bits
-from .cuda_arrays import CUDA, TUNE, filled, needs_cuda, to_cuda, to_host
+from .cuda_arrays import CUDA, filled, needs_cuda, to_cuda, to_host
 
 pytestmark = needs_cuda
 torch = pytest.importorskip("torch") if CUDA else None
@@ -33,19 +32,6 @@ torch = pytest.importorskip("torch") if CUDA else None
 @pytest.fixture(scope="module")
 def be():
     return qc.get_backend("cuda")
-
-
-@pytest.fixture(params=[1, 2, 3], ids=["v1", "v2", "v3"])
-def version(request, monkeypatch):
-    monkeypatch.setenv(TUNE, f"dq_v={request.param},qbw_v={request.param}")
-    return request.param
-
-
-@pytest.fixture(params=[1, 2, 3], ids=["v1", "v2", "v3"])
-def dq_version(request, monkeypatch):
-    """double_quantize's versions (3 the default)."""
-    monkeypatch.setenv(TUNE, f"dq_v={request.param}")
-    return request.param
 
 
 def _check_dq(be, absmax: np.ndarray, a_off: int = 0, q_off: int = 0) -> None:
@@ -62,24 +48,24 @@ def _check_dq(be, absmax: np.ndarray, a_off: int = 0, q_off: int = 0) -> None:
 
 
 @pytest.mark.parametrize("nb", [8192, 8193, 3 * 8192 + 1, 100_003, 1 << 22, (1 << 22) + 5])
-def test_double_quantize_sizes(be, rng, dq_version, nb):
+def test_double_quantize_sizes(be, rng, nb):
     absmax = np.exp2(rng.uniform(-8, 4, nb)).astype(np.float32)
     _check_dq(be, absmax)
 
 
-def test_double_quantize_largest_tree(be, rng, dq_version):
+def test_double_quantize_largest_tree(be, rng):
     """2^24 + 1 values: a tree of 2^25 leaves, 4096 chunk sums (16 per thread of the top)."""
     absmax = rng.uniform(0.5, 4.0, (1 << 24) + 1).astype(np.float32)
     _check_dq(be, absmax)
 
 
 @pytest.mark.parametrize("a_off,q_off", [(1, 0), (0, 1), (3, 5), (2, 7)])
-def test_double_quantize_unaligned(be, rng, dq_version, a_off, q_off):
+def test_double_quantize_unaligned(be, rng, a_off, q_off):
     absmax = np.exp2(rng.uniform(-3, 3, 200_001)).astype(np.float32)
     _check_dq(be, absmax, a_off, q_off)
 
 
-def test_double_quantize_special_blocks(be, rng, dq_version):
+def test_double_quantize_special_blocks(be, rng):
     nb = 256 * 400 + 77
     absmax = rng.uniform(1.0, 3.0, nb).astype(np.float32)
     absmax[:256 * 2] = 0.0  # the blocks over the chunk sums, and a zero chunk start
@@ -97,7 +83,7 @@ def test_double_quantize_special_blocks(be, rng, dq_version):
 
 
 def _cell_edge_values(rng) -> np.ndarray:
-    """Every version-2 cell edge (|s| bits k * 2^17 and one below) on both sides, each dynamic
+    """Every cell edge (|s| bits k * 2^17 and one below) on both sides, each dynamic
     threshold and its fp32 neighbours, signed zeros, infinities, NaN, random fp32 in [-1, 1]."""
     k = np.arange(104 * 64, 128 * 64 + 2, dtype=np.uint32)
     edges = np.concatenate([k << 17, (k << 17) - 1]).view(np.float32)
@@ -110,7 +96,7 @@ def _cell_edge_values(rng) -> np.ndarray:
     return np.concatenate([edges, -edges, near, special, rand, tiny])
 
 
-def test_blockwise_rounding_every_cell_edge(be, rng, version):
+def test_blockwise_rounding_every_cell_edge(be, rng):
     """Blocks of 64 whose first element is 1.0 (absmax 1, 1/absmax = 1): s is the value itself."""
     vals = _cell_edge_values(rng)
     vals = vals[(np.abs(vals) <= 1) | np.isnan(vals)]  # absmax stays 1.0 (NaN is ignored)
@@ -130,7 +116,7 @@ def test_blockwise_rounding_every_cell_edge(be, rng, version):
 
 
 @pytest.mark.parametrize("dtype", list(FLOAT_DTYPES))
-def test_blockwise_dtypes_blocksizes(be, rng, version, dtype):
+def test_blockwise_dtypes_blocksizes(be, rng, dtype):
     for bs in bnb.BLOCKSIZES_8BIT:
         n = 7 * bs + 13 if bs < 4096 else 3 * bs + 5
         x = (rng.standard_normal(n) * np.exp2(rng.uniform(-6, 6, n))).astype(FLOAT_DTYPES[dtype])
@@ -145,7 +131,7 @@ def test_blockwise_dtypes_blocksizes(be, rng, version, dtype):
             assert np.array_equal(bits(to_host(absmax)), bits(ra)), (bs, off)
 
 
-def test_blockwise_large_persistent(be, rng, version):
+def test_blockwise_large_persistent(be, rng):
     """More elements than the persistent grid covers in one pass (several chunks per thread)."""
     n = (1 << 23) + 1000
     x = rng.standard_normal(n).astype(np.float32)
@@ -157,7 +143,7 @@ def test_blockwise_large_persistent(be, rng, version):
 
 
 @pytest.mark.parametrize("kind", ["dense", "uniform"])
-def test_blockwise_other_thresholds(be, rng, version, kind):
+def test_blockwise_other_thresholds(be, rng, kind):
     """Thresholds two to a cell (dense near 0: the round8 fallback) or one per cell (a uniform
     map): both exact."""
     if kind == "dense":
@@ -175,7 +161,7 @@ def test_blockwise_other_thresholds(be, rng, version, kind):
     assert np.array_equal(bits(to_host(absmax)), bits(ra))
 
 
-def test_double_quantize_repeated_same_buffers(be, rng, dq_version):
+def test_double_quantize_repeated_same_buffers(be, rng):
     """The same outputs twice (the counter lives in them), then other values into the same buffers."""
     nb = 5 * 8192 + 3
     q, a2, off = filled(nb, np.uint8), filled(bnb.nblocks(nb, 256), np.float32), filled(1, np.float32)
@@ -189,9 +175,9 @@ def test_double_quantize_repeated_same_buffers(be, rng, dq_version):
         assert same_bits(to_host(a2), ra2)
 
 
-def test_blockwise_thresholds_one_ulp_off(be, rng, version):
+def test_blockwise_thresholds_one_ulp_off(be, rng):
     """The dynamic map's thresholds with one of them one ulp up: not the compile-time table's
-    (version 3 builds its own), and values at that threshold round by the thresholds passed."""
+    (the kernel builds its own), and values at that threshold round by the thresholds passed."""
     thr = bnb.DYNAMIC_THRESHOLDS.astype(np.float32).copy()
     j = 200
     thr[j] = np.nextafter(thr[j], np.float32(np.inf))

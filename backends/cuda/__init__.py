@@ -30,7 +30,7 @@ import numpy as np
 from quantcore import ops
 from quantcore.arrays import as_dtype, dtype_name
 from quantcore.backend import Availability, Backend, Nested
-from quantcore.errors import DeviceError, DTypeError, KernelError
+from quantcore.errors import DeviceError, DTypeError
 from quantcore.formats import bnb, ggml
 from quantcore.formats.kernel_defines import GGML_FORMAT_CODE, LAUNCH_GEOMETRY, QUANT_TYPE_CODE
 
@@ -53,14 +53,10 @@ _DEQUANT_THREADS, _DEQUANT_WORDS = 256, 8
 _GEMV_WARPS, _GEMV_U, _GEMV_V = 8, 4, (4, 8)
 _GEMV_SMEM = 4 * (256 * 64 + bnb.DYNAMIC_MAP.size + _GEMV_WARPS * 16 * 8)  # kGemvSmemBytes (table, code2, reduction)
 _TREE_CHUNK = 2048
-# double_quantize versions 2 and 3: absmax values per chunk sum (kSumChunk) and the most chunk sums
-# the quantize launch reduces (256 threads x 16; version 3: 512 x 8); version 3's sum threads
+# double_quantize: absmax values per chunk sum, the most chunk sums the quantize launch reduces, the
+# chunk-sum kernel's threads
 _SUM_CHUNK, _SUM_MAX_PARTS = 8192, 4096
 _SUM3_THREADS = 1024  # kSum3Threads
-# quantize_4bit with double quantization in one cooperative launch: kNestThreads, kNestMaxAbsmax
-# (absmax values a CTA keeps in shared memory), kNestMaxLeaves (the tree top's), the units' largest
-# size (2^log2ub nested blocks)
-_Q4N_THREADS, _Q4N_MAX_ABSMAX, _Q4N_MAX_LEAVES, _Q4N_MAX_LOG2UB = 512, 24 * 1024, 512 * 32, 6
 _GEMM_WARPS, _GEMM_UB = 16, 8
 _W4_WARPS, _W4_CLUSTER = 8, 4  # gemm_w4a8_small_kernel (version 12, QUANTCORE_CUDA_TUNE=w4a8_small=1)
 _W4_MAX_KBS = 128  # blocks of K per CTA: bounds the shared memory (204 KB at N = 8)
@@ -94,27 +90,19 @@ def _b(flag: bool) -> str:
 
 
 # -- the kernel instantiations, by op (used by the launchers and by the nvcc compile test) ----------
-def _q4(tag: str, qt: str, nested: bool = False) -> str:
-    name = "quantize_4bit_nested_kernel" if nested else "quantize_4bit_kernel"
-    return f"qc::{name}<{tag}, {QUANT_TYPE_CODE[qt]}>"
+def _q4(tag: str, qt: str) -> str:
+    return f"qc::quantize_4bit_kernel<{tag}, {QUANT_TYPE_CODE[qt]}>"
 
 
-# quantize_4bit version 3 (kernels_cuda/bnb_4bit.cu): G = blocksize / 16 threads per block (its
-# instances, _Q4V3_G), S pipeline stages of one tile of 256 x 16 elements (QUANTCORE_CUDA_TUNE
-# q4_stages for 16-bit input, q4_stages32 for fp32; at most 3 for fp32, what 4 CTAs per
-# multiprocessor can hold)
+# quantize_4bit's default kernel (kernels_cuda/bnb_4bit.cu): G = blocksize / 16 threads per block (its
+# instances, _Q4V3_G), S pipeline stages of one tile of 256 x 16 elements (3: what 4 CTAs per
+# multiprocessor can hold for fp32 input); quantize_4bit_kernel takes the larger blocksizes
 _Q4V3_G = (2, 4, 8, 16, 32)
 _Q4V3_STAGES = 3
 
 
-def _q4v3(tag: str, qt: str, g: int, stages: int) -> str:
-    return f"qc::quantize_4bit_v3_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {g}, {stages}>"
-
-
-def _q4v3_stages(tag: str) -> int:
-    if tag == TYPE_TAG["float32"]:
-        return rt.tune("q4_stages32", 3)
-    return rt.tune("q4_stages", _Q4V3_STAGES)
+def _q4v3(tag: str, qt: str, g: int) -> str:
+    return f"qc::quantize_4bit_v3_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {g}, {_Q4V3_STAGES}>"
 
 
 def _dq4(tag: str, qt: str, nested: bool) -> str:
@@ -133,21 +121,20 @@ def _gemv_tc(tag: str, qt: str, nested: bool, nb: int) -> str:
     return f"qc::gemv_4bit_tc_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}>"
 
 
-def _qbw(tag: str, version: int = 1) -> str:
-    if version in (2, 3):
-        return f"qc::quantize_blockwise_v{version}_kernel<{tag}>"
-    return f"qc::quantize_blockwise_kernel<{tag}>"
+def _qbw(tag: str, cells: bool = True) -> str:
+    """quantize_blockwise's default kernel (by cells), or (cells False) the one that subtracts a
+    center read from device memory (double_quantize below its chunk-sum size)."""
+    return f"qc::quantize_blockwise_v3_kernel<{tag}>" if cells else f"qc::quantize_blockwise_kernel<{tag}>"
 
 
 def _dqbw(tag: str) -> str:
     return f"qc::dequantize_blockwise_kernel<{tag}>"
 
 
-def _tree(from_f32: bool | None, version: int = 2) -> str:
-    """The version-1 tree level kernels (fp32 or fp64 input); None: the chunk sums of version 2
-    (or 3)."""
+def _tree(from_f32: bool | None) -> str:
+    """double_quantize's small-input tree level kernels (fp32 or fp64 input); None: the chunk sums."""
     if from_f32 is None:
-        return "qc::absmax_chunk_sum_v3_kernel" if version == 3 else "qc::absmax_chunk_sum_kernel"
+        return "qc::absmax_chunk_sum_v3_kernel"
     return f"qc::absmax_tree_sum_kernel<{_b(from_f32)}>"
 
 
@@ -176,8 +163,7 @@ def kernel_instances() -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     for qt in bnb.QUANT_TYPES:
         for tag in tags:
-            out += [(_F4, _q4(tag, qt)), (_F4, _q4(tag, qt, nested=True))]
-            out += [(_F4, _q4v3(tag, qt, g, _q4v3_stages(tag))) for g in _Q4V3_G]
+            out += [(_F4, _q4(tag, qt))] + [(_F4, _q4v3(tag, qt, g)) for g in _Q4V3_G]
             for nested in (False, True):
                 out.append((_F4, _dq4(tag, qt, nested)))
                 out.append((_F4, _gemv(tag, qt, nested)))
@@ -185,54 +171,14 @@ def kernel_instances() -> list[tuple[str, str]]:
                     out += [(_F4, _gemv_mma(tag, qt, nested, v)) for v in _GEMV_V]
                     out += [(_FV, _gemv_tc(tag, qt, nested, nb)) for nb in (1, 2)]
     for tag in tags:
-        out += [(_F8, _qbw(tag)), (_F8, _qbw(tag, 2)), (_F8, _qbw(tag, 3)), (_F8, _dqbw(tag))]
+        out += [(_F8, _qbw(tag)), (_F8, _qbw(tag, cells=False)), (_F8, _dqbw(tag))]
         for fmt in GGML_FMT:
             out += [(_FG, _qg(tag, fmt)), (_FG, _dqg(tag, fmt))]
         out.append((_FG, _gemm(tag, True)))
         out += [(_FG, _gemm_small(tag, nb)) for nb in _W4_NB]
     out.append((_FG, _gemm(TYPE_TAG["float32"], False)))
-    out += [(_F8, _tree(True)), (_F8, _tree(False)), (_F8, _tree(None)), (_F8, _tree(None, 3))]
+    out += [(_F8, _tree(True)), (_F8, _tree(False)), (_F8, _tree(None))]
     return out
-
-
-def _nest_units(nb: int) -> tuple[int, int]:
-    """quantize_4bit_nested_kernel's units for nb blocks: (log2ub, npart) - units of 2^log2ub nested
-    blocks, the smallest (the finest balance between CTAs) whose tree top has at most
-    _Q4N_MAX_LEAVES leaves; npart, the top's leaf count (the summation tree's padded size / unit)."""
-    size = 1 << (nb - 1).bit_length()  # the summation tree's padded leaf count
-    log2ub = rt.tune("q4n_ub", 2)  # the minimum: 1024 blocks (the fastest of 0, 1, 2 on the H200)
-    while size // (bnb.NESTED_BLOCKSIZE << log2ub) > _Q4N_MAX_LEAVES and log2ub < _Q4N_MAX_LOG2UB:
-        log2ub += 1
-    return log2ub, max(1, size // (bnb.NESTED_BLOCKSIZE << log2ub))
-
-
-def _launch_cooperative(launch: Launcher, filename: str, expr: str, grid: int, block: int, args: tuple,
-                        shared_mem: int) -> None:
-    """A launch whose CTAs must all be resident at once (a grid barrier inside): through
-    cuLaunchCooperativeKernel, which refuses a grid the device cannot hold instead of hanging."""
-    fn = rt.kernel_function(launch.device, filename, expr, shared_mem)
-    try:
-        with rt.cupy().cuda.Device(launch.device):
-            fn((grid, 1, 1), (block, 1, 1), args, shared_mem=shared_mem, stream=launch.stream,
-               enable_cooperative_groups=True)
-    except Exception as exc:  # noqa: BLE001 - report which kernel failed and how
-        raise KernelError(f"cooperative launch of {expr} (grid {grid}, block {block}, shared {shared_mem} B) "
-                          f"failed: {type(exc).__name__}: {exc}") from exc
-
-
-def _coop_ctas_per_sm(launch: Launcher, filename: str, expr: str, block: int, shared_mem: int) -> int:
-    """CTAs of ``expr`` one multiprocessor holds with ``shared_mem`` bytes of dynamic shared memory."""
-    key = (launch.device, expr, block, shared_mem)
-    got = _coop_occupancy.get(key)
-    if got is None:
-        fn = rt.kernel_function(launch.device, filename, expr, shared_mem)
-        with rt.cupy().cuda.Device(launch.device):
-            got = int(rt.cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, block, shared_mem))
-        _coop_occupancy[key] = got
-    return got
-
-
-_coop_occupancy: dict[tuple[int, str, int, int], int] = {}
 
 
 def _resident(device: int, ctas: int, per_sm: int) -> int:
@@ -386,58 +332,16 @@ class CudaBackend(Backend):
         threads, elems, per_sm = 256, 16, 4
         vec = aligned(x, 16) and aligned(packed, 8)
         g, tag = blocksize // elems, _tag(x)
-        if g in _Q4V3_G and rt.tune("q4_v", 3) == 3:  # version 3: tiles of threads x elems
-            stages, tile = _q4v3_stages(tag), threads * elems
+        if g in _Q4V3_G:  # tiles of threads x elems through a shared-memory ring
+            tile = threads * elems
             grid = _resident(launch.device, _cdiv(n, tile), per_sm)
-            launch(_F4, _q4v3(tag, quant_type, g, stages), (grid,), threads,
+            launch(_F4, _q4v3(tag, quant_type, g), (grid,), threads,
                    (ptr_arg(x), ptr_arg(packed), ptr_arg(absmax), i64(n), i32(vec)),
-                   shared_mem=stages * tile * as_dtype(dtype_name(x.dtype)).itemsize)
+                   shared_mem=_Q4V3_STAGES * tile * as_dtype(dtype_name(x.dtype)).itemsize)
             return
         grid = _resident(launch.device, _cdiv(_cdiv(n, elems), threads), per_sm)
         launch(_F4, _q4(tag, quant_type), (grid,), threads,
                (ptr_arg(x), ptr_arg(packed), ptr_arg(absmax), i64(n), i32(_log2(blocksize)), i32(vec)))
-
-    def quantize_4bit_nested(self, x, packed, qabsmax, absmax2, offset, *, blocksize, quant_type):
-        """The two ops (quantize_4bit, then double_quantize version 3; a temporary fp32 absmax). Opt-in
-        (QUANTCORE_CUDA_TUNE=q4_nested=1, measured slower: docs/performance.md, Q4N rows): one
-        cooperative launch (quantize_4bit_nested_kernel: the fp32 absmax stays in shared memory)
-        where the CTAs the device holds at once can keep all of it (up to ~6 M blocks on an
-        H100/H200) and the outputs can hold the scratch."""
-        if rt.tune("q4_nested", 0) and self._quantize_4bit_fused(x, packed, qabsmax, absmax2, offset,
-                                                                 blocksize=blocksize, quant_type=quant_type):
-            return
-        super().quantize_4bit_nested(x, packed, qabsmax, absmax2, offset, blocksize=blocksize, quant_type=quant_type)
-
-    @staticmethod
-    def _quantize_4bit_fused(x, packed, qabsmax, absmax2, offset, *, blocksize, quant_type, trace: int = 0) -> bool:
-        n = rt.numel(x)
-        nb = _cdiv(n, blocksize)
-        if n == 0:
-            return False
-        log2ub, npart = _nest_units(nb)
-        unit = bnb.NESTED_BLOCKSIZE << log2ub
-        nunits = _cdiv(nb, unit)
-        base = rt.pointer(qabsmax)
-        leaves = (base + 7) // 8 * 8
-        if npart > _Q4N_MAX_LEAVES or leaves + 8 * nunits > base + nb:
-            return False
-        launch = Launcher(x)
-        expr = _q4(_tag(x), quant_type, nested=True)
-        per_sm = _coop_ctas_per_sm(launch, _F4, expr, _Q4N_THREADS, _Q4N_MAX_ABSMAX * 4)
-        grid = min(nunits, per_sm * rt.sm_count(launch.device))
-        if grid == 0 or _cdiv(nunits, grid) * unit > _Q4N_MAX_ABSMAX:
-            return False
-        vec = aligned(x, 16) and aligned(packed, 8)
-        bar = rt.pointer(absmax2) + 4 * (_cdiv(nb, bnb.NESTED_BLOCKSIZE) - 1)  # the barrier word
-        stream = launch.stream.ptr if launch.stream is not None else rt.cupy().cuda.get_current_stream().ptr
-        with rt.cupy().cuda.Device(launch.device):
-            rt.cupy().cuda.runtime.memsetAsync(bar, 0, 4, stream)
-        _launch_cooperative(launch, _F4, expr, grid, _Q4N_THREADS,
-                            (ptr_arg(x), ptr_arg(packed), ptr_arg(qabsmax), ptr_arg(absmax2), ptr_arg(offset),
-                             np.uint64(leaves), i64(n), i32(_log2(blocksize)), i32(log2ub), i32(npart),
-                             i32(vec), i32(aligned(qabsmax, 8)), np.uint64(trace)),
-                            shared_mem=_cdiv(nunits, grid) * unit * 4)
-        return True
 
     def dequantize_4bit(self, packed, absmax, out, *, blocksize, quant_type, nested: Nested | None):
         n = rt.numel(out)
@@ -498,31 +402,21 @@ class CudaBackend(Backend):
             return
         launch = Launcher(absmax)
         size = 1 << (nb - 1).bit_length()  # the tree's padded leaf count
-        # versions 3 (default) and 2 (QUANTCORE_CUDA_TUNE=dq_v=2; dq_v=1: version 1): two launches,
-        # the chunk sums in qabsmax's first bytes; from two chunks up, and up to _SUM_MAX_PARTS of
-        # them. Version 3 counts the quantize CTAs in offset's 4 bytes, version 2 after the sums.
-        dq_v = rt.tune("dq_v", 3)
-        if dq_v in (2, 3) and _SUM_CHUNK < nb and size // _SUM_CHUNK <= _SUM_MAX_PARTS:
+        # two launches: the chunk sums (in qabsmax's first bytes, the CTA counter in offset's 4
+        # bytes), then the quantization, which computes and subtracts the offset itself; from two
+        # chunks up, and up to _SUM_MAX_PARTS of them
+        if _SUM_CHUNK < nb and size // _SUM_CHUNK <= _SUM_MAX_PARTS:
             base = rt.pointer(qabsmax)
             parts = (base + 7) // 8 * 8
             nchunks = _cdiv(nb, _SUM_CHUNK)
-            if dq_v != 2:
-                ndefer = _cdiv(parts + 8 * nchunks - base, bnb.NESTED_BLOCKSIZE)  # codes over the sums
-                launch(_F8, _tree(None, 3), (nchunks,), _SUM3_THREADS,
-                       (ptr_arg(absmax), i64(nb), i32(aligned(absmax, 16)), np.uint64(parts), ptr_arg(offset)))
-                self._quantize_blockwise(launch, absmax, NULL, qabsmax, absmax2, NULL, nb, bnb.NESTED_BLOCKSIZE,
-                                         version=3, tree=(np.uint64(parts), i32(size // _SUM_CHUNK), i32(nchunks),
-                                                          ptr_arg(offset), i64(nb), i32(ndefer)))
-                return
-            counter = parts + 8 * nchunks
-            ndefer = _cdiv(counter + 4 - base, bnb.NESTED_BLOCKSIZE)  # blocks whose codes overlap them
-            launch(_F8, _tree(None), (nchunks,), 256,
-                   (ptr_arg(absmax), i64(nb), i32(aligned(absmax, 16)), np.uint64(parts), np.uint64(counter)))
+            ndefer = _cdiv(parts + 8 * nchunks - base, bnb.NESTED_BLOCKSIZE)  # codes over the sums
+            launch(_F8, _tree(None), (nchunks,), _SUM3_THREADS,
+                   (ptr_arg(absmax), i64(nb), i32(aligned(absmax, 16)), np.uint64(parts), ptr_arg(offset)))
             self._quantize_blockwise(launch, absmax, NULL, qabsmax, absmax2, NULL, nb, bnb.NESTED_BLOCKSIZE,
-                                     version=2, tree=(np.uint64(parts), i32(size // _SUM_CHUNK), i32(nchunks),
-                                                      np.uint64(counter), ptr_arg(offset), i64(nb), i32(ndefer)))
+                                     tree=(np.uint64(parts), i32(size // _SUM_CHUNK), i32(nchunks),
+                                           ptr_arg(offset), i64(nb), i32(ndefer)))
             return
-        # version 1: tree levels of fp64 partial sums kept in qabsmax's bytes until the codes
+        # below that: tree levels of fp64 partial sums kept in qabsmax's bytes until the codes
         # overwrite them, a one-CTA last level writing the offset, then the quantization
         base = rt.pointer(qabsmax)
         region = (base + 7) // 8 * 8
@@ -538,29 +432,27 @@ class CudaBackend(Backend):
             src, count, from_f32 = np.uint64(region), chunks, False
             region += 8 * chunks
         self._quantize_blockwise(launch, absmax, NULL, qabsmax, absmax2, ptr_arg(offset), nb,
-                                 bnb.NESTED_BLOCKSIZE, version=1)
+                                 bnb.NESTED_BLOCKSIZE, cells=False)
 
     # -- blockwise 8-bit -----------------------------------------------------------------------------
     def _quantize_blockwise(self, launch, x, thresholds, codes, absmax, center, n, blocksize, *,
-                            version=None, tree=None):
-        """Versions 3 (default; QUANTCORE_CUDA_TUNE=qbw_v=2 or 1 for the others) and 2 round by
-        cells and, with ``tree`` (double_quantize's chunk sums), compute and subtract the offset
-        themselves; version 1 subtracts ``*center``."""
+                            cells=True, tree=None):
+        """The default kernel rounds by cells and, with ``tree`` (double_quantize's chunk sums),
+        computes and subtracts the offset itself; ``cells`` False: the kernel that subtracts
+        ``*center``."""
         vec = aligned(x, 16) and aligned(codes, 8)
-        version = version or rt.tune("qbw_v", 3)
-        if version in (2, 3):
+        if cells:
             threads = 512  # kernel bounds: 512 threads, 2 CTAs per multiprocessor
             grid = _resident(launch.device, _cdiv(_cdiv(n, 8), threads), 2)
-            none = (NULL, i32(0), i32(0)) + ((NULL,) if version == 2 else ()) + (NULL, i64(0), i32(0))
-            extra = tree if tree is not None else none
-            launch(_F8, _qbw(_tag(x), version), (grid,), threads,
+            extra = tree if tree is not None else (NULL, i32(0), i32(0), NULL, i64(0), i32(0))
+            launch(_F8, _qbw(_tag(x)), (grid,), threads,
                    (ptr_arg(x), thresholds, ptr_arg(codes), ptr_arg(absmax), i64(n), i32(_log2(blocksize)),
                     i32(vec)) + extra)
             return
         threads = max(256, blocksize // 8)
-        launch(_F8, _qbw(_tag(x)), (_resident(launch.device, _cdiv(_cdiv(n, 8), threads), 2048 // threads),), threads,
-               (ptr_arg(x), thresholds, ptr_arg(codes), ptr_arg(absmax), center, i64(n),
-                i32(_log2(blocksize)), i32(vec)))
+        launch(_F8, _qbw(_tag(x), cells=False), (_resident(launch.device, _cdiv(_cdiv(n, 8), threads), 2048 // threads),),
+               threads, (ptr_arg(x), thresholds, ptr_arg(codes), ptr_arg(absmax), center, i64(n),
+                         i32(_log2(blocksize)), i32(vec)))
 
     def quantize_blockwise(self, x, thresholds, codes, absmax, *, blocksize):
         n = rt.numel(x)
