@@ -24,8 +24,6 @@ namespace qc {
 //   read without an address computation; the codes are packed as 4 * code and shifted back.
 // - 16 elements per thread: the correctly rounded reciprocal and the group max are paid once per
 //   16 elements; the next 16 elements' loads are issued before this chunk's rounding.
-// (Version 1 - 8 elements per thread, a float-to-int conversion and a clamp per element, about 27
-// instructions per element - took 302 us at 16384^2 bf16 on the H200, this one 184 us.)
 // The two tables stay 128 bytes and 16 words: one word per bank, so a warp's random lookups
 // never conflict.
 template <int QT>
@@ -238,27 +236,25 @@ __global__ void __launch_bounds__(kQuantThreads, kQuantCtasPerSm) quantize_4bit_
 }
 
 // --------------------------------------------------------------------------------------------------
-// quantize_4bit, version 3 (the default for blocksizes up to 512: G = blocksize / 16 <= 32)
+// quantize_4bit's default kernel for blocksizes up to 512 (G = blocksize / 16 <= 32)
 // --------------------------------------------------------------------------------------------------
-// The same rounding per element as quantize_4bit_kernel (version 2, still used for larger blocks
-// and as QUANTCORE_CUDA_TUNE=q4_v=2); what changes is around it:
+// The same rounding per element as quantize_4bit_kernel (which takes the larger blocks); what
+// changes is around it:
 // - the input streams through shared memory by cp.async, S - 1 tiles of 4096 elements ahead per
-//   CTA (version 2 held one chunk ahead in registers: 32 KiB in flight per multiprocessor, here
-//   (S - 1) x 4 x 8 KiB for 16-bit input). Each warp copies and reads only its own 1/8 of a tile,
+//   CTA ((S - 1) x 4 x 8 KiB in flight per multiprocessor for 16-bit input). Each warp copies and reads only its own 1/8 of a tile,
 //   so warps wait for their own copies (cp.async.wait_group + __syncwarp), never for each other;
 // - G is a template argument (the block's absmax is a butterfly of log2(G) shuffles, no runtime
 //   mask arithmetic and no CTA barrier), tiles are counted in 32 bits and whole tiles take no
 //   bounds checks;
 // - 16-bit input: the absmax of the 16 elements in packed max.xorsign.abs (one instruction per
 //   two elements) on sm_86 and later;
-// - the rounding and the stores are version 2's (codes16).
+// - the rounding and the stores are quantize_4bit_kernel's (codes16).
 // Lane l's copy i is chunk c = l + 32 i (16 bytes) of its warp's part: element chunk c % CPT of
 // thread c / CPT, stored at slot (c % CPT) ^ ((c / CPT >> kSh) % CPT) of that thread's 32 (fp32:
 // 64) bytes - so that a quarter warp's 16-byte shared reads (8 threads, one chunk each) hit 8
 // different 16-byte bank groups. The slot does not depend on i: copy i lands 512 i bytes after
 // copy 0 and reads 512 i bytes after it.
-// H200, 16384^2 bf16 NF4 bs64: version 2 188.8 us, version 3 169.9 us with S = 3 (2 tiles ahead;
-// S = 2 / 4 / 6: 173.8 / 175.6 / 177.3 us). docs/performance.md, log Q-v3.
+// S = 3 (two tiles ahead): docs/performance.md, log Q-v3.
 constexpr int kQ3TileElems = kQuantThreads * kQuantElems;  // 4096
 constexpr int kQ3TileLog2 = ilog2(kQ3TileElems);
 
@@ -385,12 +381,8 @@ constexpr int kDequantWords = 8;  // packed 32-bit words (8 elements each) per t
 
 // Each thread decodes kDequantWords packed words spaced a CTA apart, so each load and each
 // 8-element store of a warp is contiguous; all loads are issued before the first use.
-// Measured bound (H200): the access mix, not the read latency. A version that staged the packed
-// words in shared memory by cp.async three tiles ahead (no read latency left, 56 registers) took
-// the same time (192 vs 191 us at 16384^2 -> bf16). A kernel that only streams the same bytes
-// (4-byte reads, 16-byte stores, 1 byte read per 4 written: tools/dev/write_ceiling.py) takes
-// 184-187 us (84.6-85.8% of the copy rate), against 101% for writes alone: this kernel runs at
-// ~96% of that ceiling.
+// Its bound is the access mix (1 byte read per 4 written), not the read latency: docs/performance.md,
+// logs WC and RC.
 template <typename T, int QT, bool NESTED>
 __global__ void __launch_bounds__(kDequantThreads, 4) dequantize_4bit_kernel(
     const u8* __restrict__ packed, const void* __restrict__ absmax, const float* __restrict__ absmax2,
