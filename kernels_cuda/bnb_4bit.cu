@@ -34,9 +34,9 @@ struct Round4 {
     }
 };
 
-constexpr int kQuantThreads = 256;
-constexpr int kQuantElems = 16;
-constexpr int kQuantCtasPerSm = 4;
+constexpr int kQuantThreads = QC_Q4_THREADS;
+constexpr int kQuantElems = QC_Q4_ELEMS;
+constexpr int kQuantCtasPerSm = QC_Q4_CTAS_PER_SM;
 constexpr int kCells = 128;  // 127 used (k = 0..126)
 constexpr float kCellsScale = 126.0f;
 constexpr float kCellsMargin = 1.0f / 4096.0f;
@@ -376,8 +376,8 @@ __device__ __forceinline__ float load_decode_tables(float* lut, float* c2, const
     return NESTED ? ldg_f32(offset) : 0.0f;
 }
 
-constexpr int kDequantThreads = 256;
-constexpr int kDequantWords = 8;  // packed 32-bit words (8 elements each) per thread
+constexpr int kDequantThreads = QC_DQ4_THREADS;
+constexpr int kDequantWords = QC_DQ4_WORDS;  // packed 32-bit words (8 elements each) per thread
 
 // Each thread decodes kDequantWords packed words spaced a CTA apart, so each load and each
 // 8-element store of a warp is contiguous; all loads are issued before the first use.
@@ -469,10 +469,11 @@ __global__ void __launch_bounds__(kDequantThreads, 4) dequantize_4bit_kernel(
 // own copy of a 256-entry table (rows of 64 words, the first 32 used: never a bank conflict).
 // Weights are loaded one iteration ahead (register double buffer). K is split between the warps
 // of a CTA when there are too few row tiles; partial sums are added in a fixed order.
-constexpr int kGemvWarps = 8;
-constexpr int kGemvU = 4;                       // super-pieces per iteration (one per quad lane)
+constexpr int kGemvWarps = QC_GEMV_MMA_WARPS;
+constexpr int kGemvU = QC_GEMV_MMA_U;                      // super-pieces per iteration (one per quad lane)
 constexpr int kGemvLutWords = 256 * 64;         // table rows of 256 bytes
 constexpr int kGemvSmemBytes = 4 * (kGemvLutWords + kDynCodes + kGemvWarps * 16 * 8);
+static_assert(kGemvSmemBytes == QC_GEMV_MMA_SMEM, "the launcher sizes the shared memory from QC_GEMV_MMA_SMEM");
 
 // Byte j of word w looked up in the lane's copy of the pair table (lane4 = lane * 4).
 template <int J>

@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(256) dequantize_blockwise_kernel(
 // then butterfly shuffles (each xor step is one level; a + b == b + a bit for bit), then the 8
 // warp sums. Chunks are aligned subtrees, so a second launch over the chunk sums continues the
 // same tree. The last launch (one CTA) writes the offset; earlier ones write fp64 partial sums.
-constexpr int kTreeChunk = 2048;
+constexpr int kTreeChunk = QC_DQ_TREE_CHUNK;
 
 template <bool FROM_F32>
 __global__ void __launch_bounds__(256) absmax_tree_sum_kernel(
@@ -173,7 +173,8 @@ __device__ __forceinline__ void raw8_to_f(const Raw8<T>& r, float (&v)[8]) {
 // - the tree top over the chunk sums: 512 threads, one to eight chunk sums each.
 // The main loop keeps two tasks' loads (16 elements) in flight per thread.
 
-constexpr int kQ3Threads = 512;
+constexpr int kQ3Threads = QC_QBW_THREADS;
+static_assert(kQ3Threads * 8 == QC_DQ_SUM_MAX_PARTS, "the tree top: one to eight chunk sums per thread");
 
 // quantize_blockwise by cells: one thread per 8 elements, G = blocksize / 8 threads per block, a
 // persistent grid, the prologue above and two tasks' loads ahead: task t + 2 * stride
@@ -332,8 +333,9 @@ __global__ void __launch_bounds__(kQ3Threads, 2) quantize_blockwise_v3_kernel(
 // threads, 8 contiguous values each (two 16-byte
 // loads, lanes 32 bytes apart) - three levels in registers, the butterfly over the warp, then the
 // 32 warp sums' butterfly in warp 0. At most 32 registers: two CTAs per multiprocessor.
-constexpr int kSum3Threads = 1024;
-constexpr int kSumChunk = kSum3Threads * 8;
+constexpr int kSum3Threads = QC_DQ_SUM_THREADS;
+constexpr int kSumChunk = QC_DQ_SUM_CHUNK;
+static_assert(kSumChunk == kSum3Threads * 8, "8 values per thread");
 
 __global__ void __launch_bounds__(kSum3Threads, 2) absmax_chunk_sum_v3_kernel(
     const float* __restrict__ in, i64 nb, int vec, double* partials, u32* counter) {

@@ -48,15 +48,15 @@ _F8 = "bnb_8bit.cu"
 _FG = "ggml.cu"
 _FV = "bnb_gemv.cu"
 
-# launch geometry, mirrored from the kernels' constants
-_DEQUANT_THREADS, _DEQUANT_WORDS = 256, 8
-_GEMV_WARPS, _GEMV_U, _GEMV_V = 8, 4, (4, 8)
-_GEMV_SMEM = 4 * (256 * 64 + bnb.DYNAMIC_MAP.size + _GEMV_WARPS * 16 * 8)  # kGemvSmemBytes (table, code2, reduction)
-_TREE_CHUNK = 2048
+# launch geometry the kernels compile with (the generated header; quantcore.formats.kernel_defines)
+_G = LAUNCH_GEOMETRY
+_DEQUANT_THREADS, _DEQUANT_WORDS = _G["QC_DQ4_THREADS"], _G["QC_DQ4_WORDS"]
+_GEMV_WARPS, _GEMV_U, _GEMV_V = _G["QC_GEMV_MMA_WARPS"], _G["QC_GEMV_MMA_U"], (4, 8)
+_GEMV_SMEM = _G["QC_GEMV_MMA_SMEM"]
+_TREE_CHUNK = _G["QC_DQ_TREE_CHUNK"]
 # double_quantize: absmax values per chunk sum, the most chunk sums the quantize launch reduces, the
 # chunk-sum kernel's threads
-_SUM_CHUNK, _SUM_MAX_PARTS = 8192, 4096
-_SUM3_THREADS = 1024  # kSum3Threads
+_SUM_CHUNK, _SUM_MAX_PARTS, _SUM3_THREADS = _G["QC_DQ_SUM_CHUNK"], _G["QC_DQ_SUM_MAX_PARTS"], _G["QC_DQ_SUM_THREADS"]
 _GEMM_WARPS, _GEMM_UB = 16, 8
 _W4_WARPS, _W4_CLUSTER = 8, 4  # gemm_w4a8_small_kernel (version 12, QUANTCORE_CUDA_TUNE=w4a8_small=1)
 _W4_MAX_KBS = 128  # blocks of K per CTA: bounds the shared memory (204 KB at N = 8)
@@ -98,7 +98,7 @@ def _q4(tag: str, qt: str) -> str:
 # instances, _Q4V3_G), S pipeline stages of one tile of 256 x 16 elements (3: what 4 CTAs per
 # multiprocessor can hold for fp32 input); quantize_4bit_kernel takes the larger blocksizes
 _Q4V3_G = (2, 4, 8, 16, 32)
-_Q4V3_STAGES = 3
+_Q4V3_STAGES = _G["QC_Q4_STAGES"]
 
 
 def _q4v3(tag: str, qt: str, g: int) -> str:
@@ -329,7 +329,7 @@ class CudaBackend(Backend):
         launch = Launcher(x)
         # kQuantThreads, kQuantElems, kQuantCtasPerSm: a persistent grid of what is resident (the
         # kernels' __launch_bounds__), so every CTA is in the one wave
-        threads, elems, per_sm = 256, 16, 4
+        threads, elems, per_sm = _G["QC_Q4_THREADS"], _G["QC_Q4_ELEMS"], _G["QC_Q4_CTAS_PER_SM"]
         vec = aligned(x, 16) and aligned(packed, 8)
         g, tag = blocksize // elems, _tag(x)
         if g in _Q4V3_G:  # tiles of threads x elems through a shared-memory ring
@@ -442,7 +442,7 @@ class CudaBackend(Backend):
         ``*center``."""
         vec = aligned(x, 16) and aligned(codes, 8)
         if cells:
-            threads = 512  # kernel bounds: 512 threads, 2 CTAs per multiprocessor
+            threads = _G["QC_QBW_THREADS"]  # kernel bounds: 2 CTAs per multiprocessor
             grid = _resident(launch.device, _cdiv(_cdiv(n, 8), threads), 2)
             extra = tree if tree is not None else (NULL, i32(0), i32(0), NULL, i64(0), i32(0))
             launch(_F8, _qbw(_tag(x)), (grid,), threads,

@@ -30,9 +30,25 @@ def _gemv_geometry(warps: int, groups: int, chunks: int, stages: int) -> dict[st
 
 
 #: Launch geometry that a kernel and its launcher share, generated into the header like the format
-#: constants (kernels_cuda/bnb_gemv.cu, the decode gemv: warps per CTA, weights per launch, chunks
-#: per ring stage, stages per warp ring, the ring's row pitch and size in bytes).
-LAUNCH_GEOMETRY = _gemv_geometry(warps=16, groups=4, chunks=8, stages=2)
+#: constants. The decode gemv (kernels_cuda/bnb_gemv.cu): warps per CTA, weights per launch, chunks
+#: per ring stage, stages per warp ring, the ring's row pitch and size in bytes.
+#: The bitsandbytes kernels' launch geometry (kernels_cuda/bnb_4bit.cu, bnb_8bit.cu): quantize_4bit's
+#: threads, elements per thread, CTAs per multiprocessor and ring stages; dequantize_4bit's threads and
+#: packed words per thread; the fallback gemv's warps, pieces per iteration and shared memory (its
+#: decode table of 256 x 64 words, the dynamic map, the reduction); quantize_blockwise's threads;
+#: double_quantize's tree level chunk, chunk-sum threads and chunk (8 values per thread) and the
+#: most chunk sums the quantize launch reduces (its 512 threads x 8).
+_GEMV_MMA_WARPS = 8
+BNB_GEOMETRY = {
+    "QC_Q4_THREADS": 256, "QC_Q4_ELEMS": 16, "QC_Q4_CTAS_PER_SM": 4, "QC_Q4_STAGES": 3,
+    "QC_DQ4_THREADS": 256, "QC_DQ4_WORDS": 8,
+    "QC_GEMV_MMA_WARPS": _GEMV_MMA_WARPS, "QC_GEMV_MMA_U": 4,
+    "QC_GEMV_MMA_SMEM": 4 * (256 * 64 + bnb.DYNAMIC_MAP.size + _GEMV_MMA_WARPS * 16 * 8),
+    "QC_QBW_THREADS": 512,
+    "QC_DQ_TREE_CHUNK": 2048, "QC_DQ_SUM_THREADS": 1024, "QC_DQ_SUM_CHUNK": 1024 * 8,
+    "QC_DQ_SUM_MAX_PARTS": 512 * 8,
+}
+LAUNCH_GEOMETRY = {**_gemv_geometry(warps=16, groups=4, chunks=8, stages=2), **BNB_GEOMETRY}
 
 
 def _f32_list(values) -> str:
