@@ -19,8 +19,10 @@ One set of rules for every backend that caches what it compiles:
   sidecar) gives None, and the caller builds afresh.
 
 The compiled backends go through two helpers that put these rules together: :func:`cached_file`
-(a library a compiler writes to disk: the sycl shim, the maca library) and :func:`cached_bytes`
-(artifacts a compiler returns in memory: the cuda cubins).
+(a library a compiler writes to disk: the cpu kernels, the sycl shim, the maca library) and
+:func:`cached_bytes` (artifacts a compiler returns in memory: the cuda cubins). The host C++
+compiler they build with is found by :func:`host_compiler`, and :func:`tool_version` gives the
+version text that goes into an artifact's digest.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import shutil
 import stat
+import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -277,3 +281,39 @@ def cached_bytes(folder: str | os.PathLike | None, names: Sequence[str],
     except OSError:
         pass
     return built
+
+
+# -- the tools that build the artifacts ----------------------------------------------------------------
+#: The host C++ compilers tried, in order, after ``$CXX``.
+HOST_CXX = ("c++", "g++", "clang++")
+
+
+def host_compiler(override_env: str | None = None, purpose: str = "") -> str:
+    """Path of the host C++ compiler: ``$override_env`` alone when it is set (the backend's own
+    choice), else ``$CXX``, then :data:`HOST_CXX` on PATH. BackendUnavailableError names what was
+    tried, ``purpose`` (why the backend needs one) and how to get one."""
+    want = os.environ.get(override_env) if override_env else None
+    cands = [want] if want else [os.environ.get("CXX"), *HOST_CXX]
+    for cand in cands:
+        found = shutil.which(cand) if cand else None
+        if found:
+            return found
+    tried = f"${override_env}={want}" if want else "$CXX, " + ", ".join(HOST_CXX)
+    why = f"; {purpose}" if purpose else ""
+    raise BackendUnavailableError(f"no C++ compiler found (tried {tried}){why}: install one (e.g. apt-get install g++)")
+
+
+def tool_version(exe: str, missing_ok: bool = False) -> str:
+    """``exe --version``'s output (part of an artifact's digest); BackendUnavailableError when the
+    tool does not run ("" instead with ``missing_ok``: the build that follows reports it)."""
+    try:
+        res = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        if missing_ok:
+            return ""
+        raise BackendUnavailableError(f"the compiler {exe} does not run ({exc})") from exc
+    if res.returncode != 0:
+        if missing_ok:
+            return ""
+        raise BackendUnavailableError(f"`{exe} --version` failed: {res.stderr.strip()}")
+    return res.stdout.strip()

@@ -12,16 +12,14 @@ different CPUs or compilers never hands one a library built for another. Loaded 
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
-import shutil
 import subprocess
 import threading
 from importlib import resources
 from pathlib import Path
 
 from quantcore import cache
-from quantcore.errors import BackendUnavailableError, KernelError
+from quantcore.errors import KernelError
 from quantcore.formats import kernel_defines
 
 #: The compiler to use (a name on PATH or a path); default: $CXX, else c++, g++, clang++.
@@ -36,24 +34,12 @@ _lock = threading.RLock()
 
 
 def compiler() -> str:
-    """Path of the C++ compiler; BackendUnavailableError naming what was tried."""
-    want = os.environ.get(ENV_CXX)
-    cands = [want] if want else [os.environ.get("CXX"), "c++", "g++", "clang++"]
-    for cand in cands:
-        if cand and shutil.which(cand):
-            return shutil.which(cand) or cand
-    tried = f"${ENV_CXX}={want}" if want else "$CXX, c++, g++, clang++"
-    raise BackendUnavailableError(f"no C++ compiler found (tried {tried})")
+    """Path of the C++ compiler ($QUANTCORE_CPU_CXX, else $CXX, c++, g++, clang++)."""
+    return cache.host_compiler(ENV_CXX, "the cpu backend builds its kernels at first use")
 
 
 def compiler_version(cxx: str) -> str:
-    try:
-        res = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise BackendUnavailableError(f"the C++ compiler {cxx} does not run ({exc})") from exc
-    if res.returncode != 0:
-        raise BackendUnavailableError(f"`{cxx} --version` failed: {res.stderr.strip()}")
-    return res.stdout.strip()
+    return cache.tool_version(cxx)
 
 
 def arch_flags() -> tuple[str, ...]:

@@ -205,13 +205,6 @@ def _run(cmd: list[str], what: str) -> None:
                           f"{proc.stdout}{proc.stderr}")
 
 
-def compiler_version(compiler: str) -> str:
-    try:
-        return subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    except OSError:
-        return ""
-
-
 def compile_sources(toolchain: Toolchain, out_dir: Path, srcs: list[Path] | None = None) -> list[str]:
     """Compile every source (in parallel) into ``out_dir`` against a freshly written constants
     header; returns the object paths. Raises KernelError with the compiler log on failure."""
@@ -227,7 +220,7 @@ def compile_sources(toolchain: Toolchain, out_dir: Path, srcs: list[Path] | None
 
 
 def cache_key(toolchain: Toolchain) -> str:
-    parts: list[str | bytes] = [repr(toolchain), compiler_version(toolchain.compiler),
+    parts: list[str | bytes] = [repr(toolchain), cache.tool_version(toolchain.compiler, missing_ok=True),
                                 kernel_defines.constants_header()]
     files = sources() + sorted(kernel_dir().glob("*.h")) + sorted(compat_dir().glob("*.h"))
     for f in files:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-import shutil
 import subprocess
 import threading
 from importlib import metadata, resources
@@ -122,13 +121,7 @@ def import_dpctl() -> Any:
 
 # -- the host shim -----------------------------------------------------------------------------------
 def _compiler() -> str:
-    for cand in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if cand and shutil.which(cand):
-            return shutil.which(cand) or cand
-    raise BackendUnavailableError(
-        "no C++ compiler found (tried $CXX, g++, c++, clang++); the sycl backend builds a small "
-        "host shim at first use: install one (e.g. apt-get install g++)"
-    )
+    return cache.host_compiler(purpose="the sycl backend builds a small host shim at first use")
 
 
 def _shim_source() -> Path:
