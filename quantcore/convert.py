@@ -29,7 +29,6 @@ import os
 import re
 import shutil
 import sys
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +51,7 @@ from .io.checkpoint import (
     select_by_name,
     select_from_config,
 )
+from .progress import Progress
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 #: elements per chunk of rows quantized at once (MX formats): bounds the temporaries to a few tens of MB
@@ -74,43 +74,6 @@ def parse_size(text: str | int) -> int:
     if size <= 0:
         raise ParameterError(f"max shard size must be positive, got {text!r}")
     return size
-
-
-# -- progress ---------------------------------------------------------------------------------------------------
-class Progress:
-    """Bytes of input converted and tensors done: tqdm when installed, else a plain line on stderr."""
-
-    def __init__(self, total_bytes: int, total_tensors: int, desc: str, enabled: bool):
-        self.total, self.n, self.done, self.bytes = total_bytes, total_tensors, 0, 0
-        self.desc, self.enabled, self._bar, self._last = desc, enabled, None, 0.0
-        if not enabled:
-            return
-        try:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                             file=sys.stderr, dynamic_ncols=True)
-        except ImportError:
-            self._bar = None
-
-    def step(self, nbytes: int, name: str) -> None:
-        self.done += 1
-        self.bytes += nbytes
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.set_postfix_str(f"{self.done}/{self.n} tensors", refresh=False)
-            self._bar.update(nbytes)
-            return
-        now = time.monotonic()
-        if now - self._last > 0.5 or self.done == self.n:
-            self._last = now
-            print(f"{self.desc}: {self.done}/{self.n} tensors, {self.bytes / 2**20:.1f}/"
-                  f"{self.total / 2**20:.1f} MiB  {name[:60]}", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
 
 
 # -- quantizing one tensor -----------------------------------------------------------------------------------------
@@ -487,8 +450,8 @@ def _convert(ckpt: Checkpoint, sel: Selection, items: list[Item], tmp: str, dst:
             shards.append(ShardWriter(path, meta))
         return shards[-1]
 
-    bar = Progress(ckpt.nbytes, len(items), f"quantize {os.path.basename(os.path.normpath(ckpt.path))} -> {fmt}",
-                   progress)
+    bar = Progress(ckpt.nbytes, f"quantize {os.path.basename(os.path.normpath(ckpt.path))} -> {fmt}", progress,
+                   pieces=len(items))
     tasks = [(ckpt.tensors[it.name].file.path, it.name, fmt, blocksize, it.experts)
              for it in items if it.action != "copy"]
     done = pool.results(tasks) if pool is not None else None

@@ -23,7 +23,6 @@ import mmap
 import os
 import re
 import struct
-import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import IntEnum
@@ -33,6 +32,7 @@ import numpy as np
 
 from ..errors import ParameterError, QuantcoreError, UnsupportedError
 from ..formats import ggml
+from ..progress import Progress
 from .atomic import _same_file
 
 GGUF_MAGIC = b"GGUF"
@@ -649,33 +649,6 @@ def _target_type(ti: TensorInfo, default: GGMLType, pure: bool, m: _Model) -> tu
 # -- requantization -------------------------------------------------------------------------------
 
 
-class _Progress:
-    """tqdm over bytes when installed, else one line per tensor on stderr."""
-
-    def __init__(self, total: int, desc: str, enabled: bool):
-        self.bar, self.enabled, self.desc, self.total, self.done = None, enabled, desc, total, 0
-        if not enabled:
-            return
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            return
-        self.bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr)
-
-    def update(self, n: int, name: str) -> None:
-        self.done += n
-        if self.bar is not None:
-            self.bar.set_postfix_str(name, refresh=False)
-            self.bar.update(n)
-        elif self.enabled:
-            pct = 100.0 * self.done / self.total if self.total else 100.0
-            print(f"{self.desc}: {pct:5.1f}% {name}", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 #: bytes of fp32 values converted and quantized at a time (a slab of whole rows)
 SLAB_BYTES = 64 << 20
 
@@ -742,7 +715,7 @@ def requantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, fmt: str, *,
             offsets.append(off)
             off += _pad(t.row_bytes(ti.ne[0]) * (ti.n_elements // ti.ne[0] if ti.ne[0] else 0), DEFAULT_ALIGNMENT)
         header = pack_header(kvs, [(ti.name, ti.ne, t, o) for (ti, t, _), o in zip(plan, offsets)])
-        bar = _Progress(total_in, f"requantize {os.path.basename(os.fspath(src))} -> {fmt}", progress)
+        bar = Progress(total_in, f"requantize {os.path.basename(os.fspath(src))} -> {fmt}", progress)
         tensors = []
         with open(dst, "wb") as f:
             f.write(header)
@@ -754,7 +727,7 @@ def requantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, fmt: str, *,
                 tensors.append({"name": ti.name, "shape": list(ti.shape), "from": ti.type.name,
                                 "to": t.name, "reason": reason, "bytes": written})
                 g.release(ti.name)  # as llama-quantize unmaps each weight once written
-                bar.update(ti.nbytes, ti.name)
+                bar.step(ti.nbytes, ti.name)
             size = f.tell()
             if size != len(header) + off:
                 raise AssertionError(f"wrote {size} bytes, expected {len(header) + off}")

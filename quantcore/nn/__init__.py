@@ -17,7 +17,6 @@ State dicts use the keys the formats' ecosystems already have: :class:`Linear4bi
 from __future__ import annotations
 
 import fnmatch
-import sys
 from collections.abc import Iterable
 
 import torch
@@ -28,6 +27,7 @@ from .. import validate as v
 from ..arrays import dtype_name
 from ..errors import ParameterError, ShapeError, StateError, UnsupportedError
 from ..formats import WEIGHT_FORMATS, bnb, ggml, mx
+from ..progress import iterate
 from ..state import QuantState
 
 FORMATS_4BIT = bnb.QUANT_TYPES  # ("fp4", "nf4")
@@ -370,29 +370,6 @@ def _check_fmt(fmt: str, skip) -> tuple[str, ...]:
     return tuple(skip or ())
 
 
-def _progress(items: list, desc: str, enabled: bool):
-    if not enabled:
-        return items
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return _Counter(items, desc)
-    return tqdm(items, desc=desc, unit="layer")
-
-
-class _Counter:
-    """A one-line progress count on stderr where tqdm is not installed."""
-
-    def __init__(self, items: list, desc: str):
-        self.items, self.desc = items, desc
-
-    def __iter__(self):
-        total = len(self.items)
-        for i, item in enumerate(self.items, 1):
-            yield item
-            print(f"\r{self.desc}: {i}/{total} layers", end="" if i < total else "\n", file=sys.stderr, flush=True)
-
-
 def quantize_model(model: nn.Module, fmt: str = "nf4", skip: Iterable[str] = ("lm_head",), *,
                    blocksize: int = 64, compress_statistics: bool = True, compute_dtype=None,
                    progress: bool = True) -> nn.Module:
@@ -404,7 +381,7 @@ def quantize_model(model: nn.Module, fmt: str = "nf4", skip: Iterable[str] = ("l
     installed) unless ``progress=False``. Returns ``model``."""
     skip = _check_fmt(fmt, skip)
     targets = _targets(model, skip)
-    for parent, cname, _full, child in _progress(targets, f"quantcore {fmt}", progress):
+    for parent, cname, _full, child in iterate(targets, f"quantcore {fmt}", progress, unit="layer"):
         setattr(parent, cname, _convert(child, fmt, blocksize, compress_statistics, compute_dtype))
         del child
     return model
