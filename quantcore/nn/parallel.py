@@ -579,20 +579,14 @@ def parallelize_llama(model: nn.Module, mesh_or_group: Any = None, *, fmt: str |
 
 # -- loading a quantized checkpoint sharded ---------------------------------------------------------------------
 def _checkpoint_arrays(path: Any) -> dict[str, Any]:
-    """name -> read-only memory map of every tensor in a safetensors file or a folder of them."""
+    """name -> read-only memory map of every tensor of a checkpoint (a ``.safetensors`` file or a
+    model folder, as :func:`quantcore.io.checkpoint.open_checkpoint` reads them)."""
     import os
 
-    from ..io import load_safetensors
+    from ..io.checkpoint import open_checkpoint
 
-    files = [path]
-    if os.path.isdir(path):
-        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
-        if not files:
-            raise ParameterError(f"{path}: no .safetensors files")
-    out: dict[str, Any] = {}
-    for f in files:
-        out.update(load_safetensors(f)[0])
-    return out
+    ckpt = open_checkpoint(os.fspath(path))
+    return {name: t.file.get(name) for name, t in ckpt.tensors.items()}
 
 
 def _read_shard(mod: nn.Module, spec: ShardSpec, prefix: str, arrays: dict[str, Any], used: set) -> dict:
@@ -636,7 +630,7 @@ def _read_shard(mod: nn.Module, spec: ShardSpec, prefix: str, arrays: dict[str, 
 def load_sharded(model: nn.Module, path: Any, device: Any = None) -> dict[str, int]:
     """Fill ``model`` (its sharded modules made by :func:`parallelize_llama` / :func:`shard_linear`,
     typically on the meta device after :func:`quantcore.nn.replace_linear`) from a quantized
-    checkpoint (a ``.safetensors`` file or a folder of them, as ``save_pretrained`` writes): each
+    checkpoint (a ``.safetensors`` file or a model folder as ``save_pretrained`` writes it): each
     rank reads only its slices of the sharded modules' tensors through read-only memory maps
     (quantcore.io), the other tensors whole. Tensors go to ``device`` (default: each module's
     current device, or cpu for meta). Returns the bytes materialized per checkpoint key."""
