@@ -1,7 +1,7 @@
 """The progress display of long work (checkpoint conversion, GGUF requantization, model quantization).
 
 One implementation: tqdm on stderr where it is installed, else a plain line on stderr at most twice a
-second (and at the end); nothing when disabled. Amounts are counted in ``unit`` ("B" shows bytes
+second and at the end (percent done, the count, the label of the last step); nothing when disabled. Amounts are counted in ``unit`` ("B" shows bytes
 scaled to KiB/MiB/...; any other unit counts items).
 """
 
@@ -25,7 +25,7 @@ class Progress:
         if not enabled:
             return
         try:
-            from tqdm.auto import tqdm
+            from tqdm import tqdm
         except ImportError:
             return
         scaled = unit == "B"
@@ -49,8 +49,9 @@ class Progress:
         now = time.monotonic()
         if now - self._last > 0.5 or self.done >= self.total:
             self._last = now
-            print(f"{self.desc}: {count + ', ' if count else ''}{self._amount(self.done)} of "
-                  f"{self._amount(self.total)}  {label[:60]}",
+            pct = 100.0 * self.done / self.total if self.total else 100.0
+            print(f"{self.desc}: {pct:5.1f}% ({count + ', ' if count else ''}{self._amount(self.done)} of "
+                  f"{self._amount(self.total)})  {label[:60]}",
                   file=sys.stderr, flush=True)
 
     def close(self) -> None:

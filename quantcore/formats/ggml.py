@@ -43,33 +43,37 @@ def _chunk_blocks() -> int:
     return max(1, int(CHUNK_BLOCKS))
 
 
-def _chunked_quantize(fn, x: np.ndarray, width: int, out: np.ndarray | None) -> np.ndarray:
-    """``fn`` (per-block math, [..., K] -> [..., K/32, width]) over ``x``'s blocks, chunk by chunk.
+def _chunked_quantize(fn, x: np.ndarray, width: int, out: np.ndarray | None, qk: int = QK,
+                      step: int | None = None) -> np.ndarray:
+    """``fn`` (per-block math, [..., K] -> [..., K/qk, width]) over ``x``'s blocks, ``step`` blocks
+    (default :data:`CHUNK_BLOCKS`) at a time.
 
-    ``x`` [..., K] (K % 32 == 0) -> uint8 [..., K/32, width], written into ``out`` when given
-    (contiguous uint8 of that shape). Inputs it cannot split (0-d, K % 32, empty) go to ``fn``
+    ``x`` [..., K] (K % qk == 0) -> uint8 [..., K/qk, width], written into ``out`` when given
+    (contiguous uint8 of that shape). Inputs it cannot split (0-d, K % qk, empty) go to ``fn``
     whole, as before chunking.
     """
     x = np.asarray(x)
-    if x.ndim == 0 or x.shape[-1] % QK or x.size == 0:
+    if x.ndim == 0 or x.shape[-1] % qk or x.size == 0:
         res = fn(x)
         if out is not None:
             out[...] = res
         return res if out is None else out
-    shape = x.shape[:-1] + (x.shape[-1] // QK, width)
-    flat = x.reshape(-1, QK)
+    shape = x.shape[:-1] + (x.shape[-1] // qk, width)
+    flat = x.reshape(-1, qk)
     res = np.empty(shape, dtype=np.uint8) if out is None else out
     if res.shape != shape or res.dtype != np.uint8 or not res.flags.c_contiguous:
         raise AssertionError(f"out must be a contiguous uint8 array of shape {shape}")
     dst = res.reshape(-1, width)
-    step = _chunk_blocks()
+    step = step or _chunk_blocks()
     for s in range(0, flat.shape[0], step):
         dst[s : s + step] = fn(flat[s : s + step]).reshape(-1, width)
     return res
 
 
-def _chunked_dequantize(fn, q: np.ndarray, width: int, out: np.ndarray | None) -> np.ndarray:
-    """``fn`` (per-block math, uint8 [..., nb, width] -> fp32 [..., nb*32]) chunk by chunk.
+def _chunked_dequantize(fn, q: np.ndarray, width: int, out: np.ndarray | None, qk: int = QK,
+                        step: int | None = None) -> np.ndarray:
+    """``fn`` (per-block math, uint8 [..., nb, width] -> fp32 [..., nb*qk]) ``step`` blocks (default
+    :data:`CHUNK_BLOCKS`) at a time.
 
     Returns fp32 ``[..., nb*32]``, or writes ``out`` (contiguous, that shape, any float dtype:
     each chunk's fp32 values are cast to it). Inputs it cannot split go to ``fn`` whole.
@@ -80,15 +84,15 @@ def _chunked_dequantize(fn, q: np.ndarray, width: int, out: np.ndarray | None) -
         if out is not None:
             out[...] = res.astype(out.dtype)
         return res if out is None else out
-    shape = q.shape[:-2] + (q.shape[-2] * QK,)
+    shape = q.shape[:-2] + (q.shape[-2] * qk,)
     flat = q.reshape(-1, 1, width)
     res = np.empty(shape, dtype=F32) if out is None else out
     if res.shape != shape or not res.flags.c_contiguous:
         raise AssertionError(f"out must be a contiguous array of shape {shape}")
-    dst = res.reshape(-1, QK)
-    step = _chunk_blocks()
+    dst = res.reshape(-1, qk)
+    step = step or _chunk_blocks()
     for s in range(0, flat.shape[0], step):
-        dst[s : s + step] = fn(flat[s : s + step]).reshape(-1, QK).astype(dst.dtype, copy=False)
+        dst[s : s + step] = fn(flat[s : s + step]).reshape(-1, qk).astype(dst.dtype, copy=False)
     return res
 
 
@@ -360,16 +364,8 @@ def quantize_q6_k(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         from ..errors import ShapeError
 
         raise ShapeError(f"Q6_K needs a last dimension that is a multiple of {QK_K}, got shape {x.shape}")
-    shape = x.shape[:-1] + (x.shape[-1] // QK_K, Q6_K_BLOCK_BYTES)
-    res = np.empty(shape, dtype=np.uint8) if out is None else out
-    if res.shape != shape or res.dtype != np.uint8 or not res.flags.c_contiguous:
-        raise AssertionError(f"out must be a contiguous uint8 array of shape {shape}")
-    flat = x.reshape(-1, QK_K)
-    dst = res.reshape(-1, Q6_K_BLOCK_BYTES)
-    step = max(1, int(CHUNK_SUPERBLOCKS))
-    for s in range(0, flat.shape[0], step):
-        dst[s : s + step] = _quantize_q6_k(flat[s : s + step].astype(F32))
-    return res
+    return _chunked_quantize(lambda c: _quantize_q6_k(c.astype(F32)), x, Q6_K_BLOCK_BYTES, out, QK_K,
+                             max(1, int(CHUNK_SUPERBLOCKS)))
 
 
 def _quantize_q6_k(xb: np.ndarray) -> np.ndarray:
@@ -429,17 +425,14 @@ def dequantize_q6_k(blocks: np.ndarray, out: np.ndarray | None = None) -> np.nda
         from ..errors import ShapeError
 
         raise ShapeError(f"Q6_K blocks must have shape [..., nb, {Q6_K_BLOCK_BYTES}], got {b.shape}")
-    shape = b.shape[:-2] + (b.shape[-2] * QK_K,)
-    res = np.empty(shape, dtype=F32) if out is None else out
-    if res.shape != shape or not res.flags.c_contiguous:
-        raise AssertionError(f"out must be a contiguous array of shape {shape}")
-    flat = b.reshape(-1, Q6_K_BLOCK_BYTES)
-    dst = res.reshape(-1, QK_K)
-    step = max(1, int(CHUNK_SUPERBLOCKS))
-    for s in range(0, flat.shape[0], step):
-        d, sc, q = unpack_q6_k(flat[s : s + step])
-        with np.errstate(invalid="ignore", over="ignore"):
-            ds = (d[:, None] * sc.astype(F32)).astype(F32)
-            v = (ds[:, :, None] * q.reshape(-1, QK_K // Q6_K_SUB, Q6_K_SUB).astype(F32)).astype(F32)
-        dst[s : s + step] = v.reshape(-1, QK_K).astype(dst.dtype, copy=False)
-    return res
+    if b.size == 0:  # no blocks: nothing to decode (the chunked loop passes such input whole)
+        res = np.empty(b.shape[:-2] + (0,), dtype=F32) if out is None else out
+        return res
+    return _chunked_dequantize(_dequantize_q6_k, b, Q6_K_BLOCK_BYTES, out, QK_K, max(1, int(CHUNK_SUPERBLOCKS)))
+
+
+def _dequantize_q6_k(chunk: np.ndarray) -> np.ndarray:
+    d, sc, q = unpack_q6_k(chunk.reshape(-1, Q6_K_BLOCK_BYTES))
+    with np.errstate(invalid="ignore", over="ignore"):
+        ds = (d[:, None] * sc.astype(F32)).astype(F32)
+        return (ds[:, :, None] * q.reshape(-1, QK_K // Q6_K_SUB, Q6_K_SUB).astype(F32)).astype(F32)

@@ -715,7 +715,8 @@ def requantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, fmt: str, *,
             offsets.append(off)
             off += _pad(t.row_bytes(ti.ne[0]) * (ti.n_elements // ti.ne[0] if ti.ne[0] else 0), DEFAULT_ALIGNMENT)
         header = pack_header(kvs, [(ti.name, ti.ne, t, o) for (ti, t, _), o in zip(plan, offsets)])
-        bar = Progress(total_in, f"requantize {os.path.basename(os.fspath(src))} -> {fmt}", progress)
+        bar = Progress(total_in, f"requantize {os.path.basename(os.fspath(src))} -> {fmt}", progress,
+                       pieces=len(plan))
         tensors = []
         with open(dst, "wb") as f:
             f.write(header)
