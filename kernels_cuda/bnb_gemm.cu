@@ -9,7 +9,7 @@
 //
 // Design (docs/performance.md, "NF4 prefill"): a CTA owns a BM (input rows) x BN (weight rows)
 // output tile and walks K in stages of 64 (one 64-element chunk of a weight row lies in one block).
-// A ring of QC_GM_STAGES shared-memory slots holds each stage's activation tile (BM x 64, 16-byte
+// A ring of S shared-memory slots (as many as two CTAs per SM allow) holds each stage's activation tile (BM x 64, 16-byte
 // cp.async, rows past the input zero-filled) and packed weight tile (BN x 32 bytes); one stage ahead
 // of the tensor cores, every thread decodes its share of the packed tile (BN / 4 elements of one
 // row, its block scale loaded a stage earlier) into a bf16 / fp16 tile (two buffers). The weight is
@@ -19,19 +19,18 @@
 namespace qc {
 
 constexpr int kGmThreads = QC_GM_THREADS;
-constexpr int kGmStages = QC_GM_STAGES;
 constexpr int kGmPitch = QC_GM_PITCH;  // bytes per row of a 64-element T tile: 128 + 16 (ldmatrix rows on distinct banks)
 static_assert(kGmThreads == 256 && kGmPitch == 144, "the warp layout and the fragment addressing below");
 
-// shared memory of one (BM, BN): the ring, the two decoded weight tiles, the code tables
-template <int BM, int BN>
+// shared memory of one (BM, BN, S): the ring, the two decoded weight tiles, the code tables
+template <int BM, int BN, int S>
 struct GmGeo {
     static constexpr int kA = BM * kGmPitch;          // activation tile of a stage
     static constexpr int kP = BN * 32;                // packed weight tile of a stage
     static constexpr int kSlot = kA + kP;
     static constexpr int kW = BN * kGmPitch;          // one decoded weight tile
     static constexpr int kTables = 4 * (16 + kDynCodes);
-    static constexpr int kBytes = kGmStages * kSlot + 2 * kW + kTables;
+    static constexpr int kBytes = S * kSlot + 2 * kW + kTables;
 };
 
 __device__ __forceinline__ void gm_ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
@@ -46,13 +45,13 @@ __device__ __forceinline__ void gm_sts_v4(u32 addr, u32 a, u32 b, u32 c, u32 d) 
 }
 
 // out[r, n] = T(sum_k a[r, k] * w[n, k]) for r < rows, n < N; out rows ldo elements apart.
-template <typename T, int QT, bool NESTED, int BM, int BN>
+template <typename T, int QT, bool NESTED, int BM, int BN, int S>
 __global__ void __launch_bounds__(kGmThreads, 2) gemm_4bit_kernel(
     const u16* __restrict__ a, const u8* __restrict__ packed, const void* __restrict__ absmax,
     const float* __restrict__ absmax2, const float* __restrict__ code2, const float* __restrict__ offset,
     u16* __restrict__ out, i64 ldo, int rows, i64 N, i64 K, int log2bs) {
-    using G = GmGeo<BM, BN>;
-    constexpr int S = kGmStages;
+    using G = GmGeo<BM, BN, S>;
+    static_assert(S >= 3, "stages kt + 1 .. kt + S - 2 are in flight while stage kt is multiplied");
     constexpr int MT = BM / 32;  // m16 tiles per warp (2 warps along M)
     constexpr int NT = BN / 32;  // n8 tiles per warp (4 warps along N)
     constexpr int EPT = BN / 4;  // weight elements each thread decodes per stage (64 BN / 256)

@@ -135,7 +135,7 @@ def _gemv_tc(tag: str, qt: str, nested: bool, nb: int) -> str:
 
 
 def _gemm4(tag: str, qt: str, nested: bool, bm: int, bn: int) -> str:
-    return f"qc::gemm_4bit_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {bm}, {bn}>"
+    return f"qc::gemm_4bit_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {bm}, {bn}, {_gm_stages(bm, bn)}>"
 
 
 def _qbw(tag: str, version: int = 1) -> str:
@@ -824,12 +824,23 @@ def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, 
             _gt_smem(nb, device), _GT_SLOTS)
 
 
-# bnb_gemm.cu (gemv_4bit for more than _GM_MIN_ROWS rows): threads, ring stages, tile row pitch (the
-# generated header's QC_GM_*); the tile sizes instantiated along both M (input rows) and N
-_GM_THREADS, _GM_STAGES, _GM_PITCH = (LAUNCH_GEOMETRY[k] for k in ("QC_GM_THREADS", "QC_GM_STAGES", "QC_GM_PITCH"))
+# bnb_gemm.cu (gemv_4bit for more than _GM_MIN_ROWS rows): threads, tile row pitch (the generated
+# header's QC_GM_*); the tile sizes instantiated along both M (input rows) and N
+_GM_THREADS, _GM_PITCH = (LAUNCH_GEOMETRY[k] for k in ("QC_GM_THREADS", "QC_GM_PITCH"))
 _GM_TILES = (32, 64, 128)
+_GM_SMEM_BUDGET = 113 * 1024  # two CTAs per SM (228 KiB, 1 KiB each reserved)
 #: the decode kernel (bnb_gemv.cu) reads the weight once per 16 input rows: above that, the GEMM
 _GM_MIN_ROWS = 16
+
+
+def _gm_smem(bm: int, bn: int, stages: int) -> int:
+    """The GEMM's shared memory (GmGeo::kBytes): the ring, two decoded weight tiles, the tables."""
+    return stages * (bm * _GM_PITCH + bn * 32) + 2 * bn * _GM_PITCH + 4 * (16 + bnb.DYNAMIC_MAP.size)
+
+
+def _gm_stages(bm: int, bn: int) -> int:
+    """Ring stages of a (BM, BN) tile: as many as two CTAs per SM allow, 3 to 8."""
+    return max(3, min(8, (_GM_SMEM_BUDGET - _gm_smem(bm, bn, 0)) // (bm * _GM_PITCH + bn * 32)))
 
 
 def _gemm4_takes(device: int, dt: str, a: Any, packed: Any, rows: int, k: int, blocksize: int) -> bool:
@@ -846,7 +857,7 @@ def _gemm4_launch(device, a, packed, absmax, nested, out, *, rows, n, k, blocksi
     bm = rt.tune("gm_bm", 0) or next((t for t in _GM_TILES if rows <= t), _GM_TILES[-1])
     sms = rt.sm_count(device)
     bn = rt.tune("gm_bn", 0) or next((t for t in (128, 64) if _cdiv(n, t) * _cdiv(rows, bm) >= sms), 32)
-    smem = _GM_STAGES * (bm * _GM_PITCH + bn * 32) + 2 * bn * _GM_PITCH + 4 * (16 + bnb.DYNAMIC_MAP.size)
+    smem = _gm_smem(bm, bn, _gm_stages(bm, bn))
     nest = (ptr_arg(nested.absmax2), ptr_arg(nested.code2), ptr_arg(nested.offset)) if nested else (NULL,) * 3
     args = (ptr_arg(a), ptr_arg(packed), ptr_arg(absmax)) + nest + (
         ptr_arg(out) if out is not None else NULL, i64(ldo), i32(rows), i64(n), i64(k), i32(_log2(blocksize)))

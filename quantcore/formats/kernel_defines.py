@@ -33,9 +33,9 @@ def _gemv_geometry(warps: int, groups: int, chunks: int, stages: int) -> dict[st
 #: constants (kernels_cuda/bnb_gemv.cu, the decode gemv: warps per CTA, weights per launch, chunks
 #: per ring stage, stages per warp ring, the ring's row pitch and size in bytes).
 LAUNCH_GEOMETRY = _gemv_geometry(warps=16, groups=4, chunks=8, stages=2)
-#: kernels_cuda/bnb_gemm.cu, gemv_4bit for many rows: threads per CTA, ring stages, the byte pitch
-#: of a 64-element fp16 / bf16 tile row (128 + 16: ldmatrix rows on distinct banks)
-LAUNCH_GEOMETRY.update({"QC_GM_THREADS": 256, "QC_GM_STAGES": 3, "QC_GM_PITCH": 144})
+#: kernels_cuda/bnb_gemm.cu, gemv_4bit for many rows: threads per CTA, the byte pitch of a
+#: 64-element fp16 / bf16 tile row (128 + 16: ldmatrix rows on distinct banks)
+LAUNCH_GEOMETRY.update({"QC_GM_THREADS": 256, "QC_GM_PITCH": 144})
 
 
 def _f32_list(values) -> str:
