@@ -12,7 +12,8 @@
 // A ring of S shared-memory slots (as many as two CTAs per SM allow) holds each stage's activation tile (BM x 64, 16-byte
 // cp.async, rows past the input zero-filled) and packed weight tile (BN x 32 bytes); one stage ahead
 // of the tensor cores, every thread decodes its share of the packed tile (BN / 4 elements of one
-// row, its block scale loaded a stage earlier) into a bf16 / fp16 tile (two buffers). The weight is
+// row, its block's scale data copied into the slot with the codes) into a bf16 / fp16 tile (two
+// buffers): no global load waits inside the loop. The weight is
 // read once per BM input rows; 8 warps (2 along M, 4 along N) take their fragments by ldmatrix.
 #include "qc_common.cuh"
 
@@ -27,7 +28,8 @@ template <int BM, int BN, int S>
 struct GmGeo {
     static constexpr int kA = BM * kGmPitch;          // activation tile of a stage
     static constexpr int kP = BN * 32;                // packed weight tile of a stage
-    static constexpr int kSlot = kA + kP;
+    static constexpr int kS = BN * 8;                 // its rows' scale data: the absmax word, absmax2
+    static constexpr int kSlot = kA + kP + kS;
     static constexpr int kW = BN * kGmPitch;          // one decoded weight tile
     static constexpr int kTables = 4 * (16 + kDynCodes);
     static constexpr int kBytes = S * kSlot + 2 * kW + kTables;
@@ -39,6 +41,10 @@ __device__ __forceinline__ void gm_ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, 
 }
 __device__ __forceinline__ void gm_ldsm_x2(u32 addr, u32& r0, u32& r1) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(addr));
+}
+// 4 bytes global -> shared through L1 (the scale data), src_size of them read, the rest zero-filled
+__device__ __forceinline__ void gm_cp_async4(u32 dst, const void* src, u32 src_size) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_size) : "memory");
 }
 __device__ __forceinline__ void gm_sts_v4(u32 addr, u32 a, u32 b, u32 c, u32 d) {
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
@@ -83,6 +89,14 @@ __global__ void __launch_bounds__(kGmThreads, 2) gemm_4bit_kernel(
     const int arow0 = tid >> 3;  // piece i: row arow0 + 32 i, bytes 16 (tid % 8) of the stage's 128
     const u16* abase = a + m0 * K + 8 * (tid & 7);
     const int avalid = (int)min((i64)BM, (i64)rows - m0);
+    // decode share: row dr of the tile, elements de .. de + EPT - 1 of the stage's 64; the row's
+    // first thread copies the row's scale data of each stage (the block's absmax word: for nested
+    // statistics the 4 aligned code bytes holding it, and its absmax2)
+    const int dr = tid / TPR, de = (tid % TPR) * EPT;
+    const i64 drow = min(n0 + dr, N - 1);
+    const bool scopy = tid % TPR == 0;
+    const i64 nblk = (N * K + (1LL << log2bs) - 1) >> log2bs;
+    auto block_of = [&](int kt) { return (drow * K + ((i64)kt << 6)) >> log2bs; };
     const bool pcopy = tid < 2 * BN;
     const i64 prow = n0 + (tid >> 1);
     const u8* psrc = packed + (prow < N ? prow : 0) * row_bytes + 16 * (tid & 1);
@@ -97,27 +111,34 @@ __global__ void __launch_bounds__(kGmThreads, 2) gemm_4bit_kernel(
                 cp_async16(slot + r * kGmPitch + 16 * (tid & 7), abase + (ok ? (i64)r * K : 0) + 64 * kt, ok ? 16u : 0u);
             }
             if (pcopy) cp_async16(slot + G::kA + 16 * tid, psrc + 32 * kt, pok);
+            if (scopy) {
+                const i64 b = block_of(kt);
+                const u32 sdst = slot + G::kA + G::kP + 8 * dr;
+                if constexpr (NESTED) {
+                    const i64 w0 = b & ~3LL;
+                    gm_cp_async4(sdst, reinterpret_cast<const u8*>(absmax) + w0, (u32)min((i64)4, nblk - w0));
+                    gm_cp_async4(sdst + 4, absmax2 + (b >> kNestLog2), 4u);
+                } else {
+                    gm_cp_async4(sdst, reinterpret_cast<const float*>(absmax) + b, 4u);
+                }
+            }
         }
         cp_async_commit();  // one group per stage (empty past the end)
     };
 
-    // decode share: row dr of the tile, elements de .. de + EPT - 1 of the stage's 64
-    const int dr = tid / TPR, de = (tid % TPR) * EPT;
-    const i64 drow = min(n0 + dr, N - 1);
-    auto scale_raw = [&](int kt, u32& raw, float& s2) {
-        const i64 b = (drow * K + ((i64)kt << 6)) >> log2bs;
-        if constexpr (NESTED) {
-            raw = ldg_u8(reinterpret_cast<const u8*>(absmax) + b);
-            s2 = ldg_f32(absmax2 + (b >> kNestLog2));
-        } else {
-            raw = ldg_u32(reinterpret_cast<const float*>(absmax) + b);
-            s2 = 0.0f;
-        }
-    };
-    auto decode = [&](int kt, u32 raw, float s2) {
-        const u32 src = sbase + (kt % S) * G::kSlot + G::kA + dr * 32 + de / 2;
+    auto decode = [&](int kt) {
+        const u32 slot = sbase + (kt % S) * G::kSlot;
+        const u32 src = slot + G::kA + dr * 32 + de / 2;
         const u32 dst = wbase + (kt & 1) * G::kW + dr * kGmPitch + 2 * de;
-        const float sc = NESTED ? __fadd_rn(__fmul_rn(c2[raw], s2), off) : __uint_as_float(raw);
+        u32 raw, s2;
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(raw), "=r"(s2) : "r"(slot + G::kA + G::kP + 8 * dr));
+        float sc;
+        if constexpr (NESTED) {
+            const u32 q = (raw >> (8 * (u32)(block_of(kt) & 3))) & 0xffu;
+            sc = __fadd_rn(__fmul_rn(c2[q], __uint_as_float(s2)), off);
+        } else {
+            sc = __uint_as_float(raw);
+        }
         u32 w[EPT / 8];
         if constexpr (EPT == 32) {
             lds_v4(src, w[0], w[1], w[2], w[3]);
@@ -148,22 +169,15 @@ __global__ void __launch_bounds__(kGmThreads, 2) gemm_4bit_kernel(
         for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
 
     for (int s = 0; s < S - 1; ++s) issue(s);
-    u32 raw;
-    float s2;
-    scale_raw(0, raw, s2);
     cp_async_wait<S - 2>();
     __syncthreads();  // stage 0 and the tables
-    decode(0, raw, s2);
-    if (KT > 1) scale_raw(1, raw, s2);
+    decode(0);
 
     for (int kt = 0; kt < KT; ++kt) {
         cp_async_wait<S - 3>();  // this thread's copies of stages <= kt + 1
         __syncthreads();  // everyone's copies and decode(kt) visible; stage kt - 1 fully consumed
         issue(kt + S - 1);
-        if (kt + 1 < KT) {
-            decode(kt + 1, raw, s2);
-            if (kt + 2 < KT) scale_raw(kt + 2, raw, s2);
-        }
+        if (kt + 1 < KT) decode(kt + 1);
         const u32 as = sbase + (kt % S) * G::kSlot + a_lane;
         const u32 bs = wbase + (kt & 1) * G::kW + b_lane;
 #pragma unroll

@@ -479,7 +479,7 @@ class CudaBackend(Backend):
         while i < len(groups):
             p, am, nst, n, bs, qt = groups[i]
             j = i + 1
-            if _gemm4_takes(dev, dt, a, p, rows, k, bs):  # many rows: the GEMM, one launch per weight
+            if _gemm4_takes(dev, dt, a, p, am, rows, k, bs):  # many rows: the GEMM, one launch per weight
                 launch(*_gemm4_launch(dev, a, p, am, nst, out[:, col:], rows=rows, n=n, k=k, blocksize=bs,
                                       quant_type=qt, ldo=ntot)[:6])
             elif tc and _gemv_tc_takes_weight(p, bs):
@@ -834,20 +834,27 @@ _GM_MIN_ROWS = 16
 
 
 def _gm_smem(bm: int, bn: int, stages: int) -> int:
-    """The GEMM's shared memory (GmGeo::kBytes): the ring, two decoded weight tiles, the tables."""
-    return stages * (bm * _GM_PITCH + bn * 32) + 2 * bn * _GM_PITCH + 4 * (16 + bnb.DYNAMIC_MAP.size)
+    """The GEMM's shared memory (GmGeo::kBytes): the ring (a stage: activation tile, packed tile, 8
+    bytes of scale data per weight row), two decoded weight tiles, the tables."""
+    return stages * _gm_slot(bm, bn) + 2 * bn * _GM_PITCH + 4 * (16 + bnb.DYNAMIC_MAP.size)
+
+
+def _gm_slot(bm: int, bn: int) -> int:
+    return bm * _GM_PITCH + bn * 32 + bn * 8
 
 
 def _gm_stages(bm: int, bn: int) -> int:
     """Ring stages of a (BM, BN) tile: as many as two CTAs per SM allow, 3 to 8."""
-    return max(3, min(8, (_GM_SMEM_BUDGET - _gm_smem(bm, bn, 0)) // (bm * _GM_PITCH + bn * 32)))
+    return max(3, min(8, (_GM_SMEM_BUDGET - _gm_smem(bm, bn, 0)) // _gm_slot(bm, bn)))
 
 
-def _gemm4_takes(device: int, dt: str, a: Any, packed: Any, rows: int, k: int, blocksize: int) -> bool:
+def _gemm4_takes(device: int, dt: str, a: Any, packed: Any, absmax: Any, rows: int, k: int, blocksize: int) -> bool:
     """Does the many-row GEMM (bnb_gemm.cu) take this call? More than 16 fp16 / bf16 rows, 64-element
-    stages inside blocks, 16-byte aligned operands, sm_80+ (``gemm4=0`` turns it off: comparisons)."""
+    stages inside blocks, 16-byte aligned input and codes, 4-byte aligned absmax, sm_80+ (``gemm4=0``
+    turns it off: comparisons)."""
     return (rows > _GM_MIN_ROWS and dt != "float32" and k % 64 == 0 and blocksize >= 64 and aligned(a, 16)
-            and aligned(packed, 16) and rt.device_arch(device) >= 80 and rt.tune("gemm4", 1) == 1)
+            and aligned(packed, 16) and aligned(absmax, 4) and rt.device_arch(device) >= 80
+            and rt.tune("gemm4", 1) == 1)
 
 
 def _gemm4_launch(device, a, packed, absmax, nested, out, *, rows, n, k, blocksize, quant_type, ldo):
@@ -869,7 +876,7 @@ def _gemv_launch(device, a, packed, absmax, out, *, rows, n, k, blocksize, quant
     """(file, kernel, grid, block, arguments, shared memory, slots) of the gemv for these arrays;
     ``out`` None leaves its pointer 0 (a plan fills it per call)."""
     dt = dtype_name(a.dtype)
-    if _gemm4_takes(device, dt, a, packed, rows, k, blocksize):
+    if _gemm4_takes(device, dt, a, packed, absmax, rows, k, blocksize):
         return _gemm4_launch(device, a, packed, absmax, nested, out, rows=rows, n=n, k=k, blocksize=blocksize,
                              quant_type=quant_type, ldo=n)
     if _gemv_tc_takes_input(device, dt, a, rows, k) and _gemv_tc_takes_weight(packed, blocksize):
