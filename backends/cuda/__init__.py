@@ -851,10 +851,10 @@ def _gm_stages(bm: int, bn: int) -> int:
 def _gemm4_takes(device: int, dt: str, a: Any, packed: Any, absmax: Any, rows: int, k: int, blocksize: int) -> bool:
     """Does the many-row GEMM (bnb_gemm.cu) take this call? More than 16 fp16 / bf16 rows, 64-element
     stages inside blocks, 16-byte aligned input and codes, 4-byte aligned absmax, sm_80+ (``gemm4=0``
-    turns it off: comparisons)."""
+    or ``gemv_kernel=1`` turn it off: comparisons)."""
     return (rows > _GM_MIN_ROWS and dt != "float32" and k % 64 == 0 and blocksize >= 64 and aligned(a, 16)
             and aligned(packed, 16) and aligned(absmax, 4) and rt.device_arch(device) >= 80
-            and rt.tune("gemm4", 1) == 1)
+            and rt.tune("gemm4", 1) == 1 and rt.tune("gemv_kernel", 0) == 0)
 
 
 def _gemm4_launch(device, a, packed, absmax, nested, out, *, rows, n, k, blocksize, quant_type, ldo):
