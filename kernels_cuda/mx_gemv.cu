@@ -125,6 +125,16 @@ __device__ __forceinline__ float gv_scale(const u8* scales, i64 r, int c, int nc
     return FMT == QC_FMT_NVFP4 ? e4m3_value(b) : e8m0_value(b);
 }
 
+// CTAs per SM the register allocation must allow: 4 for one input row (16 warps to keep the
+// loads in flight), 2 for more (the accumulators need the registers: fewer spilled)
+template <int NB>
+constexpr int kGvMinCtas = NB == 1 ? 4 : 2;
+
+// word j of a unit's four (a select when the loop over j is not unrolled: no local memory)
+__device__ __forceinline__ u32 gv_word(const u32 (&q)[4], int j) {
+    return j == 0 ? q[0] : (j == 1 ? q[1] : (j == 2 ? q[2] : q[3]));
+}
+
 template <typename T, int FMT, int NB>
 __device__ __forceinline__ void mx_gemv_impl(const typename T::S* __restrict__ x, const u8* __restrict__ codes,
                                              const u8* __restrict__ scales, const float* __restrict__ gscale,
@@ -189,12 +199,14 @@ __device__ __forceinline__ void mx_gemv_impl(const typename T::S* __restrict__ x
         for (int r = 0; r < RW; ++r)
 #pragma unroll
             for (int b = 0; b < NB; ++b) part[r][b] = 0.0f;
-#pragma unroll
+        // 8 or more input rows: one word at a time (all four words' activations live at once
+        // would exceed the register file on sm_80)
+#pragma unroll(NB >= 8 ? 1 : 4)
         for (int j = 0; j < 4; ++j) {
             if (j < 2 || whole) {
                 float wv[RW][8];
 #pragma unroll
-                for (int r = 0; r < RW; ++r) gv_decode8(cur[r][j], wv[r]);
+                for (int r = 0; r < RW; ++r) gv_decode8(gv_word(cur[r], j), wv[r]);
                 const i64 e0 = (i64)u * 32 + 8 * j;
 #pragma unroll
                 for (int b = 0; b < NB; ++b) {
@@ -256,7 +268,8 @@ __device__ __forceinline__ void mx_gemv_impl(const typename T::S* __restrict__ x
 
 // -- entry points: qc_mx_gemv_<fmt>_<dtype>_b<NB> (NB: input rows per launch at most) -----------
 #define QCMX_GV(FMTNAME, FMT, DTNAME, T, NB)                                                           \
-    extern "C" __global__ void __launch_bounds__(32 * QC_MXGV_WARPS) qc_mx_gemv_##FMTNAME##_##DTNAME##_b##NB( \
+    extern "C" __global__ void __launch_bounds__(32 * QC_MXGV_WARPS, qcmx::kGvMinCtas<NB>)                    \
+        qc_mx_gemv_##FMTNAME##_##DTNAME##_b##NB(                                                        \
         const qcmx::T::S* x, const qcmx::u8* codes, const qcmx::u8* scales, const float* gscale,       \
         qcmx::T::S* out, int nrows, int n, int k, int pcols, int flags) {                              \
         qcmx::mx_gemv_impl<qcmx::T, FMT, NB>(x, codes, scales, gscale, out, nrows, n, k, pcols, flags); \
