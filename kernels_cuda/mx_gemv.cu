@@ -44,6 +44,7 @@ constexpr int kGvSwizzled = 1;  // scales in the 128x4 tile layout
 constexpr int kGvCodes16 = 2;   // codes base 16-byte aligned and K/2 a multiple of 16: v4 loads
 constexpr int kGvCodes4 = 4;    // codes base 4-byte aligned (K/2 is a multiple of 8): u32 loads
 constexpr int kGvX16 = 8;       // x base 16-byte aligned: vector loads of 8 activations
+constexpr int kGvScale16 = 16;  // NVFP4: a unit's two scale bytes 2-byte aligned (one 16-bit load)
 
 // nibbles i and i + 4 of w -> f16x2 (lo: nibble i, hi: nibble i + 4), value e2m1 * 2^-14
 template <int I>
@@ -70,7 +71,7 @@ __device__ __forceinline__ void gv_decode8(u32 w, float (&v)[8]) {
 
 // 8 activations x[e0 .. e0 + 8) as fp32 (e0 a multiple of 8; K a multiple of 16)
 template <typename T>
-__device__ __forceinline__ void gv_load_x(const typename T::S* x, i64 e0, bool vec, float (&v)[8]) {
+__device__ __forceinline__ void gv_load_x(const typename T::S* x, int e0, bool vec, float (&v)[8]) {
     if (vec) {
         if (T::kPer16 == 8) {
             u32 w[4];
@@ -118,19 +119,40 @@ __device__ __forceinline__ void gv_load_codes(const u8* row, int u, bool whole, 
     }
 }
 
-template <int FMT>
-__device__ __forceinline__ float gv_scale(const u8* scales, i64 r, int c, int ncols, int pcols, bool swz) {
-    const i64 off = swz ? swizzle_offset(r, c, pcols) : r * ncols + c;
-    const u32 b = qc::ldg_u8(scales + off);
-    return FMT == QC_FMT_NVFP4 ? e4m3_value(b) : e8m0_value(b);
+// CTAs per SM the register allocation must allow: 4 for one input row (16 warps to keep the
+// loads in flight), 3 for two, 2 for more (the accumulators need the registers)
+template <int NB>
+constexpr int kGvMinCtas = NB == 1 ? 4 : (NB == 2 ? 3 : 2);
+
+// byte offset of a row's first scale: row-major r * ncols; swizzled, the row's place in its
+// 128 x 4 tiles (column c then adds (c / 4) * 512 + c % 4)
+__device__ __forceinline__ int gv_scale_row(int r, int ncols, int pcols, bool swz) {
+    if (!swz) return r * ncols;
+    return (r / QC_SWIZZLE_ROWS) * (pcols / QC_SWIZZLE_COLS) * QC_SWIZZLE_TILE_BYTES +
+           (r % QC_SWIZZLE_ROW_GROUP) * 16 + ((r % QC_SWIZZLE_ROWS) / QC_SWIZZLE_ROW_GROUP) * 4;
+}
+__device__ __forceinline__ int gv_scale_col(int c, bool swz) {
+    return swz ? (c / QC_SWIZZLE_COLS) * QC_SWIZZLE_TILE_BYTES + (c % QC_SWIZZLE_COLS) : c;
 }
 
-// CTAs per SM the register allocation must allow: 4 for one input row (16 warps to keep the
-// loads in flight), 2 for more (the accumulators need the registers: fewer spilled)
-template <int NB>
-constexpr int kGvMinCtas = NB == 1 ? 4 : 2;
+// the raw scale byte(s) of unit u of a row (NVFP4: two blocks, in bytes 0 and 1; one 16-bit load
+// when the pair is 2-byte aligned)
+template <int FMT>
+__device__ __forceinline__ u32 gv_load_scales(const u8* srow, int u, bool whole, bool swz, bool pair16) {
+    if (FMT == QC_FMT_NVFP4) {
+        const int o = gv_scale_col(2 * u, swz);  // columns 2u and 2u + 1 are adjacent in both layouts
+        if (pair16 && whole) return qc::ldg_u16(srow + o);
+        return qc::ldg_u8(srow + o) | (whole ? qc::ldg_u8(srow + o + 1) << 8 : 0u);
+    }
+    return qc::ldg_u8(srow + gv_scale_col(u, swz));
+}
 
-// word j of a unit's four (a select when the loop over j is not unrolled: no local memory)
+template <int FMT>
+__device__ __forceinline__ float gv_scale_value(u32 b) {
+    return FMT == QC_FMT_NVFP4 ? e4m3_value(b & 0xffu) : e8m0_value(b & 0xffu);
+}
+
+// word j of a unit's four (a select where the loop over j is not unrolled: no local memory)
 __device__ __forceinline__ u32 gv_word(const u32 (&q)[4], int j) {
     return j == 0 ? q[0] : (j == 1 ? q[1] : (j == 2 ? q[2] : q[3]));
 }
@@ -141,18 +163,22 @@ __device__ __forceinline__ void mx_gemv_impl(const typename T::S* __restrict__ x
                                              typename T::S* __restrict__ out, int nrows, int n, int k,
                                              int pcols, int flags) {
     constexpr int RW = GvRows<NB>::kRW;
-    constexpr int BLK = FMT == QC_FMT_NVFP4 ? QC_NVFP4_BLOCK : QC_MX_BLOCK;
     __shared__ float red[kGvWarps][RW * NB];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int r0 = blockIdx.x * RW;
     const int kb = k >> 1;                  // code bytes per row
     const int nunits = (k + 31) >> 5;       // the last one half when K % 32 == 16 (NVFP4)
     const bool tail = (k & 31) != 0;
-    const int ncols = k / BLK;
-    const bool swz = flags & kGvSwizzled, xvec = flags & kGvX16;
+    const int ncols = k / (FMT == QC_FMT_NVFP4 ? QC_NVFP4_BLOCK : QC_MX_BLOCK);
+    const bool swz = flags & kGvSwizzled, xvec = flags & kGvX16, pair16 = flags & kGvScale16;
     const u8* rowp[RW];
+    const u8* srow[RW];
 #pragma unroll
-    for (int r = 0; r < RW; ++r) rowp[r] = codes + (i64)min(r0 + r, n - 1) * kb;  // rows past N: row N-1, never stored
+    for (int r = 0; r < RW; ++r) {
+        const int row = min(r0 + r, n - 1);  // rows past N: row N-1, never stored
+        rowp[r] = codes + (i64)row * kb;
+        srow[r] = scales + gv_scale_row(row, ncols, pcols, swz);
+    }
     const typename T::S* xb[NB];
 #pragma unroll
     for (int b = 0; b < NB; ++b) xb[b] = x + (i64)min(b, nrows - 1) * k;
@@ -165,33 +191,31 @@ __device__ __forceinline__ void mx_gemv_impl(const typename T::S* __restrict__ x
 
     const int stride = 32 * kGvWarps;
     int u = warp * 32 + lane;
-    u32 q[RW][4];
+    u32 q[RW][4], sq[RW];  // the next unit's codes and raw scale bytes, loaded a unit ahead
     if (u < nunits) {
+        const bool whole = !tail || u + 1 < nunits;
 #pragma unroll
-        for (int r = 0; r < RW; ++r) gv_load_codes(rowp[r], u, !tail || u + 1 < nunits, flags, q[r]);
+        for (int r = 0; r < RW; ++r) {
+            gv_load_codes(rowp[r], u, whole, flags, q[r]);
+            sq[r] = gv_load_scales<FMT>(srow[r], u, whole, swz, pair16);
+        }
     }
     for (; u < nunits; u += stride) {
         const bool whole = !tail || u + 1 < nunits;
-        u32 cur[RW][4];
-#pragma unroll
-        for (int r = 0; r < RW; ++r)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) cur[r][j] = q[r][j];
-        const int un = u + stride;
-        if (un < nunits) {  // the next unit's codes in flight while this one is used
-#pragma unroll
-            for (int r = 0; r < RW; ++r) gv_load_codes(rowp[r], un, !tail || un + 1 < nunits, flags, q[r]);
-        }
-        float sc[RW][2];
+        u32 cur[RW][4], sc_raw[RW];
 #pragma unroll
         for (int r = 0; r < RW; ++r) {
-            const i64 row = min(r0 + r, n - 1);
-            if (FMT == QC_FMT_NVFP4) {
-                sc[r][0] = gv_scale<FMT>(scales, row, 2 * u, ncols, pcols, swz);
-                sc[r][1] = whole ? gv_scale<FMT>(scales, row, 2 * u + 1, ncols, pcols, swz) : 0.0f;
-            } else {
-                sc[r][0] = gv_scale<FMT>(scales, row, u, ncols, pcols, swz);
-                sc[r][1] = 0.0f;
+            sc_raw[r] = sq[r];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) cur[r][j] = q[r][j];
+        }
+        const int un = u + stride;
+        if (un < nunits) {  // the next unit's codes and scales in flight while this one is used
+            const bool wn = !tail || un + 1 < nunits;
+#pragma unroll
+            for (int r = 0; r < RW; ++r) {
+                gv_load_codes(rowp[r], un, wn, flags, q[r]);
+                sq[r] = gv_load_scales<FMT>(srow[r], un, wn, swz, pair16);
             }
         }
         float part[RW][NB];
@@ -199,19 +223,19 @@ __device__ __forceinline__ void mx_gemv_impl(const typename T::S* __restrict__ x
         for (int r = 0; r < RW; ++r)
 #pragma unroll
             for (int b = 0; b < NB; ++b) part[r][b] = 0.0f;
-        // 8 or more input rows: one word at a time (all four words' activations live at once
-        // would exceed the register file on sm_80)
-#pragma unroll(NB >= 8 ? 1 : 4)
+        const int e0 = u * 32;
+        // 16 input rows: one word at a time (all four words' activations at once exceed the
+        // register file)
+#pragma unroll(NB >= 16 ? 1 : 4)
         for (int j = 0; j < 4; ++j) {
             if (j < 2 || whole) {
                 float wv[RW][8];
 #pragma unroll
                 for (int r = 0; r < RW; ++r) gv_decode8(gv_word(cur[r], j), wv[r]);
-                const i64 e0 = (i64)u * 32 + 8 * j;
 #pragma unroll
                 for (int b = 0; b < NB; ++b) {
                     float xv[8];
-                    gv_load_x<T>(xb[b], e0, xvec, xv);
+                    gv_load_x<T>(xb[b], e0 + 8 * j, xvec, xv);
 #pragma unroll
                     for (int r = 0; r < RW; ++r) {
                         float s = part[r][b];
@@ -222,15 +246,20 @@ __device__ __forceinline__ void mx_gemv_impl(const typename T::S* __restrict__ x
                 }
             }
             if ((FMT == QC_FMT_NVFP4 && j == 1) || j == 3) {  // a block ends: scale its sums
-                const int h = (FMT == QC_FMT_NVFP4 && j == 3) ? 1 : 0;
+                const bool hi = FMT == QC_FMT_NVFP4 && j == 3;
+                if (j == 1 || whole || FMT != QC_FMT_NVFP4) {
+#pragma unroll
+                    for (int r = 0; r < RW; ++r) {
+                        const float sc = gv_scale_value<FMT>(hi ? sc_raw[r] >> 8 : sc_raw[r]);
+#pragma unroll
+                        for (int b = 0; b < NB; ++b)
+                            acc[r][b] = __fadd_rn(acc[r][b], __fmul_rn(__fmul_rn(part[r][b], 16384.0f), sc));
+                    }
+                }
 #pragma unroll
                 for (int r = 0; r < RW; ++r)
 #pragma unroll
-                    for (int b = 0; b < NB; ++b) {
-                        if (j == 1 || whole || FMT != QC_FMT_NVFP4)
-                            acc[r][b] = __fadd_rn(acc[r][b], __fmul_rn(__fmul_rn(part[r][b], 16384.0f), sc[r][h]));
-                        part[r][b] = 0.0f;
-                    }
+                    for (int b = 0; b < NB; ++b) part[r][b] = 0.0f;
             }
         }
     }

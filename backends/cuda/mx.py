@@ -417,6 +417,10 @@ def linear_mx(be, x, codes, scales, out, *, n: int, k: int, fmt: str, swizzled: 
         flags |= 4
     if ptr(x) % 16 == 0:
         flags |= 8
+    if fmt == "nvfp4" and ptr(scales) % 2 == 0 and (swizzled or ncols % 2 == 0):
+        flags |= 16  # a unit's two scale bytes in one 16-bit load
+    if (mx.swizzled_shape(n, ncols)[0] * pcols if swizzled else n * ncols) >= 2**31:
+        raise KernelError(f"linear_mx: the scales of a [{n}, {k}] weight exceed the kernel's 32-bit offsets")
     xsize, osize = as_dtype(x.dtype).itemsize, as_dtype(out.dtype).itemsize
     for b0 in range(0, rows, GEMV_MAX_BATCH):
         nrows = min(GEMV_MAX_BATCH, rows - b0)
