@@ -238,6 +238,15 @@ QC_KERNEL void qc_scaled_fp4_mm(const uint8_t *a, const uint8_t *b, const uint8_
     qc::scaled_fp4_mm_value(a, b, scale_a, scale_b, alpha, bias, out, m, n, k, static_cast<int>(fmt), idx);
 }
 
+#define QC_LINEAR_MX(NAME, T)                                                                     \
+  QC_KERNEL_SUBGROUP void qc_linear_mx_##NAME(const T *x, const uint8_t *codes, const uint8_t *scales, \
+                                              const float *global_scale, T *out, int64_t batch,        \
+                                              int64_t nrows, int64_t k, int64_t fmt, int64_t swizzled) { \
+    qc::linear_mx<T>(QC_ITEM, x, codes, scales, global_scale, out, batch, nrows, k,                   \
+                     static_cast<int>(fmt), swizzled != 0);                                           \
+  }
+QC_FOR_EACH_DTYPE(QC_LINEAR_MX)
+
 // ---- self-checks --------------------------------------------------------------------------------------
 // The sub-group size the device really runs a QC_KERNEL_SUBGROUP kernel with (tests compare it
 // with QC_SUBGROUP_SIZE: bitsandbytes' bf16 gemv once ran with 8 lanes instead of 32).

@@ -215,4 +215,63 @@ inline void scaled_fp4_mm_value(const uint8_t *a, const uint8_t *b, const uint8_
   Elem<bf16>::store(out, idx, d);
 }
 
+// -- linear_mx: out[b, row] = T(sum_k x[b, k] * W[row, k]), W the fp4 weight (weight-only MX) ----------
+// The gemv's structure (gemv_4bit above, kernels_cuda/mx_gemv.cu): one sub-group per weight row
+// (QC_GEMV_ROWS_PER_WG rows per work-group), a lane takes units of 32 elements (16 code bytes: one
+// MXFP4 block, two NVFP4 blocks; the last unit holds 16 when K % 32 == 16), the codes are read once
+// for up to QC_MAX_BATCH input rows. Products x * e2m1 are summed per block in fp32, the block sum is
+// multiplied by the block's scale and added to the row's fp32 total; NVFP4 divides the total by the
+// global scale once. The sub-group reduces the totals; one rounding into T.
+template <typename T>
+void linear_mx(const sycl::nd_item<1> &it, const T *x, const uint8_t *codes, const uint8_t *scales,
+               const float *global_scale, T *out, int64_t batch, int64_t nrows, int64_t k, int fmt,
+               bool swizzled) {
+  const sycl::sub_group sg = it.get_sub_group();
+  const int lane = static_cast<int>(sg.get_local_linear_id());
+  const int lanes = static_cast<int>(sg.get_local_linear_range());
+  const int64_t row = static_cast<int64_t>(it.get_group(0)) * sg.get_group_linear_range() +
+                      sg.get_group_linear_id();
+  const bool active = row < nrows; // uniform over the sub-group
+  const bool nv = fmt == kFmtNVFP4;
+  const int blk = mx_block(fmt);
+  const int64_t scols = k / blk;
+  const int64_t nunits = (k + 31) / 32;
+  const uint8_t *rowc = codes + row * (k / 2);
+  for (int64_t b0 = 0; b0 < batch; b0 += QC_MAX_BATCH) {
+    const int64_t nb = sycl::min<int64_t>(QC_MAX_BATCH, batch - b0);
+    float acc[QC_MAX_BATCH];
+    for (int b = 0; b < QC_MAX_BATCH; ++b) acc[b] = 0.0f;
+    const T *x0 = x + b0 * k;
+    if (active) {
+      for (int64_t u = lane; u < nunits; u += lanes) {
+        const int nvals = sycl::min<int64_t>(32, k - u * 32); // 32, or 16 for NVFP4's last unit
+        float w[32];
+        for (int j = 0; j < nvals / 2; ++j) {
+          const uint8_t byte = rowc[u * 16 + j]; // element 2j in the LOW nibble
+          w[2 * j] = kE2M1Values[byte & 0x0f];
+          w[2 * j + 1] = kE2M1Values[byte >> 4];
+        }
+        for (int h = 0; h * blk < nvals; ++h) { // the unit's blocks
+          const int64_t c = (u * 32) / blk + h;
+          const uint8_t sbyte = scales[scale_index(row, c, scols, swizzled)];
+          const float sc = nv ? e4m3_value(sbyte) : e8m0_value(sbyte);
+          for (int b = 0; b < QC_MAX_BATCH; ++b) {
+            if (b >= nb) break;
+            float part = 0.0f;
+            for (int j = h * blk; j < (h + 1) * blk; ++j)
+              part = sycl::fma(Elem<T>::load(x0, b * k + u * 32 + j), w[j], part);
+            acc[b] = acc[b] + part * sc;
+          }
+        }
+      }
+    }
+    for (int b = 0; b < QC_MAX_BATCH; ++b) {
+      if (b >= nb) break;
+      float total = sycl::reduce_over_group(sg, acc[b], sycl::plus<float>());
+      if (nv) total = total / global_scale[0];
+      if (active && lane == 0) Elem<T>::store(out, (b0 + b) * nrows + row, total);
+    }
+  }
+}
+
 } // namespace qc

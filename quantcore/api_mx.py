@@ -13,6 +13,7 @@ ml_dtypes' float8 arrays) wherever it takes codes or scales.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -262,6 +263,47 @@ def scaled_fp4_mm(
     return be.finish(out, a)
 
 
+# -- weight-only linear ------------------------------------------------------------------------
+def linear_mx(
+    x: Any, codes: Any, scales: Any, fmt: str, *, global_scale: Any = None, swizzled: bool = True,
+    backend: str | Backend | None = None,
+) -> Any:
+    """``y = x @ W^T`` for an fp4 weight W [N, K] kept quantized (weight-only MXFP4 / NVFP4):
+    ``x [..., K]`` (fp32 / fp16 / bf16) -> ``[..., N]`` in x's dtype.
+
+    ``codes`` uint8 [N, K/2] and ``scales`` (swizzled, or row-major [N, K/blk] with
+    ``swizzled=False``) as :func:`scaled_mxfp4_quant` / :func:`scaled_nvfp4_quant` return them
+    for the weight; ``fmt`` "mxfp4" or "nvfp4"; ``global_scale`` the NVFP4 weight's global
+    scale (a number or a float32 array of one element), None for MXFP4. Bias is left to the
+    caller (``quantcore.torch.linear_fp4`` adds it).
+
+    Semantics (tolerance tier, :func:`quantcore.formats.mx.linear_mx`): W dequantized to fp32 as
+    :func:`dequantize_mx` does, ``f32(x) @ W^T`` accumulated in fp32 (any order), rounded once to
+    x's dtype. The backends read the codes once for all rows of x (B = 1..16 is the decode case).
+    """
+    be = _backend(backend)
+    fmt = v.mx_format(fmt, mx.FP4_FORMATS)
+    codes, scales = _as_bytes(codes), _as_bytes(scales)
+    shape, dt, n, k = v.mx_linear(x, codes, fmt)
+    blk = mx.block_size(fmt)
+    swizzled = v.flag(swizzled, "swizzled")
+    v.mx_scales(scales, (n,), n, k // blk, swizzled)
+    if fmt == "nvfp4" and global_scale is None:
+        raise ParameterError("nvfp4 needs the global_scale the weight's codes were made with")
+    if fmt != "nvfp4" and global_scale is not None:
+        raise ParameterError(f"{fmt} takes no global_scale (it is an NVFP4 parameter)")
+    host_g = v.f32_scalar(global_scale, "global_scale", positive=True) if fmt == "nvfp4" else None
+    be.require("linear_mx", fmt, dt, blk)
+    rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+    xn = be.prepare(x)
+    g = _scalar(be, global_scale, host_g, xn) if fmt == "nvfp4" else None
+    out = be.empty((rows, n), as_dtype(dt), like=xn)
+    if rows > 0:
+        be.linear_mx(xn, be.prepare(codes), be.prepare(scales), out, n=n, k=k, fmt=fmt,
+                     swizzled=swizzled, global_scale=g)
+    return be.finish(out, x).reshape(_lead(shape) + (n,))
+
+
 # -- torch dtype views -----------------------------------------------------------------------------
 def _torch_view(x: Any, dtype_name: str) -> Any:
     try:
@@ -310,7 +352,7 @@ def torch_has_mx_dtypes() -> bool:
 
 __all__ = [
     "as_torch_float8_e4m3", "as_torch_float8_e8m0", "as_torch_fp4", "dequantize_mx",
-    "dequantize_mxfp4", "dequantize_mxfp8", "dequantize_nvfp4", "nvfp4_global_scale",
+    "dequantize_mxfp4", "dequantize_mxfp8", "dequantize_nvfp4", "linear_mx", "nvfp4_global_scale",
     "quantize_mx", "scaled_fp4_mm", "scaled_mxfp4_quant", "scaled_mxfp8_quant",
     "scaled_nvfp4_quant", "swizzle_scales", "torch_has_mx_dtypes", "unswizzle_scales",
 ]

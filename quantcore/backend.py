@@ -240,3 +240,12 @@ class Backend:
         NVFP4 global scales are folded into alpha by the caller. Tolerance tier (fp32
         accumulation of the exactly dequantized operands)."""
         raise NotImplementedError
+
+    def linear_mx(
+        self, x, codes, scales, out, *, n: int, k: int, fmt: str, swizzled: bool, global_scale=None
+    ) -> None:
+        """Weight-only fp4 linear: x [B, K] float, codes uint8 [n, k/2] (packed E2M1), scales
+        row-major [n, k/blk] or swizzled, global_scale fp32 [1] (nvfp4) or None -> out [B, n] in
+        x's dtype: ``out = T(f32(x) @ W^T)`` with W dequantized as :meth:`mx_dequantize` does
+        (fp32), fp32 accumulation. ``fmt`` "mxfp4" | "nvfp4". Tolerance tier."""
+        raise NotImplementedError

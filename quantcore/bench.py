@@ -186,6 +186,12 @@ CUDA_SIZES.update({"mx_quantize": [(16384, 16384)], "scaled_fp4_mm": [(8192, 819
 QUICK_CUDA_SIZES.update({"mx_quantize": [(16384, 16384)], "scaled_fp4_mm": [(8192, 8192, 8192)]})
 HOST_SIZES.update({"mx_quantize": [(1024, 1024)], "scaled_fp4_mm": [(128, 128, 256)]})
 QUICK_HOST_SIZES.update({"mx_quantize": [(256, 256)], "scaled_fp4_mm": [(64, 64, 128)]})
+# weight-only MX (linear_mx, decode): MXFP4 / NVFP4 weights, bf16 activations, batch 1 and 8
+CUDA_SIZES["linear_mx"] = [(b, n, k) for b in (1, 8) for n, k in ((4096, 14336), (14336, 4096))]
+QUICK_CUDA_SIZES["linear_mx"] = [(1, 4096, 14336), (1, 14336, 4096)]
+HOST_SIZES["linear_mx"] = [(1, 1024, 1024)]
+QUICK_HOST_SIZES["linear_mx"] = [(1, 256, 256)]
+CPU_SIZES["linear_mx"] = [(1, 4096, 4096)]
 OPS = tuple(CUDA_SIZES)
 
 
@@ -714,6 +720,46 @@ class Bench:
                 if q.kernel_us and row.kernel_us:
                     q.speedup["torch-bf16"] = row.kernel_us / q.kernel_us
 
+    def linear_mx(self, bnk) -> None:
+        """Weight-only MX (decode): x [B, K] bf16 @ W^T for an MXFP4 / NVFP4 weight [N, K] with swizzled
+        scales; bytes = codes + scale bytes + activations + output. torch bf16 linear beside it."""
+        from . import api_mx  # noqa: PLC0415
+        from .formats import mx  # noqa: PLC0415
+
+        b, n, k = bnk
+        be = self.be
+        trow = None
+        if self.torch is not None:
+            lin = self.torch.nn.functional.linear
+            tbytes = 2 * n * k + 2 * b * k + 2 * b * n
+            ta = self.rand((b, k), "bfloat16")
+            wt = [self.rand((n, k), "bfloat16", 0.05) for _ in range(self.sets(tbytes))]
+            trow = self.measure("linear_mx", f"B{b} N{n} K{k}", "torch-bf16", tbytes,
+                                [lambda w=w: lin(ta, w) for w in wt], note="bf16 weight bytes")
+            del wt
+        for fmt in mx.FP4_FORMATS:
+            blk = mx.block_size(fmt)
+            if not be.supports("linear_mx", fmt, "bfloat16", blk):
+                continue
+            nbytes = n * k // 2 + n * (k // blk) + 2 * b * k + 2 * b * n
+            a = self.rand((b, k), "bfloat16")
+            kw = {"global_scale": float(mx.nvfp4_global_scale(0.25))} if fmt == "nvfp4" else {}
+            ws = []
+            for _ in range(self.sets(nbytes)):
+                w = self.rand((n, k), "bfloat16", 0.05)
+                ws.append(api_mx.quantize_mx(w, fmt, backend=be, **kw))
+                del w
+            g = be.from_numpy(np.array([kw["global_scale"]], np.float32), like=a) if kw else None
+            out = be.empty((b, n), as_dtype("bfloat16"), like=a)
+            row = self.measure(
+                "linear_mx", f"B{b} N{n} K{k} {fmt}", "quantcore", nbytes,
+                [lambda c=c, s=s, f=fmt, a=a, o=out, g=g: be.linear_mx(a, c, s, o, n=n, k=k, fmt=f, swizzled=True,
+                                                                       global_scale=g) for c, s in ws],
+                eager=[lambda c=c, s=s, f=fmt, a=a, kw=kw: api_mx.linear_mx(a, c, s, f, backend=be, **kw)
+                       for c, s in ws])
+            del ws
+            self.group([row] + ([trow] if trow is not None else []))
+
     def run(self, ops: tuple[str, ...], sizes: dict[str, list] | None) -> None:
         table = sizes or (
             (QUICK_CUDA_SIZES if self.quick else CUDA_SIZES) if self.torch is not None
@@ -810,9 +856,10 @@ def run(backend: str = "cuda", ops: tuple[str, ...] | list[str] = OPS, sizes: di
         reps: int | None = None, verbose: bool = False) -> dict:
     """Run the benchmark in this process and return the report (``rows``, ``copy_gbps`` ...).
 
-    ``ops``: any of ``dequantize_4bit``, ``quantize_4bit``, ``gemv_4bit``, ``gemm_w4a8``.
-    ``sizes``: per op, a list of shapes ((rows, cols) for the 4-bit quantizers, (B, N, K) for
-    gemv_4bit, (N, M, K) for gemm_w4a8) replacing the defaults. Prints the table.
+    ``ops``: any of :data:`OPS` (``dequantize_4bit``, ``quantize_4bit``, ``gemv_4bit``, ``gemm_w4a8``,
+    ``linear_mx`` ...). ``sizes``: per op, a list of shapes ((rows, cols) for the 4-bit quantizers,
+    (B, N, K) for gemv_4bit and linear_mx, (N, M, K) for gemm_w4a8) replacing the defaults. Prints
+    the table.
     """
     b = Bench(backend, quick, reps, verbose)
     b.run(tuple(ops), sizes)

@@ -257,6 +257,27 @@ def mx_scales(scales: Any, lead: tuple[int, ...], rows: int, ncols: int, swizzle
                          "pass swizzled=True for scales in the 128x4 tile layout")
 
 
+def mx_linear(x: Any, codes: Any, fmt: str) -> tuple[tuple[int, ...], str, int, int]:
+    """The operands of ``linear_mx``: a float input ``x [..., K]`` and packed fp4 codes
+    ``[N, K/2]`` of one of the FP4 formats -> ``(x's shape, x's dtype name, N, K)``. K must be a
+    multiple of the format's block size and agree between the two."""
+    from .formats import mx
+
+    shape, dt = float_array(x, "x")
+    cshape = uint8_array(codes, "codes")
+    if len(cshape) != 2 or 0 in cshape:
+        raise ShapeError(f"codes must be a non-empty 2-D array [N, K/2] (the weight's packed fp4 codes), "
+                         f"got shape {cshape}")
+    n, k = cshape[0], 2 * cshape[1]
+    blk = mx.block_size(fmt)
+    if k % blk:
+        raise ShapeError(f"codes: {cshape[1]} bytes per row hold K = {k} elements, not a multiple of the "
+                         f"{fmt} block size {blk}")
+    if len(shape) == 0 or shape[-1] != k:
+        raise ShapeError(f"x must have shape [..., K] with K = {k} (the weight's), got shape {shape}")
+    return shape, dt, n, k
+
+
 def f32_scalar(v: Any, what: str, *, positive: bool = False) -> float | None:
     """A scalar parameter given as a number (returned as a float) or as a float32 array of one
     element (left on its device: returns None; its value is not read, so nothing synchronizes).

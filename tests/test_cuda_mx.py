@@ -440,3 +440,93 @@ def test_graph_capture_quantize_and_mm(rng):
 
 
 # -- the conformance suite's MX cases ----------------------------------------------------------------
+
+
+# -- linear_mx: kernels_cuda/mx_gemv.cu -------------------------------------------------------------
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_gemv_source_compiles(tmp_path, arch):
+    ents = _entries(_nvcc(tmp_path, cmx.GEMV_SOURCE, arch))
+    for fmt in mx.FP4_FORMATS:
+        for dt in DTYPES:
+            for nb in cmx.GEMV_BATCHES:
+                assert cmx.gemv_kernel_name(fmt, dt, nb) in ents
+    for name, text in ents.items():
+        assert "0 bytes spill stores" in text, (name, text)
+
+
+def _linear_case(fmt, rng, n, k, dtype):
+    from quantcore.conformance.families.mx import _linear_values
+
+    w = (rng.standard_normal((n, k)) * np.exp2(rng.uniform(-4, 4, (n, 1)))).astype(np.float32)
+    g = mx.nvfp4_global_scale(float(np.abs(w).max())) if fmt == "nvfp4" else None
+    codes, scales = mx.quantize(w, fmt, global_scale=g)
+    return codes, scales, g, _linear_values(codes, scales, fmt, g)
+
+
+@needs_gpu
+@pytest.mark.parametrize("fmt", mx.FP4_FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
+def test_linear_mx_within_bound(fmt, dtype, rows, rng):
+    """Every batch instance (1..16 per launch; 17 and 40 rows take two and three launches), K with an
+    odd number of 16-element blocks (NVFP4: the half unit), a codes view at a 4-byte but not 16-byte
+    offset (the u32 loads) and swizzled scales with garbage padding, against the fp64 bound."""
+    from quantcore.conformance import bounds
+
+    T = as_dtype(dtype)
+    for n, k, offset in ((300, 1024, 0), (33, 16 * 37 if fmt == "nvfp4" else 32 * 19, 0), (70, 512, 4)):
+        codes, scales, g, wv = _linear_case(fmt, rng, n, k, dtype)
+        x = (rng.standard_normal((rows, k)) / 4).astype(T)
+        ref, bound = bounds.linear_mx(x.astype(np.float64), wv, dtype)
+        nbk = k // mx.block_size(fmt)
+        swz = mx.swizzle(scales).reshape(-1)
+        pad = np.ones(swz.size, bool)
+        pad[mx.swizzle_offsets(n, nbk).reshape(-1)] = False
+        swz[pad] = rng.integers(0, 256, int(pad.sum())).astype(np.uint8)
+        buf = to_dev(np.concatenate([np.zeros(offset, np.uint8), codes.reshape(-1)]))
+        cd = buf[offset:].view(n, k // 2)
+        gd = to_dev(np.array([g], np.float32)) if g is not None else None
+        for swizzled, s in ((False, scales), (True, swz.reshape(mx.swizzled_shape(n, nbk)))):
+            out = empty_dev((rows, n), T)
+            cmx.linear_mx(None, to_dev(x), cd, to_dev(s), out, n=n, k=k, fmt=fmt, swizzled=swizzled,
+                          global_scale=gd)
+            got = to_host(out).astype(np.float64)
+            what = f"{fmt} {dtype} rows={rows} n={n} k={k} offset={offset} swizzled={swizzled}"
+            assert np.isfinite(got).all(), what
+            err = np.abs(got - ref)
+            assert (err <= bound.max_abs).all(), f"{what}: worst {float(np.max(err / bound.max_abs)):.3g} of the bound"
+            nmse = float(np.sum(err**2) / max(np.sum(ref**2), 1e-300))
+            assert nmse <= bound.nmse, f"{what}: NMSE {nmse:.3g} > {bound.nmse:.3g}"
+
+
+@needs_gpu
+def test_linear_mx_graph_capture(rng):
+    """linear_mx (nvfp4, bf16, batch 4) captured in a CUDA graph and replayed on new inputs: the same
+    bits as eager calls."""
+    torch = _torch()
+    n, k = 512, 1024
+    codes, scales, g, _ = _linear_case("nvfp4", rng, n, k, "bfloat16")
+    cd, sd = to_dev(codes), to_dev(mx.swizzle(scales))
+    gd = to_dev(np.array([g], np.float32))
+    x = torch.empty((4, k), dtype=torch.bfloat16, device="cuda")
+    out = torch.empty((4, n), dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        cmx.linear_mx(None, x, cd, sd, out, n=n, k=k, fmt="nvfp4", swizzled=True, global_scale=gd)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(2):
+        x.copy_(torch.randn((4, k), device="cuda"))
+        graph.replay()
+        got = out.clone()
+        step()
+        torch.cuda.synchronize()
+        assert torch.equal(got, out)

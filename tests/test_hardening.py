@@ -334,6 +334,31 @@ for k, bad in {"fp4": "fp4", "int": 2, "None": None, "array": np.array(["mxfp4"]
 case("quantize_mx", "mxfp4-with-global_scale", ParameterError,
      lambda e: qc.quantize_mx(e.x, "mxfp4", global_scale=1.0, backend=e.name))
 
+# linear_mx (weight-only fp4): x [8, 64] against the [8, 64] weight's codes
+for k, bad in NOT_ARRAYS.items():
+    case("linear_mx", f"x={k}", DTypeError, lambda e, bad=bad: qc.linear_mx(bad, e.mx_c, e.mx_s, "mxfp4", backend=e.name))
+    case("linear_mx", f"codes={k}", DTypeError, lambda e, bad=bad: qc.linear_mx(e.x, bad, e.mx_s, "mxfp4", backend=e.name))
+    case("linear_mx", f"scales={k}", DTypeError, lambda e, bad=bad: qc.linear_mx(e.x, e.mx_c, bad, "mxfp4", backend=e.name))
+case("linear_mx", "x-wrong-K", ShapeError,
+     lambda e: qc.linear_mx(e.arr(np.zeros((2, 32), np.float32)), e.mx_c, e.mx_s, "mxfp4", backend=e.name))
+case("linear_mx", "x-int64", DTypeError,
+     lambda e: qc.linear_mx(e.arr(np.zeros((2, 64), np.int64)), e.mx_c, e.mx_s, "mxfp4", backend=e.name))
+case("linear_mx", "codes-3d", ShapeError,
+     lambda e: qc.linear_mx(e.x, e.arr(np.zeros((2, 4, 32), np.uint8)), e.mx_s, "mxfp4", backend=e.name))
+case("linear_mx", "codes-empty", ShapeError,
+     lambda e: qc.linear_mx(e.x, e.arr(np.zeros((0, 32), np.uint8)), e.mx_s, "mxfp4", backend=e.name))
+case("linear_mx", "fmt=mxfp8", ParameterError, lambda e: qc.linear_mx(e.x, e.mx8_c, e.mx8_s, "mxfp8", backend=e.name))
+case("linear_mx", "scales-row-major-as-swizzled", ShapeError,
+     lambda e: qc.linear_mx(e.x, e.mx_c, e.arr(np.zeros((8, 2), np.uint8)), "mxfp4", backend=e.name))
+case("linear_mx", "mxfp4-global_scale", ParameterError,
+     lambda e: qc.linear_mx(e.x, e.mx_c, e.mx_s, "mxfp4", global_scale=1.0, backend=e.name))
+for k, g in BAD_GLOBAL.items():
+    case("linear_mx", f"nvfp4-global_scale={k}", ParameterError,
+         lambda e, g=g: qc.linear_mx(e.x, e.nv_c, e.nv_s, "nvfp4", global_scale=g, backend=e.name))
+for k, bad in {"str": "no", "None": None, "float": 1.0}.items():
+    case("linear_mx", f"swizzled={k}", ParameterError,
+         lambda e, bad=bad: qc.linear_mx(e.x, e.mx_c, e.mx_s, "mxfp4", swizzled=bad, backend=e.name))
+
 # MX dequantize
 for k, bad in NOT_ARRAYS.items():
     case("dequantize_mx", f"codes={k}", DTypeError, lambda e, bad=bad: qc.dequantize_mx(bad, e.mx_s, "mxfp4", backend=e.name))
@@ -411,7 +436,7 @@ PUBLIC = sorted(n for n in qc.__all__ if getattr(getattr(qc, n), "__module__", "
 
 def test_every_public_function_has_cases():
     covered = {fn for fn, *_ in CASES}
-    assert len(PUBLIC) == 31
+    assert len(PUBLIC) == 32  # linear_mx is the 32nd
     assert set(PUBLIC) - covered == set()
 
 

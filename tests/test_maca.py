@@ -107,6 +107,11 @@ def test_launcher_error_codes_become_kernel_error(compat_build):
     assert lib.qc_maca_scaled_fp4_mm(None, None, None, None, None, None, None, 1, 1, 64, nvfp4, None) != 0
     assert lib.qc_maca_scaled_fp4_mm(None, None, None, None, 1, None, None, 1, 1, 48, mxfp4, None) != 0
     assert lib.qc_maca_unswizzle_scales(None, None, 0, 4, None) != 0
+    # linear_mx: nvfp4 without its global scale, K off the block, an unknown format or dtype
+    assert lib.qc_maca_linear_mx(None, f32, None, None, None, None, 1, 4, 64, nvfp4, 1, None) != 0
+    assert lib.qc_maca_linear_mx(None, f32, None, None, None, None, 1, 4, 48, mxfp4, 1, None) != 0
+    assert lib.qc_maca_linear_mx(None, f32, None, None, None, None, 1, 4, 64, 7, 1, None) != 0
+    assert lib.qc_maca_linear_mx(None, 99, None, None, None, None, 1, 4, 64, mxfp4, 1, None) != 0
 
 
 MX_HARNESS = r"""

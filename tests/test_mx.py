@@ -523,7 +523,7 @@ def test_capabilities_are_declared_and_covered_by_cpu():
     caps = set(mx.capabilities())
     assert caps <= ops.ALL_CAPABILITIES
     assert {c.op for c in caps} == {"mx_quantize", "mx_dequantize", "swizzle_scales",
-                                    "unswizzle_scales", "scaled_fp4_mm"}
+                                    "unswizzle_scales", "scaled_fp4_mm", "linear_mx"}
     assert caps <= qc.get_backend("cpu").capabilities()
 
 

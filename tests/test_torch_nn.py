@@ -86,7 +86,10 @@ def _op_cases(gen, device):
         ("quantize_mx", (x, "nvfp4", "floor", gs, False)),
         ("dequantize_mx", (codes, scales, "nvfp4", torch.bfloat16, gs, False)),
         ("scaled_fp4_mm", (a4, b4, sa4, sb4, alpha, None, "nvfp4")),
+        ("linear_mx", (xb, codes, scales, "nvfp4", gs, False)),
+        ("linear_mx", (_randn(gen, 2, 3, 128, device=device), b4, sb4, "nvfp4", gs, True)),
         ("linear_fp4", (xb.clone().requires_grad_(), codes, scales, gs, "nvfp4", bias)),
+        ("linear_fp4", (_randn(gen, 20, 128, device=device).requires_grad_(), codes, scales, gs, "nvfp4", None)),
     ]
 
 
@@ -118,10 +121,31 @@ def test_ops_equal_the_functional_api(gen):
     assert torch.equal(y, qc.gemv_4bit(a, ref_p, ref_st))
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16, 17])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_linear_fp4_paths_agree_with_linear_mx(gen, fmt, rows):
+    """linear_fp4 takes linear_mx up to GEMV_MAX_ROWS rows (then adds the bias in x's dtype) and
+    dequantize + matmul above; both agree with the functional linear_mx within bf16 rounding."""
+    w = _randn(gen, 48, 128)
+    gs = torch.tensor([float(qc.nvfp4_global_scale(float(w.abs().max())))]) if fmt == "nvfp4" else None
+    codes, scales = torch.ops.quantcore.quantize_mx(w, fmt, "floor", gs, False)
+    x = _randn(gen, rows, 128, dtype=torch.bfloat16)
+    bias = _randn(gen, 48, dtype=torch.bfloat16)
+    y = torch.ops.quantcore.linear_fp4(x, codes, scales, gs, fmt, bias)
+    ref = qc.linear_mx(x, codes, scales, fmt, global_scale=gs, swizzled=False)
+    if rows <= qct.GEMV_MAX_ROWS:
+        assert torch.equal(y, ref + bias)
+    else:  # the weight rounded to bf16 and a bf16 matmul: within a few bf16 ulps of sum |x w|
+        wd = qc.dequantize_mx(codes, scales, fmt, global_scale=gs, swizzled=False)
+        scale = (x.float().abs() @ wd.abs().T).max()
+        assert float((y.float() - (ref + bias).float()).abs().max()) <= 2 ** -6 * float(scale)
+
+
 def test_linear_path_by_rows(monkeypatch, capsys):
     assert qct.linear_path(1) == "gemv" and qct.linear_path(qct.GEMV_MAX_ROWS) == "gemv"
     assert qct.linear_path(qct.GEMV_MAX_ROWS + 1) == "dequantize+matmul"
     assert qct.linear_path(9, "linear_q4_0") == "dequantize+matmul"
+    assert qct.linear_path(16, "linear_fp4") == "gemv" and qct.linear_path(17, "linear_fp4") == "dequantize+matmul"
     monkeypatch.setattr(qct, "DEBUG", True)
     qct.linear_path(3)
     assert "linear_4bit rows=3 -> gemv" in capsys.readouterr().err

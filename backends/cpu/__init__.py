@@ -2,7 +2,7 @@
 
 The kernels (``kernels_cpu/qc_cpu.cpp``) are built at first use by the system C++ compiler and
 cached (:mod:`quantcore.backends.cpu.build`, docs/cpu.md). Every op the library does not cover
-(mx_quantize, scaled_fp4_mm, an unusual layout) runs the numpy reference of the ``reference`` backend, which
+(mx_quantize, scaled_fp4_mm, linear_mx, an unusual layout) runs the numpy reference of the ``reference`` backend, which
 this class extends; without a compiler, or when the build fails, every op does, and
 ``quantcore info`` says so. Native arrays are numpy arrays; torch CPU tensors are accepted and
 returned zero-copy.
@@ -34,7 +34,7 @@ COMPILED_OPS = ("quantize_4bit", "dequantize_4bit", "double_quantize", "gemv_4bi
                 "quantize_blockwise", "dequantize_blockwise", "quantize_q4_0", "quantize_q8_0",
                 "quantize_q8_1", "dequantize_ggml", "gemm_q4_0_q8_1", "gemm_w4a8", "mx_dequantize",
                 "swizzle_scales", "unswizzle_scales")
-NUMPY_OPS = ("mx_quantize", "scaled_fp4_mm")
+NUMPY_OPS = ("mx_quantize", "scaled_fp4_mm", "linear_mx")
 
 
 

@@ -626,6 +626,10 @@ class CudaBackend(Backend):
     def scaled_fp4_mm(self, a, b, scale_a, scale_b, alpha, bias, out, *, m, n, k, fmt):
         _mx.scaled_fp4_mm(self, a, b, scale_a, scale_b, alpha, bias, out, m=m, n=n, k=k, fmt=fmt)
 
+    def linear_mx(self, x, codes, scales, out, *, n, k, fmt, swizzled, global_scale=None):
+        _mx.linear_mx(self, x, codes, scales, out, n=n, k=k, fmt=fmt, swizzled=swizzled, global_scale=global_scale)
+
+
 # -- dtype maps ------------------------------------------------------------------------------------------
 def _torch():
     torch = rt.torch_module()

@@ -389,7 +389,52 @@ def capabilities(device: int | None = None) -> list:
     return list(mx.capabilities())
 
 
+# -- linear_mx: the weight-only gemv (kernels_cuda/mx_gemv.cu) ----------------------------------------
+GEMV_SOURCE = "mx_gemv.cu"
+#: Input-row counts with a kernel instance (qc_mx_gemv_<fmt>_<dtype>_b<NB>); a launch takes at most
+#: QC_MXGV_MAX_BATCH input rows, larger B is launched in slices of that many.
+GEMV_BATCHES = (1, 2, 4, 8, 16)
+GEMV_THREADS = 32 * kernel_defines.MX_GEMV_GEOMETRY["QC_MXGV_WARPS"]
+GEMV_MAX_BATCH = kernel_defines.MX_GEMV_GEOMETRY["QC_MXGV_MAX_BATCH"]
+
+
+def gemv_kernel_name(fmt: str, dtype: str, nb: int) -> str:
+    return f"qc_mx_gemv_{fmt}_{dtype}_b{nb}"
+
+
+def linear_mx(be, x, codes, scales, out, *, n: int, k: int, fmt: str, swizzled: bool, global_scale=None) -> None:
+    """out [B, n] (x's dtype) = x [B, K] @ W^T, W the fp4 weight given by codes [n, k/2] and its
+    scales (row-major or swizzled; NVFP4 with its global scale): one launch per 16 input rows."""
+    dev = _check(x, codes, scales, out, global_scale)
+    rows = int(out.shape[0])
+    dt = _dtype(x)
+    ncols = k // mx.block_size(fmt)
+    pcols = mx.swizzled_shape(n, ncols)[1] if swizzled else ncols
+    flags = int(bool(swizzled))
+    if ptr(codes) % 16 == 0 and (k // 2) % 16 == 0:
+        flags |= 2
+    if ptr(codes) % 4 == 0:
+        flags |= 4
+    if ptr(x) % 16 == 0:
+        flags |= 8
+    if fmt == "nvfp4" and ptr(scales) % 2 == 0 and (swizzled or ncols % 2 == 0):
+        flags |= 16  # a unit's two scale bytes in one 16-bit load
+    if (mx.swizzled_shape(n, ncols)[0] * pcols if swizzled else n * ncols) >= 2**31:
+        raise KernelError(f"linear_mx: the scales of a [{n}, {k}] weight exceed the kernel's 32-bit offsets")
+    xsize, osize = as_dtype(x.dtype).itemsize, as_dtype(out.dtype).itemsize
+    for b0 in range(0, rows, GEMV_MAX_BATCH):
+        nrows = min(GEMV_MAX_BATCH, rows - b0)
+        nb = next(b for b in GEMV_BATCHES if b >= nrows)
+        name = gemv_kernel_name(fmt, dt, nb)
+        fn = function(dev, GEMV_SOURCE, quant_arch(dev), name)
+        grid = -(-n // kernel_defines.mx_gemv_rows(nb))
+        args = (_u64(ptr(x) + b0 * k * xsize), _u64(ptr(codes)), _u64(ptr(scales)), _u64(ptr(global_scale)),
+                _u64(ptr(out) + b0 * n * osize), np.int32(nrows), np.int32(n), np.int32(k), np.int32(pcols),
+                np.int32(flags))
+        rt.Launcher(out).run(fn, name, (grid, 1, 1), (GEMV_THREADS, 1, 1), args)
+
+
 __all__ = [
-    "capabilities", "compile_cubin", "gemm_arch", "mx_dequantize", "mx_quantize", "scaled_fp4_mm",
+    "capabilities", "compile_cubin", "gemm_arch", "linear_mx", "mx_dequantize", "mx_quantize", "scaled_fp4_mm",
     "swizzle_scales", "unswizzle_scales",
 ]

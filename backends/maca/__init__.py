@@ -53,6 +53,7 @@ _SIGNATURES = {
     "swizzle_scales": (_P, _P, _L, _L),
     "unswizzle_scales": (_P, _P, _L, _L),
     "scaled_fp4_mm": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I),
+    "linear_mx": (_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I),
 }
 
 
@@ -313,6 +314,10 @@ class MacaBackend(Backend):
     def scaled_fp4_mm(self, a, b, scale_a, scale_b, alpha, bias, out, *, m, n, k, fmt):
         self._launch("scaled_fp4_mm", out, a, b, scale_a, scale_b, alpha, bias, out, m, n, k,
                      mx.MX_FORMAT_CODE[fmt])
+
+    def linear_mx(self, x, codes, scales, out, *, n, k, fmt, swizzled, global_scale=None):
+        self._launch("linear_mx", out, x, _dtype_code(x), codes, scales, global_scale, out, x.numel() // k, n, k,
+                     mx.MX_FORMAT_CODE[fmt], int(swizzled))
 
 
 def create() -> MacaBackend:

@@ -233,6 +233,17 @@ class ReferenceBackend(Backend):
         _store(out, mx.scaled_fp4_mm(a.reshape(m, k // 2), b.reshape(n, k // 2), scale_a, scale_b,
                                      _flat(alpha)[0], bias_v, fmt))
 
+    def linear_mx(self, x, codes, scales, out, *, n, k, fmt, swizzled, global_scale=None):
+        g = None if global_scale is None else _flat(global_scale)[0]
+        s = self._row_major_scales(scales, n, k, fmt, swizzled)
+        direct = _direct(out)
+        res = mx.linear_mx(x.reshape(-1, k), codes.reshape(n, k // 2), s, fmt, global_scale=g,
+                           out_dtype=out.dtype)
+        if direct is not None:
+            direct.reshape(res.shape)[...] = res
+        else:
+            _store(out, res)
+
 
 def create() -> ReferenceBackend:
     return ReferenceBackend()

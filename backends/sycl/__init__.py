@@ -427,6 +427,14 @@ class SyclBackend(Backend):
             launch("qc_scaled_fp4_mm", _cdiv(m * n, wg), wg, a, b, scale_a, scale_b, alpha, bias, out,
                    m, n, k, code)
 
+    def linear_mx(self, x, codes, scales, out, *, n, k, fmt, swizzled, global_scale=None):
+        code = self._mx_fmt(fmt)
+        batch = x.size // k
+        prog_sg = self.program(out.queue).subgroup_size
+        with self._launch(out, x, codes, scales, global_scale) as launch:
+            launch(f"qc_linear_mx_{_kdt(x)}", _cdiv(n, G["QC_GEMV_ROWS_PER_WG"]), G["QC_GEMV_ROWS_PER_WG"] * prog_sg,
+                   x, codes, scales, global_scale, out, batch, n, k, code, int(bool(swizzled)))
+
 
 def create() -> SyclBackend:
     return SyclBackend()

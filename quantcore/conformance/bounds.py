@@ -56,6 +56,18 @@ For gemm_w4a8 the reference first quantizes the activation with the core's ``qua
 the kernel must produce the same Q8_1 bytes internally, so it is held to the same bound (an
 online quantizer that differs, for example ``s = sum(x)`` or ``x / d``, shows up as an error far
 above these bounds at small K).
+
+linear_mx (``out[b, n] = T(sum_k a[b,k] * w[n,k])``, ``w`` the dequantized fp4 weight)
+----------------------------------------------------------------------------------
+The weight values are exact in fp64 (MXFP4 ``e2m1 * 2^e``; NVFP4 ``e2m1 * s / g``, which the
+core's reference rounds to fp32 once). Allowed arithmetic: each term ``a_k * w_k`` formed with at
+most ``c = 4`` fp32 roundings (the product, a per-block partial sum times its scale, the NVFP4
+``1/g`` and its application), the K terms added in fp32 in any order, one rounding to T:
+
+    |out - ref| <= 1.05 * (u_T |ref| + (c + K - 1) u32 S) + c K eta_32 + eta_T
+
+and ``NMSE <= 16 * sum (u_T^2 ref^2 + (c + K) u32^2 Q) / sum ref^2`` (S, Q as for gemv_4bit).
+Unlike gemv_4bit, no rounding in fp16 / bf16 is allowed before the final one.
 """
 
 from __future__ import annotations
@@ -113,4 +125,25 @@ def gemm_q4_0_q8_1(d4: np.ndarray, q4: np.ndarray, d8: np.ndarray, q8: np.ndarra
     derivation = (f"Bound for fp32 output, K={nb * 32}: |err| <= 1.05*(u32|ref| + (4 + nb - 1) u32 "
                   "sum_b |d4|(|d8 sumi| + 8|s8|)); NMSE <= 16 sum u32^2 (ref^2 + (4 + nb) "
                   "sum_b V_b^2) / sum ref^2 (see quantcore.conformance.bounds)")
+    return ref, Bound(max_abs=max_abs, nmse=nmse, derivation=derivation)
+
+
+def linear_mx(a: np.ndarray, w: np.ndarray, dtype: str) -> tuple[np.ndarray, Bound]:
+    """fp64 reference ``a @ w.T`` and its bound (module docstring, linear_mx); ``a`` [B, K] and
+    ``w`` [N, K] exact values."""
+    a = np.asarray(a, dtype=np.float64)
+    w = np.asarray(w, dtype=np.float64)
+    k = a.shape[1]
+    ref = np.einsum("bk,nk->bn", a, w)
+    s = np.einsum("bk,nk->bn", np.abs(a), np.abs(w))
+    q = np.einsum("bk,nk->bn", a * a, w * w)
+    u, eta = UNIT_ROUNDOFF[dtype], UNDERFLOW_ERROR[dtype]
+    c = 4
+    max_abs = (SECOND_ORDER * (u * np.abs(ref) + (c + k - 1) * U32 * s)
+               + c * k * UNDERFLOW_ERROR["float32"] + eta)
+    e = u * u * ref * ref + (c + k) * U32 * U32 * q
+    nmse = NMSE_MARGIN * float(e.sum()) / max(float((ref * ref).sum()), 1e-300)
+    derivation = (f"Bound for {dtype}, K={k}: |err| <= 1.05*(u_T|ref| + (4 + K - 1) u32 sum|a w|) "
+                  "+ 4 K eta_32 + eta_T; NMSE <= 16 sum(u_T^2 ref^2 + (4 + K) u32^2 sum (a w)^2) / "
+                  "sum ref^2 (see quantcore.conformance.bounds)")
     return ref, Bound(max_abs=max_abs, nmse=nmse, derivation=derivation)

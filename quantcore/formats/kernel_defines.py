@@ -52,6 +52,17 @@ LAUNCH_GEOMETRY = {**_gemv_geometry(warps=16, groups=4, chunks=8, stages=2), **B
 #: kernels_cuda/bnb_gemm.cu, gemv_4bit for many rows: threads per CTA, the byte pitch of a
 #: 64-element fp16 / bf16 tile row (128 + 16: ldmatrix rows on distinct banks)
 LAUNCH_GEOMETRY.update({"QC_GM_THREADS": 256, "QC_GM_PITCH": 144})
+#: linear_mx's gemv (kernels_cuda/mx_gemv.cu): warps per CTA, input rows per launch at most, and the
+#: weight rows per CTA: QC_MXGV_ROWS for up to 2 input rows, QC_MXGV_ROWS_B4 for 3..8, QC_MXGV_ROWS_B16
+#: for 9..16 (the accumulators take RW x B registers); :func:`mx_gemv_rows` for the launcher.
+MX_GEMV_GEOMETRY = {"QC_MXGV_WARPS": 4, "QC_MXGV_MAX_BATCH": 16, "QC_MXGV_ROWS": 4, "QC_MXGV_ROWS_B4": 2,
+                    "QC_MXGV_ROWS_B16": 1}
+
+
+def mx_gemv_rows(nb: int) -> int:
+    """Weight rows per CTA of the linear_mx gemv instance for ``nb`` input rows (its template NB)."""
+    g = MX_GEMV_GEOMETRY
+    return g["QC_MXGV_ROWS"] if nb <= 2 else (g["QC_MXGV_ROWS_B4"] if nb <= 8 else g["QC_MXGV_ROWS_B16"])
 
 
 def _f32_list(values) -> str:
@@ -98,6 +109,7 @@ def _entries() -> list[tuple[str, str]]:
         ("QC_DTYPE_F16", str(DTYPE_CODE["float16"])),
         ("QC_DTYPE_BF16", str(DTYPE_CODE["bfloat16"])),
         *((name, str(value)) for name, value in LAUNCH_GEOMETRY.items()),
+        *((name, str(value)) for name, value in MX_GEMV_GEOMETRY.items()),
     ]
     try:  # the MX family adds its constants when present
         from . import mx

@@ -429,6 +429,42 @@ def scaled_fp4_mm(a, b, scale_a, scale_b, alpha, bias=None, fmt: str = "nvfp4") 
         return d.astype(F32).astype(BF16)
 
 
+# -- linear_mx (weight-only MX: fp4 weight, float activations) ------------------------------------
+#: Rows of the weight dequantized at a time by :func:`linear_mx` (about 1M elements).
+LINEAR_CHUNK_ELEMS = 1 << 20
+
+
+def linear_mx(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, fmt: str, *, global_scale=None,
+              out_dtype=None) -> np.ndarray:
+    """``y = x @ W^T`` for an fp4 weight ``W [N, K]`` given as packed codes ``[N, K/2]`` and
+    ROW-MAJOR scales ``[N, K/blk]`` (unswizzle swizzled scales first), ``fmt`` "mxfp4" | "nvfp4".
+
+    Semantics (the reference of the tolerance-tier op ``linear_mx``):
+
+    1. ``W = dequantize(codes, scales, fmt, global_scale=g)`` in fp32 exactly as
+       :func:`dequantize` gives it (MXFP4: ``f32(e2m1(q) * 2^(b-127))``; NVFP4:
+       ``f32(f32(e2m1(q) * s) / g)``);
+    2. ``acc = f32(x) @ W^T``, an fp32 matrix product (summation order unspecified);
+    3. ``y = out_dtype(acc)``: ONE rounding into the output dtype (default: x's dtype).
+
+    ``x`` is [B, K] (fp32 / fp16 / bf16). The weight is dequantized a panel of whole rows at a time
+    (:data:`LINEAR_CHUNK_ELEMS`), so temporaries stay small whatever N and K are.
+    """
+    x2 = np.asarray(x)
+    out_dtype = x2.dtype if out_dtype is None else as_dtype(out_dtype)
+    k = x2.shape[-1]
+    n = codes.shape[0]
+    a32 = x2.reshape(-1, k).astype(F32)
+    acc = np.empty((a32.shape[0], n), F32)
+    step = max(1, LINEAR_CHUNK_ELEMS // max(k, 1))
+    with np.errstate(invalid="ignore", over="ignore"):
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            w = dequantize(codes[r0:r1], scales[r0:r1], fmt, global_scale=global_scale, out_dtype=F32)
+            acc[:, r0:r1] = a32 @ w.T
+        return acc.astype(out_dtype)
+
+
 # -- what a complete backend covers, and what the kernels are told -----------------------------
 def capabilities():
     """The MX family's entries of :data:`quantcore.ops.ALL_CAPABILITIES`."""
@@ -443,6 +479,8 @@ def capabilities():
     caps.append(Capability("unswizzle_scales", "scales128x4", "uint8", SWIZZLE_TILE_BYTES))
     for fmt in FP4_FORMATS:
         caps.append(Capability("scaled_fp4_mm", fmt, "bfloat16", BLOCK_SIZE[fmt]))
+        for dt in ("float32", "float16", "bfloat16"):
+            caps.append(Capability("linear_mx", fmt, dt, BLOCK_SIZE[fmt]))
     return caps
 
 

@@ -283,8 +283,6 @@ def linear_path(rows: int, op: str = "linear_4bit", backend: Any = None, k: int 
     if op == "linear_4bit" and backend is not None and k > 0:
         limit = max(limit, FUSED_4BIT_MAX_ROWS_K.get(getattr(backend, "name", None), 0) // k)
     path = "gemv" if 0 < rows <= limit else "dequantize+matmul"
-    if op == "linear_fp4":
-        path = "dequantize+matmul"  # no weight-only MX kernel yet
     if DEBUG:
         print(f"quantcore.torch: {op} rows={rows} -> {path}", file=sys.stderr)
     return path
@@ -488,6 +486,22 @@ _define("scaled_fp4_mm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tenso
         "-> Tensor", _scaled_fp4_mm, _scaled_fp4_mm_fake)
 
 
+def _linear_mx(x, codes, scales, fmt, global_scale, swizzled):
+    x2 = x if x.is_contiguous() else x.contiguous()
+    return _run(x.device, api_mx.linear_mx, (x2, codes, scales, fmt), global_scale=global_scale,
+                swizzled=swizzled)
+
+
+def _linear_mx_fake(x, codes, scales, fmt, global_scale, swizzled):
+    n, k = _check_fp4(codes, fmt)
+    _check_linear(x, k, None, n)
+    return x.new_empty(tuple(x.shape[:-1]) + (n,))
+
+
+_define("linear_mx(Tensor x, Tensor codes, Tensor scales, str fmt, Tensor? global_scale, bool swizzled) "
+        "-> Tensor", _linear_mx, _linear_mx_fake)
+
+
 def _check_fp4(codes: torch.Tensor, fmt: str) -> tuple[int, int]:
     v.mx_format(fmt, mx.FP4_FORMATS)
     if codes.dim() != 2 or codes.dtype != torch.uint8:
@@ -497,11 +511,14 @@ def _check_fp4(codes: torch.Tensor, fmt: str) -> tuple[int, int]:
 
 def linear_fp4_eager(x, codes, scales, global_scale, fmt, bias=None):
     """``x @ W.T + bias`` for an NVFP4 / MXFP4 weight (codes uint8 [N, K/2], row-major scales
-    [N, K/blk], NVFP4's global scale fp32 [1]) with float activations: the weight dequantized into
-    x's dtype, then torch's matmul."""
+    [N, K/blk], NVFP4's global scale fp32 [1]) with float activations: up to
+    :data:`GEMV_MAX_ROWS` rows through the weight-only kernel (``quantcore.linear_mx``: the codes
+    read once, fp32 accumulation, then the bias added in x's dtype); more rows dequantize the
+    weight into x's dtype, then torch's matmul."""
     n, k = _check_fp4(codes, fmt)
     _check_linear(x, k, bias, n)
-    linear_path(_rows(x), "linear_fp4")
+    if linear_path(_rows(x), "linear_fp4") == "gemv":
+        return add_bias(_linear_mx(x, codes, scales, fmt, global_scale, False), bias)
     w = _dequantize_mx(codes, scales, fmt, x.dtype, global_scale, False)
     return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
 
@@ -527,7 +544,8 @@ _define("linear_fp4(Tensor x, Tensor codes, Tensor scales, Tensor? global_scale,
 
 #: every op this module defines, as ``torch.ops.quantcore.<name>``
 OPS = ("quantize_4bit", "dequantize_4bit", "gemv_4bit", "gemv_4bit_grouped", "linear_4bit", "gemm_w4a8", "quantize_q4_0",
-       "dequantize_q4_0", "linear_q4_0", "quantize_mx", "dequantize_mx", "scaled_fp4_mm", "linear_fp4")
+       "dequantize_q4_0", "linear_q4_0", "quantize_mx", "dequantize_mx", "scaled_fp4_mm", "linear_mx",
+       "linear_fp4")
 
 __all__ = ["FUSED_4BIT_MAX_ROWS_K", "GEMV_MAX_ROWS", "OPS", "W4A8_MAX_ROWS", "backend_for", "bind_linear_4bit", "linear_4bit_eager", "linear_fp4_eager",
            "linear_path", "linear_q4_0_eager", "quantize_4bit", "set_backend_for", "state_of"]

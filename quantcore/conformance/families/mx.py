@@ -1,5 +1,11 @@
 """MX family: NVFP4, MXFP4, MXFP8 quantize / dequantize and the swizzled scale layout (bit-exact),
-scaled_fp4_mm (tolerance against an fp64 reference), invalid inputs through the public API.
+scaled_fp4_mm and linear_mx (tolerance against an fp64 reference), invalid inputs through the
+public API.
+
+linear_mx (weight-only fp4: ``out = T(x @ W^T)``) is held to
+:func:`quantcore.conformance.bounds.linear_mx`; its cases run with row-major and with swizzled
+scales (garbage in the swizzle padding), B in {1, 5, 16}, N off the 128-row tiles and K a
+multiple of the block only (:data:`LINEAR_KINDS`).
 
 Bit-exact against :mod:`quantcore.formats.mx`. Every quantize / dequantize case runs the op with
 row-major scales and with swizzled scales (the 128x4 tile layout, whose padding the op must write
@@ -449,6 +455,125 @@ def _mm(cap: Capability, shape, with_bias: bool, random_codes: bool, be: Backend
     return check_op_tolerance(be, call, inputs, Out("out", (m, n), BF16), ref, bound)
 
 
+# -- tolerance: linear_mx --------------------------------------------------------------------------
+LINEAR_KINDS = {
+    "quantized": "the reference's quantization of a weight whose rows span 8 octaves; activations "
+                 "over 4 octaves",
+    "random-codes": "random code bytes and random finite scale bytes (NVFP4: every E4M3 byte but "
+                    "NaN, sign and subnormals included; MX: 110..133, so fp16 outputs stay finite)",
+    "special-scales": "scale bytes at the edges: E8M0 0 (2^-127, an fp32 subnormal), 1, 20, 127, "
+                      "128, 133; E4M3 +-0, the subnormals 0x01 / 0x07, 2^-6, 448, -448",
+}
+
+
+def linear_shapes(level: str) -> list[tuple[int, int, int]]:
+    """(B, N, K in blocks): B in {1, 5, 16}, N off the 128-row scale tiles and the kernels' row
+    tiles, K a multiple of the block size only (an odd number of blocks)."""
+    quick = [(1, 1, 1), (1, 33, 3), (5, 130, 6), (16, 257, 9), (5, 64, 64), (16, 7, 35)]
+    if level == "quick":
+        return quick
+    return quick + [(1, 300, 128), (16, 129, 256), (8, 1000, 33)]
+
+
+def _linear_weight(kind: str, fmt: str, rng: np.random.Generator, n: int, nbk: int):
+    """(codes [n, K/2], row-major scales [n, nbk], global scale or None) of one case."""
+    blk = _blk(fmt)
+    k = nbk * blk
+    g = None
+    if kind == "quantized":
+        w = rng.standard_normal((n, k)) * np.exp2(rng.uniform(-4, 4, (n, 1)))
+        g = _global_scale(w) if fmt == "nvfp4" else None
+        codes, scales = mx.quantize(w.astype(np.float32), fmt, global_scale=g)
+        return codes, scales, g
+    codes = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    if kind == "random-codes":
+        if fmt == "nvfp4":
+            scales = rng.integers(0, 256, (n, nbk), dtype=np.uint8)
+            scales[(scales & 0x7F) == 0x7F] = 0x38  # no NaN scales: the tolerance tier is finite
+            g = np.float32(np.exp2(rng.uniform(-4, 4)))
+        else:
+            scales = rng.integers(110, 134, (n, nbk)).astype(np.uint8)
+        return codes, scales, g
+    special = [0x00, 0x01, 0x07, 0x08, 0x7E, 0x80, 0xFE, 0x38] if fmt == "nvfp4" else [0, 1, 20, 127, 128, 133]
+    scales = np.array(special, np.uint8)[rng.integers(0, len(special), (n, nbk))]
+    g = np.float32(16.0) if fmt == "nvfp4" else None
+    return codes, scales, g
+
+
+def _linear_values(codes: np.ndarray, scales: np.ndarray, fmt: str, g) -> np.ndarray:
+    """The exact (fp64) weight values; NVFP4's division by g in fp64."""
+    q = mx.unpack_fp4(codes)
+    n, k = q.shape
+    blk = _blk(fmt)
+    sc = mx.e4m3_decode(scales) if fmt == "nvfp4" else mx.e8m0_decode(scales)
+    vals = mx.e2m1_decode(q).astype(np.float64).reshape(n, k // blk, blk) * sc.astype(np.float64)[..., None]
+    vals = vals.reshape(n, k)
+    return vals / np.float64(g) if fmt == "nvfp4" else vals
+
+
+def _linear(cap: Capability, shape: tuple[int, int, int], kind: str, x_shape: tuple[int, ...] | None,
+            be: Backend, rng: np.random.Generator) -> Verdict:
+    from .. import bounds
+
+    fmt, T = cap.fmt, DTYPES[cap.dtype]
+    b, n, nbk = shape
+    k = nbk * _blk(fmt)
+    codes, scales, g = _linear_weight(kind, fmt, rng, n, nbk)
+    spread = 1.0 if kind == "special-scales" else 2.0
+    x = cast(rng.standard_normal((b, k)) * np.exp2(rng.uniform(-spread, spread, (b, 1))) / 4, T)
+    ref, bound = bounds.linear_mx(x.astype(np.float64), _linear_values(codes, scales, fmt, g), cap.dtype)
+    inputs_base = {"x": x if x_shape is None else x.reshape(x_shape), "codes": codes}
+    if g is not None:
+        inputs_base["g"] = np.array([g], np.float32)
+
+    def run_one(swizzled: bool) -> Verdict:
+        s_in = scales
+        if swizzled:  # garbage in the padding: the op must read only real scales
+            s_in = mx.swizzle(scales).reshape(-1)
+            pad = np.ones(s_in.size, bool)
+            pad[mx.swizzle_offsets(n, nbk).reshape(-1)] = False
+            s_in[pad] = rng.integers(0, 256, int(pad.sum())).astype(np.uint8)
+            s_in = s_in.reshape(mx.swizzled_shape(n, nbk))
+
+        def call(i, o):
+            be.linear_mx(i["x"], i["codes"], i["scales"], o["out"], n=n, k=k, fmt=fmt, swizzled=swizzled,
+                         global_scale=i.get("g"))
+
+        return check_op_tolerance(be, call, {**inputs_base, "scales": s_in}, Out("out", (b, n), T), ref, bound)
+
+    return _layouts(be, run_one)
+
+
+def _api_linear(cap: Capability, be: Backend, rng: np.random.Generator) -> Verdict:
+    """Quantize a weight and apply it through the public API: x [2, 3, K] (batch 6), default
+    swizzled scales, the NVFP4 global scale as a number; against the bound of the codes returned."""
+    from .. import bounds
+    from ..harness import compare_tolerance
+
+    v = Verdict()
+    fmt, T = cap.fmt, DTYPES[cap.dtype]
+    n, k = 45, 5 * _blk(fmt)
+    w = (rng.standard_normal((n, k)) * np.exp2(rng.uniform(-3, 3, (n, 1)))).astype(np.float32)
+    x = cast(rng.standard_normal((2, 3, k)), T)
+    if fmt == "nvfp4":
+        g = float(_global_scale(w))
+        c, s = api_mx.scaled_nvfp4_quant(be.from_numpy(w), g, backend=be)
+    else:
+        g = None
+        c, s = api_mx.scaled_mxfp4_quant(be.from_numpy(w), backend=be)
+    out = api_mx.linear_mx(be.from_numpy(x), c, s, fmt, global_scale=g, backend=be)
+    got = np.asarray(be.to_numpy(out))
+    if got.shape != (2, 3, n) or got.dtype != T:
+        v.fail(TOLERANCE, f"linear_mx returned {got.dtype} {got.shape}, expected {np.dtype(T)} {(2, 3, n)}")
+        return v
+    codes = np.asarray(be.to_numpy(c))
+    scales = mx.unswizzle(np.asarray(be.to_numpy(s)), n, k // _blk(fmt))
+    ref, bound = bounds.linear_mx(x.reshape(6, k).astype(np.float64),
+                                  _linear_values(codes, scales, fmt, np.float32(g) if g else None), cap.dtype)
+    compare_tolerance("out", [{"out": got.reshape(6, n)}], ref, bound, None, v)
+    return v
+
+
 # -- the public API end to end ---------------------------------------------------------------------
 def _api_roundtrip(cap: Capability, be: Backend, rng: np.random.Generator) -> Verdict:
     """quantize / dequantize / swizzle through the public API on the backend's arrays, compared
@@ -567,6 +692,31 @@ def _invalid() -> list[Invalid]:
             arr(c4), arr(c4), arr(s4z), arr(s4z), 1.0, arr(np.zeros(4, np.float32)), backend=be)),
         Invalid("row-major-scales", "scaled_fp4_mm", lambda arr, be: lambda: q.scaled_fp4_mm(
             arr(c4), arr(c4), arr(s4), arr(s4z), 1.0, backend=be)),
+        Invalid("K-mismatch", "linear_mx", lambda arr, be: lambda: q.linear_mx(
+            arr(np.ones((2, 48), np.float32)), arr(c4), arr(s4z), "nvfp4", global_scale=1.0, backend=be)),
+        Invalid("fmt-mxfp8", "linear_mx", lambda arr, be: lambda: q.linear_mx(
+            arr(x), arr(c4), arr(s4z), "mxfp8", backend=be)),
+        Invalid("codes-1d", "linear_mx", lambda arr, be: lambda: q.linear_mx(
+            arr(x[0]), arr(c4[0]), arr(s4z), "nvfp4", global_scale=1.0, backend=be)),
+        Invalid("codes-float", "linear_mx", lambda arr, be: lambda: q.linear_mx(
+            arr(x), arr(np.zeros((4, 32), np.float32)), arr(s4z), "nvfp4", global_scale=1.0, backend=be)),
+        Invalid("x-int32", "linear_mx", lambda arr, be: lambda: q.linear_mx(
+            arr(np.ones((2, 64), np.int32)), arr(c4), arr(s4z), "nvfp4", global_scale=1.0, backend=be)),
+        Invalid("x-float64", "linear_mx", lambda arr, be: lambda: q.linear_mx(
+            arr(np.ones((2, 64), np.float64)), arr(c4), arr(s4z), "nvfp4", global_scale=1.0, backend=be)),
+        Invalid("scales-wrong-shape", "linear_mx", lambda arr, be: lambda: q.linear_mx(
+            arr(x), arr(c4), arr(s4z[:, :2]), "nvfp4", global_scale=1.0, backend=be)),
+        Invalid("row-major-scales-as-swizzled", "linear_mx", lambda arr, be: lambda: q.linear_mx(
+            arr(x), arr(c4), arr(s4), "nvfp4", global_scale=1.0, backend=be)),
+        Invalid("no-global-scale", "linear_mx", lambda arr, be: lambda: q.linear_mx(
+            arr(x), arr(c4), arr(s4z), "nvfp4", backend=be)),
+        Invalid("mxfp4-global-scale", "linear_mx", lambda arr, be: lambda: q.linear_mx(
+            arr(x), arr(c4), arr(s4z[:, :4]), "mxfp4", global_scale=1.0, backend=be)),
+        Invalid("global-scale-numpy-nan", "linear_mx", lambda arr, be: lambda: q.linear_mx(
+            arr(x), arr(c4), arr(s4z), "nvfp4", global_scale=np.float32(np.nan), backend=be)),
+        Invalid("valid-call", "linear_mx", lambda arr, be: lambda: q.linear_mx(
+            arr(x), arr(c4), arr(s4), "nvfp4", global_scale=arr(np.ones(1, np.float32)), swizzled=False,
+            backend=be)),
         Invalid("valid-call", "scaled_fp4_mm", lambda arr, be: lambda: q.scaled_fp4_mm(
             arr(c4), arr(c4), arr(s4z), arr(s4z), arr(np.ones(1, np.float32)), backend=be)),
     ]
@@ -621,6 +771,26 @@ def cases(level: str, declared: frozenset[Capability]) -> Iterable[Case]:
         if all(c in declared for c in need):
             yield Case(f"mx/scaled_fp4_mm/{fmt}/bfloat16/bs{blk}/api", TOLERANCE, cap,
                        partial(_api_mm, cap), requires=need)
+    for fmt in mx.FP4_FORMATS:
+        blk = _blk(fmt)
+        for dtype in DTYPES:
+            cap = Capability("linear_mx", fmt, dtype, blk)
+            if cap not in declared:
+                continue
+            for b, n, nbk in linear_shapes(level):
+                yield Case(f"mx/linear_mx/{fmt}/{dtype}/bs{blk}/B{b}-N{n}-K{nbk * blk}", TOLERANCE, cap,
+                           partial(_linear, cap, (b, n, nbk), "quantized", None))
+            for kind in ("random-codes", "special-scales"):
+                yield Case(f"mx/linear_mx/{fmt}/{dtype}/bs{blk}/B5-N70-K{10 * blk}-{kind}", TOLERANCE, cap,
+                           partial(_linear, cap, (5, 70, 10), kind, None))
+            yield Case(f"mx/linear_mx/{fmt}/{dtype}/bs{blk}/x-1d-N9-K{4 * blk}", TOLERANCE, cap,
+                       partial(_linear, cap, (1, 9, 4), "quantized", (4 * blk,)))
+            yield Case(f"mx/linear_mx/{fmt}/{dtype}/bs{blk}/x-3d-2x3-N9-K{4 * blk}", TOLERANCE, cap,
+                       partial(_linear, cap, (6, 9, 4), "quantized", (2, 3, 4 * blk)))
+            need = (Capability("mx_quantize", fmt, "float32", blk),)
+            if all(c in declared for c in need):
+                yield Case(f"mx/linear_mx/{fmt}/{dtype}/bs{blk}/api-x-3d", TOLERANCE, cap,
+                           partial(_api_linear, cap), requires=need)
     yield from same_error_cases(FAMILY, _invalid(), declared)
     yield from host_array_case(FAMILY, "mx_quantize", declared, _host_quantize)
 
