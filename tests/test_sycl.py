@@ -178,10 +178,12 @@ template <typename T> void all(sycl::queue &q) {
   l::quantize_ggml<T>(q, l::GgmlFormat::q4_0, t, u, 1);
   l::dequantize_ggml<T>(q, l::GgmlFormat::q8_1, u, t, 1);
   l::gemm_w4a8<true, T>(q, u, nullptr, t, f, 1, 1, 32);
+  l::gemv_4bit_tiled<T>(q, t, u, am, t, 9, 1, 64, 64, 0);
 }
 void instantiate(sycl::queue &q) {
   all<float>(q); all<sycl::half>(q); all<sycl::ext::oneapi::bfloat16>(q);
   qc::sycl2020::gemm_w4a8<false, float>(q, nullptr, nullptr, nullptr, nullptr, 1, 1, 32);
+  qc::sycl2020::gemm_q4_0_q8_1_tiled(q, nullptr, nullptr, nullptr, 1, 9, 32);
   qc::sycl2020::double_quantize(q, nullptr, nullptr, nullptr, nullptr, 1);
 }
 """

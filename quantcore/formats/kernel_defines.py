@@ -51,6 +51,24 @@ BNB_GEOMETRY = {
 LAUNCH_GEOMETRY = {**_gemv_geometry(warps=16, groups=4, chunks=8, stages=2), **BNB_GEOMETRY}
 
 
+def _tiled_geometry(tile_m: int, tile_n: int, tile_k: int, tm: int, tn: int, chunk: int) -> dict[str, int]:
+    threads = (tile_m // tm) * (tile_n // tn)
+    assert tile_m % tm == 0 and tile_n % tn == 0 and tile_k % ggml.QK == 0 and tile_k % chunk == 0
+    return {"QC_TILE_M": tile_m, "QC_TILE_N": tile_n, "QC_TILE_K": tile_k, "QC_TILE_TM": tm,
+            "QC_TILE_TN": tn, "QC_TILE_CHUNK": chunk, "QC_TILE_THREADS": threads,
+            "QC_TILED_MIN_ROWS": TILED_MIN_ROWS}
+
+
+#: The many-rows kernels of the portable backends (kernels_sycl/tiled.hpp, kernels_maca/tiled.maca):
+#: gemv_4bit with more than 8 activation rows and the W4A8 GEMMs with N > 8. A work-group / CTA
+#: computes TILE_M weight rows x TILE_N activation rows, walking K in steps of TILE_K values
+#: (TILE_K / 32 Q4_0 blocks) staged in local / shared memory; each of its THREADS work-items keeps
+#: a TM x TN register micro-tile; a 4-bit weight tile is decoded in CHUNK consecutive values per
+#: work-item. Fewer than TILED_MIN_ROWS rows go to the few-rows kernels (glue of both backends).
+TILED_MIN_ROWS = 9
+TILED_GEOMETRY = _tiled_geometry(tile_m=64, tile_n=64, tile_k=64, tm=4, tn=4, chunk=16)
+
+
 def _f32_list(values) -> str:
     vals = np.asarray(values, dtype=np.float32)
     items = []
@@ -95,6 +113,7 @@ def _entries() -> list[tuple[str, str]]:
         ("QC_DTYPE_F16", str(DTYPE_CODE["float16"])),
         ("QC_DTYPE_BF16", str(DTYPE_CODE["bfloat16"])),
         *((name, str(value)) for name, value in LAUNCH_GEOMETRY.items()),
+        *((name, str(value)) for name, value in TILED_GEOMETRY.items()),
     ]
     try:  # the MX family adds its constants when present
         from . import mx
