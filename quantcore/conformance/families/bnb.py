@@ -352,15 +352,18 @@ def _dequantize_blockwise(cap: Capability, kind: str, be: Backend, rng: np.rando
 
 # -- tolerance: gemv_4bit --------------------------------------------------------------------------
 def gemv_shapes(level: str, bs: int) -> list[tuple[int, int, int]]:
-    """(batch B, N, K) for one blocksize: batch 1..8 and larger, N off every tile multiple,
-    K a multiple of the blocksize, K not one (blocks straddle rows), K odd (so N*K is odd and a
-    row starts mid-byte), and a large K at the full level."""
+    """(batch B, N, K) for one blocksize: batch 1..8 and larger (the many-rows kernels: several
+    row tiles, partial ones), N off every tile multiple, K a multiple of the blocksize, K not one
+    (blocks straddle rows), K odd (so N*K is odd and a row starts mid-byte), and a large K at the
+    full level. Odd positions run with double quantization."""
     k_odd = 2 * bs + 7
+    many = [(64, 19, 2 * bs + 64), (100, 67, 256)]
     if level == "quick":
-        return [(1, 33, 3 * bs), (3, 17, 2 * bs), (8, 9, bs), (17, 5, k_odd), (2, 7, k_odd)]
+        return [(1, 33, 3 * bs), (3, 17, 2 * bs), (8, 9, bs), (17, 5, k_odd), (2, 7, k_odd), *many]
     shapes = [(1, 1, bs), (1, 33, 3 * bs), (2, 7, k_odd), (3, 129, bs), (4, 33, 3 * bs),
               (5, 9, k_odd), (6, 17, bs), (7, 300, 3 * bs), (8, 33, k_odd), (9, 65, bs),
-              (17, 33, 3 * bs), (32, 7, bs + 32), (1, 64, 16384), (8, 16, 16384)]
+              (17, 33, 3 * bs), (32, 7, bs + 32), (1, 64, 16384), (8, 16, 16384), *many,
+              (512, 33, 128), (100, 70, k_odd)]
     return shapes
 
 
