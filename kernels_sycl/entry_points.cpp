@@ -189,7 +189,7 @@ QC_FOR_EACH_DTYPE(QC_GEMM_W4A8)
 
 // Many rows (tiled.hpp): one work-group of QC_TILE_THREADS per QC_TILE_M x QC_TILE_N output tile.
 #define QC_GEMV_4BIT_TILED(NAME, T)                                                              \
-  QC_KERNEL void qc_gemv_4bit_tiled_##NAME(                                                      \
+  QC_KERNEL_SUBGROUP void qc_gemv_4bit_tiled_##NAME(                                                      \
       const T *a, const uint8_t *packed, const float *absmax, const uint8_t *qabsmax,            \
       const float *absmax2, const float *code2, const float *offset, T *out, int64_t batch,      \
       int64_t nrows, int64_t k, int64_t blocksize, int64_t quant_type) {                         \
@@ -204,7 +204,7 @@ QC_FOR_EACH_DTYPE(QC_GEMM_W4A8)
   }
 QC_FOR_EACH_DTYPE(QC_GEMV_4BIT_TILED)
 
-QC_KERNEL void qc_gemm_q4_0_q8_1_tiled(const uint8_t *wq, const uint8_t *aq, float *out, int64_t m,
+QC_KERNEL_SUBGROUP void qc_gemm_q4_0_q8_1_tiled(const uint8_t *wq, const uint8_t *aq, float *out, int64_t m,
                                        int64_t n, int64_t k) {
   static syclexp::work_group_static<int8_t[QC_TILE_K * QC_TILE_M]> swq;
   static syclexp::work_group_static<float[qc::kTileKB * QC_TILE_M]> sd4;

@@ -142,7 +142,8 @@ sycl::event gemv_4bit_tiled(sycl::queue &q, const T *a, const uint8_t *packed, A
     sycl::local_accessor<float, 1> lut(sycl::range<1>(kCodes4Bit), h);
     sycl::local_accessor<float, 1> ws(sycl::range<1>(QC_TILE_K * QC_TILE_M), h);
     sycl::local_accessor<float, 1> as(sycl::range<1>(QC_TILE_K * QC_TILE_N), h);
-    h.parallel_for(groups_of(groups, QC_TILE_THREADS), [=](sycl::nd_item<1> it) {
+    h.parallel_for(groups_of(groups, QC_TILE_THREADS),
+                   [=](sycl::nd_item<1> it) [[sycl::reqd_sub_group_size(QC_SUBGROUP_SIZE)]] {
       fill_local(it, local_ptr(lut), quant_type == kQuantNF4 ? kNF4Code : kFP4Code, kCodes4Bit);
       qc::gemv_4bit_tiled<T>(it, local_ptr(lut), local_ptr(ws), local_ptr(as), a, packed, absmax, out,
                              batch, nrows, k, blocksize);
@@ -204,7 +205,8 @@ inline sycl::event gemm_q4_0_q8_1_tiled(sycl::queue &q, const uint8_t *wq, const
     sycl::local_accessor<float, 1> sd4(sycl::range<1>(kTileKB * QC_TILE_M), h);
     sycl::local_accessor<float, 1> sd8(sycl::range<1>(kTileKB * QC_TILE_N), h);
     sycl::local_accessor<float, 1> ss8(sycl::range<1>(kTileKB * QC_TILE_N), h);
-    h.parallel_for(groups_of(groups, QC_TILE_THREADS), [=](sycl::nd_item<1> it) {
+    h.parallel_for(groups_of(groups, QC_TILE_THREADS),
+                   [=](sycl::nd_item<1> it) [[sycl::reqd_sub_group_size(QC_SUBGROUP_SIZE)]] {
       const TiledQ81Stage st{swq.get_multi_ptr<sycl::access::decorated::no>().get(), local_ptr(sd4),
                              saq.get_multi_ptr<sycl::access::decorated::no>().get(), local_ptr(sd8),
                              local_ptr(ss8)};

@@ -138,7 +138,8 @@ def test_required_subgroup_size_reaches_the_kernels(be):
     q = be.default_queue()
     assert prog.subgroup_size in list(q.sycl_device.sub_group_sizes)
     names = ["qc_gemv_4bit_f32", "qc_gemv_4bit_f16", "qc_gemv_4bit_bf16", "qc_gemm_q4_0_q8_1",
-             "qc_gemm_w4a8_bf16", "qc_subgroup_probe"]
+             "qc_gemm_w4a8_bf16", "qc_gemv_4bit_tiled_f32", "qc_gemv_4bit_tiled_bf16",
+             "qc_gemm_q4_0_q8_1_tiled", "qc_subgroup_probe"]
     for name in names:
         assert prog.kernel_info(name, q)["required_subgroup_size"] == prog.subgroup_size, name
     probe = be.empty((1,), np.int64)
