@@ -154,6 +154,9 @@ QUICK_CUDA_SIZES = {
     "gemv_4bit": [(1, 16384, 16384), (1, 14336, 4096), (8, 16384, 16384)],
     "gemm_w4a8": [(1, 4096, 14336), (8, 4096, 14336), (1, 14336, 4096)],
 }
+# linear_4bit (NF4, the torch layer's path choice) for prefill / batched rows: (rows, N, K)
+CUDA_SIZES["linear_4bit"] = [(r, n, k) for n, k in ((4096, 14336), (14336, 4096)) for r in (16, 64, 512, 2048, 4096)]
+QUICK_CUDA_SIZES["linear_4bit"] = [(64, 14336, 4096), (512, 14336, 4096)]
 # the decode step: Llama-3-8B's seven linears x 32 layers in one CUDA graph, at these batches
 CUDA_SIZES["decode_step"] = [(1,), (8,), (16,)]
 QUICK_CUDA_SIZES["decode_step"] = [(1,)]
@@ -430,6 +433,58 @@ class Bench:
                                      [lambda w=w: lin(a, w) for w in wt], note="bf16 weight bytes"))
             del wt
         del ws
+        self.group(rows)
+
+    def linear_4bit(self, rnk, qt: str = "nf4") -> None:
+        """``x @ W.T`` for an NF4 W [N, K] (bs 64, double quantization) and ``rows`` bf16 input rows
+        (CUDA): quantcore's torch layer (``linear_4bit_eager``, whichever path it picks, the
+        dequantization counted), its two paths alone (the fused GEMM behind ``gemv_4bit``;
+        ``dequantize_4bit`` + ``F.linear``), bitsandbytes' ``matmul_4bit`` and torch bf16
+        ``F.linear`` on the unquantized weight. Bytes: the 4-bit weight and its statistics, the
+        input and the output once; the TFLOPS are in the notes."""
+        from . import torch as qct  # noqa: PLC0415 - CUDA bench only
+
+        rows_, n, k = rnk
+        bs, t = 64, self.torch
+        lin = t.nn.functional.linear
+        nbytes = n * k // 2 + _nested_bytes(n * k, bs) + 2 * rows_ * k + 2 * rows_ * n
+        sets = self.sets(nbytes)
+        shape = f"rows{rows_} N{n} K{k} {qt}"
+        ws = [self.rand((n, k), "bfloat16", 0.05) for _ in range(sets)]
+        x = self.rand((rows_, k), "bfloat16")
+        qs = [api.quantize_4bit(w, bs, qt, True, backend=self.be) for w in ws]
+        be = self.be
+
+        def layer(p, s):
+            s2 = s.state2
+            return qct.linear_4bit_eager(x, p, s.absmax, s2.absmax, s2.code, s.offset, n, k, bs, qt, state=s)
+
+        out = be.empty((rows_, n), as_dtype("bfloat16"), like=x)
+        path = qct.linear_path(rows_, backend=be, k=k)
+        rows = [self.measure("linear_4bit", shape, "quantcore", nbytes, [lambda p=p, s=s: layer(p, s) for p, s in qs],
+                             note=f"path {path}"),
+                self.measure("linear_4bit", shape, "qc-gemv_4bit", nbytes,
+                             [lambda p=p, s=s: be.gemv_4bit(x, p, s.absmax, out, n=n, k=k, blocksize=bs,
+                                                            quant_type=qt, nested=_nested(s)) for p, s in qs]),
+                self.measure("linear_4bit", shape, "qc-dq+mm", nbytes,
+                             [lambda p=p, s=s: lin(x, api.dequantize_4bit(p, s, backend=be)) for p, s in qs])]
+        del qs
+        if self.bnb is not None:
+            F = self.bnb.functional
+            bq = [F.quantize_4bit(w, blocksize=bs, compress_statistics=True, quant_type=qt) for w in ws]
+            rows.append(self.measure("linear_4bit", shape, "bnb", nbytes,
+                                     [lambda p=p, s=s: self.bnb.matmul_4bit(x, p.t(), quant_state=s) for p, s in bq]))
+            del bq
+        tbytes = 2 * n * k + 2 * rows_ * k + 2 * rows_ * n
+        wt = [ws[i % len(ws)] for i in range(self.sets(tbytes))]
+        rows.append(self.measure("linear_4bit", shape, "torch-bf16", tbytes, [lambda w=w: lin(x, w) for w in wt],
+                                 note="bf16 weight bytes"))
+        del wt, ws
+        flops = 2 * rows_ * n * k
+        for r in rows:
+            if r.kernel_us:
+                tf = f"{flops / r.kernel_us / 1e6:.0f} TFLOPS"
+                r.note = f"{tf}; {r.note}" if r.note else tf
         self.group(rows)
 
     def graph_us(self, fn: Callable[[], Any], reps: int = 5) -> float:

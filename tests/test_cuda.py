@@ -241,6 +241,37 @@ def test_gemv_4bit_kernels_and_k_splits(be, rng, monkeypatch, kernel_tune):
         assert (err <= bound.max_abs).all(), (kernel_tune, batch, n, k, bs, float((err / bound.max_abs).max()))
 
 
+@gpu
+@needs_torch
+@pytest.mark.parametrize("tile", [f"gm_bm={bm},gm_bn={bn}" for bm in (32, 64, 128) for bn in (32, 64, 128)])
+def test_gemv_4bit_many_rows_every_tile(be, rng, monkeypatch, tile):
+    """The many-row GEMM (bnb_gemm.cu) at each tile size: rows and N off the tiles, one and several
+    64-element stages, blocks larger than a row (bs 256 at K 192), NF4 / FP4, nested or not, fp16 /
+    bf16; within the gemv_4bit bound."""
+    monkeypatch.setenv(rt.ENV_TUNE, tile)
+    for batch, n, k, bs, qt, dtype, nested in [(100, 201, 192, 256, "nf4", "bfloat16", True),
+                                               (17, 130, 64 * 7, 64, "fp4", "float16", False),
+                                               (150, 45, 64, 128, "nf4", "float16", True),
+                                               (33, 300, 1024, 64, "fp4", "bfloat16", True)]:
+        packed, st, a, w_eff = _gemv_case(rng, n, k, bs, qt, dtype, batch, nested)
+        code = bnb.NF4_CODE if qt == "nf4" else bnb.FP4_CODE
+        if nested:
+            state = qc.QuantState(absmax=_t(st["q"]), shape=(n, k), code=_t(code), blocksize=bs, quant_type=qt,
+                                  dtype=dtype, offset=_t(np.array([st["off"]], np.float32)),
+                                  state2=qc.QuantState(absmax=_t(st["a2"]), code=_t(bnb.DYNAMIC_MAP),
+                                                       blocksize=256, dtype="float32"))
+        else:
+            state = qc.QuantState(absmax=_t(st["absmax"]), shape=(n, k), code=_t(code), blocksize=bs,
+                                  quant_type=qt, dtype=dtype)
+        out = _n(qc.gemv_4bit(_t(a), _t(packed), state, backend="cuda"))
+        ref, bound = bounds.gemv_4bit(a.astype(np.float64), w_eff, dtype)
+        got = out.astype(np.float64).reshape(ref.shape)
+        assert np.isfinite(got).all(), (tile, batch, n, k)
+        err = np.abs(got - ref)
+        assert (err <= bound.max_abs).all(), (tile, batch, n, k, bs, float((err / bound.max_abs).max()))
+        assert float((err ** 2).sum() / max((ref ** 2).sum(), 1e-300)) <= bound.nmse, (tile, batch, n, k)
+
+
 def _gemm_check(wq, aq, got):
     d4, q4 = ggml.unpack_q4_0(wq)
     d8, q8, s8 = ggml.unpack_q8(aq, "q8_1")

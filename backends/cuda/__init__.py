@@ -47,6 +47,7 @@ _F4 = "bnb_4bit.cu"
 _F8 = "bnb_8bit.cu"
 _FG = "ggml.cu"
 _FV = "bnb_gemv.cu"
+_FM = "bnb_gemm.cu"
 
 # launch geometry the kernels compile with (the generated header; quantcore.formats.kernel_defines)
 _G = LAUNCH_GEOMETRY
@@ -121,6 +122,10 @@ def _gemv_tc(tag: str, qt: str, nested: bool, nb: int) -> str:
     return f"qc::gemv_4bit_tc_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}>"
 
 
+def _gemm4(tag: str, qt: str, nested: bool, bm: int, bn: int) -> str:
+    return f"qc::gemm_4bit_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {bm}, {bn}, {_gm_stages(bm, bn)}>"
+
+
 def _qbw(tag: str, cells: bool = True) -> str:
     """quantize_blockwise's default kernel (by cells), or (cells False) the one that subtracts a
     center read from device memory (double_quantize below its chunk-sum size)."""
@@ -170,6 +175,7 @@ def kernel_instances() -> list[tuple[str, str]]:
                 if tag != TYPE_TAG["float32"]:
                     out += [(_F4, _gemv_mma(tag, qt, nested, v)) for v in _GEMV_V]
                     out += [(_FV, _gemv_tc(tag, qt, nested, nb)) for nb in (1, 2)]
+                    out += [(_FM, _gemm4(tag, qt, nested, bm, bn)) for bm in _GM_TILES for bn in _GM_TILES]
     for tag in tags:
         out += [(_F8, _qbw(tag)), (_F8, _qbw(tag, cells=False)), (_F8, _dqbw(tag))]
         for fmt in GGML_FMT:
@@ -377,7 +383,10 @@ class CudaBackend(Backend):
         while i < len(groups):
             p, am, nst, n, bs, qt = groups[i]
             j = i + 1
-            if tc and _gemv_tc_takes_weight(p, bs):
+            if _gemm4_takes(dev, dt, a, p, am, rows, k, bs):  # many rows: the GEMM, one launch per weight
+                launch(*_gemm4_launch(dev, a, p, am, nst, out[:, col:], rows=rows, n=n, k=k, blocksize=bs,
+                                      quant_type=qt, ldo=ntot)[:6])
+            elif tc and _gemv_tc_takes_weight(p, bs):
                 # the following weights of the same kind go in the same launch (at most _GT_GROUPS)
                 while (j < len(groups) and j - i < _GT_GROUPS and groups[j][4:] == (bs, qt)
                        and (groups[j][2] is None) == (nst is None) and _gemv_tc_takes_weight(groups[j][0], bs)):
@@ -707,10 +716,61 @@ def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, 
             _gt_smem(nb, device), _GT_SLOTS)
 
 
+# bnb_gemm.cu (gemv_4bit for more than _GM_MIN_ROWS rows): threads, tile row pitch (the generated
+# header's QC_GM_*); the tile sizes instantiated along both M (input rows) and N
+_GM_THREADS, _GM_PITCH = (LAUNCH_GEOMETRY[k] for k in ("QC_GM_THREADS", "QC_GM_PITCH"))
+_GM_TILES = (32, 64, 128)
+_GM_SMEM_BUDGET = 113 * 1024  # two CTAs per SM (228 KiB, 1 KiB each reserved)
+#: the decode kernel (bnb_gemv.cu) reads the weight once per 16 input rows: above that, the GEMM
+_GM_MIN_ROWS = 16
+
+
+def _gm_smem(bm: int, bn: int, stages: int) -> int:
+    """The GEMM's shared memory (GmGeo::kBytes): the ring (a stage: activation tile, packed tile, 8
+    bytes of scale data per weight row), two decoded weight tiles, the tables."""
+    return stages * _gm_slot(bm, bn) + 2 * bn * _GM_PITCH + 4 * (16 + bnb.DYNAMIC_MAP.size)
+
+
+def _gm_slot(bm: int, bn: int) -> int:
+    return bm * _GM_PITCH + bn * 32 + bn * 8
+
+
+def _gm_stages(bm: int, bn: int) -> int:
+    """Ring stages of a (BM, BN) tile: as many as two CTAs per SM allow, 3 to 8."""
+    return max(3, min(8, (_GM_SMEM_BUDGET - _gm_smem(bm, bn, 0)) // _gm_slot(bm, bn)))
+
+
+def _gemm4_takes(device: int, dt: str, a: Any, packed: Any, absmax: Any, rows: int, k: int, blocksize: int) -> bool:
+    """Does the many-row GEMM (bnb_gemm.cu) take this call? More than 16 fp16 / bf16 rows, 64-element
+    stages inside blocks, 16-byte aligned input and codes, 4-byte aligned absmax, sm_80+ (``gemm4=0``
+    or ``gemv_kernel=1`` turn it off: comparisons)."""
+    return (rows > _GM_MIN_ROWS and dt != "float32" and k % 64 == 0 and blocksize >= 64 and aligned(a, 16)
+            and aligned(packed, 16) and aligned(absmax, 4) and rt.device_arch(device) >= 80
+            and rt.tune("gemm4", 1) == 1 and rt.tune("gemv_kernel", 0) == 0)
+
+
+def _gemm4_launch(device, a, packed, absmax, nested, out, *, rows, n, k, blocksize, quant_type, ldo):
+    """(file, kernel, grid, block, arguments, shared memory, slots) of the many-row GEMM into ``out``
+    [rows, ldo]. Tiles: BM input rows (the fewest of 32 / 64 / 128 that cover them, 128 above),
+    BN weight rows (the largest of 128 / 64 that still gives every SM a CTA, else 32)."""
+    bm = rt.tune("gm_bm", 0) or next((t for t in _GM_TILES if rows <= t), _GM_TILES[-1])
+    sms = rt.sm_count(device)
+    bn = rt.tune("gm_bn", 0) or next((t for t in (128, 64) if _cdiv(n, t) * _cdiv(rows, bm) >= sms), 32)
+    smem = _gm_smem(bm, bn, _gm_stages(bm, bn))
+    nest = (ptr_arg(nested.absmax2), ptr_arg(nested.code2), ptr_arg(nested.offset)) if nested else (NULL,) * 3
+    args = (ptr_arg(a), ptr_arg(packed), ptr_arg(absmax)) + nest + (
+        ptr_arg(out) if out is not None else NULL, i64(ldo), i32(rows), i64(n), i64(k), i32(_log2(blocksize)))
+    return (_FM, _gemm4(_tag(a), quant_type, nested is not None, bm, bn), (_cdiv(n, bn), _cdiv(rows, bm)),
+            _GM_THREADS, args, smem, _GEMV_SLOTS)
+
+
 def _gemv_launch(device, a, packed, absmax, out, *, rows, n, k, blocksize, quant_type, nested):
     """(file, kernel, grid, block, arguments, shared memory, slots) of the gemv for these arrays;
     ``out`` None leaves its pointer 0 (a plan fills it per call)."""
     dt = dtype_name(a.dtype)
+    if _gemm4_takes(device, dt, a, packed, absmax, rows, k, blocksize):
+        return _gemm4_launch(device, a, packed, absmax, nested, out, rows=rows, n=n, k=k, blocksize=blocksize,
+                             quant_type=quant_type, ldo=n)
     if _gemv_tc_takes_input(device, dt, a, rows, k) and _gemv_tc_takes_weight(packed, blocksize):
         return _gemv_tc_launch(device, a, [(packed, absmax, nested, n)], out, rows=rows, k=k,
                                blocksize=blocksize, quant_type=quant_type, ldo=n)

@@ -49,6 +49,9 @@ BNB_GEOMETRY = {
     "QC_DQ_SUM_MAX_PARTS": 512 * 8,
 }
 LAUNCH_GEOMETRY = {**_gemv_geometry(warps=16, groups=4, chunks=8, stages=2), **BNB_GEOMETRY}
+#: kernels_cuda/bnb_gemm.cu, gemv_4bit for many rows: threads per CTA, the byte pitch of a
+#: 64-element fp16 / bf16 tile row (128 + 16: ldmatrix rows on distinct banks)
+LAUNCH_GEOMETRY.update({"QC_GM_THREADS": 256, "QC_GM_PITCH": 144})
 
 
 def _tiled_geometry(tile_m: int, tile_n: int, tile_k: int, tm: int, tn: int, chunk: int) -> dict[str, int]:

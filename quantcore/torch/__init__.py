@@ -43,6 +43,12 @@ NAMESPACE = "quantcore"
 #: many rows, dequantize + matmul above (PERFORMANCE: gemv_4bit equals torch bf16 at 16 rows and
 #: falls to 0.36x at 64, where dequantize + cuBLAS gives 0.50x)
 GEMV_MAX_ROWS = 16
+#: ... except on a backend with a many-row 4-bit GEMM (the cuda backend's bnb_gemm.cu, behind
+#: gemv_4bit): there linear_4bit takes gemv_4bit while rows * K is at most this many input elements,
+#: dequantize + matmul above (docs/performance.md, "NF4 prefill": on the H100 the fused GEMM wins
+#: through 128 rows at K = 4096 and through 32 rows at K = 14336; the GEMM's CTAs walk K, so its
+#: time grows with rows * K while dequantize + cuBLAS pays a fixed dequantization)
+FUSED_4BIT_MAX_ROWS_K = {"cuda": 128 * 4096}
 #: gemm_w4a8's stream kernel reads the weight once for up to 8 activation rows
 W4A8_MAX_ROWS = 8
 
@@ -268,11 +274,14 @@ _define("gemv_4bit_grouped(Tensor A, Tensor[] packed, Tensor[] absmax, Tensor?[]
 
 
 # -- linear_4bit ----------------------------------------------------------------------------------------
-def linear_path(rows: int, op: str = "linear_4bit") -> str:
-    """The path a linear op takes for ``rows`` input rows: "gemv" (the batch kernels read the weight
-    once for all rows) or "dequantize+matmul" (the weight dequantized into a temporary, then
-    torch's matmul on tensor cores)."""
+def linear_path(rows: int, op: str = "linear_4bit", backend: Any = None, k: int = 0) -> str:
+    """The path a linear op takes for ``rows`` input rows of ``k`` elements on ``backend`` (None:
+    any backend): "gemv" (the batch kernels, or the fused many-row GEMM where the backend has one,
+    read the weight once for many rows) or "dequantize+matmul" (the weight dequantized into a
+    temporary, then torch's matmul on tensor cores)."""
     limit = W4A8_MAX_ROWS if op == "linear_q4_0" else GEMV_MAX_ROWS
+    if op == "linear_4bit" and backend is not None and k > 0:
+        limit = max(limit, FUSED_4BIT_MAX_ROWS_K.get(getattr(backend, "name", None), 0) // k)
     path = "gemv" if 0 < rows <= limit else "dequantize+matmul"
     if op == "linear_fp4":
         path = "dequantize+matmul"  # no weight-only MX kernel yet
@@ -308,7 +317,7 @@ def linear_4bit_eager(x, packed, absmax, absmax2, code2, offset, n, k, blocksize
     if state is None:
         state = state_of(packed, absmax, absmax2, code2, offset, (n, k), blocksize, quant_type)
     rows = _rows(x)
-    if linear_path(rows) == "gemv":
+    if linear_path(rows, backend=backend_for(x.device), k=k) == "gemv":
         x2 = x if x.is_contiguous() else x.contiguous()
         return add_bias(_run(x.device, api.gemv_4bit, (x2, packed, state)), bias)
     w = _run(x.device, api.dequantize_4bit, (packed, state), out_dtype=x.dtype)
@@ -318,9 +327,9 @@ def linear_4bit_eager(x, packed, absmax, absmax2, code2, offset, n, k, blocksize
 def bind_linear_4bit(x: torch.Tensor, packed: torch.Tensor, state: QuantState) -> Any:
     """The gemv path's launch bound to these tensors for x's geometry (``quantcore.bind_gemv_4bit``),
     or None (more rows than the gemv path takes, a host route, a backend that binds nothing)."""
-    if linear_path(_rows(x)) != "gemv":
-        return None
     be = backend_for(x.device)
+    if linear_path(_rows(x), backend=be, k=x.shape[-1]) != "gemv":
+        return None
     if _host_route(be, x.device):
         return None
     from ..api import bind_gemv_4bit
@@ -520,5 +529,5 @@ _define("linear_fp4(Tensor x, Tensor codes, Tensor scales, Tensor? global_scale,
 OPS = ("quantize_4bit", "dequantize_4bit", "gemv_4bit", "gemv_4bit_grouped", "linear_4bit", "gemm_w4a8", "quantize_q4_0",
        "dequantize_q4_0", "linear_q4_0", "quantize_mx", "dequantize_mx", "scaled_fp4_mm", "linear_fp4")
 
-__all__ = ["GEMV_MAX_ROWS", "OPS", "W4A8_MAX_ROWS", "backend_for", "bind_linear_4bit", "linear_4bit_eager", "linear_fp4_eager",
+__all__ = ["FUSED_4BIT_MAX_ROWS_K", "GEMV_MAX_ROWS", "OPS", "W4A8_MAX_ROWS", "backend_for", "bind_linear_4bit", "linear_4bit_eager", "linear_fp4_eager",
            "linear_path", "linear_q4_0_eager", "quantize_4bit", "set_backend_for", "state_of"]

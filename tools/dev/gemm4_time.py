@@ -1,0 +1,111 @@
+"""NF4 linear for many rows on the GPU machine (kernels_cuda/bnb_gemm.cu): the fused GEMM's error
+against dequantize_4bit + an fp32 matmul, and its time per tile choice (QUANTCORE_CUDA_TUNE gm_bm /
+gm_bn) beside dequantize + torch matmul, bitsandbytes' matmul_4bit and torch bf16 F.linear, in one
+process (CUDA events, median of reps, 3 rotating weights). Usage: python tools/dev/gemm4_time.py [--quick]
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+from quantcore.backends import cuda
+from quantcore.backends.cuda import runtime as rt
+
+import quantcore as qc
+
+SHAPES = ((14336, 4096), (4096, 14336))
+ROWS = (16, 32, 64, 128, 256, 512, 2048, 4096)
+#: (gm_bm, gm_bn) per row count (0: the launcher's choice)
+VARIANTS = {16: [(0, 0)], 32: [(0, 0), (32, 64), (32, 128)], 64: [(0, 0), (64, 64), (64, 128), (32, 64)],
+            128: [(0, 0), (128, 128), (64, 128), (128, 64)], 256: [(0, 0), (128, 128), (64, 128)],
+            512: [(0, 0), (128, 128), (64, 128)], 2048: [(0, 0)], 4096: [(0, 0)]}
+
+
+def events_us(fns, reps: int = 20) -> float:
+    for f in fns[:3]:
+        f()
+    torch.cuda.synchronize()
+    ts = []
+    for i in range(reps):
+        f = fns[i % len(fns)]
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)
+        e0.record()
+        f()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3)
+    return statistics.median(ts)
+
+
+def set_tune(bm: int, bn: int) -> None:
+    spec = ",".join(f"{k}={v}" for k, v in (("gm_bm", bm), ("gm_bn", bn)) if v)
+    if spec:
+        os.environ[rt.ENV_TUNE] = spec
+    else:
+        os.environ.pop(rt.ENV_TUNE, None)
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    t0 = time.time()
+    inst = [fe for fe in cuda.kernel_instances() if fe[0] == "bnb_gemm.cu"]
+    print(f"precompiled {rt.precompile(inst, 0, workers=16)} bnb_gemm.cu kernels in {time.time() - t0:.1f} s", flush=True)
+    be = qc.get_backend("cuda")
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+
+    lin = torch.nn.functional.linear
+    # correctness on the big shapes: fused vs dequantize_4bit + fp32 matmul (rel. Frobenius error)
+    for (n, k) in SHAPES:
+        for rows in (17, 100, 512) if quick else (17, 64, 100, 512, 2048):
+            for qt, nested, dt in (("nf4", True, torch.bfloat16), ("fp4", False, torch.float16)):
+                w = torch.randn(n, k, device="cuda", dtype=dt) * 0.05
+                p, s = qc.quantize_4bit(w, 64, qt, nested, backend=be)
+                x = torch.randn(rows, k, device="cuda", dtype=dt)
+                y = qc.gemv_4bit(x, p, s, backend=be)
+                wd = qc.dequantize_4bit(p, s, backend=be).float()
+                ref = x.float() @ wd.T
+                err = ((y.float() - ref).norm() / ref.norm()).item()
+                bad = not torch.isfinite(y).all().item()
+                print(f"check N{n} K{k} rows{rows} {qt} nested={nested} {dt}: rel err {err:.2e}{' NONFINITE' if bad else ''}",
+                      flush=True)
+    # timing
+    lines = []
+    for (n, k) in SHAPES:
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(3)]
+        qs = [qc.quantize_4bit(w, 64, "nf4", True, backend=be) for w in ws]
+        bq = [F.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4") for w in ws]
+        for rows in ROWS:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+            flops = 2 * rows * n * k
+            t_torch = events_us([lambda w=w, x=x: lin(x, w) for w in ws])
+            t_dq = events_us([lambda p=p, s=s, x=x: lin(x, qc.dequantize_4bit(p, s, backend=be)) for p, s in qs])
+            t_bnb = events_us([lambda p=p, s=s, x=x: bnb.matmul_4bit(x, p.t(), quant_state=s) for p, s in bq])
+            res = []
+            for bm, bn in VARIANTS[rows]:
+                set_tune(bm, bn)
+                t = events_us([lambda p=p, s=s, x=x, out=out, n=n, k=k: be.gemv_4bit(x, p, s.absmax, out, n=n, k=k, blocksize=64,
+                                                             quant_type="nf4", nested=cuda._state_nested(s))
+                               for p, s in qs])
+                res.append((bm, bn, t))
+            set_tune(0, 0)
+            best = min(r[2] for r in res)
+            vs = " ".join(f"bm{bm}/bn{bn}:{t:.1f}" for bm, bn, t in res)
+            line = (f"N{n} K{k} rows{rows:5d}: torch {t_torch:8.1f} us ({flops / t_torch / 1e6:4.0f} TF) | dq+mm "
+                    f"{t_dq:8.1f} ({t_torch / t_dq:.2f}x) | bnb {t_bnb:8.1f} ({t_torch / t_bnb:.2f}x) | fused best "
+                    f"{best:8.1f} ({flops / best / 1e6:4.0f} TF, {t_torch / best:.2f}x torch, {t_bnb / best:.2f}x bnb) | {vs}")
+            lines.append(line)
+            print(line, flush=True)
+        del ws, qs, bq
+        torch.cuda.empty_cache()
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
