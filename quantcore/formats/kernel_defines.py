@@ -56,7 +56,8 @@ LAUNCH_GEOMETRY.update({"QC_GM_THREADS": 256, "QC_GM_PITCH": 144})
 
 def _tiled_geometry(tile_m: int, tile_n: int, tile_k: int, tm: int, tn: int, chunk: int) -> dict[str, int]:
     threads = (tile_m // tm) * (tile_n // tn)
-    assert tile_m % tm == 0 and tile_n % tn == 0 and tile_k % ggml.QK == 0 and tile_k % chunk == 0
+    if tile_m % tm or tile_n % tn or tile_k % ggml.QK or tile_k % chunk:
+        raise ValueError("tiles must hold whole micro-tiles, Q4_0 blocks and chunks")
     return {"QC_TILE_M": tile_m, "QC_TILE_N": tile_n, "QC_TILE_K": tile_k, "QC_TILE_TM": tm,
             "QC_TILE_TN": tn, "QC_TILE_CHUNK": chunk, "QC_TILE_THREADS": threads,
             "QC_TILED_MIN_ROWS": TILED_MIN_ROWS}
