@@ -14,6 +14,7 @@
 #include "bnb.hpp"
 #include "ggml.hpp"
 #include "mx.hpp"
+#include "tiled.hpp"
 
 namespace syclext = sycl::ext::oneapi;
 namespace syclexp = sycl::ext::oneapi::experimental;
@@ -185,6 +186,34 @@ QC_KERNEL_SUBGROUP void qc_gemm_q4_0_q8_1(const uint8_t *wq, const uint8_t *aq, 
     qc::gemm_w4a8<true, T>(QC_ITEM, stage, wq, nullptr, a, out, m, n, k);                      \
   }
 QC_FOR_EACH_DTYPE(QC_GEMM_W4A8)
+
+// Many rows (tiled.hpp): one work-group of QC_TILE_THREADS per QC_TILE_M x QC_TILE_N output tile.
+#define QC_GEMV_4BIT_TILED(NAME, T)                                                              \
+  QC_KERNEL_SUBGROUP void qc_gemv_4bit_tiled_##NAME(                                                      \
+      const T *a, const uint8_t *packed, const float *absmax, const uint8_t *qabsmax,            \
+      const float *absmax2, const float *code2, const float *offset, T *out, int64_t batch,      \
+      int64_t nrows, int64_t k, int64_t blocksize, int64_t quant_type) {                         \
+    static syclexp::work_group_static<float[qc::kCodes4Bit]> lut;                                \
+    static syclexp::work_group_static<float[QC_TILE_K * QC_TILE_M]> ws;                          \
+    static syclexp::work_group_static<float[QC_TILE_K * QC_TILE_N]> as;                          \
+    const auto it = QC_ITEM;                                                                     \
+    qc::fill_local(it, QC_LOCAL(lut), code_4bit(quant_type), qc::kCodes4Bit);                    \
+    qc::gemv_4bit_tiled<T>(it, QC_LOCAL(lut), QC_LOCAL(ws), QC_LOCAL(as), a, packed,             \
+                           make_absmax(absmax, qabsmax, absmax2, code2, offset), out, batch,     \
+                           nrows, k, blocksize);                                                 \
+  }
+QC_FOR_EACH_DTYPE(QC_GEMV_4BIT_TILED)
+
+QC_KERNEL_SUBGROUP void qc_gemm_q4_0_q8_1_tiled(const uint8_t *wq, const uint8_t *aq, float *out, int64_t m,
+                                       int64_t n, int64_t k) {
+  static syclexp::work_group_static<int8_t[QC_TILE_K * QC_TILE_M]> swq;
+  static syclexp::work_group_static<float[qc::kTileKB * QC_TILE_M]> sd4;
+  static syclexp::work_group_static<int8_t[QC_TILE_K * QC_TILE_N]> saq;
+  static syclexp::work_group_static<float[qc::kTileKB * QC_TILE_N]> sd8;
+  static syclexp::work_group_static<float[qc::kTileKB * QC_TILE_N]> ss8;
+  const qc::TiledQ81Stage st{QC_LOCAL(swq), QC_LOCAL(sd4), QC_LOCAL(saq), QC_LOCAL(sd8), QC_LOCAL(ss8)};
+  qc::gemm_q4_0_q8_1_tiled(QC_ITEM, st, wq, aq, out, m, n, k);
+}
 
 // ---- NVFP4 / MX -----------------------------------------------------------------------------------
 #define QC_GID static_cast<int64_t>(QC_ITEM.get_global_id(0))

@@ -12,6 +12,7 @@
 
 #include "bnb.hpp"
 #include "ggml.hpp"
+#include "tiled.hpp"
 
 namespace qc::sycl2020 {
 
@@ -132,6 +133,24 @@ sycl::event gemv_4bit(sycl::queue &q, const T *a, const uint8_t *packed, Absmax 
   });
 }
 
+// gemv_4bit for many rows (batch >= QC_TILED_MIN_ROWS, as the backend's glue chooses): tiled.hpp.
+template <typename T>
+sycl::event gemv_4bit_tiled(sycl::queue &q, const T *a, const uint8_t *packed, Absmax absmax, T *out,
+                            int64_t batch, int64_t nrows, int64_t k, int64_t blocksize, int quant_type) {
+  const int64_t groups = cdiv(nrows, QC_TILE_M) * cdiv(batch, QC_TILE_N);
+  return q.submit([&](sycl::handler &h) {
+    sycl::local_accessor<float, 1> lut(sycl::range<1>(kCodes4Bit), h);
+    sycl::local_accessor<float, 1> ws(sycl::range<1>(QC_TILE_K * QC_TILE_M), h);
+    sycl::local_accessor<float, 1> as(sycl::range<1>(QC_TILE_K * QC_TILE_N), h);
+    h.parallel_for(groups_of(groups, QC_TILE_THREADS),
+                   [=](sycl::nd_item<1> it) [[sycl::reqd_sub_group_size(QC_SUBGROUP_SIZE)]] {
+      fill_local(it, local_ptr(lut), quant_type == kQuantNF4 ? kNF4Code : kFP4Code, kCodes4Bit);
+      qc::gemv_4bit_tiled<T>(it, local_ptr(lut), local_ptr(ws), local_ptr(as), a, packed, absmax, out,
+                             batch, nrows, k, blocksize);
+    });
+  });
+}
+
 // -- ggml -------------------------------------------------------------------------------------------
 enum class GgmlFormat { q4_0, q8_0, q8_1 };
 
@@ -171,6 +190,27 @@ sycl::event gemm_w4a8(sycl::queue &q, const uint8_t *wq, const uint8_t *aq, cons
       const Q81Stage stage{sq.get_multi_ptr<sycl::access::decorated::no>().get(), local_ptr(sd),
                            local_ptr(ss)};
       qc::gemm_w4a8<ON_THE_FLY, T>(it, stage, wq, aq, a, out, m, n, k);
+    });
+  });
+}
+
+// W4A8 GEMM for many activation rows (n >= QC_TILED_MIN_ROWS) from Q8_1 blocks `aq`; a float
+// activation is quantized first with quantize_ggml(q8_1), as the backend's glue does.
+inline sycl::event gemm_q4_0_q8_1_tiled(sycl::queue &q, const uint8_t *wq, const uint8_t *aq, float *out,
+                                        int64_t m, int64_t n, int64_t k) {
+  const int64_t groups = cdiv(m, QC_TILE_M) * cdiv(n, QC_TILE_N);
+  return q.submit([&](sycl::handler &h) {
+    sycl::local_accessor<int8_t, 1> swq(sycl::range<1>(QC_TILE_K * QC_TILE_M), h);
+    sycl::local_accessor<int8_t, 1> saq(sycl::range<1>(QC_TILE_K * QC_TILE_N), h);
+    sycl::local_accessor<float, 1> sd4(sycl::range<1>(kTileKB * QC_TILE_M), h);
+    sycl::local_accessor<float, 1> sd8(sycl::range<1>(kTileKB * QC_TILE_N), h);
+    sycl::local_accessor<float, 1> ss8(sycl::range<1>(kTileKB * QC_TILE_N), h);
+    h.parallel_for(groups_of(groups, QC_TILE_THREADS),
+                   [=](sycl::nd_item<1> it) [[sycl::reqd_sub_group_size(QC_SUBGROUP_SIZE)]] {
+      const TiledQ81Stage st{swq.get_multi_ptr<sycl::access::decorated::no>().get(), local_ptr(sd4),
+                             saq.get_multi_ptr<sycl::access::decorated::no>().get(), local_ptr(sd8),
+                             local_ptr(ss8)};
+      qc::gemm_q4_0_q8_1_tiled(it, st, wq, aq, out, m, n, k);
     });
   });
 }

@@ -38,7 +38,7 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found: the MACA s
                                 "compile-checked with nvcc through the CUDA compatibility header")
 KERNELS = build.kernel_dir()
 EXPECTED_SOURCES = {"bnb_4bit.maca", "bnb_8bit.maca", "gemv_4bit.maca", "ggml_quant.maca",
-                    "ggml_gemm.maca", "mx.maca", "runtime.maca"}
+                    "ggml_gemm.maca", "mx.maca", "runtime.maca", "tiled.maca"}
 
 
 def _kernel_texts() -> dict[str, str]:

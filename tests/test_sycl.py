@@ -138,7 +138,8 @@ def test_required_subgroup_size_reaches_the_kernels(be):
     q = be.default_queue()
     assert prog.subgroup_size in list(q.sycl_device.sub_group_sizes)
     names = ["qc_gemv_4bit_f32", "qc_gemv_4bit_f16", "qc_gemv_4bit_bf16", "qc_gemm_q4_0_q8_1",
-             "qc_gemm_w4a8_bf16", "qc_subgroup_probe"]
+             "qc_gemm_w4a8_bf16", "qc_gemv_4bit_tiled_f32", "qc_gemv_4bit_tiled_bf16",
+             "qc_gemm_q4_0_q8_1_tiled", "qc_subgroup_probe"]
     for name in names:
         assert prog.kernel_info(name, q)["required_subgroup_size"] == prog.subgroup_size, name
     probe = be.empty((1,), np.int64)
@@ -178,10 +179,12 @@ template <typename T> void all(sycl::queue &q) {
   l::quantize_ggml<T>(q, l::GgmlFormat::q4_0, t, u, 1);
   l::dequantize_ggml<T>(q, l::GgmlFormat::q8_1, u, t, 1);
   l::gemm_w4a8<true, T>(q, u, nullptr, t, f, 1, 1, 32);
+  l::gemv_4bit_tiled<T>(q, t, u, am, t, 9, 1, 64, 64, 0);
 }
 void instantiate(sycl::queue &q) {
   all<float>(q); all<sycl::half>(q); all<sycl::ext::oneapi::bfloat16>(q);
   qc::sycl2020::gemm_w4a8<false, float>(q, nullptr, nullptr, nullptr, nullptr, 1, 1, 32);
+  qc::sycl2020::gemm_q4_0_q8_1_tiled(q, nullptr, nullptr, nullptr, 1, 9, 32);
   qc::sycl2020::double_quantize(q, nullptr, nullptr, nullptr, nullptr, 1);
 }
 """

@@ -26,7 +26,7 @@ from quantcore.arrays import array_kind, as_dtype, device_of, dtype_name
 from quantcore.backend import Availability, Backend, Nested
 from quantcore.errors import BackendUnavailableError, DeviceError, KernelError
 from quantcore.formats import ggml, mx
-from quantcore.formats.kernel_defines import DTYPE_CODE, QUANT_TYPE_CODE
+from quantcore.formats.kernel_defines import DTYPE_CODE, QUANT_TYPE_CODE, TILED_MIN_ROWS
 
 from . import build
 
@@ -42,12 +42,14 @@ _SIGNATURES = {
     "quantize_blockwise": (_P, _I, _P, _P, _P, _L, _I),
     "dequantize_blockwise": (_P, _P, _P, _P, _I, _L, _I),
     "gemv_4bit": (_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I),
+    "gemv_4bit_tiled": (_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I),
     "quantize_q4_0": (_P, _I, _P, _L),
     "quantize_q8_0": (_P, _I, _P, _L),
     "quantize_q8_1": (_P, _I, _P, _L),
     "dequantize_ggml": (_P, _I, _P, _I, _L),
     "gemm_q4_0_q8_1": (_P, _P, _P, _I, _I, _I),
     "gemm_w4a8": (_P, _P, _I, _P, _I, _I, _I),
+    "gemm_q4_0_q8_1_tiled": (_P, _P, _P, _I, _I, _I),
     "mx_quantize": (_P, _I, _P, _P, _L, _L, _I, _I, _I, _P),
     "mx_dequantize": (_P, _P, _P, _I, _L, _L, _I, _I, _P),
     "swizzle_scales": (_P, _P, _L, _L),
@@ -268,8 +270,11 @@ class MacaBackend(Backend):
                      out.numel(), blocksize)
 
     def gemv_4bit(self, a, packed, absmax, out, *, n, k, blocksize, quant_type, nested):
-        self._launch("gemv_4bit", out, a, _dtype_code(a), packed, absmax, *_nested_args(nested), out,
-                     out.numel() // n, n, k, blocksize, QUANT_TYPE_CODE[quant_type])
+        rows = out.numel() // n
+        # many rows: output tiles (tiled.maca), the weight read once per tile; else one wave per row
+        op = "gemv_4bit_tiled" if rows >= TILED_MIN_ROWS else "gemv_4bit"
+        self._launch(op, out, a, _dtype_code(a), packed, absmax, *_nested_args(nested), out,
+                     rows, n, k, blocksize, QUANT_TYPE_CODE[quant_type])
 
     # -- ggml ----------------------------------------------------------------------------------
     def quantize_q4_0(self, w, out):
@@ -285,14 +290,29 @@ class MacaBackend(Backend):
         self._launch("dequantize_ggml", out, q, ggml.BLOCK_BYTES[fmt], out, _dtype_code(out),
                      out.numel() // ggml.QK)
 
-    def gemm_q4_0_q8_1(self, wq, aq, out):
+    def _gemm(self, wq, act, out, quantized: bool) -> None:
+        """The W4A8 GEMMs' one dispatch point. N < TILED_MIN_ROWS: the few-rows kernel (the
+        activation quantized inside for gemm_w4a8). Many rows: a float activation is quantized to
+        Q8_1 once (quantize_q8_1's kernel: the same bytes), then the tiled kernel (tiled.maca)."""
         m, n = out.shape
         k = wq.numel() // (m * ggml.Q4_0_BLOCK_BYTES) * ggml.QK
-        self._launch("gemm_q4_0_q8_1", out, wq, aq, out, m, n, k)
+        if n < TILED_MIN_ROWS:
+            if quantized:
+                self._launch("gemm_q4_0_q8_1", out, wq, act, out, m, n, k)
+            else:
+                self._launch("gemm_w4a8", out, wq, act, _dtype_code(act), out, m, n, k)
+            return
+        if not quantized:  # torch's stream-ordered allocator keeps the temporary until the GEMM ran
+            aq = self.empty((n * (k // ggml.QK) * ggml.Q8_1_BLOCK_BYTES,), np.uint8, like=out)
+            self._launch("quantize_q8_1", out, act, _dtype_code(act), aq, n * (k // ggml.QK))
+            act = aq
+        self._launch("gemm_q4_0_q8_1_tiled", out, wq, act, out, m, n, k)
+
+    def gemm_q4_0_q8_1(self, wq, aq, out):
+        self._gemm(wq, aq, out, quantized=True)
 
     def gemm_w4a8(self, wq, a, out):
-        m, n = out.shape
-        self._launch("gemm_w4a8", out, wq, a, _dtype_code(a), out, m, n, a.shape[-1])
+        self._gemm(wq, a, out, quantized=False)
 
     # -- MX (NVFP4, MXFP4, MXFP8) --------------------------------------------------------------
     # Formats and scale modes go to the launchers as mx.MX_FORMAT_CODE / SCALE_MODE_CODE; the

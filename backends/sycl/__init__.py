@@ -31,7 +31,7 @@ from quantcore.arrays import array_kind, as_dtype, device_of, dtype_name
 from quantcore.backend import Availability, Backend, Nested
 from quantcore.errors import BackendUnavailableError, DeviceError, ParameterError
 from quantcore.formats import bnb, ggml
-from quantcore.formats.kernel_defines import QUANT_TYPE_CODE
+from quantcore.formats.kernel_defines import QUANT_TYPE_CODE, TILED_GEOMETRY, TILED_MIN_ROWS
 
 from . import runtime
 from .arrays import SyclArray
@@ -39,6 +39,7 @@ from .arrays import SyclArray
 __all__ = ["SyclArray", "SyclBackend", "asarray", "create"]
 
 G = runtime.GEOMETRY
+T = TILED_GEOMETRY  #: the many-rows kernels' tiles (kernels_sycl/tiled.hpp), from the generated header
 _KERNEL_DTYPE = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
 
@@ -339,11 +340,15 @@ class SyclBackend(Backend):
         batch = a.size // k
         if batch * k != a.size or out.size != batch * n:
             raise ParameterError(f"gemv_4bit: A holds {a.size} values and out {out.size} for N={n}, K={k}")
-        prog_sg = self.program(out.queue).subgroup_size
+        args = (a, packed, *self._absmax_args(absmax, nested), out, batch, n, k, blocksize,
+                QUANT_TYPE_CODE[quant_type])
         with self._launch(out, a, packed, absmax) as launch:
-            launch(f"qc_gemv_4bit_{_kdt(a)}", _cdiv(n, G["QC_GEMV_ROWS_PER_WG"]),
-                   G["QC_GEMV_ROWS_PER_WG"] * prog_sg, a, packed, *self._absmax_args(absmax, nested),
-                   out, batch, n, k, blocksize, QUANT_TYPE_CODE[quant_type])
+            if batch >= TILED_MIN_ROWS:  # many rows: output tiles, the weight read once per tile
+                launch(f"qc_gemv_4bit_tiled_{_kdt(a)}", _cdiv(n, T["QC_TILE_M"]) * _cdiv(batch, T["QC_TILE_N"]),
+                       T["QC_TILE_THREADS"], *args)
+            else:  # one sub-group per weight row
+                launch(f"qc_gemv_4bit_{_kdt(a)}", _cdiv(n, G["QC_GEMV_ROWS_PER_WG"]),
+                       G["QC_GEMV_ROWS_PER_WG"] * self.program(out.queue).subgroup_size, *args)
 
     # -- ggml --------------------------------------------------------------------------------------------
     def _ggml_codec(self, name: str, src: SyclArray, dst: SyclArray, values: int) -> None:
@@ -365,19 +370,38 @@ class SyclBackend(Backend):
             raise ParameterError(f"unknown ggml format {fmt!r}")
         self._ggml_codec(f"qc_dequantize_{fmt}_{_kdt(out)}", q, out, out.size)
 
-    def _gemm(self, name: str, wq: SyclArray, act: SyclArray, out: SyclArray) -> None:
+    def _gemm(self, wq: SyclArray, act: SyclArray, out: SyclArray, quantized: bool) -> None:
+        """The W4A8 GEMMs' one dispatch point. N < TILED_MIN_ROWS: the few-rows kernel (one
+        sub-group per weight row, the activation quantized inside for gemm_w4a8). Many rows: a
+        float activation is quantized to Q8_1 once (quantize_q8_1's kernel, the same bytes the
+        few-rows kernel makes inside), then the tiled kernel."""
         m, n = out.shape
         k = wq.shape[1] * ggml.QK
-        sg = self.program(out.queue).subgroup_size
-        groups = _cdiv(m, G["QC_GEMM_ROWS_PER_WG"]) * _cdiv(n, G["QC_MAX_BATCH"])
         with self._launch(out, wq, act) as launch:
-            launch(name, groups, G["QC_GEMM_ROWS_PER_WG"] * sg, wq, act, out, m, n, k)
+            if n >= TILED_MIN_ROWS:
+                if not quantized:
+                    nblocks = n * (k // ggml.QK)
+                    aq = SyclArray.empty((nblocks * ggml.Q8_1_BLOCK_BYTES,), np.uint8, out.queue)
+                    launch(f"qc_quantize_q8_1_{_kdt(act)}", _cdiv(nblocks, G["QC_GGML_WG"]), G["QC_GGML_WG"],
+                           act, aq, nblocks)
+                    act = aq
+                launch("qc_gemm_q4_0_q8_1_tiled", _cdiv(m, T["QC_TILE_M"]) * _cdiv(n, T["QC_TILE_N"]),
+                       T["QC_TILE_THREADS"], wq, act, out, m, n, k)
+                if not quantized:  # the temporary is freed on return (sycl::free does not wait)
+                    launch.finish()
+                    runtime.shim().check(runtime.shim().lib.qc_queue_wait(out.queue.addressof_ref()),
+                                         "waiting for the queue")
+            else:
+                sg = self.program(out.queue).subgroup_size
+                name = "qc_gemm_q4_0_q8_1" if quantized else f"qc_gemm_w4a8_{_kdt(act)}"
+                groups = _cdiv(m, G["QC_GEMM_ROWS_PER_WG"]) * _cdiv(n, G["QC_MAX_BATCH"])
+                launch(name, groups, G["QC_GEMM_ROWS_PER_WG"] * sg, wq, act, out, m, n, k)
 
     def gemm_q4_0_q8_1(self, wq, aq, out):
-        self._gemm("qc_gemm_q4_0_q8_1", wq, aq, out)
+        self._gemm(wq, aq, out, quantized=True)
 
     def gemm_w4a8(self, wq, a, out):
-        self._gemm(f"qc_gemm_w4a8_{_kdt(a)}", wq, a, out)
+        self._gemm(wq, a, out, quantized=False)
 
 
     # -- NVFP4 / MX ---------------------------------------------------------------------------------------

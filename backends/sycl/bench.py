@@ -72,6 +72,36 @@ def compare(n: int = 4096, k: int = 4096, dtype: str = "bfloat16", quant_type: s
     return result
 
 
+def many_rows(rows: int, n: int = 4096, k: int = 4096, dtype: str = "bfloat16", quant_type: str = "nf4",
+              blocksize: int = 64, repeats: int = 3, seed: int = 0) -> dict:
+    """Time gemv_4bit (double-quantized ``quant_type``) and gemm_w4a8 (Q4_0) of an [n, k] weight
+    with ``rows`` activation rows on sycl; returns ``{"device", "rows", "shape", "ops": {op: ms}}``."""
+    sycl = get_backend("sycl")
+    dt = as_dtype(dtype)
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    a = rng.standard_normal((rows, k)).astype(dt)
+    packed, state = api.quantize_4bit(w.astype(dt), blocksize, quant_type, compress_statistics=True,
+                                      backend="cpu")
+    wq = api.quantize_q4_0(w, backend="cpu")
+    put = sycl.from_numpy
+    nested = Nested(absmax2=put(state.state2.absmax), code2=put(state.state2.code), offset=put(state.offset))
+    s = {"a": put(a), "packed": put(packed), "absmax": put(state.absmax), "wq": put(wq),
+         "y": sycl.empty((rows, n), dt), "out": sycl.empty((n, rows), np.float32)}
+
+    def gemv():
+        sycl.gemv_4bit(s["a"], s["packed"], s["absmax"], s["y"], n=n, k=k, blocksize=blocksize,
+                       quant_type=quant_type, nested=nested)
+
+    def gemm():
+        sycl.gemm_w4a8(s["wq"], s["a"], s["out"])
+
+    ops = {f"gemv_4bit {quant_type} bs{blocksize} nested": gemv, "gemm_w4a8 q4_0": gemm}
+    return {"device": sycl.devices()[0].strip("* "), "rows": rows, "shape": [n, k], "dtype": dtype,
+            "repeats": repeats,
+            "ops": {op: _median_seconds(fn, sycl.synchronize, repeats) * 1e3 for op, fn in ops.items()}}
+
+
 def table(res: dict) -> str:
     rows = [f"SYCL vs numpy reference, {res['quant_type']} bs {res['blocksize']}"
             f"{' double-quant' if res['nested'] else ''}, weight {res['shape'][0]}x{res['shape'][1]}, "
@@ -92,7 +122,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-nested", action="store_true")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json", help="also write the result to this file")
+    p.add_argument("--rows", type=int, nargs="*",
+                   help="instead: time gemv_4bit and gemm_w4a8 with these numbers of activation rows")
     args = p.parse_args(argv)
+    if args.rows:
+        results = [many_rows(r, args.n, args.k, args.dtype, args.quant_type, args.blocksize, args.repeats)
+                   for r in args.rows]
+        for res in results:
+            print(f"rows {res['rows']}, weight {args.n}x{args.k}, {args.dtype}, median of {res['repeats']} "
+                  f"({res['device']}): " + ", ".join(f"{op} {ms:.1f} ms" for op, ms in res["ops"].items()))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+        return 0
     res = compare(args.n, args.k, args.dtype, args.quant_type, args.blocksize, not args.no_nested,
                   args.repeats)
     print(table(res))

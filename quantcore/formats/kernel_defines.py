@@ -65,6 +65,25 @@ def mx_gemv_rows(nb: int) -> int:
     return g["QC_MXGV_ROWS"] if nb <= 2 else (g["QC_MXGV_ROWS_B4"] if nb <= 8 else g["QC_MXGV_ROWS_B16"])
 
 
+def _tiled_geometry(tile_m: int, tile_n: int, tile_k: int, tm: int, tn: int, chunk: int) -> dict[str, int]:
+    threads = (tile_m // tm) * (tile_n // tn)
+    if tile_m % tm or tile_n % tn or tile_k % ggml.QK or tile_k % chunk:
+        raise ValueError("tiles must hold whole micro-tiles, Q4_0 blocks and chunks")
+    return {"QC_TILE_M": tile_m, "QC_TILE_N": tile_n, "QC_TILE_K": tile_k, "QC_TILE_TM": tm,
+            "QC_TILE_TN": tn, "QC_TILE_CHUNK": chunk, "QC_TILE_THREADS": threads,
+            "QC_TILED_MIN_ROWS": TILED_MIN_ROWS}
+
+
+#: The many-rows kernels of the portable backends (kernels_sycl/tiled.hpp, kernels_maca/tiled.maca):
+#: gemv_4bit with more than 8 activation rows and the W4A8 GEMMs with N > 8. A work-group / CTA
+#: computes TILE_M weight rows x TILE_N activation rows, walking K in steps of TILE_K values
+#: (TILE_K / 32 Q4_0 blocks) staged in local / shared memory; each of its THREADS work-items keeps
+#: a TM x TN register micro-tile; a 4-bit weight tile is decoded in CHUNK consecutive values per
+#: work-item. Fewer than TILED_MIN_ROWS rows go to the few-rows kernels (glue of both backends).
+TILED_MIN_ROWS = 9
+TILED_GEOMETRY = _tiled_geometry(tile_m=64, tile_n=64, tile_k=64, tm=4, tn=4, chunk=16)
+
+
 def _f32_list(values) -> str:
     vals = np.asarray(values, dtype=np.float32)
     items = []
@@ -110,6 +129,7 @@ def _entries() -> list[tuple[str, str]]:
         ("QC_DTYPE_BF16", str(DTYPE_CODE["bfloat16"])),
         *((name, str(value)) for name, value in LAUNCH_GEOMETRY.items()),
         *((name, str(value)) for name, value in MX_GEMV_GEOMETRY.items()),
+        *((name, str(value)) for name, value in TILED_GEOMETRY.items()),
     ]
     try:  # the MX family adds its constants when present
         from . import mx

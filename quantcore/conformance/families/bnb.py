@@ -354,16 +354,20 @@ def _dequantize_blockwise(cap: Capability, kind: str, be: Backend, rng: np.rando
 def gemv_shapes(level: str, bs: int) -> list[tuple[int, int, int]]:
     """(batch B, N, K) for one blocksize: batch 1..8, 16..512 (prefill), N off every tile multiple,
     K a multiple of the blocksize, K not one (blocks straddle rows), K odd (so N*K is odd and a
-    row starts mid-byte), and a large K at the full level."""
+    row starts mid-byte), and a large K at the full level. Odd positions run with double
+    quantization."""
     k_odd = 2 * bs + 7
+    # many rows at the quick level: the tiled paths with double quantization (100 rows: a partial
+    # row tile; N 65: a partial weight tile) and without (64 rows; K crossing absmax blocks)
+    many_quick = [(100, 65, 192), (64, 19, 2 * bs + 64)]
     if level == "quick":
-        return [(1, 33, 3 * bs), (3, 17, 2 * bs), (8, 9, bs), (17, 5, k_odd), (2, 7, k_odd), (100, 65, 192)]
+        return [(1, 33, 3 * bs), (3, 17, 2 * bs), (8, 9, bs), (17, 5, k_odd), (2, 7, k_odd), *many_quick]
     # many rows (prefill): the tiled paths' partial row and column tiles (17, 100 rows; N 33, 130, 201)
     # and whole ones (64, 512 rows); K of a few 64-element stages (blocks straddle rows above bs 128)
     many = [(17, 130, 128), (64, 33, 192), (100, 201, 64), (512, 40, 128), (100, 9, k_odd)]
     shapes = [(1, 1, bs), (1, 33, 3 * bs), (2, 7, k_odd), (3, 129, bs), (4, 33, 3 * bs),
               (5, 9, k_odd), (6, 17, bs), (7, 300, 3 * bs), (8, 33, k_odd), (9, 65, bs),
-              (17, 33, 3 * bs), (32, 7, bs + 32), (1, 64, 16384), (8, 16, 16384), *many]
+              (17, 33, 3 * bs), (32, 7, bs + 32), (1, 64, 16384), (8, 16, 16384), *many, *many_quick]
     return shapes
 
 

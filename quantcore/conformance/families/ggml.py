@@ -244,10 +244,11 @@ def _dequantize(cap: Capability, kind: str, be: Backend, rng: np.random.Generato
 
 # -- tolerance: the W4A8 GEMMs -------------------------------------------------------------------------
 def gemm_shapes(level: str) -> list[tuple[int, int, int]]:
-    """(M, N, K): M off every tile multiple, N = 1..8 (the mmvq path), 9, 33, 64 and 512 at the
-    full level (the tensor-core path), K from one block to 4096 (14336 at full level)."""
+    """(M, N, K): M off every tile multiple, N = 1..8 (the mmvq path), 9, 33, 64, 100 and 512 at
+    the full level (the tensor-core / tiled paths, partial tiles), K from one block to 4096 (14336
+    at full level), K off the tiled kernels' step of two blocks."""
     quick = [(33, 1, 32), (64, 8, 96), (7, 9, 256), (130, 3, 1024), (1, 33, 4096), (16, 64, 128),
-             (67, 2, 224), (5, 5, 160)]
+             (67, 2, 224), (5, 5, 160), (100, 100, 224)]
     if level == "quick":
         return quick
     return quick + [(67, n, 224) for n in (1, 3, 4, 6, 7)] + [
