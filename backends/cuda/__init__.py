@@ -32,7 +32,12 @@ from quantcore.arrays import as_dtype, dtype_name
 from quantcore.backend import Availability, Backend, Nested
 from quantcore.errors import DeviceError, DTypeError, KernelError
 from quantcore.formats import bnb, ggml
-from quantcore.formats.kernel_defines import GGML_FORMAT_CODE, LAUNCH_GEOMETRY, QUANT_TYPE_CODE
+from quantcore.formats.kernel_defines import (
+    GGML_FORMAT_CODE,
+    LAUNCH_GEOMETRY,
+    QUANT_TYPE_CODE,
+    W4A8_TC_GEOMETRY,
+)
 
 from . import mx as _mx
 from . import runtime as rt
@@ -61,7 +66,9 @@ _SUM3_THREADS = 1024  # kSum3Threads
 # (absmax values a CTA keeps in shared memory), kNestMaxLeaves (the tree top's), the units' largest
 # size (2^log2ub nested blocks)
 _Q4N_THREADS, _Q4N_MAX_ABSMAX, _Q4N_MAX_LEAVES, _Q4N_MAX_LOG2UB = 512, 24 * 1024, 512 * 32, 6
-_GEMM_WARPS, _GEMM_UB = 16, 8
+#: gemm_w4a8_tc_kernel tiles (MT, WGM, WGK), widest first: a CTA of QC_W4T_WARPS warps as WGM x WGN x
+#: WGK (WGN = warps / (WGM WGK)), a warp 16 MT rows x 32 columns; the CTA tile 16 MT WGM x 32 WGN
+_W4T_TILES = ((4, 2, 1), (2, 4, 1), (2, 2, 2), (1, 2, 4))
 _W4_WARPS, _W4_CLUSTER = 8, 4  # gemm_w4a8_small_kernel (version 12, QUANTCORE_CUDA_TUNE=w4a8_small=1)
 _W4_MAX_KBS = 128  # blocks of K per CTA: bounds the shared memory (204 KB at N = 8)
 _W4_STREAM_WARPS, _W4_STREAM_ROWS = 16, 16  # gemm_w4a8_stream_kernel: kWsWarps (+ 1 producer for LD 0), kWsRows
@@ -159,8 +166,23 @@ def _dqg(tag: str, fmt: str) -> str:
     return f"qc::dequantize_ggml_kernel<{tag}, {GGML_FMT[fmt]}>"
 
 
-def _gemm(tag: str, quantize: bool) -> str:
-    return f"qc::gemm_q4_0_kernel<{tag}, {_b(quantize)}>"
+def _w4t_act(tag: str, quantize: bool) -> str:
+    return f"qc::w4a8_tc_act_kernel<{tag}, {_b(quantize)}>"
+
+
+def _w4t(tile: tuple[int, int, int]) -> str:
+    return "qc::gemm_w4a8_tc_kernel<{}, {}, {}>".format(*tile)
+
+
+def _w4t_geometry(tile: tuple[int, int, int]) -> tuple[int, int, int]:
+    """(BM, BN, shared memory bytes) of a gemm_w4a8_tc_kernel tile (TcTile in ggml.cu)."""
+    g = W4A8_TC_GEOMETRY
+    mt, wgm, wgk = tile
+    wgn = g["QC_W4T_WARPS"] // (wgm * wgk)
+    bm, bn, bk = 16 * mt * wgm, 32 * wgn, g["QC_W4T_BK"]
+    stage = bm * bk * ggml.Q4_0_BLOCK_BYTES + bn * (bk * ggml.QK + g["QC_W4T_APAD"]) + bk * bn * 8
+    red = (wgk - 1) * wgm * wgn * mt * 64 * 32 * 4
+    return bm, bn, max(g["QC_W4T_STAGES"] * stage, red)
 
 
 def _gemm_small(tag: str, key: tuple[int, int, int]) -> str:
@@ -188,9 +210,10 @@ def kernel_instances() -> list[tuple[str, str]]:
         out += [(_F8, _qbw(tag)), (_F8, _qbw(tag, 2)), (_F8, _qbw(tag, 3)), (_F8, _dqbw(tag))]
         for fmt in GGML_FMT:
             out += [(_FG, _qg(tag, fmt)), (_FG, _dqg(tag, fmt))]
-        out.append((_FG, _gemm(tag, True)))
+        out.append((_FG, _w4t_act(tag, True)))
         out += [(_FG, _gemm_small(tag, nb)) for nb in _W4_NB]
-    out.append((_FG, _gemm(TYPE_TAG["float32"], False)))
+    out.append((_FG, _w4t_act(TYPE_TAG["float32"], False)))
+    out += [(_FG, _w4t(tile)) for tile in _W4T_TILES]
     out += [(_F8, _tree(True)), (_F8, _tree(False)), (_F8, _tree(None)), (_F8, _tree(None, 3))]
     return out
 
@@ -599,21 +622,37 @@ class CudaBackend(Backend):
                           (ptr_arg(q), ptr_arg(out), i64(nblocks), i32(aligned(out, 16))))
 
     def _gemm(self, wq, act, out, quantize: bool, tag: str, n_rows: int, aligned4: bool):
-        m, k = int(wq.shape[0]), int(wq.shape[1]) * ggml.QK
+        """gemm_w4a8_tc_kernel: the activation as Q8_1 values into a workspace (w4a8_tc_act_kernel:
+        quantized from the float activation, or repacked from given Q8_1 blocks), then the tiled
+        int8 tensor-core GEMM. The workspace (npad x (32 nbp + 8 nbp) bytes) is allocated per call
+        from the caller's allocator (torch's or CuPy's pool, stream-ordered)."""
+        m, nb = int(wq.shape[0]), int(wq.shape[1])
         if m == 0 or n_rows == 0:
             return
+        g = W4A8_TC_GEOMETRY
         launch = Launcher(wq)
-        ntiles = _cdiv(m, 16)
-        tpc = rt.tune("gemm_tpc", 0) or min(_GEMM_WARPS, _cdiv(ntiles, rt.sm_count(launch.device)))
-        kss = _GEMM_WARPS // tpc
-        kt = kss * _GEMM_UB
-        act_bytes = 8 * (kt * 32 + 16) + 8 * kt * 8  # GemmSmem::act_bytes
-        smem = 2 * act_bytes + _GEMM_WARPS * 2 * 16 * _GEMM_UB * ggml.Q4_0_BLOCK_BYTES
+        npad = _cdiv(n_rows, g["QC_W4T_NPAD"]) * g["QC_W4T_NPAD"]
+        nbp = _cdiv(nb, g["QC_W4T_BK"]) * g["QC_W4T_BK"]
+        ws = self.empty((npad * nbp * (ggml.QK + 8),), "uint8", like=wq)
         vec = aligned(act, 16) if quantize else False
-        async4 = k % (_GEMM_UB * 32) == 0 and aligned(wq, 4)
-        launch(_FG, _gemm(tag, quantize), (_cdiv(ntiles, tpc), _cdiv(n_rows, 8)), 32 * _GEMM_WARPS,
-               (ptr_arg(wq), ptr_arg(act), ptr_arg(out), i64(m), i32(n_rows), i64(k), i32(tpc), i32(vec),
-                i32(aligned4), i32(async4)), shared_mem=smem)
+        launch(_FG, _w4t_act(tag, quantize), (npad * nbp * 8 // 256,), 256,
+               (ptr_arg(act), ptr_arg(ws), i32(n_rows), i64(nb), i32(npad), i64(nbp), i32(vec), i32(aligned4)))
+        # the widest tile that still gives about one CTA per multiprocessor, else the narrowest
+        sms = rt.sm_count(launch.device)
+        tiles = _W4T_TILES
+        forced = rt.tune("w4t_tile", -1)
+        if 0 <= forced < len(tiles):
+            tile = tiles[forced]
+        else:
+            tile = next((t for t in tiles
+                         if _cdiv(m, _w4t_geometry(t)[0]) * _cdiv(n_rows, _w4t_geometry(t)[1]) * 10 >= sms * 9),
+                        tiles[-1])
+        bm, bn, smem = _w4t_geometry(tile)
+        wfast = nb % g["QC_W4T_BK"] == 0 and aligned(wq, 16)
+        ovec = n_rows % 2 == 0 and aligned(out, 8)
+        launch(_FG, _w4t(tile), (_cdiv(m, bm), _cdiv(n_rows, bn)), 32 * g["QC_W4T_WARPS"],
+               (ptr_arg(wq), ptr_arg(ws), ptr_arg(out), i64(m), i32(n_rows), i64(nb), i32(npad), i64(nbp),
+                i32(wfast), i32(ovec)), shared_mem=smem)
 
     def gemm_q4_0_q8_1(self, wq, aq, out):
         self._gemm(wq, aq, out, False, TYPE_TAG["float32"], int(aq.shape[0]), aligned(aq, 4))
