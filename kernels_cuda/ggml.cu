@@ -841,7 +841,7 @@ __global__ void QC_WS_CLUSTER(CL) __launch_bounds__((kWsWarps + (LD == 0 ? 1 : 0
 // contiguous). npad = N rounded up to QC_W4T_NPAD, nbp = the block count rounded up to QC_W4T_BK;
 // rows n >= N and blocks b >= nb are zeros (they add 0 to every sum). d8 and 8 s8 are the fp16
 // values of the Q8_1 block as fp32 (8 s8 is exact).
-constexpr int kTcWarps = QC_W4T_WARPS, kTcBK = QC_W4T_BK, kTcStages = QC_W4T_STAGES;
+constexpr int kTcBK = QC_W4T_BK;
 constexpr int kTcWRow = kTcBK * QC_Q4_0_BLOCK_BYTES;  // a weight row's bytes per stage (144)
 constexpr int kTcARow = kTcBK * kQK + QC_W4T_APAD;      // an activation row's bytes per stage (272)
 static_assert(kTcBK == 8, "a stage is 4 pairs of Q4_0 blocks: 144 bytes, whole 16-byte units");
@@ -884,23 +884,23 @@ __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
 }
 
-// The CTA tile: kTcWarps warps as WGM (rows) x WGN (columns) x WGK (K: the block pairs of a stage
-// split between warps, their sums added in a fixed order at the end); a warp owns MT 16-row tiles x
-// 4 8-column tiles (16 MT x 32).
-template <int MT, int WGM, int WGK>
+// The CTA tile: WGM (rows) x WGN (columns) x WGK (K: the block pairs of a stage split between
+// warps, their sums added in a fixed order at the end) warps; a warp owns MT 16-row tiles x 4
+// 8-column tiles (16 MT x 32); ST pipeline stages of kTcBK blocks.
+template <int MT, int WGM, int WGN, int WGK, int ST>
 struct TcTile {
-    static constexpr int kWGN = kTcWarps / (WGM * WGK);
+    static constexpr int kWGN = WGN, kWarps = WGM * WGN * WGK;
     static constexpr int kBM = 16 * MT * WGM, kBN = 32 * kWGN;
     static constexpr int kWBytes = kBM * kTcWRow, kABytes = kBN * kTcARow, kSBytes = kTcBK * kBN * 8;
     static constexpr int kStage = kWBytes + kABytes + kSBytes;
     static constexpr int kRedBytes = (WGK - 1) * WGM * kWGN * MT * 64 * 32 * 4;
-    static_assert(kTcWarps % (WGM * WGK) == 0 && (kTcBK / 2) % WGK == 0, "warp grid");
+    static_assert((kTcBK / 2) % WGK == 0 && ST >= 2, "warp grid, pipeline");
     static_assert(kBN <= QC_W4T_NPAD && QC_W4T_NPAD % kBN == 0, "workspace rows cover every column tile");
 };
 
 // out [M, N] fp32 = Q4_0 wq [M, nb] x the workspace's activation; grid (cdiv(M, BM), npad / BN).
 // wfast: nb % 8 == 0 and wq 16-byte aligned (weights by cp.async), else byte loads. ovec: N even
-// and out 8-byte aligned (float2 stores). Shared memory: max(kTcStages * kStage, kRedBytes).
+// and out 8-byte aligned (float2 stores). Shared memory: max(ST * kStage, kRedBytes).
 //
 // Per Q4_0 block one mma.m16n8k32.s8 per (16-row, 8-column) tile: the nibbles 0..15 are A as they
 // are (qs bytes 4c..4c+3 hold k 4c..4c+3 in their low and k 16+4c.. in their high nibbles: the A
@@ -908,11 +908,12 @@ struct TcTile {
 // accumulator starts at the bits of 1.5 * 2^23, so the result read as a float is 1.5 * 2^23 +
 // sumi exactly; then acc += d4 * (d8 * sumi - 8 s8), two fp32 fmas. Every output is summed by one
 // thread in block order (split-K warps: their partial sums added in warp order): deterministic.
-template <int MT, int WGM, int WGK>
-__global__ void __launch_bounds__(kTcWarps * 32, 1) gemm_w4a8_tc_kernel(
+template <int MT, int WGM, int WGN, int WGK, int ST>
+__global__ void __launch_bounds__(WGM * WGN * WGK * 32, 1) gemm_w4a8_tc_kernel(
     const u8* __restrict__ wq, const u8* __restrict__ ws, float* __restrict__ out, i64 M, int N, i64 nb, int npad,
     i64 nbp, int wfast, int ovec) {
-    using G = TcTile<MT, WGM, WGK>;
+    using G = TcTile<MT, WGM, WGN, WGK, ST>;
+    constexpr int kThreads = G::kWarps * 32;
     extern __shared__ __attribute__((aligned(16))) u8 smem[];
     const int warp = threadIdx.x >> 5, lane = lane_id(), g = lane >> 2, c = lane & 3;
     const int wk = warp % WGK, wm = (warp / WGK) % WGM, wn = warp / (WGK * WGM);
@@ -927,25 +928,25 @@ __global__ void __launch_bounds__(kTcWarps * 32, 1) gemm_w4a8_tc_kernel(
         u8* st = smem + slot * G::kStage;
         const i64 kb0 = (i64)kt * kTcBK;
         if (wfast) {
-            for (int i = threadIdx.x; i < G::kBM * (kTcWRow / 16); i += kTcWarps * 32) {
+            for (int i = threadIdx.x; i < G::kBM * (kTcWRow / 16); i += kThreads) {
                 const int r = i / (kTcWRow / 16), ch = i - r * (kTcWRow / 16);
                 const i64 gr = min(m0 + r, M - 1);  // rows past M: a valid row, never stored
                 cp_async16(smem_addr(st + r * kTcWRow + ch * 16), wq + (gr * nb + kb0) * QC_Q4_0_BLOCK_BYTES + ch * 16);
             }
         } else {  // blocks past nb are zeros: d4 = 0
-            for (int i = threadIdx.x; i < G::kBM * kTcWRow; i += kTcWarps * 32) {
+            for (int i = threadIdx.x; i < G::kBM * kTcWRow; i += kThreads) {
                 const int r = i / kTcWRow, o = i - r * kTcWRow;
                 const i64 gr = min(m0 + r, M - 1);
                 st[i] = kb0 + o / QC_Q4_0_BLOCK_BYTES < nb ? (u8)ldg_u8(wq + (gr * nb + kb0) * QC_Q4_0_BLOCK_BYTES + o) : (u8)0;
             }
         }
         u8* sa = st + G::kWBytes;
-        for (int i = threadIdx.x; i < G::kBN * (kTcBK * kQK / 16); i += kTcWarps * 32) {
+        for (int i = threadIdx.x; i < G::kBN * (kTcBK * kQK / 16); i += kThreads) {
             const int r = i / (kTcBK * kQK / 16), ch = i - r * (kTcBK * kQK / 16);
             cp_async16(smem_addr(sa + r * kTcARow + ch * 16), aq + (i64)(n0 + r) * kp + kb0 * kQK + ch * 16);
         }
         u8* ss = sa + G::kABytes;
-        for (int i = threadIdx.x; i < kTcBK * G::kBN / 2; i += kTcWarps * 32) {
+        for (int i = threadIdx.x; i < kTcBK * G::kBN / 2; i += kThreads) {
             const int b = i / (G::kBN / 2), j = i - b * (G::kBN / 2);
             cp_async16(smem_addr(ss + (b * G::kBN + 2 * j) * 8), asc + (kb0 + b) * npad + n0 + 2 * j);
         }
@@ -960,19 +961,19 @@ __global__ void __launch_bounds__(kTcWarps * 32, 1) gemm_w4a8_tc_kernel(
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
 #pragma unroll
-    for (int s = 0; s < kTcStages - 1; ++s) {
+    for (int s = 0; s < ST - 1; ++s) {
         if (s < nkt) load(s, s);
         cp_async_commit();
     }
     for (int kt = 0; kt < nkt; ++kt) {
-        cp_async_wait<kTcStages - 2>();
+        cp_async_wait<ST - 2>();
         __syncthreads();  // stage kt landed for every thread; the slot refilled below was consumed
         {
-            const int nx = kt + kTcStages - 1;
-            if (nx < nkt) load(nx % kTcStages, nx);
+            const int nx = kt + ST - 1;
+            if (nx < nkt) load(nx % ST, nx);
             cp_async_commit();
         }
-        const u8* st = smem + (kt % kTcStages) * G::kStage;
+        const u8* st = smem + (kt % ST) * G::kStage;
         const u32* wsm = reinterpret_cast<const u32*>(st);
         const u32 sa = smem_addr(st + G::kWBytes);
         const float* ssc = reinterpret_cast<const float*>(st + G::kWBytes + G::kABytes);

@@ -66,9 +66,10 @@ _SUM3_THREADS = 1024  # kSum3Threads
 # (absmax values a CTA keeps in shared memory), kNestMaxLeaves (the tree top's), the units' largest
 # size (2^log2ub nested blocks)
 _Q4N_THREADS, _Q4N_MAX_ABSMAX, _Q4N_MAX_LEAVES, _Q4N_MAX_LOG2UB = 512, 24 * 1024, 512 * 32, 6
-#: gemm_w4a8_tc_kernel tiles (MT, WGM, WGK), widest first: a CTA of QC_W4T_WARPS warps as WGM x WGN x
-#: WGK (WGN = warps / (WGM WGK)), a warp 16 MT rows x 32 columns; the CTA tile 16 MT WGM x 32 WGN
-_W4T_TILES = ((4, 2, 1), (2, 4, 1), (2, 2, 2), (1, 2, 4))
+#: gemm_w4a8_tc_kernel configurations (MT, WGM, WGN, WGK, ST), widest tile first: WGM x WGN x WGK warps
+#: (rows x columns x K), a warp 16 MT rows x 32 columns, the CTA tile 16 MT WGM x 32 WGN, ST stages
+_W4T_TILES = ((2, 4, 4, 1, 3), (4, 2, 4, 1, 3), (2, 4, 2, 1, 4), (2, 2, 2, 2, 6), (1, 2, 1, 4, 8))
+_W4T_DEFAULT = (0, 2, 3, 4)  # the indices the launcher picks from (the others: QUANTCORE_CUDA_TUNE=w4t_tile=i)
 _W4_WARPS, _W4_CLUSTER = 8, 4  # gemm_w4a8_small_kernel (version 12, QUANTCORE_CUDA_TUNE=w4a8_small=1)
 _W4_MAX_KBS = 128  # blocks of K per CTA: bounds the shared memory (204 KB at N = 8)
 _W4_STREAM_WARPS, _W4_STREAM_ROWS = 16, 16  # gemm_w4a8_stream_kernel: kWsWarps (+ 1 producer for LD 0), kWsRows
@@ -170,26 +171,18 @@ def _w4t_act(tag: str, quantize: bool) -> str:
     return f"qc::w4a8_tc_act_kernel<{tag}, {_b(quantize)}>"
 
 
-def _w4t(tile: tuple[int, int, int]) -> str:
-    return "qc::gemm_w4a8_tc_kernel<{}, {}, {}>".format(*tile)
+def _w4t(tile: tuple[int, ...]) -> str:
+    return "qc::gemm_w4a8_tc_kernel<{}, {}, {}, {}, {}>".format(*tile)
 
 
-def _w4t_geometry(tile: tuple[int, int, int]) -> tuple[int, int, int]:
-    """(BM, BN, shared memory bytes) of a gemm_w4a8_tc_kernel tile (TcTile in ggml.cu)."""
+def _w4t_geometry(tile: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """(BM, BN, threads, shared memory bytes) of a gemm_w4a8_tc_kernel configuration (TcTile in ggml.cu)."""
     g = W4A8_TC_GEOMETRY
-    mt, wgm, wgk = tile
-    wgn = g["QC_W4T_WARPS"] // (wgm * wgk)
+    mt, wgm, wgn, wgk, st = tile
     bm, bn, bk = 16 * mt * wgm, 32 * wgn, g["QC_W4T_BK"]
     stage = bm * bk * ggml.Q4_0_BLOCK_BYTES + bn * (bk * ggml.QK + g["QC_W4T_APAD"]) + bk * bn * 8
     red = (wgk - 1) * wgm * wgn * mt * 64 * 32 * 4
-    return bm, bn, max(g["QC_W4T_STAGES"] * stage, red)
-
-
-def _gemm_small(tag: str, key: tuple[int, int, int]) -> str:
-    nb, cl, ld = key
-    if cl == 0:
-        return f"qc::gemm_w4a8_small_kernel<{tag}, {nb}>"
-    return f"qc::gemm_w4a8_stream_kernel<{tag}, {nb}, {cl}, {ld}>"
+    return bm, bn, 32 * wgm * wgn * wgk, max(st * stage, red)
 
 
 def kernel_instances() -> list[tuple[str, str]]:
@@ -639,18 +632,18 @@ class CudaBackend(Backend):
                (ptr_arg(act), ptr_arg(ws), i32(n_rows), i64(nb), i32(npad), i64(nbp), i32(vec), i32(aligned4)))
         # the widest tile that still gives about one CTA per multiprocessor, else the narrowest
         sms = rt.sm_count(launch.device)
-        tiles = _W4T_TILES
         forced = rt.tune("w4t_tile", -1)
-        if 0 <= forced < len(tiles):
-            tile = tiles[forced]
+        if 0 <= forced < len(_W4T_TILES):
+            tile = _W4T_TILES[forced]
         else:
-            tile = next((t for t in tiles
+            cands = [_W4T_TILES[i] for i in _W4T_DEFAULT]
+            tile = next((t for t in cands
                          if _cdiv(m, _w4t_geometry(t)[0]) * _cdiv(n_rows, _w4t_geometry(t)[1]) * 10 >= sms * 9),
-                        tiles[-1])
-        bm, bn, smem = _w4t_geometry(tile)
+                        cands[-1])
+        bm, bn, threads, smem = _w4t_geometry(tile)
         wfast = nb % g["QC_W4T_BK"] == 0 and aligned(wq, 16)
         ovec = n_rows % 2 == 0 and aligned(out, 8)
-        launch(_FG, _w4t(tile), (_cdiv(m, bm), _cdiv(n_rows, bn)), 32 * g["QC_W4T_WARPS"],
+        launch(_FG, _w4t(tile), (_cdiv(m, bm), _cdiv(n_rows, bn)), threads,
                (ptr_arg(wq), ptr_arg(ws), ptr_arg(out), i64(m), i32(n_rows), i64(nb), i32(npad), i64(nbp),
                 i32(wfast), i32(ovec)), shared_mem=smem)
 

@@ -34,10 +34,10 @@ def _gemv_geometry(warps: int, groups: int, chunks: int, stages: int) -> dict[st
 #: per ring stage, stages per warp ring, the ring's row pitch and size in bytes).
 LAUNCH_GEOMETRY = _gemv_geometry(warps=16, groups=4, chunks=8, stages=2)
 
-#: The W4A8 tensor-core GEMM (kernels_cuda/ggml.cu gemm_w4a8_tc_kernel) and its launcher: warps per
-#: CTA, Q4_0 blocks of K per pipeline stage, stages, the padding of an activation row in shared
-#: memory (bytes), and the row multiple of the Q8_1 workspace (the widest activation tile).
-W4A8_TC_GEOMETRY = {"QC_W4T_WARPS": 8, "QC_W4T_BK": 8, "QC_W4T_STAGES": 3, "QC_W4T_APAD": 16, "QC_W4T_NPAD": 128}
+#: The W4A8 tensor-core GEMM (kernels_cuda/ggml.cu gemm_w4a8_tc_kernel) and its launcher: Q4_0
+#: blocks of K per pipeline stage, the padding of an activation row in shared memory (bytes), and
+#: the row multiple of the Q8_1 workspace (the widest activation tile).
+W4A8_TC_GEOMETRY = {"QC_W4T_BK": 8, "QC_W4T_APAD": 16, "QC_W4T_NPAD": 128}
 
 
 def _f32_list(values) -> str:

@@ -3,7 +3,7 @@ beside torch bf16 F.linear (cuBLAS), torch._int_mm (cuBLASLt int8 on int8 operan
 shape) and dequantize_q4_0 + bf16 F.linear (the linear_q4_0 op's many-row path). CUDA events
 around one call queued behind a ~1 ms sleep kernel, weight sets rotated past L2, median of
 `reps`; bf16 activation; each quantcore output checked against the fp32 product of the
-dequantized weight and the Q8_1-dequantized activation (relative Frobenius error). argv[1]: n
+dequantized weight and the Q8_1-dequantized activation (fp64 product) (relative Frobenius error). argv[1]: n
 values (comma-separated), argv[2]: QUANTCORE_CUDA_TUNE settings to compare, ";"-separated.
 Run by tools/dev/w4a8_tc_device.sh."""
 
@@ -48,15 +48,15 @@ def main() -> None:
         wb = [w.to(torch.bfloat16) for w in wf]
         wi8 = [torch.randint(-128, 128, (k, m), device="cuda", dtype=torch.int8, generator=g).t().contiguous().t()
                for _ in range(nsets)]
-        wdq = api.dequantize_q4_0(wqs[0], "float32", backend=be)
+        wdq = api.dequantize_q4_0(wqs[0], "float32", backend=be).double()
         del wf
         for n in ns:
             shape = f"N{n} M{m} K{k}"
             ops = 2.0 * n * m * k
             a = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g)
             out = torch.empty(m, n, device="cuda")
-            adq = api.dequantize_q8_1(api.quantize_q8_1(a, backend=be), "float32", backend=be)
-            ref = wdq @ adq.t()
+            adq = api.dequantize_q8_1(api.quantize_q8_1(a, backend=be), "float32", backend=be).double()
+            ref = (wdq @ adq.t()).float()
             for cfg in configs:
                 os.environ[ENV_TUNE] = cfg
                 out.fill_(float("nan"))
