@@ -12,9 +12,10 @@ import sys
 
 import numpy as np
 import torch
-from quantcore import api
 from quantcore.backends.cuda import create
 from quantcore.backends.cuda.runtime import ENV_TUNE
+
+from quantcore import api
 
 SHAPES = [(4096, 14336), (14336, 4096)]
 
