@@ -185,6 +185,13 @@ def _w4t_geometry(tile: tuple[int, ...]) -> tuple[int, int, int, int]:
     return bm, bn, 32 * wgm * wgn * wgk, max(st * stage, red)
 
 
+def _gemm_small(tag: str, key: tuple[int, int, int]) -> str:
+    nb, cl, ld = key
+    if cl == 0:
+        return f"qc::gemm_w4a8_small_kernel<{tag}, {nb}>"
+    return f"qc::gemm_w4a8_stream_kernel<{tag}, {nb}, {cl}, {ld}>"
+
+
 def kernel_instances() -> list[tuple[str, str]]:
     """Every (source file, name expression) the backend can launch."""
     tags = list(TYPE_TAG.values())

@@ -64,26 +64,26 @@ def main() -> None:
                 be.gemm_w4a8(wqs[0], a, out)
                 torch.cuda.synchronize()
                 err = float(((out - ref).norm() / ref.norm()).item())
-                t = med(lambda i, a=a: be.gemm_w4a8(wqs[i % nsets], a, out))
+                t = med(lambda i, a=a, out=out, wqs=wqs: be.gemm_w4a8(wqs[i % len(wqs)], a, out))
                 print(f"{shape:26s} {'quantcore ' + (cfg or 'default'):22s} {t:9.1f} {ops / t / 1e6:7.1f}  "
                       f"rel.err {err:.1e}", flush=True)
             os.environ[ENV_TUNE] = ""
-            t = med(lambda i, a=a: torch.nn.functional.linear(a, wb[i % nsets]))
+            t = med(lambda i, a=a, wb=wb: torch.nn.functional.linear(a, wb[i % len(wb)]))
             print(f"{shape:26s} {'torch-bf16':22s} {t:9.1f} {ops / t / 1e6:7.1f}", flush=True)
             if n > 16:
                 ai8 = torch.randint(-128, 128, (n, k), device="cuda", dtype=torch.int8, generator=g)
                 try:
-                    t = med(lambda i, ai8=ai8: torch._int_mm(ai8, wi8[i % nsets]))
+                    t = med(lambda i, ai8=ai8, wi8=wi8: torch._int_mm(ai8, wi8[i % len(wi8)]))
                     print(f"{shape:26s} {'torch._int_mm':22s} {t:9.1f} {ops / t / 1e6:7.1f}", flush=True)
                 except RuntimeError as exc:
                     print(f"{shape:26s} torch._int_mm failed: {str(exc)[:100]}")
             if n >= 16:
-                t = med(lambda i, a=a: torch.nn.functional.linear(
-                    a, api.dequantize_q4_0(wqs[i % nsets], "bfloat16", backend=be)))
+                t = med(lambda i, a=a, wqs=wqs: torch.nn.functional.linear(
+                    a, api.dequantize_q4_0(wqs[i % len(wqs)], "bfloat16", backend=be)))
                 print(f"{shape:26s} {'dequant+bf16 linear':22s} {t:9.1f} {ops / t / 1e6:7.1f}", flush=True)
             if n <= 512:
                 aq = api.quantize_q8_1(a, backend=be)
-                t = med(lambda i, aq=aq: be.gemm_q4_0_q8_1(wqs[i % nsets], aq, out))
+                t = med(lambda i, aq=aq, out=out, wqs=wqs: be.gemm_q4_0_q8_1(wqs[i % len(wqs)], aq, out))
                 print(f"{shape:26s} {'quantcore q4_0_q8_1':22s} {t:9.1f} {ops / t / 1e6:7.1f}", flush=True)
             del a, out, ref, adq
 
