@@ -506,8 +506,9 @@ __host__ __device__ constexpr int ws_stride(int kc) {
 // Q8_1 of one block held by one lane, the reference's bytes. Where d is a normal float (or 0, or
 // inf) |x * id| <= 127.0001, and there roundf's half-away-from-zero equals
 // trunc(y + copysign(0.5 - 2^-25, y)) in fp32 (checked exhaustively over |y| <= 128); NaN -> 0
-// through the conversion. Blocks whose d is subnormal take the reference's general form.
-__device__ __forceinline__ void ws_q8_1_block(const float (&v)[kQK], u32 (&qw)[8], float& d8, float& s8x8) {
+// through the conversion. Blocks whose d is subnormal take the reference's general form. d8: the
+// stored fp16 d as fp32; sbits: the stored fp16 s.
+__device__ __forceinline__ void ws_q8_1_block_bits(const float (&v)[kQK], u32 (&qw)[8], float& d8, u16& sbits) {
     float amax = 0.0f;  // fmaxf skips NaN
 #pragma unroll
     for (int j = 0; j < kQK; ++j) amax = fmaxf(amax, fabsf(v[j]));
@@ -532,7 +533,14 @@ __device__ __forceinline__ void ws_q8_1_block(const float (&v)[kQK], u32 (&qw)[8
         sum = q8_words_ref(v, id, qw);
     }
     d8 = f16_to_f32(f32_to_f16(d));
-    s8x8 = 8.0f * f16_to_f32(q8_1_s(sum, d));
+    sbits = q8_1_s(sum, d);
+}
+
+// The same with s8x8 = 8 * the stored s as fp32.
+__device__ __forceinline__ void ws_q8_1_block(const float (&v)[kQK], u32 (&qw)[8], float& d8, float& s8x8) {
+    u16 sbits;
+    ws_q8_1_block_bits(v, qw, d8, sbits);
+    s8x8 = 8.0f * f16_to_f32(sbits);
 }
 
 __device__ __forceinline__ void mma_s8_16832_magic(int (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
@@ -831,52 +839,70 @@ __global__ void QC_WS_CLUSTER(CL) __launch_bounds__((kWsWarps + (LD == 0 ? 1 : 0
 #endif
 }
 
+
 // ==================================================================================================
 // W4A8 on int8 tensor cores for any N (the N <= 8 stream kernel above aside): a Q8_1 pre-pass
 // into a workspace, then a tiled GEMM
 // ==================================================================================================
-// Workspace (the launcher allocates it per call): the activation as Q8_1 values in a layout the
-// GEMM copies with 16-byte cp.async: quants int8 [npad][nbp * 32] (row n, block b at n * nbp * 32 +
-// b * 32), then (d8, 8 s8) as fp32 pairs [nbp][npad] (block-major: a stage's columns are
-// contiguous). npad = N rounded up to QC_W4T_NPAD, nbp = the block count rounded up to QC_W4T_BK;
-// rows n >= N and blocks b >= nb are zeros (they add 0 to every sum). d8 and 8 s8 are the fp16
-// values of the Q8_1 block as fp32 (8 s8 is exact).
+// Workspace (the launcher allocates it per call): the activation as Q8_1 values in layouts the
+// GEMM copies with 16-byte cp.async. npad = N rounded up to QC_W4T_NPAD, nbp = the block count nb
+// rounded up to QC_W4T_BK; rows n >= N and blocks b >= nb are zeros (they add 0 to every sum).
+//   quants  int8 [npad][nbp * 32]
+//   dm      fp32 pairs [nbp][npad]: (d8, -d8 * 1.5 * 2^23), d8 the block's fp16 d (the product is
+//           exact: 11 x 2 significant bits)
+//   s       fp16 [npad][nbp]: the block's stored s
 constexpr int kTcBK = QC_W4T_BK;
 constexpr int kTcWRow = kTcBK * QC_Q4_0_BLOCK_BYTES;  // a weight row's bytes per stage (144)
 constexpr int kTcARow = kTcBK * kQK + QC_W4T_APAD;      // an activation row's bytes per stage (272)
-static_assert(kTcBK == 8, "a stage is 4 pairs of Q4_0 blocks: 144 bytes, whole 16-byte units");
+constexpr float kTcMagic = 12582912.0f;                 // 1.5 * 2^23, the float of kWsMagic's bits
+static_assert(kTcBK == 8, "a stage is 4 pairs of Q4_0 blocks (144 bytes, whole 16-byte units) and one k8 mma");
 static_assert(kTcWRow % 16 == 0 && (kTcWRow / 4) % 32 == 4, "weight rows 4 banks apart");
 static_assert((kTcARow / 16) % 2 == 1, "activation rows in distinct 16-byte bank groups (ldmatrix)");
 
-// One thread per 4 quants (8 per block): QUANTIZE the float activation x [N, K] (the arithmetic of
-// quantize_q8_1: the same bytes), else repack given Q8_1 blocks [N, nb, 36].
+__host__ __device__ constexpr i64 w4t_dm_offset(int npad, i64 nbp) { return (i64)npad * nbp * kQK; }
+__host__ __device__ constexpr i64 w4t_s_offset(int npad, i64 nbp) { return (i64)npad * nbp * (kQK + 8); }
+
+// One thread per block (n, b), n-major: QUANTIZE the float activation x [N, K] (ws_q8_1_block_bits:
+// quantize_q8_1's bytes), else repack given Q8_1 blocks [N, nb, 36].
 template <typename T, bool QUANTIZE>
 __global__ void __launch_bounds__(256) w4a8_tc_act_kernel(const void* __restrict__ x, u8* __restrict__ ws, int N,
                                                           i64 nb, int npad, i64 nbp, int vec, int aligned4) {
-    const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    const i64 u = t >> 3;  // (n, b) = (u / nbp, u % nbp); the grid covers npad * nbp blocks exactly
-    const int li = (int)(t & 7);
+    const i64 u = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (u >= (i64)npad * nbp) return;
     const int n = (int)(u / nbp);
     const i64 b = u - (i64)n * nbp;
-    const bool valid = n < N && b < nb;
-    u32 qw = 0u;
-    float d = 0.0f, s8x8 = 0.0f;
-    if (QUANTIZE) {  // every lane calls q8_1_lanes8 (shuffles); the 8 lanes of a block agree on valid
-        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (valid) load4_act<T>(reinterpret_cast<const typename T::S*>(x) + ((i64)n * nb + b) * kQK + 4 * li, vec, v);
-        qw = q8_1_lanes8(v, d, s8x8);
-        if (!valid) d = 0.0f, s8x8 = 0.0f, qw = 0u;
-    } else if (valid) {
-        const u8* blk = reinterpret_cast<const u8*>(x) + ((i64)n * nb + b) * QC_Q8_1_BLOCK_BYTES;
-        d = f16_to_f32((u16)(ldg_u8(blk) | (ldg_u8(blk + 1) << 8)));
-        s8x8 = 8.0f * f16_to_f32((u16)(ldg_u8(blk + 2) | (ldg_u8(blk + 3) << 8)));
-        const u8* q = blk + 4 + 4 * li;
-        qw = aligned4 ? ldg_u32(q) : (ldg_u8(q) | (ldg_u8(q + 1) << 8) | (ldg_u8(q + 2) << 16) | (ldg_u8(q + 3) << 24));
+    u32 qw[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+    float d8 = 0.0f;
+    u16 sbits = 0;
+    if (n < N && b < nb) {
+        if (QUANTIZE) {
+            const typename T::S* src = reinterpret_cast<const typename T::S*>(x) + ((i64)n * nb + b) * kQK;
+            float v[kQK];
+            if (vec) {
+                WsRaw<T> raw;
+                raw.load(src);
+                raw.to_f32(v);
+            } else {
+                load_block<T>(src, false, v);
+            }
+            ws_q8_1_block_bits(v, qw, d8, sbits);
+        } else {
+            const u8* blk = reinterpret_cast<const u8*>(x) + ((i64)n * nb + b) * QC_Q8_1_BLOCK_BYTES;
+            d8 = f16_to_f32((u16)(ldg_u8(blk) | (ldg_u8(blk + 1) << 8)));
+            sbits = (u16)(ldg_u8(blk + 2) | (ldg_u8(blk + 3) << 8));
+#pragma unroll
+            for (int w = 0; w < 8; ++w) {
+                const u8* q = blk + 4 + 4 * w;
+                qw[w] = aligned4 ? ldg_u32(q)
+                                 : (ldg_u8(q) | (ldg_u8(q + 1) << 8) | (ldg_u8(q + 2) << 16) | (ldg_u8(q + 3) << 24));
+            }
+        }
     }
-    if (n < npad) {
-        reinterpret_cast<u32*>(ws + ((i64)n * nbp + b) * kQK)[li] = qw;
-        if (li == 0) reinterpret_cast<Pair*>(ws + (i64)npad * nbp * kQK)[b * npad + n] = Pair{d, s8x8};
-    }
+    uint4* dq = reinterpret_cast<uint4*>(ws + u * kQK);
+    dq[0] = make_uint4(qw[0], qw[1], qw[2], qw[3]);
+    dq[1] = make_uint4(qw[4], qw[5], qw[6], qw[7]);
+    reinterpret_cast<Pair*>(ws + w4t_dm_offset(npad, nbp))[b * npad + n] = Pair{d8, -d8 * kTcMagic};
+    reinterpret_cast<u16*>(ws + w4t_s_offset(npad, nbp))[u] = sbits;
 }
 
 __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
@@ -884,99 +910,158 @@ __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
 }
 
+// D = A (16 x 8 fp16, row) x B (8 x 8 fp16, col), fp32, accumulator zero
+__device__ __forceinline__ void mma_f16_1688(float (&d)[4], u32 a0, u32 a1, u32 b0) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%7,%7,%7};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a0), "r"(a1), "r"(b0), "f"(0.0f));
+}
+
 // The CTA tile: WGM (rows) x WGN (columns) x WGK (K: the block pairs of a stage split between
 // warps, their sums added in a fixed order at the end) warps; a warp owns MT 16-row tiles x 4
 // 8-column tiles (16 MT x 32); ST pipeline stages of kTcBK blocks.
 template <int MT, int WGM, int WGN, int WGK, int ST>
 struct TcTile {
-    static constexpr int kWGN = WGN, kWarps = WGM * WGN * WGK;
-    static constexpr int kBM = 16 * MT * WGM, kBN = 32 * kWGN;
-    static constexpr int kWBytes = kBM * kTcWRow, kABytes = kBN * kTcARow, kSBytes = kTcBK * kBN * 8;
-    static constexpr int kStage = kWBytes + kABytes + kSBytes;
-    static constexpr int kRedBytes = (WGK - 1) * WGM * kWGN * MT * 64 * 32 * 4;
+    static constexpr int kWarps = WGM * WGN * WGK, kThreads = 32 * kWarps;
+    static constexpr int kBM = 16 * MT * WGM, kBN = 32 * WGN;
+    static constexpr int kWBytes = kBM * kTcWRow, kABytes = kBN * kTcARow, kDBytes = kTcBK * kBN * 8;
+    static constexpr int kSBytes = kBN * kTcBK * 2;
+    static constexpr int kStage = kWBytes + kABytes + kDBytes + kSBytes;
+    static constexpr int kRedBytes = (WGK - 1) * WGM * WGN * MT * 64 * 32 * 4;
+    // 16-byte chunks of a stage per part; per thread (rounded up)
+    static constexpr int kWCh = kBM * kTcWRow / 16, kACh = kBN * kTcBK * kQK / 16, kDCh = kDBytes / 16,
+                         kSCh = kSBytes / 16;
+    static constexpr int kWIt = (kWCh + kThreads - 1) / kThreads, kAIt = kACh / kThreads,
+                         kDIt = (kDCh + kThreads - 1) / kThreads;
     static_assert((kTcBK / 2) % WGK == 0 && ST >= 2, "warp grid, pipeline");
     static_assert(kBN <= QC_W4T_NPAD && QC_W4T_NPAD % kBN == 0, "workspace rows cover every column tile");
+    static_assert(kACh % kThreads == 0 && kThreads % 16 == 0, "activation chunks: whole passes, 16 per row");
+    static_assert(kThreads % (kBN / 2) == 0 && kSCh <= kThreads, "d8 chunks: whole column tiles per pass; s: one");
 };
 
-// out [M, N] fp32 = Q4_0 wq [M, nb] x the workspace's activation; grid (cdiv(M, BM), npad / BN).
+// out [M, N] fp32 = Q4_0 wq [M, nb] x the workspace's activation; grid (cdiv(M, BM), cdiv(N, BN)).
 // wfast: nb % 8 == 0 and wq 16-byte aligned (weights by cp.async), else byte loads. ovec: N even
 // and out 8-byte aligned (float2 stores). Shared memory: max(ST * kStage, kRedBytes).
 //
-// Per Q4_0 block one mma.m16n8k32.s8 per (16-row, 8-column) tile: the nibbles 0..15 are A as they
-// are (qs bytes 4c..4c+3 hold k 4c..4c+3 in their low and k 16+4c.. in their high nibbles: the A
-// fragment's columns), the Q8_1 quants B (ldmatrix from rows padded to distinct banks). The
-// accumulator starts at the bits of 1.5 * 2^23, so the result read as a float is 1.5 * 2^23 +
-// sumi exactly; then acc += d4 * (d8 * sumi - 8 s8), two fp32 fmas. Every output is summed by one
-// thread in block order (split-K warps: their partial sums added in warp order): deterministic.
+// out[m, n] = sum_b d4 (d8 sumi - 8 s8), evaluated as main - 8 corr:
+//   main = sum_b d4 * round(d8 * sumi): per Q4_0 block one mma.m16n8k32.s8 per (16-row, 8-column)
+//     tile: the nibbles 0..15 are A as they are (qs bytes 4c..4c+3 hold k 4c..4c+3 in their low
+//     and k 16+4c.. in their high nibbles: the A fragment's columns), the Q8_1 quants B (ldmatrix
+//     from rows padded to distinct banks); the accumulator starts at the bits of 1.5 * 2^23, so the
+//     result read as a float f is 1.5 * 2^23 + sumi exactly and fma(d8, f, -d8 * 1.5 * 2^23) is
+//     d8 * sumi rounded once; then fma(d4, ., main): two fp32 operations per element and block.
+//   corr = sum_b d4 s8: per stage one mma.m16n8k8 f16 (d4 of the rows x s of the columns over the
+//     stage's 8 blocks: the products are exact, 11 x 11 bits) into a zero accumulator, added to
+//     corr in fp32.
+// Every output is summed by one thread in block order (split-K warps: their partial sums added in
+// warp order): deterministic.
 template <int MT, int WGM, int WGN, int WGK, int ST>
 __global__ void __launch_bounds__(WGM * WGN * WGK * 32, 1) gemm_w4a8_tc_kernel(
     const u8* __restrict__ wq, const u8* __restrict__ ws, float* __restrict__ out, i64 M, int N, i64 nb, int npad,
     i64 nbp, int wfast, int ovec) {
     using G = TcTile<MT, WGM, WGN, WGK, ST>;
-    constexpr int kThreads = G::kWarps * 32;
     extern __shared__ __attribute__((aligned(16))) u8 smem[];
-    const int warp = threadIdx.x >> 5, lane = lane_id(), g = lane >> 2, c = lane & 3;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = lane_id(), g = lane >> 2, c = lane & 3;
     const int wk = warp % WGK, wm = (warp / WGK) % WGM, wn = warp / (WGK * WGM);
     const i64 m0 = (i64)blockIdx.x * G::kBM;
     const int n0 = blockIdx.y * G::kBN;
     const i64 kp = nbp * kQK;
-    const u8* aq = ws;
-    const Pair* asc = reinterpret_cast<const Pair*>(ws + (i64)npad * kp);
     const int nkt = (int)(nbp / kTcBK);
 
+    // this thread's 16-byte chunks of every stage: sources at stage 0 (advanced by a fixed step per
+    // stage) and offsets in the stage
+    const u8* wsrc[G::kWIt];
+    u32 wdst[G::kWIt];
+#pragma unroll
+    for (int j = 0; j < G::kWIt; ++j) {
+        const int i = min(tid + j * G::kThreads, G::kWCh - 1), r = i / (kTcWRow / 16), ch = i - r * (kTcWRow / 16);
+        wsrc[j] = wq + min(m0 + r, M - 1) * nb * QC_Q4_0_BLOCK_BYTES + ch * 16;  // rows past M: never stored
+        wdst[j] = r * kTcWRow + ch * 16;
+    }
+    const u8* asrc = ws + (i64)(n0 + tid / 16) * kp + (tid & 15) * 16;
+    const u32 adst = G::kWBytes + (tid / 16) * kTcARow + (tid & 15) * 16;
+    const int db = tid / (G::kBN / 2), dj = tid - db * (G::kBN / 2);
+    const u8* dsrc = ws + w4t_dm_offset(npad, nbp) + ((i64)db * npad + n0 + 2 * dj) * 8;
+    const u32 ddst = G::kWBytes + G::kABytes + tid * 16;
+    const u8* ssrc = ws + w4t_s_offset(npad, nbp) + ((i64)(n0 + tid) * nbp) * 2;
+    const u32 sdst = G::kWBytes + G::kABytes + G::kDBytes + tid * 16;
+    const u32 sbase = smem_addr(smem);
+
     auto load = [&](int slot, int kt) {
-        u8* st = smem + slot * G::kStage;
+        const u32 st = sbase + slot * G::kStage;
         const i64 kb0 = (i64)kt * kTcBK;
         if (wfast) {
-            for (int i = threadIdx.x; i < G::kBM * (kTcWRow / 16); i += kThreads) {
-                const int r = i / (kTcWRow / 16), ch = i - r * (kTcWRow / 16);
-                const i64 gr = min(m0 + r, M - 1);  // rows past M: a valid row, never stored
-                cp_async16(smem_addr(st + r * kTcWRow + ch * 16), wq + (gr * nb + kb0) * QC_Q4_0_BLOCK_BYTES + ch * 16);
-            }
+#pragma unroll
+            for (int j = 0; j < G::kWIt; ++j)
+                if (G::kWCh % G::kThreads == 0 || tid + j * G::kThreads < G::kWCh)
+                    cp_async16(st + wdst[j], wsrc[j] + kb0 * QC_Q4_0_BLOCK_BYTES);
         } else {  // blocks past nb are zeros: d4 = 0
-            for (int i = threadIdx.x; i < G::kBM * kTcWRow; i += kThreads) {
+            u8* sw = smem + slot * G::kStage;
+            for (int i = tid; i < G::kBM * kTcWRow; i += G::kThreads) {
                 const int r = i / kTcWRow, o = i - r * kTcWRow;
                 const i64 gr = min(m0 + r, M - 1);
-                st[i] = kb0 + o / QC_Q4_0_BLOCK_BYTES < nb ? (u8)ldg_u8(wq + (gr * nb + kb0) * QC_Q4_0_BLOCK_BYTES + o) : (u8)0;
+                sw[i] = kb0 + o / QC_Q4_0_BLOCK_BYTES < nb
+                            ? (u8)ldg_u8(wq + (gr * nb + kb0) * QC_Q4_0_BLOCK_BYTES + o) : (u8)0;
             }
         }
-        u8* sa = st + G::kWBytes;
-        for (int i = threadIdx.x; i < G::kBN * (kTcBK * kQK / 16); i += kThreads) {
-            const int r = i / (kTcBK * kQK / 16), ch = i - r * (kTcBK * kQK / 16);
-            cp_async16(smem_addr(sa + r * kTcARow + ch * 16), aq + (i64)(n0 + r) * kp + kb0 * kQK + ch * 16);
-        }
-        u8* ss = sa + G::kABytes;
-        for (int i = threadIdx.x; i < kTcBK * G::kBN / 2; i += kThreads) {
-            const int b = i / (G::kBN / 2), j = i - b * (G::kBN / 2);
-            cp_async16(smem_addr(ss + (b * G::kBN + 2 * j) * 8), asc + (kb0 + b) * npad + n0 + 2 * j);
-        }
+#pragma unroll
+        for (int j = 0; j < G::kAIt; ++j)
+            cp_async16(st + adst + j * (G::kThreads / 16) * kTcARow,
+                       asrc + (i64)j * (G::kThreads / 16) * kp + kb0 * kQK);
+#pragma unroll
+        for (int j = 0; j < G::kDIt; ++j)
+            if (G::kDCh % G::kThreads == 0 || tid + j * G::kThreads < G::kDCh)
+                cp_async16(st + ddst + j * G::kThreads * 16, dsrc + (kb0 + j * (G::kThreads / (G::kBN / 2))) * npad * 8);
+        if (tid < G::kSCh) cp_async16(st + sdst, ssrc + kb0 * 2);
     };
 
-    float acc[MT][4][4];
+    float acc[MT][4][4], corr[MT][4][4];
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f, corr[i][j][e] = 0.0f;
 
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {
         if (s < nkt) load(s, s);
         cp_async_commit();
     }
+    int slot = 0;
     for (int kt = 0; kt < nkt; ++kt) {
         cp_async_wait<ST - 2>();
         __syncthreads();  // stage kt landed for every thread; the slot refilled below was consumed
         {
             const int nx = kt + ST - 1;
-            if (nx < nkt) load(nx % ST, nx);
+            if (nx < nkt) load(slot == 0 ? ST - 1 : slot - 1, nx);
             cp_async_commit();
         }
-        const u8* st = smem + (kt % ST) * G::kStage;
+        const u8* st = smem + slot * G::kStage;
         const u32* wsm = reinterpret_cast<const u32*>(st);
-        const u32 sa = smem_addr(st + G::kWBytes);
-        const float* ssc = reinterpret_cast<const float*>(st + G::kWBytes + G::kABytes);
+        const u32 sa = sbase + slot * G::kStage + G::kWBytes;
+        const float* dsm = reinterpret_cast<const float*>(st + G::kWBytes + G::kABytes);
+        const u32* ssm = reinterpret_cast<const u32*>(st + G::kWBytes + G::kABytes + G::kDBytes);
+        if (++slot == ST) slot = 0;
+        // corr: d4 of rows g, g + 8 over blocks 2c, 2c + 1 (pair c: d at bytes 0-1 and 18-19) x s
+        if (wk == 0) {
+            u32 sb[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) sb[j] = ssm[(wn * 32 + 8 * j + g) * (kTcBK / 2) + c];
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                const u32* r0 = wsm + (wm * 16 * MT + 16 * i + g) * (kTcWRow / 4) + 9 * c;
+                const u32* r1 = r0 + 8 * (kTcWRow / 4);
+                const u32 a0 = __byte_perm(r0[0], r0[4], 0x7610u), a1 = __byte_perm(r1[0], r1[4], 0x7610u);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    float d[4];
+                    mma_f16_1688(d, a0, a1, sb[j]);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) corr[i][j][e] = __fadd_rn(corr[i][j][e], d[e]);
+                }
+            }
+        }
 #pragma unroll
         for (int pp = 0; pp < kTcBK / 2 / WGK; ++pp) {
             const int p = wk + pp * WGK;  // block pair: blocks 2p, 2p + 1 at bytes 36p of each row
@@ -1003,10 +1088,10 @@ __global__ void __launch_bounds__(WGM * WGN * WGK * 32, 1) gemm_w4a8_tc_kernel(
                     ldsm_x4(sa + row * kTcARow + bl * kQK + ((lane >> 3) & 1) * 16, b[2 * jj][0], b[2 * jj][1],
                             b[2 * jj + 1][0], b[2 * jj + 1][1]);
                 }
-                float4 sc[4];
+                float4 sc[4];  // (d8, -d8 * 1.5 * 2^23) of columns 2c, 2c + 1 of each column tile
 #pragma unroll
                 for (int j = 0; j < 4; ++j)
-                    sc[j] = *reinterpret_cast<const float4*>(ssc + (bl * G::kBN + wn * 32 + 8 * j + 2 * c) * 2);
+                    sc[j] = *reinterpret_cast<const float4*>(dsm + (bl * G::kBN + wn * 32 + 8 * j + 2 * c) * 2);
 #pragma unroll
                 for (int i = 0; i < MT; ++i) {
                     const u32 a[4] = {qa[i][e][0] & 0x0f0f0f0fu, qa[i][e][1] & 0x0f0f0f0fu,
@@ -1015,14 +1100,10 @@ __global__ void __launch_bounds__(WGM * WGN * WGK * 32, 1) gemm_w4a8_tc_kernel(
                     for (int j = 0; j < 4; ++j) {
                         int d[4];
                         mma_s8_16832_magic(d, a, b[j][0], b[j][1]);
-                        const float s0 = __fsub_rn(__int_as_float(d[0]), 12582912.0f);
-                        const float s1 = __fsub_rn(__int_as_float(d[1]), 12582912.0f);
-                        const float s2 = __fsub_rn(__int_as_float(d[2]), 12582912.0f);
-                        const float s3 = __fsub_rn(__int_as_float(d[3]), 12582912.0f);
-                        acc[i][j][0] = fmaf(da[i][e][0], fmaf(sc[j].x, s0, -sc[j].y), acc[i][j][0]);
-                        acc[i][j][1] = fmaf(da[i][e][0], fmaf(sc[j].z, s1, -sc[j].w), acc[i][j][1]);
-                        acc[i][j][2] = fmaf(da[i][e][1], fmaf(sc[j].x, s2, -sc[j].y), acc[i][j][2]);
-                        acc[i][j][3] = fmaf(da[i][e][1], fmaf(sc[j].z, s3, -sc[j].w), acc[i][j][3]);
+                        acc[i][j][0] = fmaf(da[i][e][0], fmaf(sc[j].x, __int_as_float(d[0]), sc[j].y), acc[i][j][0]);
+                        acc[i][j][1] = fmaf(da[i][e][0], fmaf(sc[j].z, __int_as_float(d[1]), sc[j].w), acc[i][j][1]);
+                        acc[i][j][2] = fmaf(da[i][e][1], fmaf(sc[j].x, __int_as_float(d[2]), sc[j].y), acc[i][j][2]);
+                        acc[i][j][3] = fmaf(da[i][e][1], fmaf(sc[j].z, __int_as_float(d[3]), sc[j].w), acc[i][j][3]);
                     }
                 }
             }
@@ -1035,7 +1116,7 @@ __global__ void __launch_bounds__(WGM * WGN * WGK * 32, 1) gemm_w4a8_tc_kernel(
         float* red = reinterpret_cast<float*>(smem);
         const int tw = wm + WGM * wn;
         if (wk > 0) {
-            float* r = red + ((wk - 1) * WGM * G::kWGN + tw) * (MT * 64 * 32) + lane;
+            float* r = red + ((wk - 1) * WGM * WGN + tw) * (MT * 64 * 32) + lane;
 #pragma unroll
             for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -1046,7 +1127,7 @@ __global__ void __launch_bounds__(WGM * WGN * WGK * 32, 1) gemm_w4a8_tc_kernel(
         __syncthreads();
         if (wk > 0) return;
         for (int w = 1; w < WGK; ++w) {
-            const float* r = red + ((w - 1) * WGM * G::kWGN + tw) * (MT * 64 * 32) + lane;
+            const float* r = red + ((w - 1) * WGM * WGN + tw) * (MT * 64 * 32) + lane;
 #pragma unroll
             for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -1065,11 +1146,13 @@ __global__ void __launch_bounds__(WGM * WGN * WGK * 32, 1) gemm_w4a8_tc_kernel(
             for (int j = 0; j < 4; ++j) {
                 const int n = n0 + wn * 32 + 8 * j + 2 * c;
                 float* o = out + r * N + n;
+                const float v0 = fmaf(-8.0f, corr[i][j][2 * h], acc[i][j][2 * h]);
+                const float v1 = fmaf(-8.0f, corr[i][j][2 * h + 1], acc[i][j][2 * h + 1]);
                 if (ovec && n + 1 < N) {
-                    *reinterpret_cast<float2*>(o) = make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+                    *reinterpret_cast<float2*>(o) = make_float2(v0, v1);
                 } else {
-                    if (n < N) o[0] = acc[i][j][2 * h];
-                    if (n + 1 < N) o[1] = acc[i][j][2 * h + 1];
+                    if (n < N) o[0] = v0;
+                    if (n + 1 < N) o[1] = v1;
                 }
             }
         }

@@ -68,8 +68,7 @@ _SUM3_THREADS = 1024  # kSum3Threads
 _Q4N_THREADS, _Q4N_MAX_ABSMAX, _Q4N_MAX_LEAVES, _Q4N_MAX_LOG2UB = 512, 24 * 1024, 512 * 32, 6
 #: gemm_w4a8_tc_kernel configurations (MT, WGM, WGN, WGK, ST), widest tile first: WGM x WGN x WGK warps
 #: (rows x columns x K), a warp 16 MT rows x 32 columns, the CTA tile 16 MT WGM x 32 WGN, ST stages
-_W4T_TILES = ((2, 4, 4, 1, 3), (4, 2, 4, 1, 3), (2, 4, 2, 1, 4), (2, 2, 2, 2, 6), (1, 2, 1, 4, 8))
-_W4T_DEFAULT = (0, 2, 3, 4)  # the indices the launcher picks from (the others: QUANTCORE_CUDA_TUNE=w4t_tile=i)
+_W4T_TILES = ((4, 2, 4, 1, 3), (2, 4, 2, 1, 4), (2, 2, 2, 2, 6), (1, 2, 1, 4, 8))
 _W4_WARPS, _W4_CLUSTER = 8, 4  # gemm_w4a8_small_kernel (version 12, QUANTCORE_CUDA_TUNE=w4a8_small=1)
 _W4_MAX_KBS = 128  # blocks of K per CTA: bounds the shared memory (204 KB at N = 8)
 _W4_STREAM_WARPS, _W4_STREAM_ROWS = 16, 16  # gemm_w4a8_stream_kernel: kWsWarps (+ 1 producer for LD 0), kWsRows
@@ -180,7 +179,7 @@ def _w4t_geometry(tile: tuple[int, ...]) -> tuple[int, int, int, int]:
     g = W4A8_TC_GEOMETRY
     mt, wgm, wgn, wgk, st = tile
     bm, bn, bk = 16 * mt * wgm, 32 * wgn, g["QC_W4T_BK"]
-    stage = bm * bk * ggml.Q4_0_BLOCK_BYTES + bn * (bk * ggml.QK + g["QC_W4T_APAD"]) + bk * bn * 8
+    stage = bm * bk * ggml.Q4_0_BLOCK_BYTES + bn * (bk * ggml.QK + g["QC_W4T_APAD"]) + bk * bn * (8 + 2)
     red = (wgk - 1) * wgm * wgn * mt * 64 * 32 * 4
     return bm, bn, 32 * wgm * wgn * wgk, max(st * stage, red)
 
@@ -624,8 +623,8 @@ class CudaBackend(Backend):
     def _gemm(self, wq, act, out, quantize: bool, tag: str, n_rows: int, aligned4: bool):
         """gemm_w4a8_tc_kernel: the activation as Q8_1 values into a workspace (w4a8_tc_act_kernel:
         quantized from the float activation, or repacked from given Q8_1 blocks), then the tiled
-        int8 tensor-core GEMM. The workspace (npad x (32 nbp + 8 nbp) bytes) is allocated per call
-        from the caller's allocator (torch's or CuPy's pool, stream-ordered)."""
+        int8 tensor-core GEMM. The workspace (npad x nbp x 42 bytes) is allocated per call from the
+        caller's allocator (torch's or CuPy's pool, stream-ordered)."""
         m, nb = int(wq.shape[0]), int(wq.shape[1])
         if m == 0 or n_rows == 0:
             return
@@ -633,9 +632,9 @@ class CudaBackend(Backend):
         launch = Launcher(wq)
         npad = _cdiv(n_rows, g["QC_W4T_NPAD"]) * g["QC_W4T_NPAD"]
         nbp = _cdiv(nb, g["QC_W4T_BK"]) * g["QC_W4T_BK"]
-        ws = self.empty((npad * nbp * (ggml.QK + 8),), "uint8", like=wq)
+        ws = self.empty((npad * nbp * (ggml.QK + 8 + 2),), "uint8", like=wq)  # quants, (d8, -d8 1.5 2^23), s
         vec = aligned(act, 16) if quantize else False
-        launch(_FG, _w4t_act(tag, quantize), (npad * nbp * 8 // 256,), 256,
+        launch(_FG, _w4t_act(tag, quantize), (npad * nbp // 256,), 256,
                (ptr_arg(act), ptr_arg(ws), i32(n_rows), i64(nb), i32(npad), i64(nbp), i32(vec), i32(aligned4)))
         # the widest tile that still gives about one CTA per multiprocessor, else the narrowest
         sms = rt.sm_count(launch.device)
@@ -643,10 +642,9 @@ class CudaBackend(Backend):
         if 0 <= forced < len(_W4T_TILES):
             tile = _W4T_TILES[forced]
         else:
-            cands = [_W4T_TILES[i] for i in _W4T_DEFAULT]
-            tile = next((t for t in cands
+            tile = next((t for t in _W4T_TILES
                          if _cdiv(m, _w4t_geometry(t)[0]) * _cdiv(n_rows, _w4t_geometry(t)[1]) * 10 >= sms * 9),
-                        cands[-1])
+                        _W4T_TILES[-1])
         bm, bn, threads, smem = _w4t_geometry(tile)
         wfast = nb % g["QC_W4T_BK"] == 0 and aligned(wq, 16)
         ovec = n_rows % 2 == 0 and aligned(out, 8)

@@ -2,8 +2,9 @@
 beside torch bf16 F.linear (cuBLAS), torch._int_mm (cuBLASLt int8 on int8 operands of the same
 shape) and dequantize_q4_0 + bf16 F.linear (the linear_q4_0 op's many-row path). CUDA events
 around one call queued behind a ~1 ms sleep kernel, weight sets rotated past L2, median of
-`reps`; bf16 activation; each quantcore output checked against the fp32 product of the
-dequantized weight and the Q8_1-dequantized activation (fp64 product) (relative Frobenius error). argv[1]: n
+`reps`; bf16 activation; each quantcore output compared with the fp64 product of the
+dequantized weight and the Q8_1-dequantized activation (relative Frobenius error; Q8_1's fp16 s,
+which the format's formula uses, puts it near 7e-4). argv[1]: n
 values (comma-separated), argv[2]: QUANTCORE_CUDA_TUNE settings to compare, ";"-separated.
 Run by tools/dev/w4a8_tc_device.sh."""
 
