@@ -943,16 +943,16 @@ struct TcTile {
 // wfast: nb % 8 == 0 and wq 16-byte aligned (weights by cp.async), else byte loads. ovec: N even
 // and out 8-byte aligned (float2 stores). Shared memory: max(ST * kStage, kRedBytes).
 //
-// out[m, n] = sum_b d4 (d8 sumi - 8 s8), evaluated as main - 8 corr:
-//   main = sum_b d4 * round(d8 * sumi): per Q4_0 block one mma.m16n8k32.s8 per (16-row, 8-column)
+// out[m, n] = sum_b d4 (d8 sumi - 8 s8), accumulated in fp32 as
+//   sum_b d4 * round(d8 * sumi): per Q4_0 block one mma.m16n8k32.s8 per (16-row, 8-column)
 //     tile: the nibbles 0..15 are A as they are (qs bytes 4c..4c+3 hold k 4c..4c+3 in their low
 //     and k 16+4c.. in their high nibbles: the A fragment's columns), the Q8_1 quants B (ldmatrix
 //     from rows padded to distinct banks); the accumulator starts at the bits of 1.5 * 2^23, so the
 //     result read as a float f is 1.5 * 2^23 + sumi exactly and fma(d8, f, -d8 * 1.5 * 2^23) is
-//     d8 * sumi rounded once; then fma(d4, ., main): two fp32 operations per element and block.
-//   corr = sum_b d4 s8: per stage one mma.m16n8k8 f16 (d4 of the rows x s of the columns over the
-//     stage's 8 blocks: the products are exact, 11 x 11 bits) into a zero accumulator, added to
-//     corr in fp32.
+//     d8 * sumi rounded once; then fma(d4, ., acc): two fp32 operations per element and block.
+//   - 8 sum_b d4 s8: per stage one mma.m16n8k8 f16 (d4 of the rows x s of the columns over the
+//     stage's 8 blocks: the products are exact, 11 x 11 bits) into a zero accumulator, then
+//     fma(-8, ., acc): one fp32 operation per element and stage.
 // Every output is summed by one thread in block order (split-K warps: their partial sums added in
 // warp order): deterministic.
 template <int MT, int WGM, int WGN, int WGK, int ST>
@@ -1015,13 +1015,13 @@ __global__ void __launch_bounds__(WGM * WGN * WGK * 32, 1) gemm_w4a8_tc_kernel(
         if (tid < G::kSCh) cp_async16(st + sdst, ssrc + kb0 * 2);
     };
 
-    float acc[MT][4][4], corr[MT][4][4];
+    float acc[MT][4][4];
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f, corr[i][j][e] = 0.0f;
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {
@@ -1058,7 +1058,7 @@ __global__ void __launch_bounds__(WGM * WGN * WGK * 32, 1) gemm_w4a8_tc_kernel(
                     float d[4];
                     mma_f16_1688(d, a0, a1, sb[j]);
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) corr[i][j][e] = __fadd_rn(corr[i][j][e], d[e]);
+                    for (int e = 0; e < 4; ++e) acc[i][j][e] = fmaf(-8.0f, d[e], acc[i][j][e]);
                 }
             }
         }
@@ -1146,8 +1146,7 @@ __global__ void __launch_bounds__(WGM * WGN * WGK * 32, 1) gemm_w4a8_tc_kernel(
             for (int j = 0; j < 4; ++j) {
                 const int n = n0 + wn * 32 + 8 * j + 2 * c;
                 float* o = out + r * N + n;
-                const float v0 = fmaf(-8.0f, corr[i][j][2 * h], acc[i][j][2 * h]);
-                const float v1 = fmaf(-8.0f, corr[i][j][2 * h + 1], acc[i][j][2 * h + 1]);
+                const float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];
                 if (ovec && n + 1 < N) {
                     *reinterpret_cast<float2*>(o) = make_float2(v0, v1);
                 } else {
