@@ -69,7 +69,10 @@ _Q4N_THREADS, _Q4N_MAX_ABSMAX, _Q4N_MAX_LEAVES, _Q4N_MAX_LOG2UB = 512, 24 * 1024
 #: gemm_w4a8_tc_kernel configurations (MT, WGM, WGN, WGK, ST), widest tile first: WGM x WGN x WGK warps
 #: (rows x columns x K), a warp 16 MT rows x 32 columns, the CTA tile 16 MT WGM x 32 WGN, ST stages
 _W4T_TILES = ((4, 2, 4, 1, 3), (2, 4, 2, 1, 4), (2, 2, 2, 2, 6), (1, 2, 1, 4, 8), (2, 4, 4, 1, 3))
-_W4T_PICK = 4  # the launcher picks among the first _W4T_PICK (the rest: QUANTCORE_CUDA_TUNE=w4t_tile=i only)
+#: the time per output element of the first 4 configurations relative to the first's (measured at
+#: n = 4096, docs/performance.md "W4A8 prefill"); the launcher takes the smallest
+#: waves x BM x BN x cost (one CTA per multiprocessor); the fifth only through w4t_tile=4
+_W4T_COST = (1.0, 1.14, 1.41, 2.69)
 _W4_WARPS, _W4_CLUSTER = 8, 4  # gemm_w4a8_small_kernel (version 12, QUANTCORE_CUDA_TUNE=w4a8_small=1)
 _W4_MAX_KBS = 128  # blocks of K per CTA: bounds the shared memory (204 KB at N = 8)
 _W4_STREAM_WARPS, _W4_STREAM_ROWS = 16, 16  # gemm_w4a8_stream_kernel: kWsWarps (+ 1 producer for LD 0), kWsRows
@@ -637,15 +640,17 @@ class CudaBackend(Backend):
         vec = aligned(act, 16) if quantize else False
         launch(_FG, _w4t_act(tag, quantize), (npad * nbp // 256,), 256,
                (ptr_arg(act), ptr_arg(ws), i32(n_rows), i64(nb), i32(npad), i64(nbp), i32(vec), i32(aligned4)))
-        # the widest tile that still gives about one CTA per multiprocessor, else the narrowest
-        sms = rt.sm_count(launch.device)
         forced = rt.tune("w4t_tile", -1)
         if 0 <= forced < len(_W4T_TILES):
             tile = _W4T_TILES[forced]
         else:
-            tile = next((t for t in _W4T_TILES[:_W4T_PICK]
-                         if _cdiv(m, _w4t_geometry(t)[0]) * _cdiv(n_rows, _w4t_geometry(t)[1]) * 10 >= sms * 9),
-                        _W4T_TILES[_W4T_PICK - 1])
+            sms = rt.sm_count(launch.device)
+
+            def est(i: int) -> float:
+                bm, bn = _w4t_geometry(_W4T_TILES[i])[:2]
+                return _cdiv(_cdiv(m, bm) * _cdiv(n_rows, bn), sms) * bm * bn * _W4T_COST[i]
+
+            tile = _W4T_TILES[min(range(len(_W4T_COST)), key=est)]
         bm, bn, threads, smem = _w4t_geometry(tile)
         wfast = nb % g["QC_W4T_BK"] == 0 and aligned(wq, 16)
         ovec = n_rows % 2 == 0 and aligned(out, 8)

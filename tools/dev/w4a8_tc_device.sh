@@ -22,6 +22,18 @@ from quantcore.backends.cuda import runtime as rt
 n = rt.precompile([i for i in cuda.kernel_instances() if i[0] == "ggml.cu"], 0, workers=16)
 print(f"precompiled {n} ggml.cu kernels in {time.time() - t:.1f} s")
 PY
+cat > /tmp/w4tprof.py <<'PY'
+import torch
+from quantcore.backends.cuda import create
+be = create()
+m, k, n = 4096, 14336, 512
+w = torch.randint(0, 256, (m, k // 32, 18), dtype=torch.uint8, device="cuda")
+w[..., 1] = 0x20
+a = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+o = torch.empty(m, n, device="cuda")
+for _ in range(3): be.gemm_w4a8(w, a, o)
+torch.cuda.synchronize()
+PY
 for step in ${W4T_STEPS:-tests conformance memcheck timing}; do
   s=$(date +%s)
   case $step in
@@ -53,19 +65,21 @@ PY
       timeout ${W4T_TIME_LIMIT:-240} python3 tools/dev/w4a8_tc_time.py "${W4T_NS:-16,64,512,2048,4096}" "${W4T_CONFIGS:-}" > "$OUT/timing.log" 2>&1
       say "timing: rc=$? ($(( $(date +%s) - s )) s)"
       cat "$OUT/timing.log" >> "$S";;
+    crossover)
+      timeout 120 python3 tools/dev/w4a8_linear_crossover.py > "$OUT/crossover.log" 2>&1
+      say "crossover: rc=$? ($(( $(date +%s) - s )) s)"
+      cat "$OUT/crossover.log" >> "$S";;
+    bench)
+      timeout 200 python3 -m quantcore.bench --backend cuda --ops gemm_w4a8 -v > "$OUT/bench.log" 2>&1
+      say "bench: rc=$? ($(( $(date +%s) - s )) s)"
+      grep -E "copy|gemm_w4a8" "$OUT/bench.log" >> "$S";;
+    stalls)
+      timeout 120 ncu --clock-control none --kernel-name regex:gemm_w4a8_tc --launch-skip 2 --launch-count 1 \
+        --metrics regex:smsp__warp_issue_stalled_.*_per_warp_active.pct,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_tensor_op_imma.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed \
+        python3 /tmp/w4tprof.py > "$OUT/stalls.log" 2>&1
+      say "stalls: rc=$? ($(( $(date +%s) - s )) s)"
+      grep -E "stalled|issue_active|imma|wavefronts" "$OUT/stalls.log" | sort -k3 -n -r | head -30 >> "$S";;
     ncu)
-      cat > /tmp/w4tprof.py <<'PY'
-import torch
-from quantcore.backends.cuda import create
-be = create()
-m, k, n = 4096, 14336, 512
-w = torch.randint(0, 256, (m, k // 32, 18), dtype=torch.uint8, device="cuda")
-w[..., 1] = 0x20
-a = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-o = torch.empty(m, n, device="cuda")
-for _ in range(3): be.gemm_w4a8(w, a, o)
-torch.cuda.synchronize()
-PY
       timeout 120 ncu --clock-control none --kernel-name regex:w4a8_tc --launch-skip 2 --launch-count 2 \
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
         --section ComputeWorkloadAnalysis --section InstructionStats python3 /tmp/w4tprof.py > "$OUT/ncu.log" 2>&1
