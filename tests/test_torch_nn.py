@@ -122,6 +122,9 @@ def test_linear_path_by_rows(monkeypatch, capsys):
     assert qct.linear_path(1) == "gemv" and qct.linear_path(qct.GEMV_MAX_ROWS) == "gemv"
     assert qct.linear_path(qct.GEMV_MAX_ROWS + 1) == "dequantize+matmul"
     assert qct.linear_path(9, "linear_q4_0") == "dequantize+matmul"
+    assert qct.linear_path(9, "linear_q4_0", "cpu") == "dequantize+matmul"
+    assert qct.linear_path(qct.W4A8_MAX_ROWS_CUDA, "linear_q4_0", "cuda") == "gemv"
+    assert qct.linear_path(qct.W4A8_MAX_ROWS_CUDA + 1, "linear_q4_0", "cuda") == "dequantize+matmul"
     monkeypatch.setattr(qct, "DEBUG", True)
     qct.linear_path(3)
     assert "linear_4bit rows=3 -> gemv" in capsys.readouterr().err

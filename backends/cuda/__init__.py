@@ -68,11 +68,11 @@ _SUM3_THREADS = 1024  # kSum3Threads
 _Q4N_THREADS, _Q4N_MAX_ABSMAX, _Q4N_MAX_LEAVES, _Q4N_MAX_LOG2UB = 512, 24 * 1024, 512 * 32, 6
 #: gemm_w4a8_tc_kernel configurations (MT, WGM, WGN, WGK, ST), widest tile first: WGM x WGN x WGK warps
 #: (rows x columns x K), a warp 16 MT rows x 32 columns, the CTA tile 16 MT WGM x 32 WGN, ST stages
-_W4T_TILES = ((4, 2, 4, 1, 3), (2, 4, 2, 1, 4), (2, 2, 2, 2, 6), (1, 2, 1, 4, 4), (2, 4, 4, 1, 3), (1, 2, 1, 4, 8))
+_W4T_TILES = ((4, 2, 4, 1, 3), (2, 4, 2, 1, 4), (2, 2, 2, 2, 6), (1, 2, 1, 4, 4))
 #: the time per output element of the first 4 configurations relative to the first's (measured at
 #: n = 4096, docs/performance.md "W4A8 prefill"); the launcher takes the smallest
-#: waves x BM x BN x cost (waves of one CTA per multiprocessor); the others only through w4t_tile=i
-_W4T_COST = (1.0, 1.14, 1.41, 2.69)
+#: waves x BM x BN x cost (waves of one CTA per multiprocessor); w4t_tile=i forces one
+_W4T_COST = (1.0, 1.14, 1.41, 1.92)
 _W4_WARPS, _W4_CLUSTER = 8, 4  # gemm_w4a8_small_kernel (version 12, QUANTCORE_CUDA_TUNE=w4a8_small=1)
 _W4_MAX_KBS = 128  # blocks of K per CTA: bounds the shared memory (204 KB at N = 8)
 _W4_STREAM_WARPS, _W4_STREAM_ROWS = 16, 16  # gemm_w4a8_stream_kernel: kWsWarps (+ 1 producer for LD 0), kWsRows

@@ -35,10 +35,10 @@ def main() -> None:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             res = []
             for limit in (1 << 30, 0):
-                qt.W4A8_MAX_ROWS = limit
+                qt.W4A8_MAX_ROWS = qt.W4A8_MAX_ROWS_CUDA = limit
                 res.append(med(lambda i, x=x, wqs=wqs: qt.linear_q4_0_eager(x, wqs[i % 3])))
             print(f"{m}x{k:<9d} {rows:5d} {res[0]:9.1f} {res[1]:14.1f}", flush=True)
-    qt.W4A8_MAX_ROWS = 8
+    qt.W4A8_MAX_ROWS, qt.W4A8_MAX_ROWS_CUDA = 8, 64
 
 
 if __name__ == "__main__":
