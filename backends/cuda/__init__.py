@@ -5,7 +5,9 @@
   :class:`~quantcore.errors.DeviceError`.
 - Every op launches on the caller's current stream (torch's current stream for torch tensors,
   CuPy's for CuPy arrays), does no host synchronization and allocates nothing beyond the outputs
-  it is given, so it can be captured in a CUDA graph.
+  it is given (one exception: the W4A8 GEMM above the stream kernel's rows takes a workspace for
+  the quantized activation from the caller's own allocator, stream-ordered), so it can be
+  captured in a CUDA graph.
 - Kernels are compiled on first use (one cubin per template instantiation, cached on disk under
   ``$QUANTCORE_CACHE_DIR`` or ``~/.cache/quantcore/cuda``); no nvcc is needed.
 
