@@ -167,71 +167,6 @@ __global__ void __launch_bounds__(256) dequantize_ggml_kernel(
     store8<T>(out, t * 8, nblocks * kQK, vec != 0, v);
 }
 
-// ==================================================================================================
-// W4A8 GEMM: out[m, n] = sum_b d4[m,b] * (d8[n,b] * sumi(m,n,b) - 8 * s8[n,b])
-// ==================================================================================================
-// This tensor-core kernel serves gemm_q4_0_q8_1 and the gemm_w4a8 shapes that
-// gemm_w4a8_small_kernel (below: N <= 8, K % 256 == 0, K <= 16384, sm_90) does not take.
-// int8 tensor cores (mma.m16n8k32.s8): a warp multiplies 16 weight rows by 8 activation rows, one
-// Q4_0 block (32 k) per mma, so each mma result is one block's sumi. The Q4_0 nibbles are the A
-// operand as they are (0..15 as int8; the -8 is the s8 term), the Q8_1 quants the B operand. The
-// lanes of a row take qs bytes 4c..4c+3: their low nibbles are elements 4c..4c+3 and their high
-// nibbles elements 16+4c..16+4c+3, exactly the A fragment's k columns; B's fragment holds the same
-// k of the activation block.
-//
-// Weights: each warp copies its 16 rows x 8 blocks (16 x 144 contiguous bytes) into its own
-// shared-memory slot with coalesced cp.async (4-byte words: blocks are 18 bytes, so rows are only
-// 4-byte aligned, which needs K % 256 == 0; otherwise a plain byte copy), one K-tile ahead, and
-// reads the fragments from there (a row is 36 words, so the 8 rows a warp reads are 4 banks apart).
-//
-// Activations (N <= 8 rows per grid row) live in shared memory as Q8_1 values, K-tile by K-tile:
-// quantized inside the kernel from the float activation (gemm_w4a8; the same arithmetic as
-// quantize_q8_1, so the same bytes; 8 lanes per block) or copied from given Q8_1 blocks
-// (gemm_q4_0_q8_1). Double-buffered: while the warps multiply tile t, the weights of tile t+1 are in
-// flight and its activations are produced. A CTA owns a fixed range of row tiles (one CTA per
-// multiprocessor); a tile's K-tile is split between several warps when the CTA has fewer tiles
-// than warps, and the partial sums are added in a fixed order at the end (deterministic).
-constexpr int kGemmWarps = 16;
-constexpr int kGemmUB = 8;                               // blocks per warp per K-tile
-constexpr int kGemmRowBytes = kGemmUB * QC_Q4_0_BLOCK_BYTES;  // 144: one row's segment
-constexpr int kGemmSlotBytes = 16 * kGemmRowBytes;       // one warp's 16 rows
-
-struct GemmSmem {
-    // per activation row n: KT blocks of 32 int8, padded by 16 bytes so that the 8 rows read by a
-    // warp fall in different banks; then (d8, 8*s8) per block.
-    static __device__ __forceinline__ int row_bytes(int kt) { return kt * 32 + 16; }
-    static __device__ __forceinline__ int act_bytes(int kt) { return 8 * row_bytes(kt) + 8 * kt * 8; }
-};
-
-__device__ __forceinline__ void cp_async4(void* smem_dst, const void* gsrc) {
-    const u32 d = smem_addr(smem_dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(d), "l"(gsrc) : "memory");
-}
-
-// The warp's 16 rows x 8 blocks of K-tile t into its slot (rows clamped to M - 1, blocks past
-// the end of K not copied; they are never read).
-__device__ __forceinline__ void gemm_copy_weights(u8* slot, const u8* wq, i64 tile, i64 M, i64 nbk, i64 kb0,
-                                                  bool async4) {
-    const int lane = lane_id();
-    if (async4) {  // nbk % 8 == 0: the segment is whole and 4-byte aligned
-#pragma unroll
-        for (int i = 0; i < kGemmSlotBytes / 4 / 32; ++i) {
-            const int w = lane + 32 * i, row = w / (kGemmRowBytes / 4), col = w % (kGemmRowBytes / 4);
-            const i64 r = min(tile * 16 + row, M - 1);
-            cp_async4(slot + row * kGemmRowBytes + 4 * col, wq + (r * nbk + kb0) * QC_Q4_0_BLOCK_BYTES + 4 * col);
-        }
-    } else {
-        const int valid = (int)min((i64)kGemmUB, nbk - kb0) * QC_Q4_0_BLOCK_BYTES;
-        for (int w = lane; w < 16 * kGemmRowBytes; w += 32) {
-            const int row = w / kGemmRowBytes, col = w % kGemmRowBytes;
-            if (col < valid) {
-                const i64 r = min(tile * 16 + row, M - 1);
-                slot[w] = (u8)ldg_u8(wq + (r * nbk + kb0) * QC_Q4_0_BLOCK_BYTES + col);
-            }
-        }
-    }
-}
-
 // 4 consecutive activation elements as fp32 (vec: 16-byte aligned fp32 / 8-byte aligned halves).
 template <typename T>
 __device__ __forceinline__ void load4_act(const typename T::S* x, int vec, float (&v)[4]) {
@@ -277,150 +212,6 @@ __device__ __forceinline__ u32 q8_1_lanes8(const float (&v)[4], float& d, float&
     d = f16_to_f32(f32_to_f16(dq));
     s8x8 = 8.0f * f16_to_f32(q8_1_s(sum, dq));
     return qw;
-}
-
-// Activation K-tile [kb0, kb0 + kt) of rows n0 .. n0+nn-1 into buf, 8 lanes per block.
-template <typename T, bool QUANTIZE>
-__device__ __forceinline__ void gemm_produce(u8* buf, int kt, const void* act, int nn, int n0, i64 K, i64 kb0,
-                                             int vec, int aligned4) {
-    const i64 nbk = K / kQK;
-    const int rb = GemmSmem::row_bytes(kt);
-    Pair* ds = reinterpret_cast<Pair*>(buf + 8 * rb);
-    const int li = threadIdx.x & 7;
-    const int units = nn * kt, per_pass = blockDim.x >> 3;
-    for (int base = 0; base < units; base += per_pass) {  // uniform trip count: shuffles below
-        const int u = base + (threadIdx.x >> 3);
-        const int n = u / kt, bl = u - n * kt;
-        const i64 kb = kb0 + bl;
-        const bool valid = u < units && kb < nbk;
-        u32 qw = 0u;
-        float d = 0.0f, s8x8 = 0.0f;
-        if (QUANTIZE) {
-            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            if (valid)
-                load4_act<T>(reinterpret_cast<const typename T::S*>(act) + (i64)(n0 + n) * K + kb * kQK + 4 * li,
-                             vec, v);
-            qw = q8_1_lanes8(v, d, s8x8);
-        } else if (valid) {
-            const u8* blk = reinterpret_cast<const u8*>(act) + ((i64)(n0 + n) * nbk + kb) * QC_Q8_1_BLOCK_BYTES;
-            d = f16_to_f32((u16)(ldg_u8(blk) | (ldg_u8(blk + 1) << 8)));
-            s8x8 = 8.0f * f16_to_f32((u16)(ldg_u8(blk + 2) | (ldg_u8(blk + 3) << 8)));
-            const u8* q = blk + 4 + 4 * li;
-            qw = aligned4 ? ldg_u32(q) : (ldg_u8(q) | (ldg_u8(q + 1) << 8) | (ldg_u8(q + 2) << 16) | (ldg_u8(q + 3) << 24));
-        }
-        if (valid) {
-            *reinterpret_cast<u32*>(buf + n * rb + bl * 32 + 4 * li) = qw;
-            if (li == 0) ds[n * kt + bl] = Pair{d, s8x8};
-        }
-    }
-}
-
-__device__ __forceinline__ void mma_s8_16832(int (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ u32 lds_u16(const u8* p) { return *reinterpret_cast<const u16*>(p); }
-
-template <typename T, bool QUANTIZE>
-__global__ void __launch_bounds__(kGemmWarps * 32, 1) gemm_q4_0_kernel(
-    const u8* __restrict__ wq, const void* __restrict__ act, float* __restrict__ out, i64 M, int N, i64 K,
-    int tiles_per_cta, int vec, int aligned4, int wq_async4) {
-    extern __shared__ __attribute__((aligned(16))) u8 smem[];
-    const int warp = threadIdx.x >> 5, lane = lane_id(), g = lane >> 2, c = lane & 3;
-    const i64 nbk = K / kQK;
-    const i64 ntiles = (M + 15) >> 4;
-    const i64 t_begin = (i64)blockIdx.x * tiles_per_cta;
-    const int tc = (int)min((i64)tiles_per_cta, ntiles - t_begin);  // tiles of this CTA (>= 1)
-    const int kss = tiles_per_cta <= kGemmWarps ? kGemmWarps / tiles_per_cta : 1;
-    const int kt = kss * kGemmUB;  // blocks per K-tile
-    const int n0 = blockIdx.y * 8, nn = min(8, N - n0);
-    const int ab = GemmSmem::act_bytes(kt);
-    u8* wslots = smem + 2 * ab;  // [warp][2][16 rows][144 bytes]
-
-    // this warp's unit: tile slot and K sub-range of every K-tile
-    const int slot_t = warp % tiles_per_cta, part = warp / tiles_per_cta;
-    const bool active = part < kss && slot_t < tc;
-    const i64 tile = t_begin + slot_t;
-    const int rb = GemmSmem::row_bytes(kt);
-    const bool async4 = wq_async4 != 0;
-
-    // activation rows past N feed the mma but their output columns are never stored; zero them
-    // once so that no uninitialised shared memory is read
-    for (int i = threadIdx.x; i < 2 * ab / 4; i += blockDim.x) reinterpret_cast<u32*>(smem)[i] = 0u;
-    __syncthreads();
-
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const i64 ntile_k = (nbk + kt - 1) / kt;
-    auto copy_tile = [&](i64 t) {
-        const i64 kb0 = t * kt + part * kGemmUB;
-        if (active && kb0 < nbk)
-            gemm_copy_weights(wslots + (warp * 2 + (int)(t & 1)) * kGemmSlotBytes, wq, tile, M, nbk, kb0, async4);
-        cp_async_commit();
-    };
-
-    copy_tile(0);
-    gemm_produce<T, QUANTIZE>(smem, kt, act, nn, n0, K, 0, vec, aligned4);
-    __syncthreads();
-    for (i64 t = 0; t < ntile_k; ++t) {
-        if (t + 1 < ntile_k) {
-            copy_tile(t + 1);
-        } else {
-            cp_async_commit();  // an empty group keeps "all but the newest group" meaning tile t
-        }
-        cp_async_wait<1>();
-        __syncwarp();
-        const u8* cur = smem + (t & 1) * ab;
-        const Pair* ds = reinterpret_cast<const Pair*>(cur + 8 * rb);
-        const u8* ws = wslots + (warp * 2 + (int)(t & 1)) * kGemmSlotBytes;
-        if (active) {
-#pragma unroll
-            for (int u = 0; u < kGemmUB; ++u) {
-                const int bl = part * kGemmUB + u;
-                const i64 kb = t * kt + bl;
-                if (kb < nbk) {  // warp-uniform
-                    const u8* b0 = ws + g * kGemmRowBytes + u * QC_Q4_0_BLOCK_BYTES;
-                    const u8* b1 = b0 + 8 * kGemmRowBytes;
-                    const u32 w0 = lds_u16(b0 + 2 + 4 * c) | (lds_u16(b0 + 4 + 4 * c) << 16);
-                    const u32 w1 = lds_u16(b1 + 2 + 4 * c) | (lds_u16(b1 + 4 + 4 * c) << 16);
-                    const u32 af[4] = {w0 & 0x0f0f0f0fu, w1 & 0x0f0f0f0fu, (w0 >> 4) & 0x0f0f0f0fu,
-                                       (w1 >> 4) & 0x0f0f0f0fu};
-                    const u32* brow = reinterpret_cast<const u32*>(cur + g * rb + bl * 32);
-                    int d[4] = {0, 0, 0, 0};
-                    mma_s8_16832(d, af, brow[c], brow[4 + c]);
-                    const Pair dsa = ds[(2 * c) * kt + bl], dsb = ds[(2 * c + 1) * kt + bl];
-                    const float d40 = f16_to_f32((u16)lds_u16(b0)), d41 = f16_to_f32((u16)lds_u16(b1));
-                    acc[0] = fmaf(d40, fmaf(dsa.x, (float)d[0], -dsa.y), acc[0]);
-                    acc[1] = fmaf(d40, fmaf(dsb.x, (float)d[1], -dsb.y), acc[1]);
-                    acc[2] = fmaf(d41, fmaf(dsa.x, (float)d[2], -dsa.y), acc[2]);
-                    acc[3] = fmaf(d41, fmaf(dsb.x, (float)d[3], -dsb.y), acc[3]);
-                }
-            }
-        }
-        if (t + 1 < ntile_k)
-            gemm_produce<T, QUANTIZE>(smem + ((t + 1) & 1) * ab, kt, act, nn, n0, K, (t + 1) * kt, vec, aligned4);
-        __syncthreads();
-    }
-
-    // partial sums of the warps of one tile, added in part order
-    float* red = reinterpret_cast<float*>(smem);  // [kGemmWarps][16][8], the tiles are consumed
-    red[(warp * 16 + g) * 8 + 2 * c] = acc[0];
-    red[(warp * 16 + g) * 8 + 2 * c + 1] = acc[1];
-    red[(warp * 16 + g + 8) * 8 + 2 * c] = acc[2];
-    red[(warp * 16 + g + 8) * 8 + 2 * c + 1] = acc[3];
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < tc * 128; idx += blockDim.x) {
-        const int s = idx >> 7, row = (idx >> 3) & 15, col = idx & 7;
-        const i64 r = (t_begin + s) * 16 + row;
-        if (r < M && col < nn) {
-            float sum = red[(s * 16 + row) * 8 + col];
-            for (int p = 1; p < kss; ++p) sum += red[((p * tiles_per_cta + s) * 16 + row) * 8 + col];
-            out[r * N + n0 + col] = sum;
-        }
-    }
 }
 
 // ==================================================================================================
@@ -715,8 +506,9 @@ __host__ __device__ constexpr int ws_stride(int kc) {
 // Q8_1 of one block held by one lane, the reference's bytes. Where d is a normal float (or 0, or
 // inf) |x * id| <= 127.0001, and there roundf's half-away-from-zero equals
 // trunc(y + copysign(0.5 - 2^-25, y)) in fp32 (checked exhaustively over |y| <= 128); NaN -> 0
-// through the conversion. Blocks whose d is subnormal take the reference's general form.
-__device__ __forceinline__ void ws_q8_1_block(const float (&v)[kQK], u32 (&qw)[8], float& d8, float& s8x8) {
+// through the conversion. Blocks whose d is subnormal take the reference's general form. d8: the
+// stored fp16 d as fp32; sbits: the stored fp16 s.
+__device__ __forceinline__ void ws_q8_1_block_bits(const float (&v)[kQK], u32 (&qw)[8], float& d8, u16& sbits) {
     float amax = 0.0f;  // fmaxf skips NaN
 #pragma unroll
     for (int j = 0; j < kQK; ++j) amax = fmaxf(amax, fabsf(v[j]));
@@ -741,7 +533,14 @@ __device__ __forceinline__ void ws_q8_1_block(const float (&v)[kQK], u32 (&qw)[8
         sum = q8_words_ref(v, id, qw);
     }
     d8 = f16_to_f32(f32_to_f16(d));
-    s8x8 = 8.0f * f16_to_f32(q8_1_s(sum, d));
+    sbits = q8_1_s(sum, d);
+}
+
+// The same with s8x8 = 8 * the stored s as fp32.
+__device__ __forceinline__ void ws_q8_1_block(const float (&v)[kQK], u32 (&qw)[8], float& d8, float& s8x8) {
+    u16 sbits;
+    ws_q8_1_block_bits(v, qw, d8, sbits);
+    s8x8 = 8.0f * f16_to_f32(sbits);
 }
 
 __device__ __forceinline__ void mma_s8_16832_magic(int (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
@@ -1038,6 +837,324 @@ __global__ void QC_WS_CLUSTER(CL) __launch_bounds__((kWsWarps + (LD == 0 ? 1 : 0
     }
     if (CL > 1) cluster_sync();  // no CTA leaves while another reads its shared memory
 #endif
+}
+
+
+// ==================================================================================================
+// W4A8 on int8 tensor cores for any N (the N <= 8 stream kernel above aside): a Q8_1 pre-pass
+// into a workspace, then a tiled GEMM
+// ==================================================================================================
+// Workspace (the launcher allocates it per call): the activation as Q8_1 values in layouts the
+// GEMM copies with 16-byte cp.async. npad = N rounded up to QC_W4T_NPAD, nbp = the block count nb
+// rounded up to QC_W4T_BK; rows n >= N and blocks b >= nb are zeros (they add 0 to every sum).
+//   quants  int8 [npad][nbp * 32]
+//   dm      fp32 pairs [nbp][npad]: (d8, -d8 * 1.5 * 2^23), d8 the block's fp16 d (the product is
+//           exact: 11 x 2 significant bits)
+//   s       fp16 [npad][nbp]: the block's stored s
+constexpr int kTcBK = QC_W4T_BK;
+constexpr int kTcWRow = kTcBK * QC_Q4_0_BLOCK_BYTES;  // a weight row's bytes per stage (144)
+constexpr int kTcARow = kTcBK * kQK + QC_W4T_APAD;      // an activation row's bytes per stage (272)
+constexpr float kTcMagic = 12582912.0f;                 // 1.5 * 2^23, the float of kWsMagic's bits
+static_assert(kTcBK == 8, "a stage is 4 pairs of Q4_0 blocks (144 bytes, whole 16-byte units) and one k8 mma");
+static_assert(kTcWRow % 16 == 0 && (kTcWRow / 4) % 32 == 4, "weight rows 4 banks apart");
+static_assert((kTcARow / 16) % 2 == 1, "activation rows in distinct 16-byte bank groups (ldmatrix)");
+
+__host__ __device__ constexpr i64 w4t_dm_offset(int npad, i64 nbp) { return (i64)npad * nbp * kQK; }
+__host__ __device__ constexpr i64 w4t_s_offset(int npad, i64 nbp) { return (i64)npad * nbp * (kQK + 8); }
+
+// One thread per block (n, b), n-major: QUANTIZE the float activation x [N, K] (ws_q8_1_block_bits:
+// quantize_q8_1's bytes), else repack given Q8_1 blocks [N, nb, 36].
+template <typename T, bool QUANTIZE>
+__global__ void __launch_bounds__(256) w4a8_tc_act_kernel(const void* __restrict__ x, u8* __restrict__ ws, int N,
+                                                          i64 nb, int npad, i64 nbp, int vec, int aligned4) {
+    const i64 u = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (u >= (i64)npad * nbp) return;
+    const int n = (int)(u / nbp);
+    const i64 b = u - (i64)n * nbp;
+    u32 qw[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+    float d8 = 0.0f;
+    u16 sbits = 0;
+    if (n < N && b < nb) {
+        if (QUANTIZE) {
+            const typename T::S* src = reinterpret_cast<const typename T::S*>(x) + ((i64)n * nb + b) * kQK;
+            float v[kQK];
+            if (vec) {
+                WsRaw<T> raw;
+                raw.load(src);
+                raw.to_f32(v);
+            } else {
+                load_block<T>(src, false, v);
+            }
+            ws_q8_1_block_bits(v, qw, d8, sbits);
+        } else {
+            const u8* blk = reinterpret_cast<const u8*>(x) + ((i64)n * nb + b) * QC_Q8_1_BLOCK_BYTES;
+            d8 = f16_to_f32((u16)(ldg_u8(blk) | (ldg_u8(blk + 1) << 8)));
+            sbits = (u16)(ldg_u8(blk + 2) | (ldg_u8(blk + 3) << 8));
+#pragma unroll
+            for (int w = 0; w < 8; ++w) {
+                const u8* q = blk + 4 + 4 * w;
+                qw[w] = aligned4 ? ldg_u32(q)
+                                 : (ldg_u8(q) | (ldg_u8(q + 1) << 8) | (ldg_u8(q + 2) << 16) | (ldg_u8(q + 3) << 24));
+            }
+        }
+    }
+    uint4* dq = reinterpret_cast<uint4*>(ws + u * kQK);
+    dq[0] = make_uint4(qw[0], qw[1], qw[2], qw[3]);
+    dq[1] = make_uint4(qw[4], qw[5], qw[6], qw[7]);
+    reinterpret_cast<Pair*>(ws + w4t_dm_offset(npad, nbp))[b * npad + n] = Pair{d8, -d8 * kTcMagic};
+    reinterpret_cast<u16*>(ws + w4t_s_offset(npad, nbp))[u] = sbits;
+}
+
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+// D = A (16 x 8 fp16, row) x B (8 x 8 fp16, col), fp32, accumulator zero
+__device__ __forceinline__ void mma_f16_1688(float (&d)[4], u32 a0, u32 a1, u32 b0) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%7,%7,%7};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a0), "r"(a1), "r"(b0), "f"(0.0f));
+}
+
+// The CTA tile: WGM (rows) x WGN (columns) x WGK (K: the block pairs of a stage split between
+// warps, their sums added in a fixed order at the end) warps; a warp owns MT 16-row tiles x 4
+// 8-column tiles (16 MT x 32); ST pipeline stages of kTcBK blocks.
+template <int MT, int WGM, int WGN, int WGK, int ST>
+struct TcTile {
+    static constexpr int kWarps = WGM * WGN * WGK, kThreads = 32 * kWarps;
+    static constexpr int kBM = 16 * MT * WGM, kBN = 32 * WGN;
+    static constexpr int kWBytes = kBM * kTcWRow, kABytes = kBN * kTcARow, kDBytes = kTcBK * kBN * 8;
+    static constexpr int kSBytes = kBN * kTcBK * 2;
+    static constexpr int kStage = kWBytes + kABytes + kDBytes + kSBytes;
+    static constexpr int kRedBytes = (WGK - 1) * WGM * WGN * MT * 64 * 32 * 4;
+    // 16-byte chunks of a stage per part; per thread (rounded up)
+    static constexpr int kWCh = kBM * kTcWRow / 16, kACh = kBN * kTcBK * kQK / 16, kDCh = kDBytes / 16,
+                         kSCh = kSBytes / 16;
+    static constexpr int kWIt = (kWCh + kThreads - 1) / kThreads, kAIt = kACh / kThreads,
+                         kDIt = (kDCh + kThreads - 1) / kThreads;
+    static_assert((kTcBK / 2) % WGK == 0 && ST >= 2, "warp grid, pipeline");
+    static_assert(kBN <= QC_W4T_NPAD && QC_W4T_NPAD % kBN == 0, "workspace rows cover every column tile");
+    static_assert(kACh % kThreads == 0 && kThreads % 16 == 0, "activation chunks: whole passes, 16 per row");
+    static_assert(kThreads % (kBN / 2) == 0 && kSCh <= kThreads, "d8 chunks: whole column tiles per pass; s: one");
+};
+
+// out [M, N] fp32 = Q4_0 wq [M, nb] x the workspace's activation; grid (cdiv(M, BM), cdiv(N, BN)).
+// wfast: nb % 8 == 0 and wq 16-byte aligned (weights by cp.async), else byte loads. ovec: N even
+// and out 8-byte aligned (float2 stores). Shared memory: max(ST * kStage, kRedBytes).
+//
+// out[m, n] = sum_b d4 (d8 sumi - 8 s8), accumulated in fp32 as
+//   sum_b d4 * round(d8 * sumi): per Q4_0 block one mma.m16n8k32.s8 per (16-row, 8-column)
+//     tile: the nibbles 0..15 are A as they are (qs bytes 4c..4c+3 hold k 4c..4c+3 in their low
+//     and k 16+4c.. in their high nibbles: the A fragment's columns), the Q8_1 quants B (ldmatrix
+//     from rows padded to distinct banks); the accumulator starts at the bits of 1.5 * 2^23, so the
+//     result read as a float f is 1.5 * 2^23 + sumi exactly and fma(d8, f, -d8 * 1.5 * 2^23) is
+//     d8 * sumi rounded once; then fma(d4, ., acc): two fp32 operations per element and block.
+//   - 8 sum_b d4 s8: per stage one mma.m16n8k8 f16 (d4 of the rows x s of the columns over the
+//     stage's 8 blocks: the products are exact, 11 x 11 bits) into a zero accumulator, then
+//     fma(-8, ., acc): one fp32 operation per element and stage.
+// Every output is summed by one thread in block order (split-K warps: their partial sums added in
+// warp order): deterministic.
+template <int MT, int WGM, int WGN, int WGK, int ST>
+__global__ void __launch_bounds__(WGM * WGN * WGK * 32, 1) gemm_w4a8_tc_kernel(
+    const u8* __restrict__ wq, const u8* __restrict__ ws, float* __restrict__ out, i64 M, int N, i64 nb, int npad,
+    i64 nbp, int wfast, int ovec) {
+    using G = TcTile<MT, WGM, WGN, WGK, ST>;
+    extern __shared__ __attribute__((aligned(16))) u8 smem[];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = lane_id(), g = lane >> 2, c = lane & 3;
+    const int wk = warp % WGK, wm = (warp / WGK) % WGM, wn = warp / (WGK * WGM);
+    const i64 m0 = (i64)blockIdx.x * G::kBM;
+    const int n0 = blockIdx.y * G::kBN;
+    const i64 kp = nbp * kQK;
+    const int nkt = (int)(nbp / kTcBK);
+
+    // this thread's 16-byte chunks of every stage: sources at stage 0 (advanced by a fixed step per
+    // stage) and offsets in the stage
+    const u8* wsrc[G::kWIt];
+    u32 wdst[G::kWIt];
+#pragma unroll
+    for (int j = 0; j < G::kWIt; ++j) {
+        const int i = min(tid + j * G::kThreads, G::kWCh - 1), r = i / (kTcWRow / 16), ch = i - r * (kTcWRow / 16);
+        wsrc[j] = wq + min(m0 + r, M - 1) * nb * QC_Q4_0_BLOCK_BYTES + ch * 16;  // rows past M: never stored
+        wdst[j] = r * kTcWRow + ch * 16;
+    }
+    const u8* asrc = ws + (i64)(n0 + tid / 16) * kp + (tid & 15) * 16;
+    const u32 adst = G::kWBytes + (tid / 16) * kTcARow + (tid & 15) * 16;
+    const int db = tid / (G::kBN / 2), dj = tid - db * (G::kBN / 2);
+    const u8* dsrc = ws + w4t_dm_offset(npad, nbp) + ((i64)db * npad + n0 + 2 * dj) * 8;
+    const u32 ddst = G::kWBytes + G::kABytes + tid * 16;
+    const u8* ssrc = ws + w4t_s_offset(npad, nbp) + ((i64)(n0 + tid) * nbp) * 2;
+    const u32 sdst = G::kWBytes + G::kABytes + G::kDBytes + tid * 16;
+    const u32 sbase = smem_addr(smem);
+
+    auto load = [&](int slot, int kt) {
+        const u32 st = sbase + slot * G::kStage;
+        const i64 kb0 = (i64)kt * kTcBK;
+        if (wfast) {
+#pragma unroll
+            for (int j = 0; j < G::kWIt; ++j)
+                if (G::kWCh % G::kThreads == 0 || tid + j * G::kThreads < G::kWCh)
+                    cp_async16(st + wdst[j], wsrc[j] + kb0 * QC_Q4_0_BLOCK_BYTES);
+        } else {  // blocks past nb are zeros: d4 = 0
+            u8* sw = smem + slot * G::kStage;
+            for (int i = tid; i < G::kBM * kTcWRow; i += G::kThreads) {
+                const int r = i / kTcWRow, o = i - r * kTcWRow;
+                const i64 gr = min(m0 + r, M - 1);
+                sw[i] = kb0 + o / QC_Q4_0_BLOCK_BYTES < nb
+                            ? (u8)ldg_u8(wq + (gr * nb + kb0) * QC_Q4_0_BLOCK_BYTES + o) : (u8)0;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < G::kAIt; ++j)
+            cp_async16(st + adst + j * (G::kThreads / 16) * kTcARow,
+                       asrc + (i64)j * (G::kThreads / 16) * kp + kb0 * kQK);
+#pragma unroll
+        for (int j = 0; j < G::kDIt; ++j)
+            if (G::kDCh % G::kThreads == 0 || tid + j * G::kThreads < G::kDCh)
+                cp_async16(st + ddst + j * G::kThreads * 16, dsrc + (kb0 + j * (G::kThreads / (G::kBN / 2))) * npad * 8);
+        if (tid < G::kSCh) cp_async16(st + sdst, ssrc + kb0 * 2);
+    };
+
+    float acc[MT][4][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < ST - 1; ++s) {
+        if (s < nkt) load(s, s);
+        cp_async_commit();
+    }
+    int slot = 0;
+    for (int kt = 0; kt < nkt; ++kt) {
+        cp_async_wait<ST - 2>();
+        __syncthreads();  // stage kt landed for every thread; the slot refilled below was consumed
+        {
+            const int nx = kt + ST - 1;
+            if (nx < nkt) load(slot == 0 ? ST - 1 : slot - 1, nx);
+            cp_async_commit();
+        }
+        const u8* st = smem + slot * G::kStage;
+        const u32* wsm = reinterpret_cast<const u32*>(st);
+        const u32 sa = sbase + slot * G::kStage + G::kWBytes;
+        const float* dsm = reinterpret_cast<const float*>(st + G::kWBytes + G::kABytes);
+        const u32* ssm = reinterpret_cast<const u32*>(st + G::kWBytes + G::kABytes + G::kDBytes);
+        if (++slot == ST) slot = 0;
+        // corr: d4 of rows g, g + 8 over blocks 2c, 2c + 1 (pair c: d at bytes 0-1 and 18-19) x s
+        if (wk == 0) {
+            u32 sb[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) sb[j] = ssm[(wn * 32 + 8 * j + g) * (kTcBK / 2) + c];
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                const u32* r0 = wsm + (wm * 16 * MT + 16 * i + g) * (kTcWRow / 4) + 9 * c;
+                const u32* r1 = r0 + 8 * (kTcWRow / 4);
+                const u32 a0 = __byte_perm(r0[0], r0[4], 0x7610u), a1 = __byte_perm(r1[0], r1[4], 0x7610u);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    float d[4];
+                    mma_f16_1688(d, a0, a1, sb[j]);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[i][j][e] = fmaf(-8.0f, d[e], acc[i][j][e]);
+                }
+            }
+        }
+#pragma unroll
+        for (int pp = 0; pp < kTcBK / 2 / WGK; ++pp) {
+            const int p = wk + pp * WGK;  // block pair: blocks 2p, 2p + 1 at bytes 36p of each row
+            u32 qa[MT][2][2];
+            float da[MT][2][2];
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const u32* rw = wsm + (wm * 16 * MT + 16 * i + g + 8 * h) * (kTcWRow / 4) + 9 * p;
+                    const u32 x0 = rw[c], x1 = rw[c + 1], x2 = rw[5 + c], xh = rw[0], xh1 = rw[4];
+                    qa[i][0][h] = __byte_perm(x0, x1, 0x5432u);  // block 2p: quants from byte 2
+                    qa[i][1][h] = x2;                            // block 2p + 1: quants from byte 20
+                    da[i][0][h] = f16_to_f32((u16)(xh & 0xffffu));
+                    da[i][1][h] = f16_to_f32((u16)(xh1 >> 16));
+                }
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int bl = 2 * p + e;
+                u32 b[4][2];
+#pragma unroll
+                for (int jj = 0; jj < 2; ++jj) {
+                    const int row = wn * 32 + jj * 16 + (lane >> 4) * 8 + (lane & 7);
+                    ldsm_x4(sa + row * kTcARow + bl * kQK + ((lane >> 3) & 1) * 16, b[2 * jj][0], b[2 * jj][1],
+                            b[2 * jj + 1][0], b[2 * jj + 1][1]);
+                }
+                float4 sc[4];  // (d8, -d8 * 1.5 * 2^23) of columns 2c, 2c + 1 of each column tile
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    sc[j] = *reinterpret_cast<const float4*>(dsm + (bl * G::kBN + wn * 32 + 8 * j + 2 * c) * 2);
+#pragma unroll
+                for (int i = 0; i < MT; ++i) {
+                    const u32 a[4] = {qa[i][e][0] & 0x0f0f0f0fu, qa[i][e][1] & 0x0f0f0f0fu,
+                                      (qa[i][e][0] >> 4) & 0x0f0f0f0fu, (qa[i][e][1] >> 4) & 0x0f0f0f0fu};
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        int d[4];
+                        mma_s8_16832_magic(d, a, b[j][0], b[j][1]);
+                        acc[i][j][0] = fmaf(da[i][e][0], fmaf(sc[j].x, __int_as_float(d[0]), sc[j].y), acc[i][j][0]);
+                        acc[i][j][1] = fmaf(da[i][e][0], fmaf(sc[j].z, __int_as_float(d[1]), sc[j].w), acc[i][j][1]);
+                        acc[i][j][2] = fmaf(da[i][e][1], fmaf(sc[j].x, __int_as_float(d[2]), sc[j].y), acc[i][j][2]);
+                        acc[i][j][3] = fmaf(da[i][e][1], fmaf(sc[j].z, __int_as_float(d[3]), sc[j].w), acc[i][j][3]);
+                    }
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the stages are free: the split-K partial sums go there
+
+    if (WGK > 1) {
+        float* red = reinterpret_cast<float*>(smem);
+        const int tw = wm + WGM * wn;
+        if (wk > 0) {
+            float* r = red + ((wk - 1) * WGM * WGN + tw) * (MT * 64 * 32) + lane;
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) r[((i * 4 + j) * 4 + e) * 32] = acc[i][j][e];
+        }
+        __syncthreads();
+        if (wk > 0) return;
+        for (int w = 1; w < WGK; ++w) {
+            const float* r = red + ((w - 1) * WGM * WGN + tw) * (MT * 64 * 32) + lane;
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[i][j][e] += r[((i * 4 + j) * 4 + e) * 32];
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const i64 r = m0 + wm * 16 * MT + 16 * i + g + 8 * h;
+            if (r >= M) continue;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int n = n0 + wn * 32 + 8 * j + 2 * c;
+                float* o = out + r * N + n;
+                const float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];
+                if (ovec && n + 1 < N) {
+                    *reinterpret_cast<float2*>(o) = make_float2(v0, v1);
+                } else {
+                    if (n < N) o[0] = v0;
+                    if (n + 1 < N) o[1] = v1;
+                }
+            }
+        }
 }
 
 }  // namespace qc

@@ -146,13 +146,15 @@ CUDA_SIZES = {
     "gemv_4bit": [(b, n, k) for n, k in ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (8192, 8192),
                                          (1024, 8192), (28672, 8192), (8192, 28672)) for b in (1, 4, 8, 16)],
     "gemm_w4a8": [(1, 4096, 14336), (2, 4096, 14336), (4, 4096, 14336), (8, 4096, 14336),
-                  (1, 14336, 4096), (8, 14336, 4096)],
+                  (1, 14336, 4096), (8, 14336, 4096)]
+    # prefill: the int8 tensor-core GEMM
+    + [(n, m, k) for m, k in ((4096, 14336), (14336, 4096)) for n in (16, 64, 512, 2048, 4096)],
 }
 QUICK_CUDA_SIZES = {
     "dequantize_4bit": [(16384, 16384), (4096, 4096)],
     "quantize_4bit": [(16384, 16384)],
     "gemv_4bit": [(1, 16384, 16384), (1, 14336, 4096), (8, 16384, 16384)],
-    "gemm_w4a8": [(1, 4096, 14336), (8, 4096, 14336), (1, 14336, 4096)],
+    "gemm_w4a8": [(1, 4096, 14336), (8, 4096, 14336), (1, 14336, 4096), (512, 4096, 14336)],
 }
 # linear_4bit (NF4, the torch layer's path choice) for prefill / batched rows: (rows, N, K)
 CUDA_SIZES["linear_4bit"] = [(r, n, k) for n, k in ((4096, 14336), (14336, 4096)) for r in (16, 64, 512, 2048, 4096)]
@@ -618,16 +620,33 @@ class Bench:
         rows = [self.measure("gemm_w4a8", shape, "quantcore", nbytes,
                              [lambda wq=wq: be.gemm_w4a8(wq, a, out) for wq in wqs],
                              eager=[lambda wq=wq: api.gemm_w4a8(wq, a, m, nn, k, backend=be) for wq in wqs])]
-        rows[0].note = f"weights {wbytes / 1e6:.1f} MB: {wbytes / rows[0].kernel_us / 1e3:.0f} GB/s" \
-            if rows[0].kernel_us else rows[0].note
+        ops = 2.0 * nn * m * k
+
+        def tops(row: Row) -> str:
+            return f"{ops / row.kernel_us / 1e6:.0f} TOPS" if row.kernel_us else ""
+
+        if rows[0].kernel_us:
+            rows[0].note = f"weights {wbytes / 1e6:.1f} MB: {wbytes / rows[0].kernel_us / 1e3:.0f} GB/s" \
+                if nn <= 8 else f"{tops(rows[0])} (Q8_1 quantization of the activation included)"
         del wqs
         if self.torch is not None:
-            lin = self.torch.nn.functional.linear
+            t = self.torch
+            lin = t.nn.functional.linear
             tbytes = 2 * m * k + 2 * nn * k + 2 * nn * m
             wt = [self.rand((m, k), "bfloat16", 0.05) for _ in range(self.sets(tbytes))]
             rows.append(self.measure("gemm_w4a8", shape, "torch-bf16", tbytes, [lambda w=w: lin(a, w) for w in wt],
                                      note="bf16 weight bytes"))
+            if nn > 8:
+                rows[-1].note = tops(rows[-1])
             del wt
+            if nn > 16:  # cuBLASLt int8 on int8 operands of the same shape (torch._int_mm wants more than 16 rows)
+                ibytes = m * k + nn * k + 4 * nn * m
+                ai = t.randint(-128, 128, (nn, k), device="cuda", dtype=t.int8)
+                wi = [t.randint(-128, 128, (m, k), device="cuda", dtype=t.int8).t() for _ in range(self.sets(ibytes))]
+                rows.append(self.measure("gemm_w4a8", shape, "torch-int_mm", ibytes,
+                                         [lambda w=w: t._int_mm(ai, w) for w in wi]))
+                rows[-1].note = tops(rows[-1]) + " (int8 x int8, no scales)" if rows[-1].kernel_us else rows[-1].note
+                del wi
         if self.ht is not None:
             ws = [self.rand((m, k), "bfloat16", 0.05) for _ in range(self.sets(2 * m * k))]
             self.host_linear(rows, "gemm_w4a8", shape, ws, a, m, k, nn)

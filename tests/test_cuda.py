@@ -301,6 +301,42 @@ def test_gemm_w4a8_and_q4_0_q8_1_within_bounds(be, rng, dtype):
 @gpu
 @needs_torch
 @pytest.mark.parametrize("dtype", list(FLOAT_DTYPES))
+def test_gemm_w4a8_tensor_core_tiles(be, rng, dtype):
+    """The tensor-core GEMM (N > 8, and every N of gemm_q4_0_q8_1): each tile shape forced through
+    QUANTCORE_CUDA_TUNE=w4t_tile, partial tiles in M and N, K a multiple of 256 (cp.async weights)
+    or not (byte loads), odd N (scalar stores), an output at a 4-byte offset; every element written
+    (the output starts as NaN), tiles and repeated calls within the bounds, repeats bit-equal."""
+    cases = ((130, 16, 288), (257, 100, 1024), (64, 17, 4096), (300, 512, 512), (33, 9, 2080))
+    old = os.environ.get(rt.ENV_TUNE)
+    try:
+        for m, n, k in cases:
+            w = _randn(rng, (m, k), "float32", scale_groups=32)
+            a = _randn(rng, (n, k), dtype, scale_groups=32)
+            wq, aq = ggml.quantize_q4_0(w), ggml.quantize_q8_1(a)
+            wq_t, a_t, aq_t = _t(wq), _t(a), _t(aq)
+            for tile in range(4):
+                os.environ[rt.ENV_TUNE] = f"w4t_tile={tile}"
+                buf = torch.full((m * n + 1,), float("nan"), dtype=torch.float32, device="cuda")
+                out = buf[1:].view(m, n)  # 4-byte aligned only
+                be.gemm_w4a8(wq_t, a_t, out)
+                got = _n(out)
+                _gemm_check(wq, aq, got)
+                be.gemm_w4a8(wq_t, a_t, out)
+                assert np.array_equal(bits(_n(out)), bits(got)), (m, n, k, tile)
+                if dtype == "float32":
+                    out2 = torch.full((m, n), float("nan"), dtype=torch.float32, device="cuda")
+                    be.gemm_q4_0_q8_1(wq_t, aq_t, out2)
+                    _gemm_check(wq, aq, _n(out2))
+    finally:
+        if old is None:
+            os.environ.pop(rt.ENV_TUNE, None)
+        else:
+            os.environ[rt.ENV_TUNE] = old
+
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("dtype", list(FLOAT_DTYPES))
 def test_gemm_w4a8_small_n_streaming_kernel(be, rng, dtype):
     """N = 1..8 with K % 256 == 0 takes the streaming kernel on sm_90: every N, slices that are empty
     (K = 256: one CTA of the cluster has all of K), rows not a multiple of 4, a partial last row

@@ -146,6 +146,9 @@ def test_linear_path_by_rows(monkeypatch, capsys):
     assert qct.linear_path(qct.GEMV_MAX_ROWS + 1) == "dequantize+matmul"
     assert qct.linear_path(9, "linear_q4_0") == "dequantize+matmul"
     assert qct.linear_path(16, "linear_fp4") == "gemv" and qct.linear_path(17, "linear_fp4") == "dequantize+matmul"
+    assert qct.linear_path(9, "linear_q4_0", "cpu") == "dequantize+matmul"
+    assert qct.linear_path(qct.W4A8_MAX_ROWS_CUDA, "linear_q4_0", "cuda") == "gemv"
+    assert qct.linear_path(qct.W4A8_MAX_ROWS_CUDA + 1, "linear_q4_0", "cuda") == "dequantize+matmul"
     monkeypatch.setattr(qct, "DEBUG", True)
     qct.linear_path(3)
     assert "linear_4bit rows=3 -> gemv" in capsys.readouterr().err
@@ -165,7 +168,7 @@ def test_linear_path_fused_gemm_by_rows_times_k():
     assert qct.linear_path(limit // 4096 + 1, backend=cuda, k=4096) == "dequantize+matmul"
     assert qct.linear_path(qct.GEMV_MAX_ROWS, backend=cuda, k=1 << 30) == "gemv"  # the decode kernels' rows
     assert qct.linear_path(qct.GEMV_MAX_ROWS + 1, backend=cpu, k=64) == "dequantize+matmul"
-    assert qct.linear_path(qct.GEMV_MAX_ROWS + 1, "linear_q4_0", backend=cuda, k=64) == "dequantize+matmul"
+    assert qct.linear_path(qct.W4A8_MAX_ROWS_CUDA + 1, "linear_q4_0", backend=cuda, k=64) == "dequantize+matmul"
 
 
 # -- modules ---------------------------------------------------------------------------------------------

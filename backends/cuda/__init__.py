@@ -5,7 +5,9 @@
   :class:`~quantcore.errors.DeviceError`.
 - Every op launches on the caller's current stream (torch's current stream for torch tensors,
   CuPy's for CuPy arrays), does no host synchronization and allocates nothing beyond the outputs
-  it is given, so it can be captured in a CUDA graph.
+  it is given (one exception: the W4A8 GEMM above the stream kernel's rows takes a workspace for
+  the quantized activation from the caller's own allocator, stream-ordered), so it can be
+  captured in a CUDA graph.
 - Kernels are compiled on first use (one cubin per template instantiation, cached on disk under
   ``$QUANTCORE_CACHE_DIR`` or ``~/.cache/quantcore/cuda``); no nvcc is needed.
 
@@ -32,7 +34,12 @@ from quantcore.arrays import as_dtype, dtype_name
 from quantcore.backend import Availability, Backend, Nested
 from quantcore.errors import DeviceError, DTypeError
 from quantcore.formats import bnb, ggml
-from quantcore.formats.kernel_defines import GGML_FORMAT_CODE, LAUNCH_GEOMETRY, QUANT_TYPE_CODE
+from quantcore.formats.kernel_defines import (
+    GGML_FORMAT_CODE,
+    LAUNCH_GEOMETRY,
+    QUANT_TYPE_CODE,
+    W4A8_TC_GEOMETRY,
+)
 
 from . import mx as _mx
 from . import runtime as rt
@@ -58,7 +65,13 @@ _TREE_CHUNK = _G["QC_DQ_TREE_CHUNK"]
 # double_quantize: absmax values per chunk sum, the most chunk sums the quantize launch reduces, the
 # chunk-sum kernel's threads
 _SUM_CHUNK, _SUM_MAX_PARTS, _SUM3_THREADS = _G["QC_DQ_SUM_CHUNK"], _G["QC_DQ_SUM_MAX_PARTS"], _G["QC_DQ_SUM_THREADS"]
-_GEMM_WARPS, _GEMM_UB = 16, 8
+#: gemm_w4a8_tc_kernel configurations (MT, WGM, WGN, WGK, ST), widest tile first: WGM x WGN x WGK warps
+#: (rows x columns x K), a warp 16 MT rows x 32 columns, the CTA tile 16 MT WGM x 32 WGN, ST stages
+_W4T_TILES = ((4, 2, 4, 1, 3), (2, 4, 2, 1, 4), (2, 2, 2, 2, 6), (1, 2, 1, 4, 4))
+#: the time per output element of the first 4 configurations relative to the first's (measured at
+#: n = 4096, docs/performance.md "W4A8 prefill"); the launcher takes the smallest
+#: waves x BM x BN x cost (waves of one CTA per multiprocessor); w4t_tile=i forces one
+_W4T_COST = (1.0, 1.14, 1.41, 1.92)
 _W4_WARPS, _W4_CLUSTER = 8, 4  # gemm_w4a8_small_kernel (version 12, QUANTCORE_CUDA_TUNE=w4a8_small=1)
 _W4_MAX_KBS = 128  # blocks of K per CTA: bounds the shared memory (204 KB at N = 8)
 _W4_STREAM_WARPS, _W4_STREAM_ROWS = 16, 16  # gemm_w4a8_stream_kernel: kWsWarps (+ 1 producer for LD 0), kWsRows
@@ -151,8 +164,22 @@ def _dqg(tag: str, fmt: str) -> str:
     return f"qc::dequantize_ggml_kernel<{tag}, {GGML_FMT[fmt]}>"
 
 
-def _gemm(tag: str, quantize: bool) -> str:
-    return f"qc::gemm_q4_0_kernel<{tag}, {_b(quantize)}>"
+def _w4t_act(tag: str, quantize: bool) -> str:
+    return f"qc::w4a8_tc_act_kernel<{tag}, {_b(quantize)}>"
+
+
+def _w4t(tile: tuple[int, ...]) -> str:
+    return "qc::gemm_w4a8_tc_kernel<{}, {}, {}, {}, {}>".format(*tile)
+
+
+def _w4t_geometry(tile: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """(BM, BN, threads, shared memory bytes) of a gemm_w4a8_tc_kernel configuration (TcTile in ggml.cu)."""
+    g = W4A8_TC_GEOMETRY
+    mt, wgm, wgn, wgk, st = tile
+    bm, bn, bk = 16 * mt * wgm, 32 * wgn, g["QC_W4T_BK"]
+    stage = bm * bk * ggml.Q4_0_BLOCK_BYTES + bn * (bk * ggml.QK + g["QC_W4T_APAD"]) + bk * bn * (8 + 2)
+    red = (wgk - 1) * wgm * wgn * mt * 64 * 32 * 4
+    return bm, bn, 32 * wgm * wgn * wgk, max(st * stage, red)
 
 
 def _gemm_small(tag: str, key: tuple[int, int, int]) -> str:
@@ -180,9 +207,10 @@ def kernel_instances() -> list[tuple[str, str]]:
         out += [(_F8, _qbw(tag)), (_F8, _qbw(tag, cells=False)), (_F8, _dqbw(tag))]
         for fmt in GGML_FMT:
             out += [(_FG, _qg(tag, fmt)), (_FG, _dqg(tag, fmt))]
-        out.append((_FG, _gemm(tag, True)))
+        out.append((_FG, _w4t_act(tag, True)))
         out += [(_FG, _gemm_small(tag, nb)) for nb in _W4_NB]
-    out.append((_FG, _gemm(TYPE_TAG["float32"], False)))
+    out.append((_FG, _w4t_act(TYPE_TAG["float32"], False)))
+    out += [(_FG, _w4t(tile)) for tile in _W4T_TILES]
     out += [(_F8, _tree(True)), (_F8, _tree(False)), (_F8, _tree(None))]
     return out
 
@@ -500,21 +528,38 @@ class CudaBackend(Backend):
                           (ptr_arg(q), ptr_arg(out), i64(nblocks), i32(aligned(out, 16))))
 
     def _gemm(self, wq, act, out, quantize: bool, tag: str, n_rows: int, aligned4: bool):
-        m, k = int(wq.shape[0]), int(wq.shape[1]) * ggml.QK
+        """gemm_w4a8_tc_kernel: the activation as Q8_1 values into a workspace (w4a8_tc_act_kernel:
+        quantized from the float activation, or repacked from given Q8_1 blocks), then the tiled
+        int8 tensor-core GEMM. The workspace (npad x nbp x 42 bytes) is allocated per call from the
+        caller's allocator (torch's or CuPy's pool, stream-ordered)."""
+        m, nb = int(wq.shape[0]), int(wq.shape[1])
         if m == 0 or n_rows == 0:
             return
+        g = W4A8_TC_GEOMETRY
         launch = Launcher(wq)
-        ntiles = _cdiv(m, 16)
-        tpc = rt.tune("gemm_tpc", 0) or min(_GEMM_WARPS, _cdiv(ntiles, rt.sm_count(launch.device)))
-        kss = _GEMM_WARPS // tpc
-        kt = kss * _GEMM_UB
-        act_bytes = 8 * (kt * 32 + 16) + 8 * kt * 8  # GemmSmem::act_bytes
-        smem = 2 * act_bytes + _GEMM_WARPS * 2 * 16 * _GEMM_UB * ggml.Q4_0_BLOCK_BYTES
+        npad = _cdiv(n_rows, g["QC_W4T_NPAD"]) * g["QC_W4T_NPAD"]
+        nbp = _cdiv(nb, g["QC_W4T_BK"]) * g["QC_W4T_BK"]
+        ws = self.empty((npad * nbp * (ggml.QK + 8 + 2),), "uint8", like=wq)  # quants, (d8, -d8 1.5 2^23), s
         vec = aligned(act, 16) if quantize else False
-        async4 = k % (_GEMM_UB * 32) == 0 and aligned(wq, 4)
-        launch(_FG, _gemm(tag, quantize), (_cdiv(ntiles, tpc), _cdiv(n_rows, 8)), 32 * _GEMM_WARPS,
-               (ptr_arg(wq), ptr_arg(act), ptr_arg(out), i64(m), i32(n_rows), i64(k), i32(tpc), i32(vec),
-                i32(aligned4), i32(async4)), shared_mem=smem)
+        launch(_FG, _w4t_act(tag, quantize), (npad * nbp // 256,), 256,
+               (ptr_arg(act), ptr_arg(ws), i32(n_rows), i64(nb), i32(npad), i64(nbp), i32(vec), i32(aligned4)))
+        forced = rt.tune("w4t_tile", -1)
+        if 0 <= forced < len(_W4T_TILES):
+            tile = _W4T_TILES[forced]
+        else:
+            sms = rt.sm_count(launch.device)
+
+            def est(i: int) -> float:
+                bm, bn = _w4t_geometry(_W4T_TILES[i])[:2]
+                return _cdiv(_cdiv(m, bm) * _cdiv(n_rows, bn), sms) * bm * bn * _W4T_COST[i]
+
+            tile = _W4T_TILES[min(range(len(_W4T_COST)), key=est)]
+        bm, bn, threads, smem = _w4t_geometry(tile)
+        wfast = nb % g["QC_W4T_BK"] == 0 and aligned(wq, 16)
+        ovec = n_rows % 2 == 0 and aligned(out, 8)
+        launch(_FG, _w4t(tile), (_cdiv(m, bm), _cdiv(n_rows, bn)), threads,
+               (ptr_arg(wq), ptr_arg(ws), ptr_arg(out), i64(m), i32(n_rows), i64(nb), i32(npad), i64(nbp),
+                i32(wfast), i32(ovec)), shared_mem=smem)
 
     def gemm_q4_0_q8_1(self, wq, aq, out):
         self._gemm(wq, aq, out, False, TYPE_TAG["float32"], int(aq.shape[0]), aligned(aq, 4))

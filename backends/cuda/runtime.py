@@ -465,7 +465,7 @@ ENV_TUNE = "QUANTCORE_CUDA_TUNE"
 
 
 def tune(name: str, default: int) -> int:
-    """Launch parameter override for experiments: QUANTCORE_CUDA_TUNE="gemv_ksplit=4,gemm_tpc=2"."""
+    """Launch parameter override for experiments: QUANTCORE_CUDA_TUNE="gemv_ksplit=4,w4t_tile=0"."""
     spec = os.environ.get(ENV_TUNE)
     if not spec:
         return default

@@ -83,6 +83,11 @@ def _tiled_geometry(tile_m: int, tile_n: int, tile_k: int, tm: int, tn: int, chu
 TILED_MIN_ROWS = 9
 TILED_GEOMETRY = _tiled_geometry(tile_m=64, tile_n=64, tile_k=64, tm=4, tn=4, chunk=16)
 
+#: The W4A8 tensor-core GEMM (kernels_cuda/ggml.cu gemm_w4a8_tc_kernel) and its launcher: Q4_0
+#: blocks of K per pipeline stage, the padding of an activation row in shared memory (bytes), and
+#: the row multiple of the Q8_1 workspace (the widest activation tile).
+W4A8_TC_GEOMETRY = {"QC_W4T_BK": 8, "QC_W4T_APAD": 16, "QC_W4T_NPAD": 128}
+
 
 def _f32_list(values) -> str:
     vals = np.asarray(values, dtype=np.float32)
@@ -130,6 +135,7 @@ def _entries() -> list[tuple[str, str]]:
         *((name, str(value)) for name, value in LAUNCH_GEOMETRY.items()),
         *((name, str(value)) for name, value in MX_GEMV_GEOMETRY.items()),
         *((name, str(value)) for name, value in TILED_GEOMETRY.items()),
+        *((name, str(value)) for name, value in W4A8_TC_GEOMETRY.items()),
     ]
     try:  # the MX family adds its constants when present
         from . import mx

@@ -51,6 +51,10 @@ GEMV_MAX_ROWS = 16
 FUSED_4BIT_MAX_ROWS_K = {"cuda": 128 * 4096}
 #: gemm_w4a8's stream kernel reads the weight once for up to 8 activation rows
 W4A8_MAX_ROWS = 8
+#: on the cuda backend linear_q4_0 takes gemm_w4a8 (its int8 tensor-core GEMM above 8 rows) up to
+#: this many rows: faster than dequantize + bf16 matmul there (H200: 16 rows 48 against 82 us,
+#: 64 rows 46-67 against 83-85 us; 128 rows 89-96 against 83-87 us; docs/performance.md "W4A8 prefill")
+W4A8_MAX_ROWS_CUDA = 64
 
 #: QUANTCORE_TORCH_DEBUG=1 prints each linear op's path choice (rows, path) to stderr
 DEBUG = os.environ.get("QUANTCORE_TORCH_DEBUG", "0") == "1"
@@ -275,13 +279,18 @@ _define("gemv_4bit_grouped(Tensor A, Tensor[] packed, Tensor[] absmax, Tensor?[]
 
 # -- linear_4bit ----------------------------------------------------------------------------------------
 def linear_path(rows: int, op: str = "linear_4bit", backend: Any = None, k: int = 0) -> str:
-    """The path a linear op takes for ``rows`` input rows of ``k`` elements on ``backend`` (None:
-    any backend): "gemv" (the batch kernels, or the fused many-row GEMM where the backend has one,
-    read the weight once for many rows) or "dequantize+matmul" (the weight dequantized into a
-    temporary, then torch's matmul on tensor cores)."""
-    limit = W4A8_MAX_ROWS if op == "linear_q4_0" else GEMV_MAX_ROWS
-    if op == "linear_4bit" and backend is not None and k > 0:
-        limit = max(limit, FUSED_4BIT_MAX_ROWS_K.get(getattr(backend, "name", None), 0) // k)
+    """The path a linear op takes for ``rows`` input rows of ``k`` elements on ``backend`` (a backend
+    or its name; None: any backend): "gemv" (the batch kernels, or the fused many-row GEMM where the
+    backend has one, read the weight once for many rows; linear_q4_0: gemm_w4a8) or
+    "dequantize+matmul" (the weight dequantized into a temporary, then torch's matmul on tensor
+    cores)."""
+    name = backend if backend is None or isinstance(backend, str) else getattr(backend, "name", None)
+    if op == "linear_q4_0":
+        limit = W4A8_MAX_ROWS_CUDA if name == "cuda" else W4A8_MAX_ROWS
+    else:
+        limit = GEMV_MAX_ROWS
+        if op == "linear_4bit" and name is not None and k > 0:
+            limit = max(limit, FUSED_4BIT_MAX_ROWS_K.get(name, 0) // k)
     path = "gemv" if 0 < rows <= limit else "dequantize+matmul"
     if DEBUG:
         print(f"quantcore.torch: {op} rows={rows} -> {path}", file=sys.stderr)
@@ -407,11 +416,12 @@ def _check_q4_0(wq: torch.Tensor) -> tuple[int, int]:
 
 def linear_q4_0_eager(x, wq, bias=None):
     """``x @ W.T + bias`` for a ggml Q4_0 weight ``wq [M, K/32, 18]``: W4A8 (the activation quantized
-    to Q8_1 inside the kernel) up to :data:`W4A8_MAX_ROWS` rows, dequantize + matmul above."""
+    to Q8_1 inside the kernel) up to :data:`W4A8_MAX_ROWS` rows (:data:`W4A8_MAX_ROWS_CUDA` on the cuda
+    backend), dequantize + matmul above."""
     m, k = _check_q4_0(wq)
     _check_linear(x, k, bias, m)
     rows = _rows(x)
-    if linear_path(rows, "linear_q4_0") == "gemv":
+    if linear_path(rows, "linear_q4_0", backend_for(wq.device).name) == "gemv":
         x2 = x.reshape(rows, k)
         y = _run(wq.device, api.gemm_w4a8, (wq, x2 if x2.is_contiguous() else x2.contiguous(), m, rows, k))
         y = y.t().to(dtype=x.dtype, memory_format=torch.contiguous_format)
@@ -547,5 +557,5 @@ OPS = ("quantize_4bit", "dequantize_4bit", "gemv_4bit", "gemv_4bit_grouped", "li
        "dequantize_q4_0", "linear_q4_0", "quantize_mx", "dequantize_mx", "scaled_fp4_mm", "linear_mx",
        "linear_fp4")
 
-__all__ = ["FUSED_4BIT_MAX_ROWS_K", "GEMV_MAX_ROWS", "OPS", "W4A8_MAX_ROWS", "backend_for", "bind_linear_4bit", "linear_4bit_eager", "linear_fp4_eager",
+__all__ = ["FUSED_4BIT_MAX_ROWS_K", "GEMV_MAX_ROWS", "OPS", "W4A8_MAX_ROWS", "W4A8_MAX_ROWS_CUDA", "backend_for", "bind_linear_4bit", "linear_4bit_eager", "linear_fp4_eager",
            "linear_path", "linear_q4_0_eager", "quantize_4bit", "set_backend_for", "state_of"]

@@ -244,16 +244,18 @@ def _dequantize(cap: Capability, kind: str, be: Backend, rng: np.random.Generato
 
 # -- tolerance: the W4A8 GEMMs -------------------------------------------------------------------------
 def gemm_shapes(level: str) -> list[tuple[int, int, int]]:
-    """(M, N, K): M off every tile multiple, N = 1..8 (the mmvq path), 9, 33, 64, 100 and 512 at
-    the full level (the tensor-core / tiled paths, partial tiles), K from one block to 4096 (14336
-    at full level), K off the tiled kernels' step of two blocks."""
+    """(M, N, K): M off every tile multiple, N = 1..8 (the mmvq path), 9, 16, 17, 33, 64, 100 and
+    512 (the tensor-core / tiled paths, partial tiles, tiles of up to 128 x 128), K from one block to
+    4096 (14336 at full level), K a multiple of 256 (whole 8-block stages) or not, K off the tiled
+    kernels' step of two blocks."""
     quick = [(33, 1, 32), (64, 8, 96), (7, 9, 256), (130, 3, 1024), (1, 33, 4096), (16, 64, 128),
-             (67, 2, 224), (5, 5, 160), (100, 100, 224)]
+             (67, 2, 224), (5, 5, 160), (100, 100, 224), (130, 16, 288), (150, 100, 512)]
     if level == "quick":
         return quick
     return quick + [(67, n, 224) for n in (1, 3, 4, 6, 7)] + [
         (1, 1, 32), (257, 2, 4096), (31, 512, 256), (64, 64, 4096), (200, 17, 512),
-        (96, 4, 14336), (129, 33, 1056)]
+        (96, 4, 14336), (129, 33, 1056), (257, 512, 1024), (300, 100, 1056), (140, 64, 2080),
+        (131, 17, 2048)]
 
 
 def _weights(rng: np.random.Generator, m: int, k: int, random_codes: bool) -> np.ndarray:
