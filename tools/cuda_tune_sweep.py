@@ -17,8 +17,8 @@ CASES = [
                                      "gemv_ksplit=8"]),
 ]
 if os.environ.get("SWEEP_W4A8"):
-    CASES += [("gemm_w4a8", (1, 4096, 14336), ["w4a8_small=1", "w4s_kc=64", "w4s_kc=128", "w4s_kc=224"]),
-              ("gemm_w4a8", (8, 4096, 14336), ["w4a8_small=1", "w4s_kc=128", "w4s_kc=224", "w4s_cl=2,w4s_kc=224"])]
+    CASES += [("gemm_w4a8", (1, 4096, 14336), ["w4a8_small=0", "w4s_kc=64", "w4s_kc=128", "w4s_kc=224"]),
+              ("gemm_w4a8", (8, 4096, 14336), ["w4a8_small=0", "w4s_kc=128", "w4s_kc=224", "w4s_cl=2,w4s_kc=224"])]
 
 for op, size, configs in CASES:
     for cfg in configs:

@@ -72,8 +72,6 @@ _W4T_TILES = ((4, 2, 4, 1, 3), (2, 4, 2, 1, 4), (2, 2, 2, 2, 6), (1, 2, 1, 4, 4)
 #: n = 4096, docs/performance.md "W4A8 prefill"); the launcher takes the smallest
 #: waves x BM x BN x cost (waves of one CTA per multiprocessor); w4t_tile=i forces one
 _W4T_COST = (1.0, 1.14, 1.41, 1.92)
-_W4_WARPS, _W4_CLUSTER = 8, 4  # gemm_w4a8_small_kernel (version 12, QUANTCORE_CUDA_TUNE=w4a8_small=1)
-_W4_MAX_KBS = 128  # blocks of K per CTA: bounds the shared memory (204 KB at N = 8)
 _W4_STREAM_WARPS, _W4_STREAM_ROWS = 16, 16  # gemm_w4a8_stream_kernel: kWsWarps (+ 1 producer for LD 0), kWsRows
 _W4_SMEM_MAX = 227 * 1024  # dynamic shared memory per CTA on sm_90
 #: gemm_w4a8_stream_kernel launches kept per (device, M, N, K, activation dtype, its 16-byte alignment,
@@ -81,10 +79,9 @@ _W4_SMEM_MAX = 227 * 1024  # dynamic shared memory per CTA on sm_90
 _W4_LAUNCHES: dict[tuple, Any] = {}
 _W4_MAX_LAUNCHES = 64  # kept at most (the cache starts over when full)
 _W4_FLY = 64 * 1024  # LD 1: weight bytes in flight per CTA the ring should allow (~4.3 TB/s x ~2 us / 132 SMs)
-#: the N <= 8 kernels as (NB, CL, LD) keys: CL = 0 the version-12 kernel, else the stream kernel's
-#: cluster; LD its ring filler (0 bulk copies by a producer warp, 1 cp.async by every warp)
-_W4_NB = tuple((nb, 0, 0) for nb in (1, 2, 4, 8)) + tuple(
-    (nb, cl, ld) for ld in (0, 1) for cl in (1, 2, 4) for nb in (1, 2, 4, 8))
+#: the N <= 8 stream kernel's instances as (NB, CL, LD) keys: CL its cluster, LD its ring filler (0
+#: bulk copies by a producer warp, 1 cp.async by every warp)
+_W4_NB = tuple((nb, cl, ld) for ld in (0, 1) for cl in (1, 2, 4) for nb in (1, 2, 4, 8))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -184,8 +181,6 @@ def _w4t_geometry(tile: tuple[int, ...]) -> tuple[int, int, int, int]:
 
 def _gemm_small(tag: str, key: tuple[int, int, int]) -> str:
     nb, cl, ld = key
-    if cl == 0:
-        return f"qc::gemm_w4a8_small_kernel<{tag}, {nb}>"
     return f"qc::gemm_w4a8_stream_kernel<{tag}, {nb}, {cl}, {ld}>"
 
 
@@ -571,9 +566,9 @@ class CudaBackend(Backend):
             self._gemm(wq, a, out, True, _tag(a), n, False)
 
     def _gemm_w4a8_small(self, wq, a, out, n: int, k: int) -> bool:
-        """N <= 8 on sm_90: a streaming kernel; False where none applies (then the tensor-core
-        kernel runs). QUANTCORE_CUDA_TUNE: w4a8_small=2 (default) gemm_w4a8_stream_kernel, 1 the
-        version-12 gemm_w4a8_small_kernel, 0 neither; w4s_load=0 (default) fills the stream
+        """N <= 8 on sm_90: the streaming kernel; False where it does not apply (then the tensor-core
+        kernel runs). QUANTCORE_CUDA_TUNE: w4a8_small=0 sends these calls to the tensor-core kernel
+        too; w4s_load=0 (default) fills the stream
         kernel's ring by bulk copies from a producer warp, 1 by cp.async from every warp (W-14:
         bit-equal, slower on the H200); w4s_cl (cluster 1/2/4), w4s_kc (blocks per stage row),
         w4s_stages (ring depth), w4s_fly (KiB in flight, w4s_load=1) override its geometry."""
@@ -589,69 +584,49 @@ class CudaBackend(Backend):
         if planned is not None:
             planned(stream, rt.pointer(wq), rt.pointer(a), rt.pointer(out))
             return True
-        version = rt.tune("w4a8_small", 2)
-        if version == 0 or rt.device_arch(launch.device) < 90:
+        if rt.tune("w4a8_small", 1) == 0 or rt.device_arch(launch.device) < 90:
             return False
         nb = 1 << (n - 1).bit_length()
         sms = rt.sm_count(launch.device)
-        if version == 2:
-            ld = 1 if rt.tune("w4s_load", 0) else 0
-            # Cluster: the smallest that keeps the activation quantized per CTA (NB x K / CL
-            # blocks, one lane each) at most 2048 blocks, so the prologue hides under the ring's fill.
-            cl = rt.tune("w4s_cl", 0)
-            if cl not in (1, 2, 4):
-                cl = next((c for c in (1, 2, 4) if nb * _cdiv(nbk, c) <= 2048), 4)
-            kbs = _cdiv(_cdiv(nbk, cl), 8) * 8
-            # Clusters of one wave: a cluster lives in one GPC; 2 SMs always pair up there, 4 not
-            # always (ncu, H200: 30 clusters of 4 on 132 SMs).
-            waves = {1: sms, 2: sms // 2, 4: sms * 7 // 32}[cl]
-            ntiles = _cdiv(m, _W4_STREAM_ROWS)
-            tpc = _cdiv(ntiles, max(1, waves))
-            fixed = kbs * nb * 40 + (2 * 16 + tpc) * _W4_STREAM_ROWS * nb * 4
-            # Blocks per stage row. The time grows with the number of stages per CTA (H200,
-            # 4096x14336 N=1: kc 32 / 64 / 128 = 30.9
-            # / 19.9 / 16.1 us with bulk copies, 21.5 / 19.0 us at kc 64 / 128 with cp.async), so
-            # LD 0 takes the largest that leaves 2 stages. LD 1 runs nstage - 2 stages ahead, so
-            # kc is halved until those hold w4s_fly bytes (or the ring is at its depth cap, where
-            # halving kc would only shrink them).
-            fly, cap = rt.tune("w4s_fly", _W4_FLY // 1024) * 1024, rt.tune("w4s_stages", 8)
-            kc = min(kbs, _cdiv(rt.tune("w4s_kc", 128), 8) * 8)
-            while True:
-                units = _cdiv(kc * ggml.Q4_0_BLOCK_BYTES, 16)
-                stage = _W4_STREAM_ROWS * 16 * (units if units % 2 else units + 1) + 16  # ws_stride
-                nstage = min(cap, (_W4_SMEM_MAX - fixed) // stage)
-                if kc <= 8 or (nstage >= 2 and (ld == 0 or nstage >= cap or (nstage - 2) * (stage - 16) >= fly)):
-                    break
-                kc = _cdiv(kc // 2, 8) * 8
-            if nstage >= 2:
-                spec = (_FG, _gemm_small(_tag(a), (nb, cl, ld)), (cl * _cdiv(ntiles, tpc),),
-                        32 * (_W4_STREAM_WARPS + 1 - ld))
-                geometry = (i64(m), i32(n), i64(k), i32(kbs), i32(kc), i32(nstage), i32(tpc), i32(aligned(a, 16)))
-                smem = fixed + nstage * stage
-                launch(*spec, (ptr_arg(wq), ptr_arg(a), ptr_arg(out)) + geometry, shared_mem=smem)
-                if stream is not None:
-                    if len(_W4_LAUNCHES) >= _W4_MAX_LAUNCHES:
-                        _W4_LAUNCHES.clear()
-                    _W4_LAUNCHES[key] = rt.PlannedLaunch(launch.device, *spec, (NULL,) * 3 + geometry,
-                                                         shared_mem=smem, slots=(0, 1, 2))
-                return True
-        kbs = _cdiv(_cdiv(nbk, _W4_CLUSTER), 8) * 8
-        if kbs > _W4_MAX_KBS:
-            return False
-        rs = 4 * max(1, min(4, 64 // kbs))  # rows per stage: 4-8 KiB of weights per warp stage
-        # One wave of clusters: a cluster must fit in one GPC, so fewer than sms / 4 clusters of 4
-        # are resident at once (ncu on the H200, 132 SMs: 30). A second wave for a few clusters
-        # doubles the time (measured: 32 clusters 27 us, 16 clusters 21 us at 4096x14336 N=1).
-        clusters_per_wave = max(1, sms * 7 // (8 * _W4_CLUSTER))
-        rpw = min(64, 4 * _cdiv(m, 4 * _W4_WARPS * clusters_per_wave))  # rows per warp
-        smem = (_W4_WARPS * 2 * rs * kbs * ggml.Q4_0_BLOCK_BYTES + nb * kbs * 40 + _W4_WARPS * rpw * nb * 4
-                + 2 * _W4_WARPS * 8)
-        grid = _W4_CLUSTER * _cdiv(m, _W4_WARPS * rpw)
-        launch(_FG, _gemm_small(_tag(a), (nb, 0, 0)), (grid,), 32 * _W4_WARPS,
-               (ptr_arg(wq), ptr_arg(a), ptr_arg(out), i64(m), i32(n), i64(k), i32(kbs), i32(rpw), i32(rs),
-                i32(aligned(a, 16))), shared_mem=smem)
-        return True
-
+        ld = 1 if rt.tune("w4s_load", 0) else 0
+        # Cluster: the smallest that keeps the activation quantized per CTA (NB x K / CL
+        # blocks, one lane each) at most 2048 blocks, so the prologue hides under the ring's fill.
+        cl = rt.tune("w4s_cl", 0)
+        if cl not in (1, 2, 4):
+            cl = next((c for c in (1, 2, 4) if nb * _cdiv(nbk, c) <= 2048), 4)
+        kbs = _cdiv(_cdiv(nbk, cl), 8) * 8
+        # Clusters of one wave: a cluster lives in one GPC; 2 SMs always pair up there, 4 not
+        # always (ncu, H200: 30 clusters of 4 on 132 SMs).
+        waves = {1: sms, 2: sms // 2, 4: sms * 7 // 32}[cl]
+        ntiles = _cdiv(m, _W4_STREAM_ROWS)
+        tpc = _cdiv(ntiles, max(1, waves))
+        fixed = kbs * nb * 40 + (2 * 16 + tpc) * _W4_STREAM_ROWS * nb * 4
+        # Blocks per stage row. The time grows with the number of stages per CTA (measured:
+        # docs/performance.md, the W4A8 N <= 8 log), so LD 0 takes the largest that leaves 2 stages. LD 1 runs nstage - 2 stages ahead, so
+        # kc is halved until those hold w4s_fly bytes (or the ring is at its depth cap, where
+        # halving kc would only shrink them).
+        fly, cap = rt.tune("w4s_fly", _W4_FLY // 1024) * 1024, rt.tune("w4s_stages", 8)
+        kc = min(kbs, _cdiv(rt.tune("w4s_kc", 128), 8) * 8)
+        while True:
+            units = _cdiv(kc * ggml.Q4_0_BLOCK_BYTES, 16)
+            stage = _W4_STREAM_ROWS * 16 * (units if units % 2 else units + 1) + 16  # ws_stride
+            nstage = min(cap, (_W4_SMEM_MAX - fixed) // stage)
+            if kc <= 8 or (nstage >= 2 and (ld == 0 or nstage >= cap or (nstage - 2) * (stage - 16) >= fly)):
+                break
+            kc = _cdiv(kc // 2, 8) * 8
+        if nstage >= 2:
+            spec = (_FG, _gemm_small(_tag(a), (nb, cl, ld)), (cl * _cdiv(ntiles, tpc),),
+                    32 * (_W4_STREAM_WARPS + 1 - ld))
+            geometry = (i64(m), i32(n), i64(k), i32(kbs), i32(kc), i32(nstage), i32(tpc), i32(aligned(a, 16)))
+            smem = fixed + nstage * stage
+            launch(*spec, (ptr_arg(wq), ptr_arg(a), ptr_arg(out)) + geometry, shared_mem=smem)
+            if stream is not None:
+                if len(_W4_LAUNCHES) >= _W4_MAX_LAUNCHES:
+                    _W4_LAUNCHES.clear()
+                _W4_LAUNCHES[key] = rt.PlannedLaunch(launch.device, *spec, (NULL,) * 3 + geometry,
+                                                     shared_mem=smem, slots=(0, 1, 2))
+            return True
+        return False
 
     # -- MX family (NVFP4, MXFP4, MXFP8): launchers in backends/cuda/mx.py ----------------------------
     def mx_quantize(self, x, codes, scales, *, rows, cols, fmt, scale_mode, swizzled, global_scale=None):

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine call for gemm_w4a8 N <= 8 (kernels_cuda/ggml.cu: gemm_w4a8_stream_kernel, its ring
 # filled by bulk copies from a producer warp (LD 0, the default) or by cp.async from every warp
-# (LD 1, QUANTCORE_CUDA_TUNE=w4s_load=1, W-14); the version-12 gemm_w4a8_small_kernel behind
-# w4a8_small=1): precompile of ggml.cu, GPU tests (with the filler tests of
+# (LD 1, QUANTCORE_CUDA_TUNE=w4s_load=1, W-14); w4a8_small=0 sends N <= 8 to the tensor-core kernel)
+# : precompile of ggml.cu, GPU tests (with the filler tests of
 # tests/test_cuda_w4a8_stream.py) and conformance (gemm) for both fillers, the configs side by side
 # (bit comparison against the first), the bench rows, an ncu profile, memcheck of the cp.async
 # filler. Logs under $OUT; W-14's call took 88 s. Run from the repository root:
