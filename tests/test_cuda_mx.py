@@ -280,7 +280,7 @@ def _gemm_modes() -> list[str]:
     if GPU_REASON is not None:
         return ["mma"]
     major, minor = cmx.compute_capability(_torch().cuda.current_device())
-    return ["wgmma", "mma"] if (major, minor) == (9, 0) else ["mma"]
+    return ["wgmma", "mma", "panel"] if (major, minor) == (9, 0) else ["mma", "panel"]
 
 
 GEMM_SHAPES = {

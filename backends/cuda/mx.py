@@ -39,7 +39,7 @@ QUANT_SOURCE = "mx_quant.cu"
 GEMM_SOURCE = "mx_gemm.cu"
 HEADERS = ("mx_common.cuh", "qc_common.cuh")
 GEMM_MODE_ENV = "QUANTCORE_CUDA_MX_GEMM"
-GEMM_MODES = ("auto", "ws", "wgmma", "mma")
+GEMM_MODES = ("auto", "panel", "ws", "wgmma", "mma")
 #: The back end "auto" picks on compute capability 9.0: "ws" (warp-specialized persistent wgmma
 #: kernel) or "wgmma" (the first wgmma kernel, one CTA barrier per step). Measured on the H200 at
 #: 8192^3 (docs/performance.md, GEMM-ws3): the two are equal (2.28-2.33 ms); wgmma, the one the
@@ -291,19 +291,69 @@ def mx_quantize(be, x, codes, scales, *, rows: int, cols: int, fmt: str, scale_m
     rt.Launcher(x).run(fn, name, grid, block, args)
 
 
+#: The MX dequantize kernel's launch geometry (kernel_defines.MX_DEQUANT_GEOMETRY: threads per CTA,
+#: 16-byte chunks per thread in flight); the grid is as many CTAs as fit on the GPU at once, at most
+#: one per THREADS * UNROLL chunks (every CTA builds its value table once).
+DQ_THREADS = kernel_defines.MX_DEQUANT_GEOMETRY["QC_MXDQ_THREADS"]
+DQ_UNROLL = kernel_defines.MX_DEQUANT_GEOMETRY["QC_MXDQ_UNROLL"]
+#: chunks per launch (the kernel indexes chunks in 32 bits; larger tensors go in row panels)
+DQ_MAX_CHUNKS = 1 << 30
+
+
+def div_magic(d: int) -> tuple[int, int]:
+    """(mul, shift) with ``b // d == (umulhi(b, mul) + b) >> shift`` for 0 <= b < 2**31 (d >= 1)."""
+    shift = (d - 1).bit_length()
+    return ((1 << 32) * ((1 << shift) - d)) // d + 1, shift
+
+
+def _occupancy_grid(dev: int, fn, name: str, threads: int, smem: int, work_ctas: int) -> int:
+    """As many CTAs as fit on the device at once (occupancy query), at most ``work_ctas``."""
+    per_sm = _occupancy.get((dev, name), 0)
+    if per_sm <= 0:
+        try:
+            with rt.cupy().cuda.Device(dev):
+                per_sm = int(rt.cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, threads, smem))
+        except Exception:  # noqa: BLE001 - an older CuPy without the query: 2048 threads per SM
+            per_sm = 2048 // threads
+        per_sm = _occupancy[(dev, name)] = max(per_sm, 1)
+    return max(1, min(work_ctas, rt.sm_count(dev) * per_sm))
+
+
+def _dequantize_launch(launcher: rt.Launcher, dev: int, pc: int, ps: int, po: int, pg: int, *, rows: int,
+                       cols: int, fmt: str, dtype: str, swizzled: bool) -> None:
+    """One op's launches of qc_mx_dequantize_<fmt>_<dtype> on raw addresses (codes, scales, out, global
+    scale or 0: NVFP4 without the division, the GEMM panels' exact operand values); row panels of a
+    multiple of 128 rows where the tensor has more than DQ_MAX_CHUNKS chunks."""
+    blk = mx.block_size(fmt)
+    ncols = cols // blk
+    pcols = mx.swizzled_shape(rows, ncols)[1] if swizzled else ncols
+    item = np.dtype(np.float32).itemsize if dtype == "float32" else 2
+    per_chunk = 16 // item  # output elements per chunk
+    code_bytes = per_chunk // 2 if fmt != "mxfp8" else per_chunk
+    name = f"qc_mx_dequantize_{fmt}_{dtype}"
+    fn = function(dev, QUANT_SOURCE, quant_arch(dev), name)
+    mul, shift = div_magic(ncols)
+    tile_row_bytes = pcols // mx.SWIZZLE_COLS * mx.SWIZZLE_TILE_BYTES
+    vec = int(pc % min(code_bytes, 8) == 0 and po % 16 == 0)
+    chunks_per_row = cols // per_chunk
+    panel = max(mx.SWIZZLE_ROWS, DQ_MAX_CHUNKS // chunks_per_row // mx.SWIZZLE_ROWS * mx.SWIZZLE_ROWS)
+    for r0 in range(0, rows, panel):
+        prow = min(panel, rows - r0)
+        nchunks = prow * chunks_per_row
+        s_off = r0 // mx.SWIZZLE_ROWS * tile_row_bytes if swizzled else r0 * ncols
+        grid = _occupancy_grid(dev, fn, name, DQ_THREADS, 0, -(-nchunks // (DQ_THREADS * DQ_UNROLL)))
+        args = (_u64(pc + r0 * cols * code_bytes // per_chunk), _u64(ps + s_off), _u64(po + r0 * cols * item),
+                _u64(pg), np.uint32(nchunks), np.uint32(ncols), np.uint32(mul), np.uint32(shift),
+                np.uint32(tile_row_bytes), np.int32(bool(swizzled)), np.int32(vec))
+        launcher.run(fn, name, (grid, 1, 1), (DQ_THREADS, 1, 1), args)
+
+
 def mx_dequantize(be, codes, scales, out, *, rows: int, cols: int, fmt: str, swizzled: bool,
                   global_scale=None) -> None:
     """codes + scales (+ NVFP4 global scale) -> out [rows, cols] (fp32 / fp16 / bf16)."""
     dev = _check(codes, scales, out, global_scale)
-    ncols = cols // mx.block_size(fmt)
-    pcols = mx.swizzled_shape(rows, ncols)[1] if swizzled else ncols
-    name = f"qc_mx_dequantize_{fmt}_{_dtype(out)}"
-    fn = function(dev, QUANT_SOURCE, quant_arch(dev), name)
-    vec = int(ptr(codes) % 16 == 0 and ptr(out) % 16 == 0)
-    grid, block = _grid2(ncols, rows)
-    args = (_u64(ptr(codes)), _u64(ptr(scales)), _u64(ptr(out)), _u64(ptr(global_scale)), np.int64(rows),
-            np.int32(ncols), np.int32(pcols), np.int32(bool(swizzled)), np.int32(vec))
-    rt.Launcher(out).run(fn, name, grid, block, args)
+    _dequantize_launch(rt.Launcher(out), dev, ptr(codes), ptr(scales), ptr(out), ptr(global_scale), rows=rows,
+                       cols=cols, fmt=fmt, dtype=_dtype(out), swizzled=swizzled)
 
 
 def swizzle_scales(be, scales, out, *, rows: int, cols: int) -> None:
@@ -335,12 +385,111 @@ def gemm_kernel_name(fmt: str, wgmma: bool, cpw: int, ws: bool = False) -> str:
     return f"qc_mx_gemm_{'wgmma' if wgmma else 'mma'}_{fmt}_cp{cpw}"
 
 
+#: The two-pass path of scaled_fp4_mm ("panel"): both operands dequantized to their exact bf16 values
+#: (e2m1 * block scale; the NVFP4 global scales are in alpha) into a workspace, then one cuBLAS
+#: bf16 GEMM per panel pair (fp32 accumulation, alpha from the device, bias through beta = 1 on an
+#: output pre-filled with the bias rows). The workspace is at most MM_WORKSPACE_MIN bytes or 1/8 of
+#: the operands' bf16 size, whichever is larger (docs/formats-mx.md); larger operands go in panels of
+#: a multiple of 128 rows (A's rows outside, B's inside).
+MM_WORKSPACE_MIN = 256 << 20
+#: Below this many rows of A, "auto" takes the fused kernel (GEMM_AUTO_SM90 on compute capability 9.0,
+#: mma.sync elsewhere): the panel path dequantizes all of B for few rows (docs/performance.md, "MX
+#: dequantize and FP4 GEMM (prefill)").
+MM_FUSED_MAX_M = 256
+_MM_HEAD = 256  #: workspace bytes before the panels: the device-side beta (fp32)
+_CUDA_R_16BF, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 14, 68, -1
+_CUBLAS_OP_N, _CUBLAS_OP_T, _CUBLAS_POINTER_MODE_DEVICE = 0, 1, 1
+
+
+def mm_workspace_bytes(m: int, n: int, k: int) -> int:
+    """The panel path's workspace bound: max(256 MiB, (m + n) * k * 2 / 8) bytes."""
+    return max(MM_WORKSPACE_MIN, (m + n) * k * 2 // 8)
+
+
+def mm_panels(m: int, n: int, k: int) -> tuple[int, int] | None:
+    """(A rows, B rows) per panel of the panel path within :func:`mm_workspace_bytes` (None: not even
+    128 + 128 rows fit; the fused kernel then runs)."""
+    ws, row = mm_workspace_bytes(m, n, k) - _MM_HEAD, 2 * k
+    if (m + n) * row <= ws:
+        return m, n
+    step = mx.SWIZZLE_ROWS
+    mp = min(m, ws // 2 // row // step * step)
+    if mp < step:
+        return None
+    np_ = min(n, (ws - mp * row) // row // step * step)
+    return mp, np_
+
+
+def mm_path(m: int, n: int, k: int, mode: str) -> str:
+    """The one place scaled_fp4_mm picks its path: "panel" (dequantize + cuBLAS) or "fused"."""
+    if mode == "panel":
+        if mm_panels(m, n, k) is None:
+            raise UnsupportedError(f"scaled_fp4_mm: K = {k} is too long for the panel path's workspace")
+        return "panel"
+    if mode != "auto":
+        return "fused"
+    return "panel" if m >= MM_FUSED_MAX_M and mm_panels(m, n, k) is not None else "fused"
+
+
+def _scaled_fp4_mm_panel(be, dev: int, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: int, k: int,
+                         fmt: str) -> None:
+    cp = rt.cupy()
+    cublas = cp.cuda.cublas
+    mp, np_ = mm_panels(m, n, k)
+    nbytes = _MM_HEAD + (mp + np_) * k * 2
+    if rt.kind(out) == "torch":  # the workspace from the output's allocator (caching, stream-ordered)
+        ws = rt.torch_module().empty((nbytes,), dtype=rt.torch_module().uint8, device=out.device)
+    else:
+        with cp.cuda.Device(dev):
+            ws = cp.empty((nbytes,), dtype=np.uint8)
+    pw = ptr(ws)
+    pa_ws, pb_ws = pw + _MM_HEAD, pw + _MM_HEAD + mp * k * 2
+    launcher = rt.Launcher(out)
+    pcols = mx.swizzled_shape(1, k // mx.block_size(fmt))[1]
+    srow = pcols // mx.SWIZZLE_COLS * mx.SWIZZLE_TILE_BYTES  # swizzled scale bytes per 128 rows
+    with cp.cuda.Device(dev):
+        stream = int(launcher.stream.ptr) if launcher.stream is not None else int(cp.cuda.get_current_stream().ptr)
+        # beta (device fp32) = 1 over the bias rows written into out, else 0
+        fill = function(dev, QUANT_SOURCE, quant_arch(dev), "qc_mx_mm_bias_fill")
+        grid = max(1, min(m, rt.sm_count(dev) * 8)) if bias is not None else 1
+        launcher.run(fill, "qc_mx_mm_bias_fill", (grid, 1, 1), (256, 1, 1),
+                     (_u64(ptr(bias)), _u64(ptr(out)), _u64(pw), _u64(m), np.uint32(n)))
+
+        def dequant(pc: int, ps: int, dst: int, r0: int, rows: int) -> None:
+            _dequantize_launch(launcher, dev, pc + r0 * k // 2, ps + r0 // mx.SWIZZLE_ROWS * srow, dst, 0,
+                               rows=rows, cols=k, fmt=fmt, dtype="bfloat16", swizzled=True)
+
+        handle = cp.cuda.device.get_cublas_handle()
+        cublas.setStream(handle, stream)
+        old_mode = cublas.getPointerMode(handle) if hasattr(cublas, "getPointerMode") else 0
+        cublas.setPointerMode(handle, _CUBLAS_POINTER_MODE_DEVICE)
+        # ws is released when this returns: the allocators (torch's caching allocator, CuPy's pool)
+        # hand it out again only in this stream's order
+        try:
+            for m0 in range(0, m, mp):
+                mrows = min(mp, m - m0)
+                dequant(ptr(a), ptr(scale_a), pa_ws, m0, mrows)
+                for n0 in range(0, n, np_):
+                    nrows = min(np_, n - n0)
+                    if np_ < n or m0 == 0:  # B once when it fits whole
+                        dequant(ptr(b), ptr(scale_b), pb_ws, n0, nrows)
+                    # column-major view: out^T[n, m] = B_ws [k, n]^T x A_ws [k, m] (ldc = n)
+                    cublas.gemmEx(handle, _CUBLAS_OP_T, _CUBLAS_OP_N, nrows, mrows, k, ptr(alpha),
+                                  pb_ws, _CUDA_R_16BF, k, pa_ws, _CUDA_R_16BF, k, pw,
+                                  ptr(out) + 2 * (m0 * n + n0), _CUDA_R_16BF, n, _CUBLAS_COMPUTE_32F,
+                                  _CUBLAS_GEMM_DEFAULT)
+        finally:
+            cublas.setPointerMode(handle, old_mode)
+
+
 def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: int, k: int, fmt: str,
                   mode: str | None = None, variant: str = "") -> None:
     """out bf16 [m, n] = alpha * A @ B^T + bias, A / B packed E2M1 with swizzled scales.
 
-    ``mode`` ("auto", "ws", "wgmma", "mma") overrides ``QUANTCORE_CUDA_MX_GEMM`` (tests,
-    benchmarks); "auto" is :data:`GEMM_AUTO_SM90` on compute capability 9.0, else "mma".
+    ``mode`` ("auto", "panel", "ws", "wgmma", "mma") overrides ``QUANTCORE_CUDA_MX_GEMM`` (tests,
+    benchmarks); "auto" takes the panel path (dequantize + cuBLAS, :func:`mm_path`) from
+    :data:`MM_FUSED_MAX_M` rows on and the fused kernel below: :data:`GEMM_AUTO_SM90` on compute
+    capability 9.0, else "mma".
     ``variant`` selects a timing experiment (nvfp4, 16-byte copies only; wrong results by design;
     built into a separate module, see mx_gemm.cu): one of :data:`GEMM_TIMING_VARIANTS` for the
     back end ("wgmma" or "ws").
@@ -349,7 +498,10 @@ def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: in
     """
     dev = _check(a, b, scale_a, scale_b, alpha, bias, out)
     mode = mode or gemm_mode()
-    arch, wgmma = gemm_arch(dev, mode)
+    arch, wgmma = gemm_arch(dev, "auto" if mode == "panel" else mode)
+    if not variant and mm_path(m, n, k, mode) == "panel":
+        _scaled_fp4_mm_panel(be, dev, a, b, scale_a, scale_b, alpha, bias, out, m=m, n=n, k=k, fmt=fmt)
+        return
     ws = wgmma and (mode == "ws" or (mode == "auto" and GEMM_AUTO_SM90 == "ws"))
     ptrs = (ptr(a), ptr(b), ptr(scale_a), ptr(scale_b))
     if (k // 2) % 16 == 0 and all(p % 16 == 0 for p in ptrs):

@@ -35,6 +35,11 @@ def _gemv_geometry(warps: int, groups: int, chunks: int, stages: int) -> dict[st
 LAUNCH_GEOMETRY = _gemv_geometry(warps=16, groups=4, chunks=8, stages=2)
 
 
+#: The MX dequantize kernel (kernels_cuda/mx_quant.cu, mx_dequantize_impl): threads per CTA and
+#: 16-byte chunks per thread whose loads are in flight together.
+MX_DEQUANT_GEOMETRY = {"QC_MXDQ_THREADS": 256, "QC_MXDQ_UNROLL": 4}
+
+
 def _f32_list(values) -> str:
     vals = np.asarray(values, dtype=np.float32)
     items = []
@@ -79,6 +84,7 @@ def _entries() -> list[tuple[str, str]]:
         ("QC_DTYPE_F16", str(DTYPE_CODE["float16"])),
         ("QC_DTYPE_BF16", str(DTYPE_CODE["bfloat16"])),
         *((name, str(value)) for name, value in LAUNCH_GEOMETRY.items()),
+        *((name, str(value)) for name, value in MX_DEQUANT_GEOMETRY.items()),
     ]
     try:  # the MX family adds its constants when present
         from . import mx
