@@ -39,28 +39,20 @@ QUANT_SOURCE = "mx_quant.cu"
 GEMM_SOURCE = "mx_gemm.cu"
 HEADERS = ("mx_common.cuh", "qc_common.cuh")
 GEMM_MODE_ENV = "QUANTCORE_CUDA_MX_GEMM"
-GEMM_MODES = ("auto", "panel", "ws", "wgmma", "mma")
-#: The back end "auto" picks on compute capability 9.0: "ws" (warp-specialized persistent wgmma
-#: kernel) or "wgmma" (the first wgmma kernel, one CTA barrier per step). Measured on the H200 at
-#: 8192^3 (docs/performance.md, GEMM-ws3): the two are equal (2.28-2.33 ms); wgmma, the one the
-#: whole conformance suite and the memcheck runs certify as the default, stays.
-GEMM_AUTO_SM90 = "wgmma"
+#: "auto" (:func:`mm_path`: the panel path from MM_FUSED_MAX_M rows, the fused kernel below), "panel"
+#: (dequantize + cuBLAS), "wgmma" / "mma" (the fused kernel's two back ends: wgmma on compute
+#: capability 9.0, mma.sync on 8.x and others).
+GEMM_MODES = ("auto", "panel", "wgmma", "mma")
 THREADS = 256
 #: Dynamic shared memory of the GEMM kernels (kSmemBytes in mx_gemm.cu; the tests check the
 #: kernel reports the same number).
 GEMM_SMEM_BYTES = 1024 + 3 * 128 * 128 + 4 * (256 * 64 + 128 * 64 + 4 * 512 + 2 * 512) + 1024
 GEMM_BM, GEMM_BN, GEMM_GROUP_M = 256, 128, 8
-#: The warp-specialized back end (GemmWS in mx_gemm.cu): 384 threads (a producer warpgroup and two
-#: consumer warpgroups), 4 bf16 B tiles, 4 packed stages, the table and 256 bytes of mbarriers;
-#: one CTA per SM walking the tiles (``QUANTCORE_CUDA_TUNE=mx_gemm_ctas=N`` caps the grid at N).
-GEMM_WS_THREADS = 384
-GEMM_WS_SMEM_BYTES = 1024 + 4 * 128 * 128 + 4 * (256 * 64 + 128 * 64 + 4 * 512 + 2 * 512) + 1024 + 256
 
 
 #: the GEMM's timing experiments per back end (entry-point suffixes, compiled only with
-#: -DQCMX_TIMING_VARIANTS; mx_gemm.cu QCMX_WG_VARIANT / QCMX_WS_VARIANT)
-GEMM_TIMING_VARIANTS = {"wgmma": ("_nodq", "_nomma", "_alu", "_smem", "_nohmul", "_nof2fp", "_ss", "_ssnodq"),
-                        "ws": ("_nodq", "_noadq", "_nobdq")}
+#: -DQCMX_TIMING_VARIANTS; mx_gemm.cu QCMX_WG_VARIANT)
+GEMM_TIMING_VARIANTS = {"wgmma": ("_nodq", "_nomma", "_alu", "_smem", "_nohmul", "_nof2fp", "_ss", "_ssnodq")}
 
 
 _lock = threading.Lock()
@@ -124,7 +116,7 @@ def gemm_arch(device: int, mode: str | None = None) -> tuple[str, bool]:
                                f"this GPU has {major}.{minor}")
     if (major, minor) == (9, 0) and mode != "mma":
         return "sm_90a", True
-    if mode in ("wgmma", "ws"):
+    if mode == "wgmma":
         raise UnsupportedError(f"the {mode} back end needs compute capability 9.0, not {major}.{minor}")
     return f"sm_{major}{minor}", False
 
@@ -378,25 +370,23 @@ def unswizzle_scales(be, swz, out, *, rows: int, cols: int) -> None:
     rt.Launcher(out).run(fn, "qc_mx_unswizzle", grid, block, args)
 
 
-def gemm_kernel_name(fmt: str, wgmma: bool, cpw: int, ws: bool = False) -> str:
-    """Entry point of mx_gemm.cu: ``ws`` the warp-specialized kernel (wgmma only)."""
-    if ws:
-        return f"qc_mx_gemm_ws_{fmt}_cp{cpw}"
+def gemm_kernel_name(fmt: str, wgmma: bool, cpw: int) -> str:
+    """Entry point of mx_gemm.cu's fused kernel."""
     return f"qc_mx_gemm_{'wgmma' if wgmma else 'mma'}_{fmt}_cp{cpw}"
 
 
 #: The two-pass path of scaled_fp4_mm ("panel"): both operands dequantized to their exact bf16 values
 #: (e2m1 * block scale; the NVFP4 global scales are in alpha) into a workspace, then one cuBLAS
 #: bf16 GEMM per panel pair (fp32 accumulation, alpha from the device, bias through beta = 1 on an
-#: output pre-filled with the bias rows). The workspace is at most MM_WORKSPACE_MIN bytes or 1/8 of
-#: the operands' bf16 size, whichever is larger (docs/formats-mx.md); larger operands go in panels of
-#: a multiple of 128 rows (A's rows outside, B's inside).
+#: output pre-filled with the bias rows; beta is a 4-byte device scalar of its own). The workspace
+#: (the dequantized panels) is at most MM_WORKSPACE_MIN bytes (256 MiB) or 1/8 of the operands' bf16
+#: size, whichever is larger (docs/formats-mx.md); larger operands go in panels of a multiple of 128
+#: rows (A's rows outside, B's inside).
 MM_WORKSPACE_MIN = 256 << 20
-#: Below this many rows of A, "auto" takes the fused kernel (GEMM_AUTO_SM90 on compute capability 9.0,
+#: Below this many rows of A, "auto" takes the fused kernel (wgmma on compute capability 9.0,
 #: mma.sync elsewhere): the panel path dequantizes all of B for few rows (docs/performance.md, "MX
 #: dequantize and FP4 GEMM (prefill)").
 MM_FUSED_MAX_M = 256
-_MM_HEAD = 256  #: workspace bytes before the panels: the device-side beta (fp32)
 _CUDA_R_16BF, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 14, 68, -1
 _CUBLAS_OP_N, _CUBLAS_OP_T, _CUBLAS_POINTER_MODE_DEVICE = 0, 1, 1
 
@@ -409,7 +399,7 @@ def mm_workspace_bytes(m: int, n: int, k: int) -> int:
 def mm_panels(m: int, n: int, k: int) -> tuple[int, int] | None:
     """(A rows, B rows) per panel of the panel path within :func:`mm_workspace_bytes` (None: not even
     128 + 128 rows fit; the fused kernel then runs)."""
-    ws, row = mm_workspace_bytes(m, n, k) - _MM_HEAD, 2 * k
+    ws, row = mm_workspace_bytes(m, n, k), 2 * k
     if (m + n) * row <= ws:
         return m, n
     step = mx.SWIZZLE_ROWS
@@ -436,14 +426,16 @@ def _scaled_fp4_mm_panel(be, dev: int, a, b, scale_a, scale_b, alpha, bias, out,
     cp = rt.cupy()
     cublas = cp.cuda.cublas
     mp, np_ = mm_panels(m, n, k)
-    nbytes = _MM_HEAD + (mp + np_) * k * 2
+    nbytes = (mp + np_) * k * 2
     if rt.kind(out) == "torch":  # the workspace from the output's allocator (caching, stream-ordered)
-        ws = rt.torch_module().empty((nbytes,), dtype=rt.torch_module().uint8, device=out.device)
+        torch = rt.torch_module()
+        ws = torch.empty((nbytes,), dtype=torch.uint8, device=out.device)
+        beta = torch.empty((1,), dtype=torch.float32, device=out.device)
     else:
         with cp.cuda.Device(dev):
-            ws = cp.empty((nbytes,), dtype=np.uint8)
-    pw = ptr(ws)
-    pa_ws, pb_ws = pw + _MM_HEAD, pw + _MM_HEAD + mp * k * 2
+            ws, beta = cp.empty((nbytes,), dtype=np.uint8), cp.empty((1,), dtype=np.float32)
+    pw = ptr(beta)
+    pa_ws, pb_ws = ptr(ws), ptr(ws) + mp * k * 2
     launcher = rt.Launcher(out)
     pcols = mx.swizzled_shape(1, k // mx.block_size(fmt))[1]
     srow = pcols // mx.SWIZZLE_COLS * mx.SWIZZLE_TILE_BYTES  # swizzled scale bytes per 128 rows
@@ -463,7 +455,7 @@ def _scaled_fp4_mm_panel(be, dev: int, a, b, scale_a, scale_b, alpha, bias, out,
         cublas.setStream(handle, stream)
         old_mode = cublas.getPointerMode(handle) if hasattr(cublas, "getPointerMode") else 0
         cublas.setPointerMode(handle, _CUBLAS_POINTER_MODE_DEVICE)
-        # ws is released when this returns: the allocators (torch's caching allocator, CuPy's pool)
+        # ws and beta are released when this returns: the allocators (torch's caching allocator, CuPy's pool)
         # hand it out again only in this stream's order
         try:
             for m0 in range(0, m, mp):
@@ -486,13 +478,12 @@ def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: in
                   mode: str | None = None, variant: str = "") -> None:
     """out bf16 [m, n] = alpha * A @ B^T + bias, A / B packed E2M1 with swizzled scales.
 
-    ``mode`` ("auto", "panel", "ws", "wgmma", "mma") overrides ``QUANTCORE_CUDA_MX_GEMM`` (tests,
+    ``mode`` ("auto", "panel", "wgmma", "mma") overrides ``QUANTCORE_CUDA_MX_GEMM`` (tests,
     benchmarks); "auto" takes the panel path (dequantize + cuBLAS, :func:`mm_path`) from
-    :data:`MM_FUSED_MAX_M` rows on and the fused kernel below: :data:`GEMM_AUTO_SM90` on compute
-    capability 9.0, else "mma".
+    :data:`MM_FUSED_MAX_M` rows on and the fused kernel below: "wgmma" on compute capability 9.0,
+    else "mma".
     ``variant`` selects a timing experiment (nvfp4, 16-byte copies only; wrong results by design;
-    built into a separate module, see mx_gemm.cu): one of :data:`GEMM_TIMING_VARIANTS` for the
-    back end ("wgmma" or "ws").
+    built into a separate module, see mx_gemm.cu): one of :data:`GEMM_TIMING_VARIANTS`.
     MXFP4 on the wgmma kernel (16-byte copies) decodes to fp16 in the CTAs whose scale bytes all lie
     in 110..141 (exact there; bf16 elsewhere); ``QUANTCORE_CUDA_TUNE=mx_gemm_f16=0`` keeps bf16.
     """
@@ -502,7 +493,6 @@ def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: in
     if not variant and mm_path(m, n, k, mode) == "panel":
         _scaled_fp4_mm_panel(be, dev, a, b, scale_a, scale_b, alpha, bias, out, m=m, n=n, k=k, fmt=fmt)
         return
-    ws = wgmma and (mode == "ws" or (mode == "auto" and GEMM_AUTO_SM90 == "ws"))
     ptrs = (ptr(a), ptr(b), ptr(scale_a), ptr(scale_b))
     if (k // 2) % 16 == 0 and all(p % 16 == 0 for p in ptrs):
         cpw = 16
@@ -513,18 +503,10 @@ def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: in
                           "offset); pass contiguous arrays that start at an aligned address")
     ntiles = -(-m // GEMM_BM) * -(-n // GEMM_BN)
     flags = int(n % 2 == 0 and ptr(out) % 4 == 0)  # bit 0: bf16 pairs may be stored
-    if wgmma and not ws and fmt == "mxfp4" and cpw == 16 and not variant and rt.tune("mx_gemm_f16", 1):
+    if wgmma and fmt == "mxfp4" and cpw == 16 and not variant and rt.tune("mx_gemm_f16", 1):
         flags |= 2  # the fp16 decode where the CTA's scales allow it (mx_gemm.cu, kE8F16Lo)
     args = (_u64(ptrs[0]), _u64(ptrs[1]), _u64(ptrs[2]), _u64(ptrs[3]), _u64(ptr(alpha)), _u64(ptr(bias)),
             _u64(ptr(out)), np.int32(m), np.int32(n), np.int32(k), np.int32(flags))
-    if ws:  # persistent: one CTA per SM (at most one per tile)
-        name = gemm_kernel_name(fmt, True, cpw, ws=True) + variant
-        fn = function(dev, GEMM_SOURCE, arch, name, GEMM_WS_SMEM_BYTES, timing=bool(variant))
-        sms = rt.sm_count(dev)
-        ctas = rt.tune("mx_gemm_ctas", 0)
-        grid = max(1, min(ntiles, ctas if ctas > 0 else sms))
-        rt.Launcher(out).run(fn, name, (grid, 1, 1), (GEMM_WS_THREADS, 1, 1), args, GEMM_WS_SMEM_BYTES)
-        return
     name = gemm_kernel_name(fmt, wgmma, cpw) + variant
     fn = function(dev, GEMM_SOURCE, arch, name, GEMM_SMEM_BYTES, timing=bool(variant))
     rt.Launcher(out).run(fn, name, (ntiles, 1, 1), (THREADS, 1, 1), args, GEMM_SMEM_BYTES)

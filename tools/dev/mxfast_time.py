@@ -16,8 +16,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tools/: cuda_mx_bench
 from cuda_mx_bench import timed  # noqa: E402
-
 from quantcore.backends.cuda import mx as cmx  # noqa: E402
+
 from quantcore.formats import mx  # noqa: E402
 
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -63,7 +63,7 @@ def main() -> None:
 
     src = torch.empty(2**31 // 4, dtype=torch.float32, device=dev).uniform_()
     dst = torch.empty_like(src)
-    t = timed(lambda: dst.copy_(src), args.reps)
+    t = timed(lambda s=src, d=dst: d.copy_(s), args.reps)
     copy = 2 * src.numel() * 4 / t / 1e6
     print(f"copy 2 GiB d2d: {t:.4f} ms {copy:.0f} GB/s")
     del src, dst
@@ -98,11 +98,12 @@ def main() -> None:
                 out = torch.empty((n, n), dtype=DT[dt], device=dev)
                 nbytes = codes.numel() + scales.numel() + out.numel() * out.element_size()
                 lay = "swizzled" if swz else "row-major"
-                t = timed(lambda: cmx.mx_dequantize(None, codes, scales, out, rows=n, cols=n, fmt=fmt,
-                                                    swizzled=swz, global_scale=g), args.reps)
+                t = timed(lambda c=codes, s=scales, o=out, f=fmt, w=swz, g=g: cmx.mx_dequantize(
+                    None, c, s, o, rows=n, cols=n, fmt=f, swizzled=w, global_scale=g), args.reps)
                 print(f"dequant {fmt} {dt} {lay} {t:.4f} {nbytes / t / 1e6:.0f} {100 * nbytes / t / 1e6 / copy:.1f}")
                 if args.old and dt == "bfloat16" and swz:
-                    t = timed(lambda: old_dequantize(codes, scales, out, g, n, n, fmt, swz), args.reps)
+                    t = timed(lambda c=codes, s=scales, o=out, f=fmt, w=swz, g=g: old_dequantize(
+                        c, s, o, g, n, n, f, w), args.reps)
                     print(f"dequant-old {fmt} {dt} {lay} {t:.4f} {nbytes / t / 1e6:.0f} "
                           f"{100 * nbytes / t / 1e6 / copy:.1f}")
                 del codes, scales, out
@@ -154,15 +155,15 @@ def main() -> None:
         out = torch.empty((mm, mm), dtype=torch.bfloat16, device=dev)
         o2 = torch.empty_like(out)
         for mode in ("panel", "wgmma"):
-            t = timed(lambda: cmx.scaled_fp4_mm(None, a, b, sa, sb, alpha, None, out, m=mm, n=mm, k=mm, fmt=fmt,
-                                                mode=mode), args.reps)
+            t = timed(lambda ops=(a, b, sa, sb, alpha, None, out), f=fmt, md=mode: cmx.scaled_fp4_mm(
+                None, *ops, m=mm, n=mm, k=mm, fmt=f, mode=md), args.reps)
             print(f"scaled_fp4_mm {fmt} {mode} {mm}^3 {t:.4f} ms {flops / t / 1e9:.0f} TFLOPS {tt / t:.3f}x torch")
         cmx.scaled_fp4_mm(None, a, b, sa, sb, alpha, None, o2, m=mm, n=mm, k=mm, fmt=fmt, mode="wgmma")
         print(f"  panel vs fused rel diff {float((out.float() - o2.float()).norm() / o2.float().norm()):.2e}")
         aw = torch.empty((mm, mm), dtype=torch.bfloat16, device=dev)
-        t = timed(lambda: cmx._dequantize_launch(cmx.rt.Launcher(aw), 0, a.data_ptr(), sa.data_ptr(), aw.data_ptr(),
-                                                 0, rows=mm, cols=mm, fmt=fmt, dtype="bfloat16", swizzled=True),
-                  args.reps)
+        ptrs = (a.data_ptr(), sa.data_ptr(), aw.data_ptr())
+        t = timed(lambda p=ptrs, w=aw, f=fmt: cmx._dequantize_launch(
+            cmx.rt.Launcher(w), 0, *p, 0, rows=mm, cols=mm, fmt=f, dtype="bfloat16", swizzled=True), args.reps)
         print(f"  one operand's dequant {t:.4f} ms")
         del aw
     print("M sweep at N = K = 8192 (nvfp4): M, torch ms, panel ms, fused ms")
@@ -173,10 +174,9 @@ def main() -> None:
         sb = torch.randint(40, 60, mx.swizzled_shape(mm, mm // 16), dtype=torch.uint8, device=dev)
         out = torch.empty((m_, mm), dtype=torch.bfloat16, device=dev)
         x16 = torch.randn((m_, mm), device=dev, dtype=torch.bfloat16)
-        t0 = timed(lambda: torch.matmul(x16, b16.t()), args.reps)
-        r = [timed(lambda mode=mode: cmx.scaled_fp4_mm(None, a, b, sa, sb, alpha, None, out, m=m_, n=mm, k=mm,
-                                                       fmt="nvfp4", mode=mode), args.reps)
-             for mode in ("panel", "wgmma")]
+        t0 = timed(lambda x=x16: torch.matmul(x, b16.t()), args.reps)
+        r = [timed(lambda md=mode, ops=(a, b, sa, sb, alpha, None, out), m_=m_: cmx.scaled_fp4_mm(
+            None, *ops, m=m_, n=mm, k=mm, fmt="nvfp4", mode=md), args.reps) for mode in ("panel", "wgmma")]
         print(f"M{m_} {t0:.4f} {r[0]:.4f} {r[1]:.4f}")
 
 
