@@ -18,7 +18,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tools/: 
 from cuda_mx_bench import timed  # noqa: E402
 from quantcore.backends.cuda import mx as cmx  # noqa: E402
 
-from quantcore.formats import mx  # noqa: E402
+from quantcore.formats import kernel_defines, mx  # noqa: E402
 
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 SCALE_RANGE = {"nvfp4": (40, 60), "mxfp4": (120, 130), "mxfp8": (120, 130)}
@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=16384)
     ap.add_argument("--mm", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--unroll", default="", help="comma-separated QC_MXDQ_UNROLL values to time first")
     args = ap.parse_args()
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(0), torch.__version__)
@@ -88,8 +89,27 @@ def main() -> None:
                                   f"{int((o1.view(iv) != o2.view(iv)).sum())} elements")
         print(f"bit-exact against the previous kernel: {'OK' if bad == 0 else f'{bad} MISMATCHES'}")
 
-    # -- dequantize timing at n x n
+    # -- dequantize timing at n x n; first the sweep of rows in flight per thread (the kernel's
+    # QC_MXDQ_UNROLL, rebuilt per value), bf16 swizzled
     n = args.n
+    default_u = kernel_defines.MX_DEQUANT_GEOMETRY["QC_MXDQ_UNROLL"]
+    for u in [int(x) for x in args.unroll.split(",") if x] + [default_u]:
+        kernel_defines.MX_DEQUANT_GEOMETRY["QC_MXDQ_UNROLL"] = u
+        cmx.DQ_UNROLL = u
+        cmx._modules.clear()
+        cmx._functions.clear()
+        cmx._occupancy.clear()
+        if u == default_u:
+            break
+        for fmt in ("nvfp4", "mxfp4", "mxfp8"):
+            codes, scales, g = dq_inputs(fmt, n, n, True, dev)
+            out = torch.empty((n, n), dtype=torch.bfloat16, device=dev)
+            nbytes = codes.numel() + scales.numel() + out.numel() * out.element_size()
+            t = timed(lambda c=codes, s=scales, o=out, f=fmt, g=g: cmx.mx_dequantize(
+                None, c, s, o, rows=n, cols=n, fmt=f, swizzled=True, global_scale=g), args.reps)
+            print(f"dequant unroll={u} {fmt} bfloat16 swizzled {t:.4f} {nbytes / t / 1e6:.0f} "
+                  f"{100 * nbytes / t / 1e6 / copy:.1f}")
+            del codes, scales, out
     print("op fmt dtype layout ms GB/s %copy")
     for fmt in ("nvfp4", "mxfp4", "mxfp8"):
         for dt in DT:
@@ -154,7 +174,7 @@ def main() -> None:
         alpha = torch.ones(1, dtype=torch.float32, device=dev)
         out = torch.empty((mm, mm), dtype=torch.bfloat16, device=dev)
         o2 = torch.empty_like(out)
-        for mode in ("panel", "wgmma"):
+        for mode in ("wgmma", "panel"):
             t = timed(lambda ops=(a, b, sa, sb, alpha, None, out), f=fmt, md=mode: cmx.scaled_fp4_mm(
                 None, *ops, m=mm, n=mm, k=mm, fmt=f, mode=md), args.reps)
             print(f"scaled_fp4_mm {fmt} {mode} {mm}^3 {t:.4f} ms {flops / t / 1e9:.0f} TFLOPS {tt / t:.3f}x torch")
