@@ -669,17 +669,15 @@ __device__ __forceinline__ void mx_quantize_v2_impl(const typename T::S* __restr
 // GEMM's panels want it: no division).
 //
 // Work split: a chunk is the E = 16 / sizeof(T) output elements of one 16-byte store (a chunk
-// never straddles a block or a row: BLK is a multiple of E); a row has nchr chunks. The CTA is
-// (bx, by) threads: thread x takes chunk column blockIdx.x * bx + x of rows blockIdx.y * by + y,
-// + rstep, + 2 rstep ... (rstep = gridDim.y * by), kUnroll rows at a time with all their loads
-// issued before the first store. A thread's block column is fixed, so its scale address moves by a
-// constant per row step: the launcher makes rstep a multiple of the 128-row swizzle tile (or gives
-// each thread one row), so in the swizzled layout the step is rstep / 128 tile rows. Warp-wide
-// stores cover up to 512 consecutive bytes, code loads up to 32 consecutive words.
+// never straddles a block or a row: BLK is a multiple of E). Thread t of a grid of G threads takes
+// chunks t, t + G, t + 2G ... kUnroll at a time (all their loads issued before the first store),
+// so every warp-wide store covers 512 consecutive bytes and every code load 32 consecutive words.
 // Values come from tables in shared memory built once per CTA with the exact per-element formula
 // (the reference's rounding, bit for bit): FP4 formats a [256 scale bytes][16 codes] table of
 // output values (NVFP4's one IEEE division per entry instead of per element); MXFP8 the 256 E4M3
 // values and the 256 E8M0 scales in fp32, one fmul and one conversion per element.
+// Block index -> row / block column: a multiply-high division by ncols (div_mul, div_shift from
+// the launcher: (umulhi(b, mul) + b) >> shift, exact for b < 2^31).
 template <int FMT>
 __device__ __forceinline__ float dq_value(u32 code, u32 sb, float g, bool has_g) {
     if (FMT == QC_FMT_NVFP4) {
@@ -693,63 +691,57 @@ __device__ __forceinline__ float dq_value(u32 code, u32 sb, float g, bool has_g)
 template <typename T, int FMT>
 __device__ __forceinline__ void mx_dequantize_impl(const u8* __restrict__ codes, const u8* __restrict__ scales,
                                                    typename T::S* __restrict__ out,
-                                                   const float* __restrict__ gscale, u32 rows, u32 nchr,
-                                                   u32 ncols, u32 tile_row_bytes, int swizzled, int vec) {
+                                                   const float* __restrict__ gscale, u32 nchunks, u32 ncols,
+                                                   u32 div_mul, u32 div_shift, u32 tile_row_bytes,
+                                                   int swizzled, int vec) {
     using F = Fmt<FMT>;
     using S = typename T::S;
     constexpr int E = 16 / (int)sizeof(S);             // elements per chunk
     constexpr int CPB = F::kBlk / E;                    // chunks per block (2, 4 or 8)
+    constexpr int CSH = CPB == 2 ? 1 : (CPB == 4 ? 2 : 3);
     constexpr int CB = F::kFp4 ? E / 2 : E;             // code bytes per chunk (2, 4 or 8)
     constexpr int CW = CB >= 4 ? CB / 4 : 1;            // code words per chunk
     constexpr int U = QC_MXDQ_UNROLL;
     __shared__ S tab4[F::kFp4 ? 256 * 16 : 1];          // FP4: [scale byte][code] -> output value
     __shared__ float tab8[F::kFp4 ? 1 : 512];           // MXFP8: E4M3 values, then E8M0 scales
-    const u32 nthreads = blockDim.x * blockDim.y, tid = threadIdx.y * blockDim.x + threadIdx.x;
     const bool has_g = FMT == QC_FMT_NVFP4 && gscale != nullptr;
     const float g = has_g ? *gscale : 1.0f;
     if (F::kFp4) {
-        for (u32 i = tid; i < 256u * 16u; i += nthreads) tab4[i] = T::from_f(dq_value<FMT>(i & 15u, i >> 4, g, has_g));
+        for (u32 i = threadIdx.x; i < 256u * 16u; i += blockDim.x)
+            tab4[i] = T::from_f(dq_value<FMT>(i & 15u, i >> 4, g, has_g));
     } else {
-        for (u32 i = tid; i < 256u; i += nthreads) {
+        for (u32 i = threadIdx.x; i < 256u; i += blockDim.x) {
             tab8[i] = e4m3_value(i);
             tab8[256 + i] = e8m0_value(i);
         }
     }
     __syncthreads();
-    const u32 cx = blockIdx.x * blockDim.x + threadIdx.x;  // chunk column
-    const u32 r0 = blockIdx.y * blockDim.y + threadIdx.y;
-    if (cx >= nchr || r0 >= rows) return;
-    const u32 rstep = gridDim.y * blockDim.y;
-    const u32 c = cx / CPB;  // block column
-    u32 so;                  // scale offset of row r0; + sstep per row step
-    u32 sstep;
-    if (swizzled) {
-        so = (r0 / QC_SWIZZLE_ROWS) * tile_row_bytes + (c / QC_SWIZZLE_COLS) * QC_SWIZZLE_TILE_BYTES +
-             (r0 % QC_SWIZZLE_ROW_GROUP) * 16u + ((r0 % QC_SWIZZLE_ROWS) / QC_SWIZZLE_ROW_GROUP) * 4u +
-             c % QC_SWIZZLE_COLS;
-        sstep = rstep / QC_SWIZZLE_ROWS * tile_row_bytes;  // rstep % 128 == 0 or one row per thread
-    } else {
-        so = r0 * ncols + c;
-        sstep = rstep * ncols;
-    }
-    const u8* cp = codes + ((u64)r0 * nchr + cx) * CB;
-    S* op = out + ((u64)r0 * nchr + cx) * E;
-    const u64 cstep = (u64)rstep * nchr * CB, ostep = (u64)rstep * nchr * E;
-    for (u32 r = r0; r < rows; r += U * rstep) {
+    const u32 stride = gridDim.x * blockDim.x;
+    for (u32 q0 = blockIdx.x * blockDim.x + threadIdx.x; q0 < nchunks; q0 += U * stride) {
         u32 w[U][CW];
         u32 sb[U];
 #pragma unroll
         for (int j = 0; j < U; ++j) {
-            if (r + j * rstep >= rows) break;
-            sb[j] = __ldg(scales + so + j * sstep);
-            const u8* p = cp + j * cstep;
+            const u32 q = q0 + j * stride;
+            if (q >= nchunks) break;
+            const u32 b = q >> CSH;  // block index (row-major over [rows, ncols])
+            u32 so = b;
+            if (swizzled) {
+                const u32 r = (__umulhi(b, div_mul) + b) >> div_shift;
+                const u32 c = b - r * ncols;
+                so = (r / QC_SWIZZLE_ROWS) * tile_row_bytes + (c / QC_SWIZZLE_COLS) * QC_SWIZZLE_TILE_BYTES +
+                     (r % QC_SWIZZLE_ROW_GROUP) * 16u + ((r % QC_SWIZZLE_ROWS) / QC_SWIZZLE_ROW_GROUP) * 4u +
+                     c % QC_SWIZZLE_COLS;
+            }
+            sb[j] = __ldg(scales + so);
+            const u8* cp = codes + (u64)q * CB;
             if (vec) {
                 if (CB == 2) {
-                    w[j][0] = __ldg(reinterpret_cast<const u16*>(p));
+                    w[j][0] = __ldg(reinterpret_cast<const u16*>(cp));
                 } else if (CB == 4) {
-                    w[j][0] = __ldg(reinterpret_cast<const u32*>(p));
+                    w[j][0] = __ldg(reinterpret_cast<const u32*>(cp));
                 } else {
-                    const uint2 v2 = __ldg(reinterpret_cast<const uint2*>(p));
+                    const uint2 v2 = __ldg(reinterpret_cast<const uint2*>(cp));
                     w[j][0] = v2.x;
                     w[j][CW - 1] = v2.y;
                 }
@@ -758,14 +750,15 @@ __device__ __forceinline__ void mx_dequantize_impl(const u8* __restrict__ codes,
                 for (int i = 0; i < CW; ++i) {
                     u32 x = 0;
 #pragma unroll
-                    for (int k = 0; k < (CB < 4 ? CB : 4); ++k) x |= (u32)__ldg(p + 4 * i + k) << (8 * k);
+                    for (int k = 0; k < (CB < 4 ? CB : 4); ++k) x |= (u32)__ldg(cp + 4 * i + k) << (8 * k);
                     w[j][i] = x;
                 }
             }
         }
 #pragma unroll
         for (int j = 0; j < U; ++j) {
-            if (r + j * rstep >= rows) break;
+            const u32 q = q0 + j * stride;
+            if (q >= nchunks) break;
             u32 o[4];
             if (F::kFp4) {
                 const S* t = tab4 + sb[j] * 16u;
@@ -787,24 +780,21 @@ __device__ __forceinline__ void mx_dequantize_impl(const u8* __restrict__ codes,
                 for (int i = 0; i < E; ++i) v[i] = __fmul_rn(tab8[(w[j][i / 4] >> (8 * (i % 4))) & 0xffu], sc);
                 T::pack(v, o);
             }
-            S* q = op + j * ostep;
+            S* op = out + (u64)q * E;
             if (vec) {
-                stg_v4(q, o[0], o[1], o[2], o[3]);
+                stg_v4(op, o[0], o[1], o[2], o[3]);
             } else {
 #pragma unroll
                 for (int i = 0; i < E; ++i) {
                     const u32 word = o[i * (int)sizeof(S) / 4];
                     if (sizeof(S) == 2) {
-                        reinterpret_cast<u16*>(q)[i] = (u16)(word >> (16 * (i & 1)));
+                        reinterpret_cast<u16*>(op)[i] = (u16)(word >> (16 * (i & 1)));
                     } else {
-                        reinterpret_cast<u32*>(q)[i] = word;
+                        reinterpret_cast<u32*>(op)[i] = word;
                     }
                 }
             }
         }
-        so += U * sstep;
-        cp += U * cstep;
-        op += U * ostep;
     }
 }
 
@@ -869,9 +859,10 @@ __device__ __forceinline__ void unswizzle_impl(const u8* __restrict__ swz, u8* _
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(QC_MXDQ_THREADS) qc_mx_dequantize_##FMTNAME##_##DTNAME(   \
         const qcmx::u8* codes, const qcmx::u8* scales, qcmx::T::S* out, const float* gscale,           \
-        unsigned rows, unsigned nchr, unsigned ncols, unsigned tile_row_bytes, int swizzled, int vec) {    \
-        qcmx::mx_dequantize_impl<qcmx::T, FMT>(codes, scales, out, gscale, rows, nchr, ncols,          \
-                                               tile_row_bytes, swizzled, vec);                         \
+        unsigned nchunks, unsigned ncols, unsigned div_mul, unsigned div_shift, unsigned tile_row_bytes,   \
+        int swizzled, int vec) {                                                                       \
+        qcmx::mx_dequantize_impl<qcmx::T, FMT>(codes, scales, out, gscale, nchunks, ncols, div_mul,    \
+                                               div_shift, tile_row_bytes, swizzled, vec);              \
     }
 
 #define QCMX_QUANT_DTYPES(FMTNAME, FMT)     \

@@ -443,17 +443,16 @@ def test_graph_capture_quantize_and_mm(rng):
 
 
 # -- host-side plans of the dequantize kernel and the panel path (no GPU needed) --------------------
-@pytest.mark.parametrize("rows,nchr", [(16384, 2048), (8192, 1024), (1, 4), (300, 512), (129, 12), (5000, 40),
-                                       (100000, 8), (200, 3000)])
-def test_dequantize_grid_steps_whole_swizzle_tiles(rows, nchr):
-    """mx_dequantize's grid covers every chunk, and a thread's row step is a multiple of the 128-row
-    swizzle tile unless one step covers all rows (the kernel moves its scale address by a constant)."""
-    for capacity in (1, 132 * 8, 114 * 8):
-        (gx, gy), (bx, by) = cmx.dequantize_grid(rows, nchr, capacity)
-        assert bx * by == cmx.DQ_THREADS and bx & (bx - 1) == 0
-        assert gx * bx >= nchr and gy <= 65535
-        step = gy * by
-        assert step >= rows or step % 128 == 0, (capacity, gx, gy, bx, by)
+def test_div_magic_divides_like_the_kernel():
+    """mx_dequantize's block index -> row: (umulhi(b, mul) + b) >> shift == b // ncols for b < 2^31."""
+    rng = np.random.default_rng(5)
+    divisors = list(range(1, 600)) + [int(d) for d in rng.integers(1, 1 << 24, 300)] + [1 << 20, (1 << 20) + 1]
+    for d in divisors:
+        mul, shift = cmx.div_magic(d)
+        assert 0 < mul < 1 << 32
+        b = np.concatenate([rng.integers(0, 1 << 31, 200), [0, 1, d - 1, d, d + 1, (1 << 31) - 1]]).astype(np.uint64)
+        got = (((b * np.uint64(mul)) >> np.uint64(32)) + b) >> np.uint64(shift)
+        assert np.array_equal(got, b // np.uint64(d)), d
 
 
 @pytest.mark.parametrize("m,n,k", [(8192, 8192, 8192), (256, 8192, 8192), (16384, 16384, 16384), (65536, 8192, 8192),

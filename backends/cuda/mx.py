@@ -22,7 +22,6 @@ back end, sm_80 and newer); ``QUANTCORE_CUDA_MX_GEMM=mma`` forces the mma.sync b
 from __future__ import annotations
 
 import importlib.resources
-import math
 import os
 import threading
 from typing import Any
@@ -285,13 +284,22 @@ def mx_quantize(be, x, codes, scales, *, rows: int, cols: int, fmt: str, scale_m
 
 
 #: The MX dequantize kernel's launch geometry (kernel_defines.MX_DEQUANT_GEOMETRY: threads per CTA,
-#: rows per thread whose loads are in flight together).
+#: 16-byte chunks per thread in flight); the grid is as many CTAs as fit on the GPU at once, at most
+#: one per THREADS * UNROLL chunks (every CTA builds its value table once).
 DQ_THREADS = kernel_defines.MX_DEQUANT_GEOMETRY["QC_MXDQ_THREADS"]
 DQ_UNROLL = kernel_defines.MX_DEQUANT_GEOMETRY["QC_MXDQ_UNROLL"]
+#: chunks per launch (the kernel indexes chunks in 32 bits; larger tensors go in row panels)
+DQ_MAX_CHUNKS = 1 << 30
 
 
-def _occupancy_grid(dev: int, fn, name: str, threads: int, smem: int) -> int:
-    """How many CTAs of ``fn`` fit on the device at once (occupancy query)."""
+def div_magic(d: int) -> tuple[int, int]:
+    """(mul, shift) with ``b // d == (umulhi(b, mul) + b) >> shift`` for 0 <= b < 2**31 (d >= 1)."""
+    shift = (d - 1).bit_length()
+    return ((1 << 32) * ((1 << shift) - d)) // d + 1, shift
+
+
+def _occupancy_grid(dev: int, fn, name: str, threads: int, smem: int, work_ctas: int) -> int:
+    """As many CTAs as fit on the device at once (occupancy query), at most ``work_ctas``."""
     per_sm = _occupancy.get((dev, name), 0)
     if per_sm <= 0:
         try:
@@ -300,44 +308,36 @@ def _occupancy_grid(dev: int, fn, name: str, threads: int, smem: int) -> int:
         except Exception:  # noqa: BLE001 - an older CuPy without the query: 2048 threads per SM
             per_sm = 2048 // threads
         per_sm = _occupancy[(dev, name)] = max(per_sm, 1)
-    return rt.sm_count(dev) * per_sm
-
-
-def dequantize_grid(rows: int, nchr: int, capacity: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """((gx, gy), (bx, by)) of qc_mx_dequantize_*: bx threads across a row's nchr chunks (a power of
-    two up to DQ_THREADS), by rows per CTA; about ``capacity`` CTAs (one wave). A thread steps
-    gy * by rows, which is a multiple of the 128-row swizzle tile unless one step covers all rows
-    (the kernel's constant scale-address step relies on this)."""
-    bx = min(DQ_THREADS, 1 << max(nchr - 1, 0).bit_length())
-    by = DQ_THREADS // bx
-    gx = -(-nchr // bx)
-    gy_target = max(1, capacity // gx)
-    if gy_target * by >= rows:
-        gy = -(-rows // by)
-    else:
-        unit = mx.SWIZZLE_ROWS // math.gcd(by, mx.SWIZZLE_ROWS)
-        gy = max(unit, gy_target // unit * unit)
-    return (gx, gy), (bx, by)
+    return max(1, min(work_ctas, rt.sm_count(dev) * per_sm))
 
 
 def _dequantize_launch(launcher: rt.Launcher, dev: int, pc: int, ps: int, po: int, pg: int, *, rows: int,
                        cols: int, fmt: str, dtype: str, swizzled: bool) -> None:
-    """qc_mx_dequantize_<fmt>_<dtype> on raw addresses (codes, scales, out, global scale or 0: NVFP4
-    without the division, the GEMM panels' exact operand values)."""
-    ncols = cols // mx.block_size(fmt)
+    """One op's launches of qc_mx_dequantize_<fmt>_<dtype> on raw addresses (codes, scales, out, global
+    scale or 0: NVFP4 without the division, the GEMM panels' exact operand values); row panels of a
+    multiple of 128 rows where the tensor has more than DQ_MAX_CHUNKS chunks."""
+    blk = mx.block_size(fmt)
+    ncols = cols // blk
     pcols = mx.swizzled_shape(rows, ncols)[1] if swizzled else ncols
-    item = 4 if dtype == "float32" else 2
-    per_chunk = 16 // item  # output elements per chunk (one 16-byte store)
+    item = np.dtype(np.float32).itemsize if dtype == "float32" else 2
+    per_chunk = 16 // item  # output elements per chunk
     code_bytes = per_chunk // 2 if fmt != "mxfp8" else per_chunk
-    nchr = cols // per_chunk
     name = f"qc_mx_dequantize_{fmt}_{dtype}"
     fn = function(dev, QUANT_SOURCE, quant_arch(dev), name)
-    (gx, gy), block = dequantize_grid(rows, nchr, _occupancy_grid(dev, fn, name, DQ_THREADS, 0))
+    mul, shift = div_magic(ncols)
     tile_row_bytes = pcols // mx.SWIZZLE_COLS * mx.SWIZZLE_TILE_BYTES
     vec = int(pc % min(code_bytes, 8) == 0 and po % 16 == 0)
-    args = (_u64(pc), _u64(ps), _u64(po), _u64(pg), np.uint32(rows), np.uint32(nchr), np.uint32(ncols),
-            np.uint32(tile_row_bytes), np.int32(bool(swizzled)), np.int32(vec))
-    launcher.run(fn, name, (gx, gy, 1), (*block, 1), args)
+    chunks_per_row = cols // per_chunk
+    panel = max(mx.SWIZZLE_ROWS, DQ_MAX_CHUNKS // chunks_per_row // mx.SWIZZLE_ROWS * mx.SWIZZLE_ROWS)
+    for r0 in range(0, rows, panel):
+        prow = min(panel, rows - r0)
+        nchunks = prow * chunks_per_row
+        s_off = r0 // mx.SWIZZLE_ROWS * tile_row_bytes if swizzled else r0 * ncols
+        grid = _occupancy_grid(dev, fn, name, DQ_THREADS, 0, -(-nchunks // (DQ_THREADS * DQ_UNROLL)))
+        args = (_u64(pc + r0 * cols * code_bytes // per_chunk), _u64(ps + s_off), _u64(po + r0 * cols * item),
+                _u64(pg), np.uint32(nchunks), np.uint32(ncols), np.uint32(mul), np.uint32(shift),
+                np.uint32(tile_row_bytes), np.int32(bool(swizzled)), np.int32(vec))
+        launcher.run(fn, name, (grid, 1, 1), (DQ_THREADS, 1, 1), args)
 
 
 def mx_dequantize(be, codes, scales, out, *, rows: int, cols: int, fmt: str, swizzled: bool,
