@@ -693,7 +693,7 @@ __device__ __forceinline__ void mx_dequantize_impl(const u8* __restrict__ codes,
                                                    typename T::S* __restrict__ out,
                                                    const float* __restrict__ gscale, u32 nchunks, u32 ncols,
                                                    u32 div_mul, u32 div_shift, u32 tile_row_bytes,
-                                                   int swizzled, int vec) {
+                                                   u32 sstep, int swizzled, int vec) {
     using F = Fmt<FMT>;
     using S = typename T::S;
     constexpr int E = 16 / (int)sizeof(S);             // elements per chunk
@@ -717,6 +717,18 @@ __device__ __forceinline__ void mx_dequantize_impl(const u8* __restrict__ codes,
     }
     __syncthreads();
     const u32 stride = gridDim.x * blockDim.x;
+    // swizzled offset of block b (row-major block index)
+    auto swz = [&](u32 b) -> u32 {
+        const u32 r = (__umulhi(b, div_mul) + b) >> div_shift;
+        const u32 c = b - r * ncols;
+        return (r / QC_SWIZZLE_ROWS) * tile_row_bytes + (c / QC_SWIZZLE_COLS) * QC_SWIZZLE_TILE_BYTES +
+               (r % QC_SWIZZLE_ROW_GROUP) * 16u + ((r % QC_SWIZZLE_ROWS) / QC_SWIZZLE_ROW_GROUP) * 4u +
+               c % QC_SWIZZLE_COLS;
+    };
+    // sstep != 0 (swizzled only): the launcher made stride a multiple of 128 rows of chunks, so a
+    // thread keeps its block column and moves down by whole 128-row tiles: its scale offset moves by
+    // sstep per chunk, worked out once
+    u32 so0 = sstep != 0u ? swz((blockIdx.x * blockDim.x + threadIdx.x) >> CSH) : 0u;
     for (u32 q0 = blockIdx.x * blockDim.x + threadIdx.x; q0 < nchunks; q0 += U * stride) {
         u32 w[U][CW];
         u32 sb[U];
@@ -725,14 +737,7 @@ __device__ __forceinline__ void mx_dequantize_impl(const u8* __restrict__ codes,
             const u32 q = q0 + j * stride;
             if (q >= nchunks) break;
             const u32 b = q >> CSH;  // block index (row-major over [rows, ncols])
-            u32 so = b;
-            if (swizzled) {
-                const u32 r = (__umulhi(b, div_mul) + b) >> div_shift;
-                const u32 c = b - r * ncols;
-                so = (r / QC_SWIZZLE_ROWS) * tile_row_bytes + (c / QC_SWIZZLE_COLS) * QC_SWIZZLE_TILE_BYTES +
-                     (r % QC_SWIZZLE_ROW_GROUP) * 16u + ((r % QC_SWIZZLE_ROWS) / QC_SWIZZLE_ROW_GROUP) * 4u +
-                     c % QC_SWIZZLE_COLS;
-            }
+            const u32 so = sstep != 0u ? so0 + j * sstep : (swizzled ? swz(b) : b);
             sb[j] = __ldg(scales + so);
             const u8* cp = codes + (u64)q * CB;
             if (vec) {
@@ -795,6 +800,7 @@ __device__ __forceinline__ void mx_dequantize_impl(const u8* __restrict__ codes,
                 }
             }
         }
+        so0 += U * sstep;
     }
 }
 
@@ -860,9 +866,9 @@ __device__ __forceinline__ void unswizzle_impl(const u8* __restrict__ swz, u8* _
     extern "C" __global__ void __launch_bounds__(QC_MXDQ_THREADS) qc_mx_dequantize_##FMTNAME##_##DTNAME(   \
         const qcmx::u8* codes, const qcmx::u8* scales, qcmx::T::S* out, const float* gscale,           \
         unsigned nchunks, unsigned ncols, unsigned div_mul, unsigned div_shift, unsigned tile_row_bytes,   \
-        int swizzled, int vec) {                                                                       \
+        unsigned sstep, int swizzled, int vec) {                                                       \
         qcmx::mx_dequantize_impl<qcmx::T, FMT>(codes, scales, out, gscale, nchunks, ncols, div_mul,    \
-                                               div_shift, tile_row_bytes, swizzled, vec);              \
+                                               div_shift, tile_row_bytes, sstep, swizzled, vec);       \
     }
 
 #define QCMX_QUANT_DTYPES(FMTNAME, FMT)     \

@@ -455,6 +455,36 @@ def test_div_magic_divides_like_the_kernel():
         assert np.array_equal(got, b // np.uint64(d)), d
 
 
+@pytest.mark.parametrize("fmt,dtype", [("nvfp4", "bfloat16"), ("mxfp4", "float32"), ("mxfp8", "float16")])
+@pytest.mark.parametrize("rows,cols,capacity", [(300, 512, 8), (256, 256, 3), (1000, 1024, 64), (129, 96, 2),
+                                                (16384, 16384, 1056), (5, 4096, 1056)])
+def test_dequantize_grid_scale_steps(fmt, dtype, rows, cols, capacity):
+    """mx_dequantize's hoisted scale addresses: where dequantize_grid returns a scale step, every
+    chunk a thread takes (t, t + stride, ...) reads the scale the per-chunk swizzle formula gives."""
+    blk = mx.block_size(fmt)
+    if cols % blk:
+        pytest.skip("not a whole number of blocks")
+    per_chunk = 16 // (4 if dtype == "float32" else 2)
+    cpb = blk // per_chunk
+    ncols = cols // blk
+    nchr = cols // per_chunk
+    pcols = mx.swizzled_shape(rows, ncols)[1]
+    trb = pcols // 4 * 512
+    grid, sstep = cmx.dequantize_grid(rows * nchr, nchr, capacity, trb)
+    assert grid >= 1
+    if sstep == 0:
+        return
+    stride = grid * cmx.DQ_THREADS
+    assert stride % (128 * nchr) == 0
+    offs = mx.swizzle_offsets(rows, ncols).reshape(-1)  # row-major block index -> swizzled offset
+    t = np.arange(min(stride, rows * nchr))
+    so0 = offs[t // cpb]
+    for i in range(1, -(-rows * nchr // stride)):
+        q = t + i * stride
+        ok = q < rows * nchr
+        assert np.array_equal((so0 + i * sstep)[ok], offs[q[ok] // cpb])
+
+
 @pytest.mark.parametrize("m,n,k", [(8192, 8192, 8192), (256, 8192, 8192), (16384, 16384, 16384), (65536, 8192, 8192),
                                    (300, 70000, 8192), (1000, 700, 1 << 19), (8192, 8192, 1 << 20)])
 def test_panel_plan_within_workspace_bound(m, n, k):

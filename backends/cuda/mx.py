@@ -311,6 +311,21 @@ def _occupancy_grid(dev: int, fn, name: str, threads: int, smem: int, work_ctas:
     return max(1, min(work_ctas, rt.sm_count(dev) * per_sm))
 
 
+def dequantize_grid(nchunks: int, chunks_per_row: int, capacity: int, tile_row_bytes: int) -> tuple[int, int]:
+    """(CTAs, scale step) of qc_mx_dequantize_*: as many CTAs as fit at once (``capacity``), at most
+    one per DQ_THREADS * DQ_UNROLL chunks. With swizzled scales (``tile_row_bytes`` > 0) the grid is a
+    multiple of the CTAs that cover 128 rows where that fits, so that a thread's grid-stride steps
+    keep its block column and move by whole 128-row swizzle tiles: the scale step (bytes per step,
+    0 = worked out per chunk) is then constant."""
+    work = -(-nchunks // (DQ_THREADS * DQ_UNROLL))
+    tile_chunks = mx.SWIZZLE_ROWS * chunks_per_row
+    if tile_row_bytes and tile_chunks % DQ_THREADS == 0 and tile_chunks // DQ_THREADS <= capacity:
+        unit = tile_chunks // DQ_THREADS
+        units = max(1, min(capacity // unit, -(-work // unit)))
+        return units * unit, units * tile_row_bytes
+    return max(1, min(work, capacity)), 0
+
+
 def _dequantize_launch(launcher: rt.Launcher, dev: int, pc: int, ps: int, po: int, pg: int, *, rows: int,
                        cols: int, fmt: str, dtype: str, swizzled: bool) -> None:
     """One op's launches of qc_mx_dequantize_<fmt>_<dtype> on raw addresses (codes, scales, out, global
@@ -333,10 +348,11 @@ def _dequantize_launch(launcher: rt.Launcher, dev: int, pc: int, ps: int, po: in
         prow = min(panel, rows - r0)
         nchunks = prow * chunks_per_row
         s_off = r0 // mx.SWIZZLE_ROWS * tile_row_bytes if swizzled else r0 * ncols
-        grid = _occupancy_grid(dev, fn, name, DQ_THREADS, 0, -(-nchunks // (DQ_THREADS * DQ_UNROLL)))
+        grid, sstep = dequantize_grid(nchunks, chunks_per_row, _occupancy_grid(dev, fn, name, DQ_THREADS, 0, 1 << 30),
+                                      tile_row_bytes if swizzled else 0)
         args = (_u64(pc + r0 * cols * code_bytes // per_chunk), _u64(ps + s_off), _u64(po + r0 * cols * item),
                 _u64(pg), np.uint32(nchunks), np.uint32(ncols), np.uint32(mul), np.uint32(shift),
-                np.uint32(tile_row_bytes), np.int32(bool(swizzled)), np.int32(vec))
+                np.uint32(tile_row_bytes), np.uint32(sstep), np.int32(bool(swizzled)), np.int32(vec))
         launcher.run(fn, name, (grid, 1, 1), (DQ_THREADS, 1, 1), args)
 
 

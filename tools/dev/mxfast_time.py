@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=16384)
     ap.add_argument("--mm", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--skip-mm", action="store_true", help="dequantize only")
     ap.add_argument("--unroll", default="", help="comma-separated QC_MXDQ_UNROLL values to time first")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -129,6 +130,8 @@ def main() -> None:
                 del codes, scales, out
     torch.cuda.empty_cache()
 
+    if args.skip_mm:
+        return
     # -- scaled_fp4_mm: correctness of the panel path against the fused kernel, several panels + bias
     for fmt in ("nvfp4", "mxfp4"):
         m_, n_, k_ = 1000, 700, 4096
