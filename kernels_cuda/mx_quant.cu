@@ -787,7 +787,8 @@ __device__ __forceinline__ void mx_dequantize_impl(const u8* __restrict__ codes,
             }
             S* op = out + (u64)q * E;
             if (vec) {
-                stg_v4(op, o[0], o[1], o[2], o[3]);
+                asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(op), "r"(o[0]), "r"(o[1]), "r"(o[2]),
+                             "r"(o[3]) : "memory");
             } else {
 #pragma unroll
                 for (int i = 0; i < E; ++i) {
