@@ -677,7 +677,9 @@ __device__ __forceinline__ void mx_quantize_v2_impl(const typename T::S* __restr
 // output values (NVFP4's one IEEE division per entry instead of per element); MXFP8 the 256 E4M3
 // values and the 256 E8M0 scales in fp32, one fmul and one conversion per element.
 // Block index -> row / block column: a multiply-high division by ncols (div_mul, div_shift from
-// the launcher: (umulhi(b, mul) + b) >> shift, exact for b < 2^31).
+// the launcher: (umulhi(b, mul) + b) >> shift, exact for b < 2^31). With swizzled scales and
+// sstep != 0 the launcher made G a multiple of 128 rows of chunks: the swizzled offset is worked
+// out once per thread and then moves by sstep per step (dequantize_grid in backends/cuda/mx.py).
 template <int FMT>
 __device__ __forceinline__ float dq_value(u32 code, u32 sb, float g, bool has_g) {
     if (FMT == QC_FMT_NVFP4) {
@@ -787,6 +789,7 @@ __device__ __forceinline__ void mx_dequantize_impl(const u8* __restrict__ codes,
             }
             S* op = out + (u64)q * E;
             if (vec) {
+                // evict-first: the output is a stream nothing here reads again
                 asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(op), "r"(o[0]), "r"(o[1]), "r"(o[2]),
                              "r"(o[3]) : "memory");
             } else {

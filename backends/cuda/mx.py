@@ -284,8 +284,8 @@ def mx_quantize(be, x, codes, scales, *, rows: int, cols: int, fmt: str, scale_m
 
 
 #: The MX dequantize kernel's launch geometry (kernel_defines.MX_DEQUANT_GEOMETRY: threads per CTA,
-#: 16-byte chunks per thread in flight); the grid is as many CTAs as fit on the GPU at once, at most
-#: one per THREADS * UNROLL chunks (every CTA builds its value table once).
+#: 16-byte chunks per thread in flight); the grid is :func:`dequantize_grid`'s (every CTA builds its
+#: value table once).
 DQ_THREADS = kernel_defines.MX_DEQUANT_GEOMETRY["QC_MXDQ_THREADS"]
 DQ_UNROLL = kernel_defines.MX_DEQUANT_GEOMETRY["QC_MXDQ_UNROLL"]
 #: chunks per launch (the kernel indexes chunks in 32 bits; larger tensors go in row panels)
