@@ -3,8 +3,11 @@
 
 Each op here takes the backend instance first and then the arguments of the protocol method of
 the same name (:class:`quantcore.backend.Backend`, section "MX family"); arguments arrive
-validated by the core, outputs are preallocated, and nothing here allocates device memory,
-synchronizes or reads a device value on the host, so every op can be captured in a CUDA graph.
+validated by the core, outputs are preallocated, and nothing here synchronizes or reads a device
+value on the host. Only scaled_fp4_mm's panel path (:func:`mm_path`) allocates: its workspace and
+a 4-byte beta from the output's allocator (torch's caching allocator or CuPy's pool, stream-ordered),
+and it calls cuBLAS through CuPy; the other ops, and scaled_fp4_mm below MM_FUSED_MAX_M rows, can be
+captured in a CUDA graph (the panel path under capture is not tested).
 
 Arrays are torch CUDA tensors or CuPy arrays (contiguous); kernels run on the caller's current
 stream (torch's current stream for tensors, CuPy's for CuPy arrays) on the array's device.
