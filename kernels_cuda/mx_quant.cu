@@ -664,67 +664,147 @@ __device__ __forceinline__ void mx_quantize_v2_impl(const typename T::S* __restr
 // ==================================================================================================
 // dequantize
 // ==================================================================================================
-// out [rows, ncols*BLK] in T; scales row-major [rows, ncols] or swizzled (padded width pcols).
+// out [rows, ncols*BLK] in T; scales row-major [rows, ncols] or swizzled (padded width pcols);
+// gscale: NVFP4's fp32 global scale (device, [1]) or null (the operand e2m1 * s itself, as the
+// GEMM's panels want it: no division).
+//
+// Work split: a chunk is the E = 16 / sizeof(T) output elements of one 16-byte store (a chunk
+// never straddles a block or a row: BLK is a multiple of E). Thread t of a grid of G threads takes
+// chunks t, t + G, t + 2G ... kUnroll at a time (all their loads issued before the first store),
+// so every warp-wide store covers 512 consecutive bytes and every code load 32 consecutive words.
+// Values come from tables in shared memory built once per CTA with the exact per-element formula
+// (the reference's rounding, bit for bit): FP4 formats a [256 scale bytes][16 codes] table of
+// output values (NVFP4's one IEEE division per entry instead of per element); MXFP8 the 256 E4M3
+// values and the 256 E8M0 scales in fp32, one fmul and one conversion per element.
+// Block index -> row / block column: a multiply-high division by ncols (div_mul, div_shift from
+// the launcher: (umulhi(b, mul) + b) >> shift, exact for b < 2^31). With swizzled scales and
+// sstep != 0 the launcher made G a multiple of 128 rows of chunks: the swizzled offset is worked
+// out once per thread and then moves by sstep per step (dequantize_grid in backends/cuda/mx.py).
+template <int FMT>
+__device__ __forceinline__ float dq_value(u32 code, u32 sb, float g, bool has_g) {
+    if (FMT == QC_FMT_NVFP4) {
+        // x = f32(f32(e2m1(q) * s) / g): the product is exact, one IEEE division
+        const float p = __fmul_rn(e2m1_value(code), e4m3_value(sb));
+        return has_g ? __fdiv_rn(p, g) : p;
+    }
+    return __fmul_rn(e2m1_value(code), e8m0_value(sb));
+}
+
 template <typename T, int FMT>
 __device__ __forceinline__ void mx_dequantize_impl(const u8* __restrict__ codes, const u8* __restrict__ scales,
                                                    typename T::S* __restrict__ out,
-                                                   const float* __restrict__ gscale, i64 rows, int ncols,
-                                                   int pcols, int swizzled, int vec) {
+                                                   const float* __restrict__ gscale, u32 nchunks, u32 ncols,
+                                                   u32 div_mul, u32 div_shift, u32 tile_row_bytes,
+                                                   u32 sstep, int swizzled, int vec) {
     using F = Fmt<FMT>;
-    constexpr int BLK = F::kBlk;
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= ncols) return;
-    const float g = FMT == QC_FMT_NVFP4 ? *gscale : 0.0f;
-    const i64 rstep = (i64)gridDim.y * blockDim.y;
-    for (i64 r = (i64)blockIdx.y * blockDim.y + threadIdx.y; r < rows; r += rstep) {
-        const u32 sb = swizzled ? scales[swizzle_offset(r, c, pcols)] : scales[r * ncols + c];
-        const u8* cp = codes + (r * ncols + c) * F::kCodeBytes;
-        u32 w[F::kCodeBytes / 4];
-        if (vec) {
-            if (F::kCodeBytes == 8) {
-                const u64 q = *reinterpret_cast<const u64*>(cp);
-                w[0] = (u32)q;
-                w[1 % (F::kCodeBytes / 4)] = (u32)(q >> 32);
+    using S = typename T::S;
+    constexpr int E = 16 / (int)sizeof(S);             // elements per chunk
+    constexpr int CPB = F::kBlk / E;                    // chunks per block (2, 4 or 8)
+    constexpr int CSH = CPB == 2 ? 1 : (CPB == 4 ? 2 : 3);
+    constexpr int CB = F::kFp4 ? E / 2 : E;             // code bytes per chunk (2, 4 or 8)
+    constexpr int CW = CB >= 4 ? CB / 4 : 1;            // code words per chunk
+    constexpr int U = QC_MXDQ_UNROLL;
+    __shared__ S tab4[F::kFp4 ? 256 * 16 : 1];          // FP4: [scale byte][code] -> output value
+    __shared__ float tab8[F::kFp4 ? 1 : 512];           // MXFP8: E4M3 values, then E8M0 scales
+    const bool has_g = FMT == QC_FMT_NVFP4 && gscale != nullptr;
+    const float g = has_g ? *gscale : 1.0f;
+    if (F::kFp4) {
+        for (u32 i = threadIdx.x; i < 256u * 16u; i += blockDim.x)
+            tab4[i] = T::from_f(dq_value<FMT>(i & 15u, i >> 4, g, has_g));
+    } else {
+        for (u32 i = threadIdx.x; i < 256u; i += blockDim.x) {
+            tab8[i] = e4m3_value(i);
+            tab8[256 + i] = e8m0_value(i);
+        }
+    }
+    __syncthreads();
+    const u32 stride = gridDim.x * blockDim.x;
+    // swizzled offset of block b (row-major block index)
+    auto swz = [&](u32 b) -> u32 {
+        const u32 r = (__umulhi(b, div_mul) + b) >> div_shift;
+        const u32 c = b - r * ncols;
+        return (r / QC_SWIZZLE_ROWS) * tile_row_bytes + (c / QC_SWIZZLE_COLS) * QC_SWIZZLE_TILE_BYTES +
+               (r % QC_SWIZZLE_ROW_GROUP) * 16u + ((r % QC_SWIZZLE_ROWS) / QC_SWIZZLE_ROW_GROUP) * 4u +
+               c % QC_SWIZZLE_COLS;
+    };
+    // sstep != 0 (swizzled only): the launcher made stride a multiple of 128 rows of chunks, so a
+    // thread keeps its block column and moves down by whole 128-row tiles: its scale offset moves by
+    // sstep per chunk, worked out once
+    u32 so0 = sstep != 0u ? swz((blockIdx.x * blockDim.x + threadIdx.x) >> CSH) : 0u;
+    for (u32 q0 = blockIdx.x * blockDim.x + threadIdx.x; q0 < nchunks; q0 += U * stride) {
+        u32 w[U][CW];
+        u32 sb[U];
+#pragma unroll
+        for (int j = 0; j < U; ++j) {
+            const u32 q = q0 + j * stride;
+            if (q >= nchunks) break;
+            const u32 b = q >> CSH;  // block index (row-major over [rows, ncols])
+            const u32 so = sstep != 0u ? so0 + j * sstep : (swizzled ? swz(b) : b);
+            sb[j] = __ldg(scales + so);
+            const u8* cp = codes + (u64)q * CB;
+            if (vec) {
+                if (CB == 2) {
+                    w[j][0] = __ldg(reinterpret_cast<const u16*>(cp));
+                } else if (CB == 4) {
+                    w[j][0] = __ldg(reinterpret_cast<const u32*>(cp));
+                } else {
+                    const uint2 v2 = __ldg(reinterpret_cast<const uint2*>(cp));
+                    w[j][0] = v2.x;
+                    w[j][CW - 1] = v2.y;
+                }
             } else {
 #pragma unroll
-                for (int i = 0; i < F::kCodeBytes / 16; ++i)
-                    ldg_v4(cp + 16 * i, w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
+                for (int i = 0; i < CW; ++i) {
+                    u32 x = 0;
+#pragma unroll
+                    for (int k = 0; k < (CB < 4 ? CB : 4); ++k) x |= (u32)__ldg(cp + 4 * i + k) << (8 * k);
+                    w[j][i] = x;
+                }
             }
-        } else {
-#pragma unroll
-            for (int i = 0; i < F::kCodeBytes / 4; ++i)
-                w[i] = (u32)cp[4 * i] | (u32)cp[4 * i + 1] << 8 | (u32)cp[4 * i + 2] << 16 |
-                       (u32)cp[4 * i + 3] << 24;
         }
-        float v[BLK];
-        if (FMT == QC_FMT_NVFP4) {
-            // x = f32(f32(e2m1(q) * s) / g): the product is exact, one IEEE division
-            const float s = e4m3_value(sb);
 #pragma unroll
-            for (int i = 0; i < BLK; ++i)
-                v[i] = __fdiv_rn(__fmul_rn(e2m1_value(w[i / 8] >> (4 * (i % 8))), s), g);
-        } else {
-            const float sc = e8m0_value(sb);
+        for (int j = 0; j < U; ++j) {
+            const u32 q = q0 + j * stride;
+            if (q >= nchunks) break;
+            u32 o[4];
             if (F::kFp4) {
+                const S* t = tab4 + sb[j] * 16u;
+                S v[E];
 #pragma unroll
-                for (int i = 0; i < BLK; ++i) v[i] = __fmul_rn(e2m1_value(w[i / 8] >> (4 * (i % 8))), sc);
+                for (int i = 0; i < E; ++i) v[i] = t[(w[j][0] >> (4 * i)) & 15u];
+                if (sizeof(S) == 2) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i)
+                        o[i] = (u32)(u16)v[2 * i] | ((u32)(u16)v[2 * i + 1] << 16);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) o[i] = __float_as_uint((float)v[i]);
+                }
+            } else {
+                const float sc = tab8[256 + sb[j]];
+                float v[E];
+#pragma unroll
+                for (int i = 0; i < E; ++i) v[i] = __fmul_rn(tab8[(w[j][i / 4] >> (8 * (i % 4))) & 0xffu], sc);
+                T::pack(v, o);
+            }
+            S* op = out + (u64)q * E;
+            if (vec) {
+                // evict-first: the output is a stream nothing here reads again
+                asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(op), "r"(o[0]), "r"(o[1]), "r"(o[2]),
+                             "r"(o[3]) : "memory");
             } else {
 #pragma unroll
-                for (int i = 0; i < BLK; ++i) v[i] = __fmul_rn(e4m3_value((w[i / 4] >> (8 * (i % 4))) & 0xffu), sc);
+                for (int i = 0; i < E; ++i) {
+                    const u32 word = o[i * (int)sizeof(S) / 4];
+                    if (sizeof(S) == 2) {
+                        reinterpret_cast<u16*>(op)[i] = (u16)(word >> (16 * (i & 1)));
+                    } else {
+                        reinterpret_cast<u32*>(op)[i] = word;
+                    }
+                }
             }
         }
-        typename T::S* op = out + (r * ncols + c) * BLK;
-        if (vec) {
-#pragma unroll
-            for (int i = 0; i < BLK / T::kPer16; ++i) {
-                u32 o[4];
-                T::pack(v + i * T::kPer16, o);
-                stg_v4(op + i * T::kPer16, o[0], o[1], o[2], o[3]);
-            }
-        } else {
-#pragma unroll
-            for (int i = 0; i < BLK; ++i) op[i] = T::from_f(v[i]);
-        }
+        so0 += U * sstep;
     }
 }
 
@@ -787,11 +867,12 @@ __device__ __forceinline__ void unswizzle_impl(const u8* __restrict__ swz, u8* _
         qcmx::mx_quantize_v2_impl<qcmx::T, FMT, QCMX_FLAT>(x, codes, scales, gscale, nunits, rows,     \
                                                            ncols, ncols_shift, prow, pcols, swizzled, mode); \
     }                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256) qc_mx_dequantize_##FMTNAME##_##DTNAME(           \
+    extern "C" __global__ void __launch_bounds__(QC_MXDQ_THREADS) qc_mx_dequantize_##FMTNAME##_##DTNAME(   \
         const qcmx::u8* codes, const qcmx::u8* scales, qcmx::T::S* out, const float* gscale,           \
-        long long rows, int ncols, int pcols, int swizzled, int vec) {                                 \
-        qcmx::mx_dequantize_impl<qcmx::T, FMT>(codes, scales, out, gscale, rows, ncols, pcols,         \
-                                               swizzled, vec);                                         \
+        unsigned nchunks, unsigned ncols, unsigned div_mul, unsigned div_shift, unsigned tile_row_bytes,   \
+        unsigned sstep, int swizzled, int vec) {                                                       \
+        qcmx::mx_dequantize_impl<qcmx::T, FMT>(codes, scales, out, gscale, nchunks, ncols, div_mul,    \
+                                               div_shift, tile_row_bytes, sstep, swizzled, vec);       \
     }
 
 #define QCMX_QUANT_DTYPES(FMTNAME, FMT)     \
@@ -831,4 +912,15 @@ extern "C" __global__ void __launch_bounds__(256) qc_mx_unswizzle(const qcmx::u8
                                                                   long long rows, int cols, int pcols,
                                                                   int aligned) {
     qcmx::unswizzle_impl(swz, out, rows, cols, pcols, aligned);
+}
+
+// scaled_fp4_mm's panel path (backends/cuda/mx.py): *beta = 1 and out[r, :] = bias for every row,
+// or *beta = 0 without a bias (the cuBLAS GEMM then computes out = alpha * acc + beta * out).
+extern "C" __global__ void __launch_bounds__(256) qc_mx_mm_bias_fill(const qcmx::u16* bias, qcmx::u16* out,
+                                                                     float* beta, unsigned long long m,
+                                                                     unsigned n) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) *beta = bias != nullptr ? 1.0f : 0.0f;
+    if (bias == nullptr) return;
+    for (unsigned long long r = blockIdx.x; r < m; r += gridDim.x)
+        for (unsigned c = threadIdx.x; c < n; c += blockDim.x) out[r * n + c] = bias[c];
 }

@@ -180,14 +180,18 @@ CPU_SIZES = {
     "quantize_4bit": [(4096, 4096)],
     "gemv_4bit": [(1, 4096, 4096), (1, 14336, 4096), (8, 4096, 4096)],
     "gemm_w4a8": [(1, 4096, 4096), (1, 14336, 4096), (8, 4096, 4096)],
-    "mx_quantize": [(1024, 1024)], "scaled_fp4_mm": [(128, 128, 256)],
+    "mx_quantize": [(1024, 1024)], "mx_dequantize": [(1024, 1024)], "scaled_fp4_mm": [(128, 128, 256)],
 }
 # -- MX family: NVFP4 / MXFP4 / MXFP8 quantize and scaled_fp4_mm (added with the CUDA MX kernels;
 # the methods of the same names are in Bench's "MX family" block) ---------------------------------
-CUDA_SIZES.update({"mx_quantize": [(16384, 16384)], "scaled_fp4_mm": [(8192, 8192, 8192)]})
-QUICK_CUDA_SIZES.update({"mx_quantize": [(16384, 16384)], "scaled_fp4_mm": [(8192, 8192, 8192)]})
-HOST_SIZES.update({"mx_quantize": [(1024, 1024)], "scaled_fp4_mm": [(128, 128, 256)]})
-QUICK_HOST_SIZES.update({"mx_quantize": [(256, 256)], "scaled_fp4_mm": [(64, 64, 128)]})
+CUDA_SIZES.update({"mx_quantize": [(16384, 16384)], "mx_dequantize": [(16384, 16384)],
+                   "scaled_fp4_mm": [(8192, 8192, 8192)]})
+QUICK_CUDA_SIZES.update({"mx_quantize": [(16384, 16384)], "mx_dequantize": [(16384, 16384)],
+                         "scaled_fp4_mm": [(8192, 8192, 8192)]})
+HOST_SIZES.update({"mx_quantize": [(1024, 1024)], "mx_dequantize": [(1024, 1024)],
+                   "scaled_fp4_mm": [(128, 128, 256)]})
+QUICK_HOST_SIZES.update({"mx_quantize": [(256, 256)], "mx_dequantize": [(256, 256)],
+                         "scaled_fp4_mm": [(64, 64, 128)]})
 # weight-only MX (linear_mx, decode): MXFP4 / NVFP4 weights, bf16 activations, batch 1 and 8
 CUDA_SIZES["linear_mx"] = [(b, n, k) for b in (1, 8) for n, k in ((4096, 14336), (14336, 4096))]
 QUICK_CUDA_SIZES["linear_mx"] = [(1, 4096, 14336), (1, 14336, 4096)]
@@ -695,6 +699,33 @@ class Bench:
                     x, o, s, rows=r, cols=c, fmt=f, scale_mode=m, swizzled=True, global_scale=g) for x in xs],
                 eager=[lambda x=x, f=fmt, kw=kw: api_mx.quantize_mx(x, f, backend=be, **kw) for x in xs])
             del xs, codes, scales
+
+    def mx_dequantize(self, rows_cols) -> None:
+        """codes + swizzled scales -> bf16 [r, c], each format (NVFP4 with its global scale); bytes
+        = codes + scales read + output written (the % of copy is the goal's measure)."""
+        from . import api_mx  # noqa: PLC0415
+        from .formats import mx  # noqa: PLC0415
+
+        r, c = rows_cols
+        be = self.be
+        for fmt in mx.MX_FORMATS:
+            blk = mx.block_size(fmt)
+            if not be.supports("mx_dequantize", fmt, "bfloat16", blk):
+                continue
+            x = self.rand((r, c), "bfloat16")
+            kw = {"global_scale": float(mx.nvfp4_global_scale(6.0))} if fmt == "nvfp4" else {}
+            codes, scales = api_mx.quantize_mx(x, fmt, backend=be, **kw)
+            del x
+            g = be.from_numpy(np.array([kw["global_scale"]], np.float32), like=codes) if kw else None
+            out = be.empty((r, c), as_dtype("bfloat16"), like=codes)
+            nbytes = r * mx.codes_cols(fmt, c) + scales.shape[0] * scales.shape[1] + 2 * r * c
+            self.measure(
+                "mx_dequantize", f"{r}x{c} {fmt} bf16 swizzled", "quantcore", nbytes,
+                [lambda f=fmt, g=g, cd=codes, s=scales, o=out: be.mx_dequantize(
+                    cd, s, o, rows=r, cols=c, fmt=f, swizzled=True, global_scale=g)],
+                eager=[lambda f=fmt, cd=codes, s=scales, kw=kw: api_mx.dequantize_mx(
+                    cd, s, f, "bfloat16", backend=be, **kw)])
+            del codes, scales, out
 
     def scaled_fp4_mm(self, mnk) -> None:
         """D = A @ B^T on packed fp4 operands (nvfp4, mxfp4) against torch bf16 matmul of the same

@@ -280,7 +280,7 @@ def _gemm_modes() -> list[str]:
     if GPU_REASON is not None:
         return ["mma"]
     major, minor = cmx.compute_capability(_torch().cuda.current_device())
-    return ["wgmma", "mma"] if (major, minor) == (9, 0) else ["mma"]
+    return ["wgmma", "mma", "panel"] if (major, minor) == (9, 0) else ["mma", "panel"]
 
 
 GEMM_SHAPES = {
@@ -530,3 +530,68 @@ def test_linear_mx_graph_capture(rng):
         step()
         torch.cuda.synchronize()
         assert torch.equal(got, out)
+
+
+# -- host-side plans of the dequantize kernel and the panel path (no GPU needed) --------------------
+def test_div_magic_divides_like_the_kernel():
+    """mx_dequantize's block index -> row: (umulhi(b, mul) + b) >> shift == b // ncols for b < 2^31."""
+    rng = np.random.default_rng(5)
+    divisors = list(range(1, 600)) + [int(d) for d in rng.integers(1, 1 << 24, 300)] + [1 << 20, (1 << 20) + 1]
+    for d in divisors:
+        mul, shift = cmx.div_magic(d)
+        assert 0 < mul < 1 << 32
+        b = np.concatenate([rng.integers(0, 1 << 31, 200), [0, 1, d - 1, d, d + 1, (1 << 31) - 1]]).astype(np.uint64)
+        got = (((b * np.uint64(mul)) >> np.uint64(32)) + b) >> np.uint64(shift)
+        assert np.array_equal(got, b // np.uint64(d)), d
+
+
+@pytest.mark.parametrize("fmt,dtype", [("nvfp4", "bfloat16"), ("mxfp4", "float32"), ("mxfp8", "float16")])
+@pytest.mark.parametrize("rows,cols,capacity", [(300, 512, 8), (256, 256, 3), (1000, 1024, 64), (129, 96, 2),
+                                                (16384, 16384, 1056), (5, 4096, 1056)])
+def test_dequantize_grid_scale_steps(fmt, dtype, rows, cols, capacity):
+    """mx_dequantize's hoisted scale addresses: where dequantize_grid returns a scale step, every
+    chunk a thread takes (t, t + stride, ...) reads the scale the per-chunk swizzle formula gives."""
+    blk = mx.block_size(fmt)
+    if cols % blk:
+        pytest.skip("not a whole number of blocks")
+    per_chunk = 16 // (4 if dtype == "float32" else 2)
+    cpb = blk // per_chunk
+    ncols = cols // blk
+    nchr = cols // per_chunk
+    pcols = mx.swizzled_shape(rows, ncols)[1]
+    trb = pcols // 4 * 512
+    grid, sstep = cmx.dequantize_grid(rows * nchr, nchr, capacity, trb)
+    assert grid >= 1
+    if sstep == 0:
+        return
+    stride = grid * cmx.DQ_THREADS
+    assert stride % (128 * nchr) == 0
+    offs = mx.swizzle_offsets(rows, ncols).reshape(-1)  # row-major block index -> swizzled offset
+    t = np.arange(min(stride, rows * nchr))
+    so0 = offs[t // cpb]
+    for i in range(1, -(-rows * nchr // stride)):
+        q = t + i * stride
+        ok = q < rows * nchr
+        assert np.array_equal((so0 + i * sstep)[ok], offs[q[ok] // cpb])
+
+
+@pytest.mark.parametrize("m,n,k", [(8192, 8192, 8192), (256, 8192, 8192), (16384, 16384, 16384), (65536, 8192, 8192),
+                                   (300, 70000, 8192), (1000, 700, 1 << 19), (8192, 8192, 1 << 20)])
+def test_panel_plan_within_workspace_bound(m, n, k):
+    """The panel path's workspace (the dequantized A and B panels) stays within
+    max(256 MiB, (m + n) * k * 2 / 8); panels are whole or multiples of the 128-row scale tiles."""
+    plan = cmx.mm_panels(m, n, k)
+    bound = cmx.mm_workspace_bytes(m, n, k)
+    assert bound == max(256 << 20, (m + n) * k * 2 // 8)
+    if plan is None:  # not even 128 + 128 rows of K fit
+        assert 2 * 128 * 2 * k > bound
+        assert cmx.mm_path(m, n, k, "auto") == "fused"
+        return
+    mp, np_ = plan
+    assert (mp + np_) * k * 2 <= bound
+    for p, full in ((mp, m), (np_, n)):
+        assert 0 < p <= full and (p == full or p % 128 == 0)
+    assert cmx.mm_path(m, n, k, "auto") == ("panel" if m >= cmx.MM_FUSED_MAX_M else "fused")
+    assert cmx.mm_path(m, n, k, "wgmma") == "fused"
+    if (m, n, k) == (8192, 8192, 8192):
+        assert plan == (m, n)  # one pass: both operands whole, exactly 256 MiB

@@ -3,8 +3,11 @@
 
 Each op here takes the backend instance first and then the arguments of the protocol method of
 the same name (:class:`quantcore.backend.Backend`, section "MX family"); arguments arrive
-validated by the core, outputs are preallocated, and nothing here allocates device memory,
-synchronizes or reads a device value on the host, so every op can be captured in a CUDA graph.
+validated by the core, outputs are preallocated, and nothing here synchronizes or reads a device
+value on the host. Only scaled_fp4_mm's panel path (:func:`mm_path`) allocates: its workspace and
+a 4-byte beta from the output's allocator (torch's caching allocator or CuPy's pool, stream-ordered),
+and it calls cuBLAS through CuPy; the other ops, and scaled_fp4_mm below MM_FUSED_MAX_M rows, can be
+captured in a CUDA graph (the panel path under capture is not tested).
 
 Arrays are torch CUDA tensors or CuPy arrays (contiguous); kernels run on the caller's current
 stream (torch's current stream for tensors, CuPy's for CuPy arrays) on the array's device.
@@ -39,28 +42,20 @@ QUANT_SOURCE = "mx_quant.cu"
 GEMM_SOURCE = "mx_gemm.cu"
 HEADERS = ("mx_common.cuh", "qc_common.cuh")
 GEMM_MODE_ENV = "QUANTCORE_CUDA_MX_GEMM"
-GEMM_MODES = ("auto", "ws", "wgmma", "mma")
-#: The back end "auto" picks on compute capability 9.0: "ws" (warp-specialized persistent wgmma
-#: kernel) or "wgmma" (the first wgmma kernel, one CTA barrier per step). Measured on the H200 at
-#: 8192^3 (docs/performance.md, GEMM-ws3): the two are equal (2.28-2.33 ms); wgmma, the one the
-#: whole conformance suite and the memcheck runs certify as the default, stays.
-GEMM_AUTO_SM90 = "wgmma"
+#: "auto" (:func:`mm_path`: the panel path from MM_FUSED_MAX_M rows, the fused kernel below), "panel"
+#: (dequantize + cuBLAS), "wgmma" / "mma" (the fused kernel's two back ends: wgmma on compute
+#: capability 9.0, mma.sync on 8.x and others).
+GEMM_MODES = ("auto", "panel", "wgmma", "mma")
 THREADS = 256
 #: Dynamic shared memory of the GEMM kernels (kSmemBytes in mx_gemm.cu; the tests check the
 #: kernel reports the same number).
 GEMM_SMEM_BYTES = 1024 + 3 * 128 * 128 + 4 * (256 * 64 + 128 * 64 + 4 * 512 + 2 * 512) + 1024
 GEMM_BM, GEMM_BN, GEMM_GROUP_M = 256, 128, 8
-#: The warp-specialized back end (GemmWS in mx_gemm.cu): 384 threads (a producer warpgroup and two
-#: consumer warpgroups), 4 bf16 B tiles, 4 packed stages, the table and 256 bytes of mbarriers;
-#: one CTA per SM walking the tiles (``QUANTCORE_CUDA_TUNE=mx_gemm_ctas=N`` caps the grid at N).
-GEMM_WS_THREADS = 384
-GEMM_WS_SMEM_BYTES = 1024 + 4 * 128 * 128 + 4 * (256 * 64 + 128 * 64 + 4 * 512 + 2 * 512) + 1024 + 256
 
 
 #: the GEMM's timing experiments per back end (entry-point suffixes, compiled only with
-#: -DQCMX_TIMING_VARIANTS; mx_gemm.cu QCMX_WG_VARIANT / QCMX_WS_VARIANT)
-GEMM_TIMING_VARIANTS = {"wgmma": ("_nodq", "_nomma", "_alu", "_smem", "_nohmul", "_nof2fp", "_ss", "_ssnodq"),
-                        "ws": ("_nodq", "_noadq", "_nobdq")}
+#: -DQCMX_TIMING_VARIANTS; mx_gemm.cu QCMX_WG_VARIANT)
+GEMM_TIMING_VARIANTS = {"wgmma": ("_nodq", "_nomma", "_alu", "_smem", "_nohmul", "_nof2fp", "_ss", "_ssnodq")}
 
 
 _lock = threading.Lock()
@@ -124,7 +119,7 @@ def gemm_arch(device: int, mode: str | None = None) -> tuple[str, bool]:
                                f"this GPU has {major}.{minor}")
     if (major, minor) == (9, 0) and mode != "mma":
         return "sm_90a", True
-    if mode in ("wgmma", "ws"):
+    if mode == "wgmma":
         raise UnsupportedError(f"the {mode} back end needs compute capability 9.0, not {major}.{minor}")
     return f"sm_{major}{minor}", False
 
@@ -291,19 +286,85 @@ def mx_quantize(be, x, codes, scales, *, rows: int, cols: int, fmt: str, scale_m
     rt.Launcher(x).run(fn, name, grid, block, args)
 
 
+#: The MX dequantize kernel's launch geometry (kernel_defines.MX_DEQUANT_GEOMETRY: threads per CTA,
+#: 16-byte chunks per thread in flight); the grid is :func:`dequantize_grid`'s (every CTA builds its
+#: value table once).
+DQ_THREADS = kernel_defines.MX_DEQUANT_GEOMETRY["QC_MXDQ_THREADS"]
+DQ_UNROLL = kernel_defines.MX_DEQUANT_GEOMETRY["QC_MXDQ_UNROLL"]
+#: chunks per launch (the kernel indexes chunks in 32 bits; larger tensors go in row panels)
+DQ_MAX_CHUNKS = 1 << 30
+
+
+def div_magic(d: int) -> tuple[int, int]:
+    """(mul, shift) with ``b // d == (umulhi(b, mul) + b) >> shift`` for 0 <= b < 2**31 (d >= 1)."""
+    shift = (d - 1).bit_length()
+    return ((1 << 32) * ((1 << shift) - d)) // d + 1, shift
+
+
+def _occupancy_grid(dev: int, fn, name: str, threads: int, smem: int, work_ctas: int) -> int:
+    """As many CTAs as fit on the device at once (occupancy query), at most ``work_ctas``."""
+    per_sm = _occupancy.get((dev, name), 0)
+    if per_sm <= 0:
+        try:
+            with rt.cupy().cuda.Device(dev):
+                per_sm = int(rt.cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, threads, smem))
+        except Exception:  # noqa: BLE001 - an older CuPy without the query: 2048 threads per SM
+            per_sm = 2048 // threads
+        per_sm = _occupancy[(dev, name)] = max(per_sm, 1)
+    return max(1, min(work_ctas, rt.sm_count(dev) * per_sm))
+
+
+def dequantize_grid(nchunks: int, chunks_per_row: int, capacity: int, tile_row_bytes: int) -> tuple[int, int]:
+    """(CTAs, scale step) of qc_mx_dequantize_*: as many CTAs as fit at once (``capacity``), at most
+    one per DQ_THREADS * DQ_UNROLL chunks. With swizzled scales (``tile_row_bytes`` > 0) the grid is a
+    multiple of the CTAs that cover 128 rows where that fits, so that a thread's grid-stride steps
+    keep its block column and move by whole 128-row swizzle tiles: the scale step (bytes per step,
+    0 = worked out per chunk) is then constant."""
+    work = -(-nchunks // (DQ_THREADS * DQ_UNROLL))
+    tile_chunks = mx.SWIZZLE_ROWS * chunks_per_row
+    if tile_row_bytes and tile_chunks % DQ_THREADS == 0 and tile_chunks // DQ_THREADS <= capacity:
+        unit = tile_chunks // DQ_THREADS
+        units = max(1, min(capacity // unit, -(-work // unit)))
+        return units * unit, units * tile_row_bytes
+    return max(1, min(work, capacity)), 0
+
+
+def _dequantize_launch(launcher: rt.Launcher, dev: int, pc: int, ps: int, po: int, pg: int, *, rows: int,
+                       cols: int, fmt: str, dtype: str, swizzled: bool) -> None:
+    """One op's launches of qc_mx_dequantize_<fmt>_<dtype> on raw addresses (codes, scales, out, global
+    scale or 0: NVFP4 without the division, the GEMM panels' exact operand values); row panels of a
+    multiple of 128 rows where the tensor has more than DQ_MAX_CHUNKS chunks."""
+    blk = mx.block_size(fmt)
+    ncols = cols // blk
+    pcols = mx.swizzled_shape(rows, ncols)[1] if swizzled else ncols
+    item = np.dtype(np.float32).itemsize if dtype == "float32" else 2
+    per_chunk = 16 // item  # output elements per chunk
+    code_bytes = per_chunk // 2 if fmt != "mxfp8" else per_chunk
+    name = f"qc_mx_dequantize_{fmt}_{dtype}"
+    fn = function(dev, QUANT_SOURCE, quant_arch(dev), name)
+    mul, shift = div_magic(ncols)
+    tile_row_bytes = pcols // mx.SWIZZLE_COLS * mx.SWIZZLE_TILE_BYTES
+    vec = int(pc % min(code_bytes, 8) == 0 and po % 16 == 0)
+    chunks_per_row = cols // per_chunk
+    panel = max(mx.SWIZZLE_ROWS, DQ_MAX_CHUNKS // chunks_per_row // mx.SWIZZLE_ROWS * mx.SWIZZLE_ROWS)
+    for r0 in range(0, rows, panel):
+        prow = min(panel, rows - r0)
+        nchunks = prow * chunks_per_row
+        s_off = r0 // mx.SWIZZLE_ROWS * tile_row_bytes if swizzled else r0 * ncols
+        grid, sstep = dequantize_grid(nchunks, chunks_per_row, _occupancy_grid(dev, fn, name, DQ_THREADS, 0, 1 << 30),
+                                      tile_row_bytes if swizzled else 0)
+        args = (_u64(pc + r0 * cols * code_bytes // per_chunk), _u64(ps + s_off), _u64(po + r0 * cols * item),
+                _u64(pg), np.uint32(nchunks), np.uint32(ncols), np.uint32(mul), np.uint32(shift),
+                np.uint32(tile_row_bytes), np.uint32(sstep), np.int32(bool(swizzled)), np.int32(vec))
+        launcher.run(fn, name, (grid, 1, 1), (DQ_THREADS, 1, 1), args)
+
+
 def mx_dequantize(be, codes, scales, out, *, rows: int, cols: int, fmt: str, swizzled: bool,
                   global_scale=None) -> None:
     """codes + scales (+ NVFP4 global scale) -> out [rows, cols] (fp32 / fp16 / bf16)."""
     dev = _check(codes, scales, out, global_scale)
-    ncols = cols // mx.block_size(fmt)
-    pcols = mx.swizzled_shape(rows, ncols)[1] if swizzled else ncols
-    name = f"qc_mx_dequantize_{fmt}_{_dtype(out)}"
-    fn = function(dev, QUANT_SOURCE, quant_arch(dev), name)
-    vec = int(ptr(codes) % 16 == 0 and ptr(out) % 16 == 0)
-    grid, block = _grid2(ncols, rows)
-    args = (_u64(ptr(codes)), _u64(ptr(scales)), _u64(ptr(out)), _u64(ptr(global_scale)), np.int64(rows),
-            np.int32(ncols), np.int32(pcols), np.int32(bool(swizzled)), np.int32(vec))
-    rt.Launcher(out).run(fn, name, grid, block, args)
+    _dequantize_launch(rt.Launcher(out), dev, ptr(codes), ptr(scales), ptr(out), ptr(global_scale), rows=rows,
+                       cols=cols, fmt=fmt, dtype=_dtype(out), swizzled=swizzled)
 
 
 def swizzle_scales(be, scales, out, *, rows: int, cols: int) -> None:
@@ -328,29 +389,129 @@ def unswizzle_scales(be, swz, out, *, rows: int, cols: int) -> None:
     rt.Launcher(out).run(fn, "qc_mx_unswizzle", grid, block, args)
 
 
-def gemm_kernel_name(fmt: str, wgmma: bool, cpw: int, ws: bool = False) -> str:
-    """Entry point of mx_gemm.cu: ``ws`` the warp-specialized kernel (wgmma only)."""
-    if ws:
-        return f"qc_mx_gemm_ws_{fmt}_cp{cpw}"
+def gemm_kernel_name(fmt: str, wgmma: bool, cpw: int) -> str:
+    """Entry point of mx_gemm.cu's fused kernel."""
     return f"qc_mx_gemm_{'wgmma' if wgmma else 'mma'}_{fmt}_cp{cpw}"
+
+
+#: The two-pass path of scaled_fp4_mm ("panel"): both operands dequantized to their exact bf16 values
+#: (e2m1 * block scale; the NVFP4 global scales are in alpha) into a workspace, then one cuBLAS
+#: bf16 GEMM per panel pair (fp32 accumulation, alpha from the device, bias through beta = 1 on an
+#: output pre-filled with the bias rows; beta is a 4-byte device scalar of its own). The workspace
+#: (the dequantized panels) is at most MM_WORKSPACE_MIN bytes (256 MiB) or 1/8 of the operands' bf16
+#: size, whichever is larger (docs/formats-mx.md); larger operands go in panels of a multiple of 128
+#: rows (A's rows outside, B's inside).
+MM_WORKSPACE_MIN = 256 << 20
+#: Below this many rows of A, "auto" takes the fused kernel (wgmma on compute capability 9.0,
+#: mma.sync elsewhere): the panel path dequantizes all of B for few rows (docs/performance.md, "MX
+#: dequantize and FP4 GEMM (prefill)").
+MM_FUSED_MAX_M = 1024
+_CUDA_R_16BF, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 14, 68, -1
+_CUBLAS_OP_N, _CUBLAS_OP_T, _CUBLAS_POINTER_MODE_DEVICE = 0, 1, 1
+
+
+def mm_workspace_bytes(m: int, n: int, k: int) -> int:
+    """The panel path's workspace bound: max(256 MiB, (m + n) * k * 2 / 8) bytes."""
+    return max(MM_WORKSPACE_MIN, (m + n) * k * 2 // 8)
+
+
+def mm_panels(m: int, n: int, k: int) -> tuple[int, int] | None:
+    """(A rows, B rows) per panel of the panel path within :func:`mm_workspace_bytes` (None: not even
+    128 + 128 rows fit; the fused kernel then runs)."""
+    ws, row = mm_workspace_bytes(m, n, k), 2 * k
+    if (m + n) * row <= ws:
+        return m, n
+    step = mx.SWIZZLE_ROWS
+    mp = min(m, ws // 2 // row // step * step)
+    if mp < step:
+        return None
+    np_ = min(n, (ws - mp * row) // row // step * step)
+    return mp, np_
+
+
+def mm_path(m: int, n: int, k: int, mode: str) -> str:
+    """The one place scaled_fp4_mm picks its path: "panel" (dequantize + cuBLAS) or "fused"."""
+    if mode == "panel":
+        if mm_panels(m, n, k) is None:
+            raise UnsupportedError(f"scaled_fp4_mm: K = {k} is too long for the panel path's workspace")
+        return "panel"
+    if mode != "auto":
+        return "fused"
+    return "panel" if m >= MM_FUSED_MAX_M and mm_panels(m, n, k) is not None else "fused"
+
+
+def _scaled_fp4_mm_panel(be, dev: int, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: int, k: int,
+                         fmt: str) -> None:
+    cp = rt.cupy()
+    cublas = cp.cuda.cublas
+    mp, np_ = mm_panels(m, n, k)
+    nbytes = (mp + np_) * k * 2
+    if rt.kind(out) == "torch":  # the workspace from the output's allocator (caching, stream-ordered)
+        torch = rt.torch_module()
+        ws = torch.empty((nbytes,), dtype=torch.uint8, device=out.device)
+        beta = torch.empty((1,), dtype=torch.float32, device=out.device)
+    else:
+        with cp.cuda.Device(dev):
+            ws, beta = cp.empty((nbytes,), dtype=np.uint8), cp.empty((1,), dtype=np.float32)
+    pw = ptr(beta)
+    pa_ws, pb_ws = ptr(ws), ptr(ws) + mp * k * 2
+    launcher = rt.Launcher(out)
+    pcols = mx.swizzled_shape(1, k // mx.block_size(fmt))[1]
+    srow = pcols // mx.SWIZZLE_COLS * mx.SWIZZLE_TILE_BYTES  # swizzled scale bytes per 128 rows
+    with cp.cuda.Device(dev):
+        stream = int(launcher.stream.ptr) if launcher.stream is not None else int(cp.cuda.get_current_stream().ptr)
+        # beta (device fp32) = 1 over the bias rows written into out, else 0
+        fill = function(dev, QUANT_SOURCE, quant_arch(dev), "qc_mx_mm_bias_fill")
+        grid = max(1, min(m, rt.sm_count(dev) * 8)) if bias is not None else 1
+        launcher.run(fill, "qc_mx_mm_bias_fill", (grid, 1, 1), (256, 1, 1),
+                     (_u64(ptr(bias)), _u64(ptr(out)), _u64(pw), _u64(m), np.uint32(n)))
+
+        def dequant(pc: int, ps: int, dst: int, r0: int, rows: int) -> None:
+            _dequantize_launch(launcher, dev, pc + r0 * k // 2, ps + r0 // mx.SWIZZLE_ROWS * srow, dst, 0,
+                               rows=rows, cols=k, fmt=fmt, dtype="bfloat16", swizzled=True)
+
+        handle = cp.cuda.device.get_cublas_handle()
+        cublas.setStream(handle, stream)
+        old_mode = cublas.getPointerMode(handle) if hasattr(cublas, "getPointerMode") else 0
+        cublas.setPointerMode(handle, _CUBLAS_POINTER_MODE_DEVICE)
+        # ws and beta are released when this returns: the allocators (torch's caching allocator, CuPy's pool)
+        # hand it out again only in this stream's order
+        try:
+            for m0 in range(0, m, mp):
+                mrows = min(mp, m - m0)
+                dequant(ptr(a), ptr(scale_a), pa_ws, m0, mrows)
+                for n0 in range(0, n, np_):
+                    nrows = min(np_, n - n0)
+                    if np_ < n or m0 == 0:  # B once when it fits whole
+                        dequant(ptr(b), ptr(scale_b), pb_ws, n0, nrows)
+                    # column-major view: out^T[n, m] = B_ws [k, n]^T x A_ws [k, m] (ldc = n)
+                    cublas.gemmEx(handle, _CUBLAS_OP_T, _CUBLAS_OP_N, nrows, mrows, k, ptr(alpha),
+                                  pb_ws, _CUDA_R_16BF, k, pa_ws, _CUDA_R_16BF, k, pw,
+                                  ptr(out) + 2 * (m0 * n + n0), _CUDA_R_16BF, n, _CUBLAS_COMPUTE_32F,
+                                  _CUBLAS_GEMM_DEFAULT)
+        finally:
+            cublas.setPointerMode(handle, old_mode)
 
 
 def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: int, k: int, fmt: str,
                   mode: str | None = None, variant: str = "") -> None:
     """out bf16 [m, n] = alpha * A @ B^T + bias, A / B packed E2M1 with swizzled scales.
 
-    ``mode`` ("auto", "ws", "wgmma", "mma") overrides ``QUANTCORE_CUDA_MX_GEMM`` (tests,
-    benchmarks); "auto" is :data:`GEMM_AUTO_SM90` on compute capability 9.0, else "mma".
+    ``mode`` ("auto", "panel", "wgmma", "mma") overrides ``QUANTCORE_CUDA_MX_GEMM`` (tests,
+    benchmarks); "auto" takes the panel path (dequantize + cuBLAS, :func:`mm_path`) from
+    :data:`MM_FUSED_MAX_M` rows on and the fused kernel below: "wgmma" on compute capability 9.0,
+    else "mma".
     ``variant`` selects a timing experiment (nvfp4, 16-byte copies only; wrong results by design;
-    built into a separate module, see mx_gemm.cu): one of :data:`GEMM_TIMING_VARIANTS` for the
-    back end ("wgmma" or "ws").
+    built into a separate module, see mx_gemm.cu): one of :data:`GEMM_TIMING_VARIANTS`.
     MXFP4 on the wgmma kernel (16-byte copies) decodes to fp16 in the CTAs whose scale bytes all lie
     in 110..141 (exact there; bf16 elsewhere); ``QUANTCORE_CUDA_TUNE=mx_gemm_f16=0`` keeps bf16.
     """
     dev = _check(a, b, scale_a, scale_b, alpha, bias, out)
     mode = mode or gemm_mode()
-    arch, wgmma = gemm_arch(dev, mode)
-    ws = wgmma and (mode == "ws" or (mode == "auto" and GEMM_AUTO_SM90 == "ws"))
+    arch, wgmma = gemm_arch(dev, "auto" if mode == "panel" else mode)
+    if not variant and mm_path(m, n, k, mode) == "panel":
+        _scaled_fp4_mm_panel(be, dev, a, b, scale_a, scale_b, alpha, bias, out, m=m, n=n, k=k, fmt=fmt)
+        return
     ptrs = (ptr(a), ptr(b), ptr(scale_a), ptr(scale_b))
     if (k // 2) % 16 == 0 and all(p % 16 == 0 for p in ptrs):
         cpw = 16
@@ -361,18 +522,10 @@ def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: in
                           "offset); pass contiguous arrays that start at an aligned address")
     ntiles = -(-m // GEMM_BM) * -(-n // GEMM_BN)
     flags = int(n % 2 == 0 and ptr(out) % 4 == 0)  # bit 0: bf16 pairs may be stored
-    if wgmma and not ws and fmt == "mxfp4" and cpw == 16 and not variant and rt.tune("mx_gemm_f16", 1):
+    if wgmma and fmt == "mxfp4" and cpw == 16 and not variant and rt.tune("mx_gemm_f16", 1):
         flags |= 2  # the fp16 decode where the CTA's scales allow it (mx_gemm.cu, kE8F16Lo)
     args = (_u64(ptrs[0]), _u64(ptrs[1]), _u64(ptrs[2]), _u64(ptrs[3]), _u64(ptr(alpha)), _u64(ptr(bias)),
             _u64(ptr(out)), np.int32(m), np.int32(n), np.int32(k), np.int32(flags))
-    if ws:  # persistent: one CTA per SM (at most one per tile)
-        name = gemm_kernel_name(fmt, True, cpw, ws=True) + variant
-        fn = function(dev, GEMM_SOURCE, arch, name, GEMM_WS_SMEM_BYTES, timing=bool(variant))
-        sms = rt.sm_count(dev)
-        ctas = rt.tune("mx_gemm_ctas", 0)
-        grid = max(1, min(ntiles, ctas if ctas > 0 else sms))
-        rt.Launcher(out).run(fn, name, (grid, 1, 1), (GEMM_WS_THREADS, 1, 1), args, GEMM_WS_SMEM_BYTES)
-        return
     name = gemm_kernel_name(fmt, wgmma, cpw) + variant
     fn = function(dev, GEMM_SOURCE, arch, name, GEMM_SMEM_BYTES, timing=bool(variant))
     rt.Launcher(out).run(fn, name, (ntiles, 1, 1), (THREADS, 1, 1), args, GEMM_SMEM_BYTES)

@@ -89,6 +89,11 @@ TILED_GEOMETRY = _tiled_geometry(tile_m=64, tile_n=64, tile_k=64, tm=4, tn=4, ch
 W4A8_TC_GEOMETRY = {"QC_W4T_BK": 8, "QC_W4T_APAD": 16, "QC_W4T_NPAD": 128}
 
 
+#: The MX dequantize kernel (kernels_cuda/mx_quant.cu, mx_dequantize_impl): threads per CTA and
+#: 16-byte chunks per thread whose loads are in flight together.
+MX_DEQUANT_GEOMETRY = {"QC_MXDQ_THREADS": 256, "QC_MXDQ_UNROLL": 4}
+
+
 def _f32_list(values) -> str:
     vals = np.asarray(values, dtype=np.float32)
     items = []
@@ -136,6 +141,7 @@ def _entries() -> list[tuple[str, str]]:
         *((name, str(value)) for name, value in MX_GEMV_GEOMETRY.items()),
         *((name, str(value)) for name, value in TILED_GEOMETRY.items()),
         *((name, str(value)) for name, value in W4A8_TC_GEOMETRY.items()),
+        *((name, str(value)) for name, value in MX_DEQUANT_GEOMETRY.items()),
     ]
     try:  # the MX family adds its constants when present
         from . import mx

@@ -1,7 +1,7 @@
 #!/bin/bash
 # scaled_fp4_mm (wgmma kernel, NVFP4, 8192^3) under ncu on the GPU machine: warp-state statistics
 # and the per-SASS-instruction stall samples (source page), to see where the warps of the
-# dequantizing wgmma kernel wait. Usage: [MODE=ws KERNEL=qc_mx_gemm_ws_nvfp4_cp16 VARIANT=_nodq] bash
+# dequantizing wgmma kernel wait. Usage: [MODE=wgmma KERNEL=qc_mx_gemm_wgmma_nvfp4_cp16 VARIANT=_nodq] bash
 # tools/dev/mxgemm_ncu.sh   (logs under $OUT)
 . tools/dev/env.sh /tmp/mxgemm_ncu  # OUT, PYTHONPATH, the kernel cache
 KERNEL="${KERNEL:-qc_mx_gemm_wgmma_nvfp4_cp16}"

@@ -7,8 +7,7 @@ or its E4M3 conversions replaced by one integer-pipe instruction each), _ss (A r
 the MMAs from shared memory, its dequantization still done) and _ssnodq (the same, no
 dequantization). CUDA events around one call
 queued behind a 1 ms sleep kernel, median of 15. argv[1] (optional): the back ends to time, comma
-separated ("wgmma" by default; "ws" is the warp-specialized kernel, whose variants are _nodq,
-_noadq and _nobdq). Run by tools/dev/ab_tree.sh (old against new)."""
+separated ("wgmma" by default). Run by tools/dev/ab_tree.sh (old against new)."""
 
 import pathlib
 import sys
@@ -26,7 +25,7 @@ M = N = K = 8192
 
 def operands(fmt: str, dev: torch.device, m: int = M, n: int = N, k: int = K) -> tuple:
     """Random packed operands and swizzled scales (NVFP4 bytes 40-59, MXFP4 120-129), alpha 1
-    (also used by mxgemm_device.sh)."""
+    (also used by mxfast_time.py-style scripts)."""
     blk = mx.block_size(fmt)
     ac = torch.randint(0, 256, (m, k // 2), dtype=torch.uint8, device=dev)
     bc = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev)
