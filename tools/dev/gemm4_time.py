@@ -7,7 +7,6 @@ process (CUDA events, median of reps, 3 rotating weights). Usage: python tools/d
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 
@@ -16,6 +15,7 @@ from quantcore.backends import cuda
 from quantcore.backends.cuda import runtime as rt
 
 import quantcore as qc
+from quantcore.bench import CudaTimer
 
 SHAPES = ((14336, 4096), (4096, 14336))
 ROWS = (16, 32, 64, 128, 256, 512, 2048, 4096)
@@ -26,20 +26,8 @@ VARIANTS = {16: [(0, 0)], 32: [(0, 0), (32, 64), (32, 128)], 64: [(0, 0), (64, 6
 
 
 def events_us(fns, reps: int = 20) -> float:
-    for f in fns[:3]:
-        f()
-    torch.cuda.synchronize()
-    ts = []
-    for i in range(reps):
-        f = fns[i % len(fns)]
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1_000_000)
-        e0.record()
-        f()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3)
-    return statistics.median(ts)
+    """quantcore.bench's kernel timer (a sleep kernel, CUDA events around each call, the median)."""
+    return CudaTimer(torch).kernel(fns, reps, warmup=3)
 
 
 def set_tune(bm: int, bn: int) -> None:

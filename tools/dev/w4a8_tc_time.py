@@ -11,29 +11,19 @@ Run by tools/dev/w4a8_tc_device.sh."""
 import os
 import sys
 
-import numpy as np
 import torch
 from quantcore.backends.cuda import create
 from quantcore.backends.cuda.runtime import ENV_TUNE
 
 from quantcore import api
+from quantcore.bench import CudaTimer
 
 SHAPES = [(4096, 14336), (14336, 4096)]
 
 
 def med(fn, reps: int = 30) -> float:
-    for i in range(3):
-        fn(i)
-    ts = []
-    for i in range(reps):
-        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-        torch.cuda._sleep(1_000_000)
-        s.record()
-        fn(i)
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3)
-    return float(np.median(ts))
+    """fn(i) for rotating i (its three weights) timed by quantcore.bench's kernel timer."""
+    return CudaTimer(torch).kernel([lambda j=j: fn(j) for j in range(3)], reps, warmup=3)
 
 
 def main() -> None:
