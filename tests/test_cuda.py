@@ -24,6 +24,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 from quantcore.backends import cuda
+from quantcore.backends.cuda import common as cuda_common
 from quantcore.backends.cuda import runtime as rt
 
 import quantcore as qc
@@ -74,7 +75,7 @@ def test_ggml_format_codes_are_the_generated_ones():
     kernel_defines.GGML_FORMAT_CODE (QC_FMT_* in the generated header): no hand-written copy."""
     import re
 
-    assert cuda.GGML_FMT is kernel_defines.GGML_FORMAT_CODE
+    assert cuda_common.GGML_FMT is kernel_defines.GGML_FORMAT_CODE
     header = kernel_defines.constants_header()
     for fmt, code in kernel_defines.GGML_FORMAT_CODE.items():
         assert f"#define QC_FMT_{fmt.upper()} {code}\n" in header

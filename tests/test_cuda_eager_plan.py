@@ -24,8 +24,8 @@ import types
 
 import numpy as np
 import pytest
-from quantcore.backends import cuda
 from quantcore.backends.cpu import CpuBackend
+from quantcore.backends.cuda import plans as cuda_plans
 from quantcore.backends.cuda import runtime as rt
 
 import quantcore as qc
@@ -237,7 +237,7 @@ def _cpu_plan(torch, nested=True, n=32, k=256):
     if nested:
         st.state2.code = st.state2.code.clone()
     a = torch.randn(1, k, dtype=torch.bfloat16)
-    plan = cuda._GemvPlan(a.get_device(), 0, packed, st, rt.tune_spec(), lambda device: 0, lambda: 0)
+    plan = cuda_plans._GemvPlan(a.get_device(), 0, packed, st, rt.tune_spec(), lambda device: 0, lambda: 0)
     entry = ((1, n), "launch")
     plan.entries[(a.shape, a.dtype, not a.data_ptr() & 15)] = entry
     return plan, entry, a, packed, st
@@ -303,13 +303,13 @@ def test_cuda_planner_declines_what_it_cannot_plan():
     """torch CPU tensors (and anything but contiguous CUDA tensors) get no plan: the full path runs."""
     torch = _torch()
     _, _, a, packed, st = _cpu_plan(torch)
-    assert cuda._plan_gemv_4bit(a, packed, st, None, 32, 256) is None
-    assert cuda._plan_gemv_4bit(a.float().numpy(), packed, st, None, 32, 256) is None
+    assert cuda_plans._plan_gemv_4bit(a, packed, st, None, 32, 256) is None
+    assert cuda_plans._plan_gemv_4bit(a.float().numpy(), packed, st, None, 32, 256) is None
 
 
 def _cpu_dequant_plan(torch):
     _, _, a, packed, st = _cpu_plan(torch)
-    plan = cuda._DequantPlan(packed.get_device(), 0, packed, st, rt.tune_spec(), lambda device: 0, lambda: 0)
+    plan = cuda_plans._DequantPlan(packed.get_device(), 0, packed, st, rt.tune_spec(), lambda device: 0, lambda: 0)
     entry = (tuple(st.shape), torch.bfloat16, "launch")
     plan.entries[None] = entry
     return plan, entry, packed, st
@@ -334,8 +334,8 @@ def test_cuda_dequant_plan_matches_only_what_it_was_made_for(monkeypatch):
 def test_cuda_dequant_planner_declines_what_it_cannot_plan():
     torch = _torch()
     _, _, _, packed, st = _cpu_plan(torch)
-    assert cuda._plan_dequantize_4bit(packed, st, None, None, "float32") is None  # a CPU tensor
-    assert cuda._plan_dequantize_4bit(packed.numpy(), st, None, None, "float32") is None
+    assert cuda_plans._plan_dequantize_4bit(packed, st, None, None, "float32") is None  # a CPU tensor
+    assert cuda_plans._plan_dequantize_4bit(packed.numpy(), st, None, None, "float32") is None
 
 
 # -- CPU: the launch argument buffer, with a fake driver ------------------------------------------------

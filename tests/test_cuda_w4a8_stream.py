@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from quantcore.backends import cuda
+from quantcore.backends.cuda import common as cuda_common
+from quantcore.backends.cuda import ggml as cuda_ggml
 
 import quantcore as qc
 from quantcore.formats import ggml
@@ -32,7 +34,7 @@ from .test_cuda import _gemm_check, _n, _randn, _t
 
 def test_both_ring_fillers_are_instantiated():
     insts = {expr for f, expr in cuda.kernel_instances() if f == "ggml.cu"}
-    for tag in cuda.TYPE_TAG.values():
+    for tag in cuda_common.TYPE_TAG.values():
         for nb in (1, 2, 4, 8):
             for cl in (1, 2, 4):
                 for ld in (0, 1):
@@ -115,10 +117,10 @@ def test_cp_async_filler_unaligned_activation(be, rng, dtype, monkeypatch):
 @gpu
 def test_repeated_calls_launch_from_the_cache(be, rng, monkeypatch):
     """A second call with the same geometry, activation dtype and alignment and tuning launches
-    from cuda._W4_LAUNCHES with the new arrays' pointers in its slots: the same bits as the full
+    from cuda_ggml._W4_LAUNCHES with the new arrays' pointers in its slots: the same bits as the full
     launch; another N, alignment or tuning gets its own entry."""
     monkeypatch.delenv(TUNE, raising=False)
-    monkeypatch.setattr(cuda, "_W4_LAUNCHES", {})
+    monkeypatch.setattr(cuda_ggml, "_W4_LAUNCHES", {})
     m, k = 300, 2048
     wq = ggml.quantize_q4_0(_randn(rng, (m, k), "float32", scale_groups=32))
     calls = []
@@ -143,15 +145,15 @@ def test_repeated_calls_launch_from_the_cache(be, rng, monkeypatch):
     for n, tune, unaligned in ((1, "", False), (5, "", False), (5, "", True), (5, "w4s_kc=64", False)):
         a = _randn(rng, (n, k), "bfloat16", scale_groups=32)
         first = _run(be, _t(wq), place(a, unaligned), m, n, tune, monkeypatch)
-        new = set(cuda._W4_LAUNCHES) - seen
+        new = set(cuda_ggml._W4_LAUNCHES) - seen
         assert len(new) == 1, (n, tune, unaligned)  # the full launch kept one entry
         key = new.pop()
         seen.add(key)
-        cuda._W4_LAUNCHES[key] = Counting(cuda._W4_LAUNCHES[key])
+        cuda_ggml._W4_LAUNCHES[key] = Counting(cuda_ggml._W4_LAUNCHES[key])
         before = len(calls)
         wq2, a2 = _t(wq), place(a, unaligned)  # other buffers, same geometry and alignment
         again = _run(be, wq2, a2, m, n, tune, monkeypatch)
         assert len(calls) == before + 1 and calls[-1][1:] == (wq2.data_ptr(), a2.data_ptr(), calls[-1][3])
         _gemm_check(wq, ggml.quantize_q8_1(a), again)
         assert np.array_equal(bits(again), bits(first)), (n, tune, unaligned)
-    assert len(cuda._W4_LAUNCHES) == 4
+    assert len(cuda_ggml._W4_LAUNCHES) == 4

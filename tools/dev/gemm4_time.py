@@ -12,6 +12,7 @@ import time
 
 import torch
 from quantcore.backends import cuda
+from quantcore.backends.cuda import plans as cuda_plans
 from quantcore.backends.cuda import runtime as rt
 
 import quantcore as qc
@@ -79,7 +80,7 @@ def main() -> None:
             for bm, bn in VARIANTS[rows]:
                 set_tune(bm, bn)
                 t = events_us([lambda p=p, s=s, x=x, out=out, n=n, k=k: be.gemv_4bit(x, p, s.absmax, out, n=n, k=k, blocksize=64,
-                                                             quant_type="nf4", nested=cuda._state_nested(s))
+                                                             quant_type="nf4", nested=cuda_plans._state_nested(s))
                                for p, s in qs])
                 res.append((bm, bn, t))
             set_tune(0, 0)

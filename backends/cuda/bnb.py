@@ -1,0 +1,412 @@
+"""The cuda backend's bitsandbytes family: 4-bit quantize / dequantize / gemv (the decode kernel,
+the many-row GEMM, the fallback kernels), blockwise 8-bit and double quantization. ``BnbOps`` holds
+the ops (a mixin of ``CudaBackend``); the launch choices below are shared with the eager plans."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from quantcore.arrays import as_dtype, dtype_name
+from quantcore.backend import Nested
+from quantcore.formats import bnb
+from quantcore.formats.kernel_defines import (
+    LAUNCH_GEOMETRY,
+    QUANT_TYPE_CODE,
+)
+
+from . import runtime as rt
+from .common import _F4, _F8, _FM, _FV, _G, TYPE_TAG, _b, _cdiv, _log2, _resident, _tag
+from .runtime import NULL, Launcher, aligned, i32, i64, ptr_arg
+
+_DEQUANT_THREADS, _DEQUANT_WORDS = _G["QC_DQ4_THREADS"], _G["QC_DQ4_WORDS"]
+_GEMV_WARPS, _GEMV_U, _GEMV_V = _G["QC_GEMV_MMA_WARPS"], _G["QC_GEMV_MMA_U"], (4, 8)
+_GEMV_SMEM = _G["QC_GEMV_MMA_SMEM"]
+_TREE_CHUNK = _G["QC_DQ_TREE_CHUNK"]
+# double_quantize: absmax values per chunk sum, the most chunk sums the quantize launch reduces, the
+# chunk-sum kernel's threads
+_SUM_CHUNK, _SUM_MAX_PARTS, _SUM3_THREADS = _G["QC_DQ_SUM_CHUNK"], _G["QC_DQ_SUM_MAX_PARTS"], _G["QC_DQ_SUM_THREADS"]
+
+# -- the kernel instantiations, by op (used by the launchers and by the nvcc compile test) ----------
+def _q4(tag: str, qt: str) -> str:
+    return f"qc::quantize_4bit_kernel<{tag}, {QUANT_TYPE_CODE[qt]}>"
+
+
+# quantize_4bit's default kernel (kernels_cuda/bnb_4bit.cu): G = blocksize / 16 threads per block (its
+# instances, _Q4V3_G), S pipeline stages of one tile of 256 x 16 elements (3: what 4 CTAs per
+# multiprocessor can hold for fp32 input); quantize_4bit_kernel takes the larger blocksizes
+_Q4V3_G = (2, 4, 8, 16, 32)
+_Q4V3_STAGES = _G["QC_Q4_STAGES"]
+
+
+def _q4v3(tag: str, qt: str, g: int) -> str:
+    return f"qc::quantize_4bit_v3_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {g}, {_Q4V3_STAGES}>"
+
+
+def _dq4(tag: str, qt: str, nested: bool) -> str:
+    return f"qc::dequantize_4bit_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}>"
+
+
+def _gemv(tag: str, qt: str, nested: bool) -> str:
+    return f"qc::gemv_4bit_simple_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}>"
+
+
+def _gemv_mma(tag: str, qt: str, nested: bool, v: int) -> str:
+    return f"qc::gemv_4bit_mma_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {v}>"
+
+
+def _gemv_tc(tag: str, qt: str, nested: bool, nb: int) -> str:
+    return f"qc::gemv_4bit_tc_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}>"
+
+
+def _gemm4(tag: str, qt: str, nested: bool, bm: int, bn: int) -> str:
+    return f"qc::gemm_4bit_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {bm}, {bn}, {_gm_stages(bm, bn)}>"
+
+
+def _qbw(tag: str, cells: bool = True) -> str:
+    """quantize_blockwise's default kernel (by cells), or (cells False) the one that subtracts a
+    center read from device memory (double_quantize below its chunk-sum size)."""
+    return f"qc::quantize_blockwise_v3_kernel<{tag}>" if cells else f"qc::quantize_blockwise_kernel<{tag}>"
+
+
+def _dqbw(tag: str) -> str:
+    return f"qc::dequantize_blockwise_kernel<{tag}>"
+
+
+def _tree(from_f32: bool | None) -> str:
+    """double_quantize's small-input tree level kernels (fp32 or fp64 input); None: the chunk sums."""
+    if from_f32 is None:
+        return "qc::absmax_chunk_sum_v3_kernel"
+    return f"qc::absmax_tree_sum_kernel<{_b(from_f32)}>"
+
+
+def instances() -> list[tuple[str, str]]:
+    """Every (source file, name expression) of the family the backend can launch."""
+    tags = list(TYPE_TAG.values())
+    out: list[tuple[str, str]] = []
+    for qt in bnb.QUANT_TYPES:
+        for tag in tags:
+            out += [(_F4, _q4(tag, qt))] + [(_F4, _q4v3(tag, qt, g)) for g in _Q4V3_G]
+            for nested in (False, True):
+                out.append((_F4, _dq4(tag, qt, nested)))
+                out.append((_F4, _gemv(tag, qt, nested)))
+                if tag != TYPE_TAG["float32"]:
+                    out += [(_F4, _gemv_mma(tag, qt, nested, v)) for v in _GEMV_V]
+                    out += [(_FV, _gemv_tc(tag, qt, nested, nb)) for nb in (1, 2)]
+                    out += [(_FM, _gemm4(tag, qt, nested, bm, bn)) for bm in _GM_TILES for bn in _GM_TILES]
+    for tag in tags:
+        out += [(_F8, _qbw(tag)), (_F8, _qbw(tag, cells=False)), (_F8, _dqbw(tag))]
+    out += [(_F8, _tree(True)), (_F8, _tree(False)), (_F8, _tree(None))]
+    return out
+
+
+def _gemv_ksplit(ntiles: int, nsp: int, sms: int) -> int:
+    """Warps of a CTA that share one 16-row tile (splitting K), for the tensor-core gemv.
+
+    A CTA has 8 warps; with ``ks`` warps per tile it covers 8 / ks tiles, and two CTAs fit on a
+    multiprocessor. The split whose CTA count fills the resident slots best (the last wave least
+    empty), the smallest on a tie: a longer K range per warp keeps more loads in flight. Each warp
+    keeps at least two iterations (8 super-pieces) of K.
+    """
+    slots = 2 * sms
+    best, best_eff = 1, 0.0
+    ks = 1
+    while ks <= _GEMV_WARPS and (ks == 1 or nsp >= 2 * _GEMV_U * ks):
+        groups = _cdiv(ntiles, _GEMV_WARPS // ks)
+        eff = groups / (_cdiv(groups, slots) * slots)
+        if eff > best_eff + 0.02:
+            best, best_eff = ks, eff
+        ks *= 2
+    return best
+
+
+class BnbOps:
+    """The family's ops (a mixin of CudaBackend)."""
+
+    # -- bitsandbytes 4-bit --------------------------------------------------------------------------
+    def quantize_4bit(self, x, packed, absmax, *, blocksize, quant_type):
+        n = rt.numel(x)
+        if n == 0:
+            return
+        launch = Launcher(x)
+        # kQuantThreads, kQuantElems, kQuantCtasPerSm: a persistent grid of what is resident (the
+        # kernels' __launch_bounds__), so every CTA is in the one wave
+        threads, elems, per_sm = _G["QC_Q4_THREADS"], _G["QC_Q4_ELEMS"], _G["QC_Q4_CTAS_PER_SM"]
+        vec = aligned(x, 16) and aligned(packed, 8)
+        g, tag = blocksize // elems, _tag(x)
+        if g in _Q4V3_G:  # tiles of threads x elems through a shared-memory ring
+            tile = threads * elems
+            grid = _resident(launch.device, _cdiv(n, tile), per_sm)
+            launch(_F4, _q4v3(tag, quant_type, g), (grid,), threads,
+                   (ptr_arg(x), ptr_arg(packed), ptr_arg(absmax), i64(n), i32(vec)),
+                   shared_mem=_Q4V3_STAGES * tile * as_dtype(dtype_name(x.dtype)).itemsize)
+            return
+        grid = _resident(launch.device, _cdiv(_cdiv(n, elems), threads), per_sm)
+        launch(_F4, _q4(tag, quant_type), (grid,), threads,
+               (ptr_arg(x), ptr_arg(packed), ptr_arg(absmax), i64(n), i32(_log2(blocksize)), i32(vec)))
+
+    def dequantize_4bit(self, packed, absmax, out, *, blocksize, quant_type, nested: Nested | None):
+        n = rt.numel(out)
+        if n == 0:
+            return
+        launch = Launcher(out)
+        launch(*_dequantize_launch(launch.device, packed, absmax, out, n=n, tag=_tag(out), out_aligned=aligned(out, 16),
+                                   blocksize=blocksize, quant_type=quant_type, nested=nested))
+
+    def gemv_4bit(self, a, packed, absmax, out, *, n, k, blocksize, quant_type, nested: Nested | None):
+        rows = rt.numel(a) // k
+        if rows == 0 or n == 0:
+            return
+        launch = Launcher(a)
+        spec = _gemv_launch(launch.device, a, packed, absmax, out, rows=rows, n=n, k=k, blocksize=blocksize,
+                            quant_type=quant_type, nested=nested)
+        launch(*spec[:6], pdl=spec[0] == _FV)
+
+    def gemv_4bit_grouped(self, a, groups, out, *, k):
+        rows = rt.numel(a) // k
+        ntot = sum(g[3] for g in groups)
+        if rows == 0 or ntot == 0:
+            return
+        launch = Launcher(a)
+        dev, dt = launch.device, dtype_name(a.dtype)
+        tc = _gemv_tc_takes_input(dev, dt, a, rows, k)
+        col, i = 0, 0
+        while i < len(groups):
+            p, am, nst, n, bs, qt = groups[i]
+            j = i + 1
+            if _gemm4_takes(dev, dt, a, p, am, rows, k, bs):  # many rows: the GEMM, one launch per weight
+                launch(*_gemm4_launch(dev, a, p, am, nst, out[:, col:], rows=rows, n=n, k=k, blocksize=bs,
+                                      quant_type=qt, ldo=ntot)[:6])
+            elif tc and _gemv_tc_takes_weight(p, bs):
+                # the following weights of the same kind go in the same launch (at most _GT_GROUPS)
+                while (j < len(groups) and j - i < _GT_GROUPS and groups[j][4:] == (bs, qt)
+                       and (groups[j][2] is None) == (nst is None) and _gemv_tc_takes_weight(groups[j][0], bs)):
+                    j += 1
+                launch(*_gemv_tc_launch(dev, a, [g[:4] for g in groups[i:j]], out[:, col:], rows=rows, k=k,
+                                        blocksize=bs, quant_type=qt, ldo=ntot)[:6], pdl=True)
+            else:
+                tmp = self.empty((rows, n), as_dtype(dt), like=a)
+                self.gemv_4bit(a, p, am, tmp, n=n, k=k, blocksize=bs, quant_type=qt, nested=nst)
+                out[:, col:col + n] = tmp
+            col += sum(g[3] for g in groups[i:j])
+            i = j
+
+    def double_quantize(self, absmax, qabsmax, absmax2, offset):
+        nb = rt.numel(absmax)
+        if nb == 0:
+            return
+        launch = Launcher(absmax)
+        size = 1 << (nb - 1).bit_length()  # the tree's padded leaf count
+        # two launches: the chunk sums (in qabsmax's first bytes, the CTA counter in offset's 4
+        # bytes), then the quantization, which computes and subtracts the offset itself; from two
+        # chunks up, and up to _SUM_MAX_PARTS of them
+        if _SUM_CHUNK < nb and size // _SUM_CHUNK <= _SUM_MAX_PARTS:
+            base = rt.pointer(qabsmax)
+            parts = (base + 7) // 8 * 8
+            nchunks = _cdiv(nb, _SUM_CHUNK)
+            ndefer = _cdiv(parts + 8 * nchunks - base, bnb.NESTED_BLOCKSIZE)  # codes over the sums
+            launch(_F8, _tree(None), (nchunks,), _SUM3_THREADS,
+                   (ptr_arg(absmax), i64(nb), i32(aligned(absmax, 16)), np.uint64(parts), ptr_arg(offset)))
+            self._quantize_blockwise(launch, absmax, NULL, qabsmax, absmax2, NULL, nb, bnb.NESTED_BLOCKSIZE,
+                                     tree=(np.uint64(parts), i32(size // _SUM_CHUNK), i32(nchunks),
+                                           ptr_arg(offset), i64(nb), i32(ndefer)))
+            return
+        # below that: tree levels of fp64 partial sums kept in qabsmax's bytes until the codes
+        # overwrite them, a one-CTA last level writing the offset, then the quantization
+        base = rt.pointer(qabsmax)
+        region = (base + 7) // 8 * 8
+        src, count, from_f32 = ptr_arg(absmax), nb, True
+        while True:
+            chunks = _cdiv(count, _TREE_CHUNK)
+            if chunks == 1:
+                launch(_F8, _tree(from_f32), (1,), 256, (src, i64(count), NULL, ptr_arg(offset), i64(nb)))
+                break
+            if region + 8 * chunks > base + nb:
+                raise AssertionError("double_quantize: partial sums do not fit in qabsmax")  # nb >= 2049 here
+            launch(_F8, _tree(from_f32), (chunks,), 256, (src, i64(count), np.uint64(region), NULL, i64(nb)))
+            src, count, from_f32 = np.uint64(region), chunks, False
+            region += 8 * chunks
+        self._quantize_blockwise(launch, absmax, NULL, qabsmax, absmax2, ptr_arg(offset), nb,
+                                 bnb.NESTED_BLOCKSIZE, cells=False)
+
+    # -- blockwise 8-bit -----------------------------------------------------------------------------
+    def _quantize_blockwise(self, launch, x, thresholds, codes, absmax, center, n, blocksize, *,
+                            cells=True, tree=None):
+        """The default kernel rounds by cells and, with ``tree`` (double_quantize's chunk sums),
+        computes and subtracts the offset itself; ``cells`` False: the kernel that subtracts
+        ``*center``."""
+        vec = aligned(x, 16) and aligned(codes, 8)
+        if cells:
+            threads = _G["QC_QBW_THREADS"]  # kernel bounds: 2 CTAs per multiprocessor
+            grid = _resident(launch.device, _cdiv(_cdiv(n, 8), threads), 2)
+            extra = tree if tree is not None else (NULL, i32(0), i32(0), NULL, i64(0), i32(0))
+            launch(_F8, _qbw(_tag(x)), (grid,), threads,
+                   (ptr_arg(x), thresholds, ptr_arg(codes), ptr_arg(absmax), i64(n), i32(_log2(blocksize)),
+                    i32(vec)) + extra)
+            return
+        threads = max(256, blocksize // 8)
+        launch(_F8, _qbw(_tag(x), cells=False), (_resident(launch.device, _cdiv(_cdiv(n, 8), threads), 2048 // threads),),
+               threads, (ptr_arg(x), thresholds, ptr_arg(codes), ptr_arg(absmax), center, i64(n),
+                         i32(_log2(blocksize)), i32(vec)))
+
+    def quantize_blockwise(self, x, thresholds, codes, absmax, *, blocksize):
+        n = rt.numel(x)
+        if n:
+            self._quantize_blockwise(Launcher(x), x, ptr_arg(thresholds), codes, absmax, NULL, n, blocksize)
+
+    def dequantize_blockwise(self, codes, absmax, code, out, *, blocksize):
+        n = rt.numel(out)
+        if n == 0:
+            return
+        vec = aligned(codes, 8) and aligned(out, 16)
+        Launcher(out)(_F8, _dqbw(_tag(out)), (_cdiv(n, 256 * 2 * 8),), 256,
+                      (ptr_arg(codes), ptr_arg(absmax), ptr_arg(code), ptr_arg(out), i64(n),
+                       i32(_log2(blocksize)), i32(vec)))
+
+
+# -- gemv_4bit: the kernel choice (shared by the launcher and the eager launch plans) ----------------
+#: positions of a and out in the older gemv kernels' parameter lists (the per-call slots of a plan)
+_GEMV_SLOTS = (0, 6)
+# bnb_gemv.cu: warps per CTA, weights per launch, the bytes of a warp's ring (the generated header's
+# QC_GV_*, which the kernel compiles with); a and out are parameters 0 and 1 + 6 * _GT_GROUPS
+_GT_WARPS, _GT_GROUPS, _GT_RING = (LAUNCH_GEOMETRY[k] for k in ("QC_GV_WARPS", "QC_GV_GROUPS", "QC_GV_RING"))
+_GT_SLOTS = (0, 1 + 6 * _GT_GROUPS)
+
+
+def _gt_smem(nb: int, device: int) -> int:
+    """Dynamic shared memory of the decode gemv: its 64 KiB table must start on a 64 KiB boundary of
+    the shared window (the kernel places its small arrays around that boundary and checks the fit):
+    the device's maximum, which covers the worst placement."""
+    need = 65536 + 4 * _GT_GROUPS * bnb.DYNAMIC_MAP.size + 12 * _GT_WARPS * 2 + _GT_WARPS * _GT_RING
+    return max(need + _GT_RING, int(rt.device_props(device).get("sharedMemPerBlockOptin", 0)))
+
+
+def _gemv_tc_takes_input(device: int, dt: str, a: Any, rows: int, k: int) -> bool:
+    """Does the decode kernel (bnb_gemv.cu) take this input? fp16 / bf16 (16 rows per weight
+    pass), 64-element chunks, 16-byte rows, sm_90; ``gemv_kernel=1`` picks the mma kernel instead
+    (comparisons)."""
+    return (dt != "float32" and rows > 0 and k % 64 == 0 and k < 1 << 26 and aligned(a, 16)
+            and rt.device_arch(device) >= 90 and rt.tune("gemv_kernel", 0) == 0)
+
+
+def _gemv_tc_takes_weight(packed: Any, blocksize: int) -> bool:
+    """... and this weight: chunks inside blocks, 8-byte rows, chunk counts in 32 bits."""
+    return blocksize >= 64 and aligned(packed, 8) and rt.numel(packed) * 2 // 64 < 1 << 31
+
+
+def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, ldo):
+    """(file, kernel, grid, block, arguments, shared memory, slots) of the decode gemv over
+    ``weights`` [(packed, absmax, nested, n)] (one nestedness) into ``out`` [rows, ldo]."""
+    nested = weights[0][2] is not None
+    args = [ptr_arg(a)]
+    for i in range(_GT_GROUPS):
+        if i < len(weights):
+            p, am, nst, n = weights[i]
+            args += [ptr_arg(p), ptr_arg(am)]
+            args += [ptr_arg(nst.absmax2), ptr_arg(nst.code2), ptr_arg(nst.offset)] if nst else [NULL] * 3
+            args.append(i64(n))
+        else:
+            args += [NULL] * 5 + [i64(0)]
+    args += [ptr_arg(out) if out is not None else NULL, i64(ldo), i32(rows), i64(k), i32(_log2(blocksize)),
+             i32(len(weights))]
+    ntiles = sum(_cdiv(w[3], 16) for w in weights)
+    nb = 1 if rows <= 8 else 2
+    grid = (max(1, min(ntiles, rt.sm_count(device))), _cdiv(rows, 8 * nb))
+    return (_FV, _gemv_tc(_tag(a), quant_type, nested, nb), grid, 32 * _GT_WARPS, tuple(args),
+            _gt_smem(nb, device), _GT_SLOTS)
+
+
+# bnb_gemm.cu (gemv_4bit for more than _GM_MIN_ROWS rows): threads, tile row pitch (the generated
+# header's QC_GM_*); the tile sizes instantiated along both M (input rows) and N
+_GM_THREADS, _GM_PITCH = (LAUNCH_GEOMETRY[k] for k in ("QC_GM_THREADS", "QC_GM_PITCH"))
+_GM_TILES = (32, 64, 128)
+_GM_SMEM_BUDGET = 113 * 1024  # two CTAs per SM (228 KiB, 1 KiB each reserved)
+#: the decode kernel (bnb_gemv.cu) reads the weight once per 16 input rows: above that, the GEMM
+_GM_MIN_ROWS = 16
+
+
+def _gm_smem(bm: int, bn: int, stages: int) -> int:
+    """The GEMM's shared memory (GmGeo::kBytes): the ring (a stage: activation tile, packed tile, 8
+    bytes of scale data per weight row), two decoded weight tiles, the tables."""
+    return stages * _gm_slot(bm, bn) + 2 * bn * _GM_PITCH + 4 * (16 + bnb.DYNAMIC_MAP.size)
+
+
+def _gm_slot(bm: int, bn: int) -> int:
+    return bm * _GM_PITCH + bn * 32 + bn * 8
+
+
+def _gm_stages(bm: int, bn: int) -> int:
+    """Ring stages of a (BM, BN) tile: as many as two CTAs per SM allow, 3 to 8."""
+    return max(3, min(8, (_GM_SMEM_BUDGET - _gm_smem(bm, bn, 0)) // _gm_slot(bm, bn)))
+
+
+def _gemm4_takes(device: int, dt: str, a: Any, packed: Any, absmax: Any, rows: int, k: int, blocksize: int) -> bool:
+    """Does the many-row GEMM (bnb_gemm.cu) take this call? More than 16 fp16 / bf16 rows, 64-element
+    stages inside blocks, 16-byte aligned input and codes, 4-byte aligned absmax, sm_80+ (``gemm4=0``
+    or ``gemv_kernel=1`` turn it off: comparisons)."""
+    return (rows > _GM_MIN_ROWS and dt != "float32" and k % 64 == 0 and blocksize >= 64 and aligned(a, 16)
+            and aligned(packed, 16) and aligned(absmax, 4) and rt.device_arch(device) >= 80
+            and rt.tune("gemm4", 1) == 1 and rt.tune("gemv_kernel", 0) == 0)
+
+
+def _gemm4_launch(device, a, packed, absmax, nested, out, *, rows, n, k, blocksize, quant_type, ldo):
+    """(file, kernel, grid, block, arguments, shared memory, slots) of the many-row GEMM into ``out``
+    [rows, ldo]. Tiles: BM input rows (the fewest of 32 / 64 / 128 that cover them, 128 above),
+    BN weight rows (the largest of 128 / 64 that still gives every SM a CTA, else 32)."""
+    bm = rt.tune("gm_bm", 0) or next((t for t in _GM_TILES if rows <= t), _GM_TILES[-1])
+    sms = rt.sm_count(device)
+    bn = rt.tune("gm_bn", 0) or next((t for t in (128, 64) if _cdiv(n, t) * _cdiv(rows, bm) >= sms), 32)
+    smem = _gm_smem(bm, bn, _gm_stages(bm, bn))
+    nest = (ptr_arg(nested.absmax2), ptr_arg(nested.code2), ptr_arg(nested.offset)) if nested else (NULL,) * 3
+    args = (ptr_arg(a), ptr_arg(packed), ptr_arg(absmax)) + nest + (
+        ptr_arg(out) if out is not None else NULL, i64(ldo), i32(rows), i64(n), i64(k), i32(_log2(blocksize)))
+    return (_FM, _gemm4(_tag(a), quant_type, nested is not None, bm, bn), (_cdiv(n, bn), _cdiv(rows, bm)),
+            _GM_THREADS, args, smem, _GEMV_SLOTS)
+
+
+def _gemv_launch(device, a, packed, absmax, out, *, rows, n, k, blocksize, quant_type, nested):
+    """(file, kernel, grid, block, arguments, shared memory, slots) of the gemv for these arrays;
+    ``out`` None leaves its pointer 0 (a plan fills it per call)."""
+    dt = dtype_name(a.dtype)
+    if _gemm4_takes(device, dt, a, packed, absmax, rows, k, blocksize):
+        return _gemm4_launch(device, a, packed, absmax, nested, out, rows=rows, n=n, k=k, blocksize=blocksize,
+                             quant_type=quant_type, ldo=n)
+    if _gemv_tc_takes_input(device, dt, a, rows, k) and _gemv_tc_takes_weight(packed, blocksize):
+        return _gemv_tc_launch(device, a, [(packed, absmax, nested, n)], out, rows=rows, k=k,
+                               blocksize=blocksize, quant_type=quant_type, ldo=n)
+    nest = (ptr_arg(nested.absmax2), ptr_arg(nested.code2), ptr_arg(nested.offset)) if nested else (NULL,) * 3
+    common = (ptr_arg(a), ptr_arg(packed), ptr_arg(absmax)) + nest + (
+        ptr_arg(out) if out is not None else NULL, i32(rows), i64(n), i64(k), i32(_log2(blocksize)))
+    sms = rt.sm_count(device)
+    # bytes per lane and super-piece: 8 (a super-piece of 64 elements) unless a block or the
+    # row length only allows 32
+    v = 8 if blocksize >= 64 and k % 64 == 0 else 4
+    if dt != "float32" and k % (8 * v) == 0 and aligned(a, 16) and aligned(packed, v):
+        # the register-fed mma kernel (bnb_4bit.cu): sm_80, or blocks / rows the decode kernel leaves
+        ksplit = rt.tune("gemv_ksplit", 0) or _gemv_ksplit(_cdiv(n, 16), k // (8 * v), sms)
+        ngroups = _cdiv(_cdiv(n, 16), _GEMV_WARPS // ksplit)
+        cap = rt.tune("gemv_ctas_per_sm", 0) or 2
+        grid = (min(ngroups, cap * sms), _cdiv(rows, 8))
+        return (_F4, _gemv_mma(_tag(a), quant_type, nested is not None, v), grid, 32 * _GEMV_WARPS,
+                common + (i32(ksplit),), _GEMV_SMEM, _GEMV_SLOTS)
+    grid = (min(_cdiv(n, 8), 16 * sms), _cdiv(rows, 8))
+    return _F4, _gemv(_tag(a), quant_type, nested is not None), grid, 256, common, 0, _GEMV_SLOTS
+
+
+# -- dequantize_4bit: the launch (shared by the launcher and the eager launch plans) ---------------------
+#: positions of packed and out in the dequantize kernel's parameter list
+_DEQUANT_SLOTS = (0, 5)
+
+
+def _dequantize_launch(device, packed, absmax, out, *, n, tag, out_aligned, blocksize, quant_type, nested):
+    """(file, kernel, grid, block, arguments) of dequantize_4bit; ``out`` None leaves its pointer 0
+    (a plan fills it per call) and ``out_aligned`` says whether it is 16-byte aligned."""
+    vec = aligned(packed, 4) and out_aligned
+    nest = (ptr_arg(nested.absmax2), ptr_arg(nested.code2), ptr_arg(nested.offset)) if nested else (NULL,) * 3
+    grid = _resident(device, _cdiv(_cdiv(n, 8), _DEQUANT_THREADS * _DEQUANT_WORDS), 2048 // _DEQUANT_THREADS)
+    return (_F4, _dq4(tag, quant_type, nested is not None), (grid,), _DEQUANT_THREADS,
+            (ptr_arg(packed), ptr_arg(absmax)) + nest + (ptr_arg(out) if out is not None else NULL, i64(n),
+                                                         i32(_log2(blocksize)), i32(vec)))
+
+

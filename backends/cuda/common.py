@@ -1,0 +1,83 @@
+"""What the cuda backend's family modules share: kernel element tags, kernel source names, the
+launch geometry the kernels compile with, small integer helpers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from quantcore.arrays import as_dtype, dtype_name
+from quantcore.errors import DTypeError
+from quantcore.formats.kernel_defines import GGML_FORMAT_CODE, LAUNCH_GEOMETRY
+
+from . import runtime as rt
+
+#: dtype name -> kernel element tag
+TYPE_TAG = {"float32": "qc::F32", "float16": "qc::F16", "bfloat16": "qc::BF16"}
+GGML_FMT = GGML_FORMAT_CODE  # QC_FMT_* of the generated header (kernels_cuda/ggml.cu)
+_F4 = "bnb_4bit.cu"
+_F8 = "bnb_8bit.cu"
+_FG = "ggml.cu"
+_FV = "bnb_gemv.cu"
+_FM = "bnb_gemm.cu"
+
+# launch geometry the kernels compile with (the generated header; quantcore.formats.kernel_defines)
+_G = LAUNCH_GEOMETRY
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _log2(v: int) -> int:
+    return int(v).bit_length() - 1
+
+
+def _tag(x: Any) -> str:
+    return TYPE_TAG[dtype_name(x.dtype)]
+
+
+def _b(flag: bool) -> str:
+    return "true" if flag else "false"
+
+
+def _resident(device: int, ctas: int, per_sm: int) -> int:
+    """Grid of a persistent kernel: ``ctas`` pieces of work, at most what the device holds at once
+    (``per_sm`` CTAs per multiprocessor: the kernel's launch bounds, or 2048 threads' worth), so
+    per-CTA set-up is paid once per CTA and every CTA is in the one wave."""
+    return max(1, min(ctas, rt.sm_count(device) * per_sm))
+
+
+# -- dtype maps ------------------------------------------------------------------------------------------
+def _torch():
+    torch = rt.torch_module()
+    if torch is None:
+        import torch  # noqa: PLC0415 - only reached when the caller works with torch or has it
+    return torch
+
+
+def _torch_cuda() -> bool:
+    try:
+        return bool(_torch().cuda.is_available())
+    except ImportError:
+        return False
+
+
+def _torch_dtype(dt: np.dtype):
+    torch = _torch()
+    name = dtype_name(dt)
+    if not hasattr(torch, name):
+        raise DTypeError(f"no torch dtype for {name}")
+    return getattr(torch, name)
+
+
+def _cupy_dtype(dt: np.dtype) -> np.dtype:
+    dt = as_dtype(dt)
+    if dtype_name(dt) == "bfloat16":
+        try:
+            rt.cupy().empty((0,), dtype=dt)
+        except Exception as exc:  # noqa: BLE001
+            raise DTypeError("this CuPy has no bfloat16 arrays; pass torch tensors for bfloat16 "
+                             f"({type(exc).__name__}: {exc})") from exc
+    return dt

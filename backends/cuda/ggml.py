@@ -1,0 +1,211 @@
+"""The cuda backend's ggml family: Q4_0 / Q8_0 / Q8_1 quantize and dequantize, and the W4A8 GEMMs
+(the N <= 8 stream kernel, the int8 tensor-core kernel). ``GgmlOps`` holds the ops (a mixin of
+``CudaBackend``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quantcore.formats import ggml
+from quantcore.formats.kernel_defines import (
+    W4A8_TC_GEOMETRY,
+)
+
+from . import runtime as rt
+from .common import _FG, GGML_FMT, TYPE_TAG, _b, _cdiv, _tag
+from .runtime import NULL, Launcher, aligned, i32, i64, ptr_arg
+
+#: gemm_w4a8_tc_kernel configurations (MT, WGM, WGN, WGK, ST), widest tile first: WGM x WGN x WGK warps
+#: (rows x columns x K), a warp 16 MT rows x 32 columns, the CTA tile 16 MT WGM x 32 WGN, ST stages
+_W4T_TILES = ((4, 2, 4, 1, 3), (2, 4, 2, 1, 4), (2, 2, 2, 2, 6), (1, 2, 1, 4, 4))
+#: the time per output element of the first 4 configurations relative to the first's (measured at
+#: n = 4096, docs/performance.md "W4A8 prefill"); the launcher takes the smallest
+#: waves x BM x BN x cost (waves of one CTA per multiprocessor); w4t_tile=i forces one
+_W4T_COST = (1.0, 1.14, 1.41, 1.92)
+_W4_STREAM_WARPS, _W4_STREAM_ROWS = 16, 16  # gemm_w4a8_stream_kernel: kWsWarps (+ 1 producer for LD 0), kWsRows
+_W4_SMEM_MAX = 227 * 1024  # dynamic shared memory per CTA on sm_90
+#: gemm_w4a8_stream_kernel launches kept per (device, M, N, K, activation dtype, its 16-byte alignment,
+#: QUANTCORE_CUDA_TUNE): everything of the launch but the three array pointers
+_W4_LAUNCHES: dict[tuple, Any] = {}
+_W4_MAX_LAUNCHES = 64  # kept at most (the cache starts over when full)
+_W4_FLY = 64 * 1024  # LD 1: weight bytes in flight per CTA the ring should allow (~4.3 TB/s x ~2 us / 132 SMs)
+#: the N <= 8 stream kernel's instances as (NB, CL, LD) keys: CL its cluster, LD its ring filler (0
+#: bulk copies by a producer warp, 1 cp.async by every warp)
+_W4_NB = tuple((nb, cl, ld) for ld in (0, 1) for cl in (1, 2, 4) for nb in (1, 2, 4, 8))
+
+
+def _qg(tag: str, fmt: str) -> str:
+    return f"qc::quantize_ggml_kernel<{tag}, {GGML_FMT[fmt]}>"
+
+
+def _dqg(tag: str, fmt: str) -> str:
+    return f"qc::dequantize_ggml_kernel<{tag}, {GGML_FMT[fmt]}>"
+
+
+def _w4t_act(tag: str, quantize: bool) -> str:
+    return f"qc::w4a8_tc_act_kernel<{tag}, {_b(quantize)}>"
+
+
+def _w4t(tile: tuple[int, ...]) -> str:
+    return "qc::gemm_w4a8_tc_kernel<{}, {}, {}, {}, {}>".format(*tile)
+
+
+def _w4t_geometry(tile: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """(BM, BN, threads, shared memory bytes) of a gemm_w4a8_tc_kernel configuration (TcTile in ggml.cu)."""
+    g = W4A8_TC_GEOMETRY
+    mt, wgm, wgn, wgk, st = tile
+    bm, bn, bk = 16 * mt * wgm, 32 * wgn, g["QC_W4T_BK"]
+    stage = bm * bk * ggml.Q4_0_BLOCK_BYTES + bn * (bk * ggml.QK + g["QC_W4T_APAD"]) + bk * bn * (8 + 2)
+    red = (wgk - 1) * wgm * wgn * mt * 64 * 32 * 4
+    return bm, bn, 32 * wgm * wgn * wgk, max(st * stage, red)
+
+
+def _gemm_small(tag: str, key: tuple[int, int, int]) -> str:
+    nb, cl, ld = key
+    return f"qc::gemm_w4a8_stream_kernel<{tag}, {nb}, {cl}, {ld}>"
+
+
+def instances() -> list[tuple[str, str]]:
+    """Every (source file, name expression) of the family the backend can launch."""
+    out: list[tuple[str, str]] = []
+    for tag in TYPE_TAG.values():
+        for fmt in GGML_FMT:
+            out += [(_FG, _qg(tag, fmt)), (_FG, _dqg(tag, fmt))]
+        out.append((_FG, _w4t_act(tag, True)))
+        out += [(_FG, _gemm_small(tag, nb)) for nb in _W4_NB]
+    out.append((_FG, _w4t_act(TYPE_TAG["float32"], False)))
+    out += [(_FG, _w4t(tile)) for tile in _W4T_TILES]
+    return out
+
+
+class GgmlOps:
+    """The family's ops (a mixin of CudaBackend)."""
+
+    # -- ggml ----------------------------------------------------------------------------------------
+    def _quantize_ggml(self, fmt, x, out):
+        nblocks = rt.numel(x) // ggml.QK
+        if nblocks:
+            Launcher(x)(_FG, _qg(_tag(x), fmt), (_cdiv(nblocks, 256),), 256,
+                        (ptr_arg(x), ptr_arg(out), i64(nblocks), i32(aligned(x, 16)), i32(aligned(out, 2))))
+
+    def quantize_q4_0(self, w, out):
+        self._quantize_ggml("q4_0", w, out)
+
+    def quantize_q8_0(self, a, out):
+        self._quantize_ggml("q8_0", a, out)
+
+    def quantize_q8_1(self, a, out):
+        self._quantize_ggml("q8_1", a, out)
+
+    def dequantize_ggml(self, q, out, *, fmt):
+        nblocks = rt.numel(out) // ggml.QK
+        if nblocks:
+            Launcher(out)(_FG, _dqg(_tag(out), fmt), (_cdiv(nblocks * 4, 256),), 256,
+                          (ptr_arg(q), ptr_arg(out), i64(nblocks), i32(aligned(out, 16))))
+
+    def _gemm(self, wq, act, out, quantize: bool, tag: str, n_rows: int, aligned4: bool):
+        """gemm_w4a8_tc_kernel: the activation as Q8_1 values into a workspace (w4a8_tc_act_kernel:
+        quantized from the float activation, or repacked from given Q8_1 blocks), then the tiled
+        int8 tensor-core GEMM. The workspace (npad x nbp x 42 bytes) is allocated per call from the
+        caller's allocator (torch's or CuPy's pool, stream-ordered)."""
+        m, nb = int(wq.shape[0]), int(wq.shape[1])
+        if m == 0 or n_rows == 0:
+            return
+        g = W4A8_TC_GEOMETRY
+        launch = Launcher(wq)
+        npad = _cdiv(n_rows, g["QC_W4T_NPAD"]) * g["QC_W4T_NPAD"]
+        nbp = _cdiv(nb, g["QC_W4T_BK"]) * g["QC_W4T_BK"]
+        ws = self.empty((npad * nbp * (ggml.QK + 8 + 2),), "uint8", like=wq)  # quants, (d8, -d8 1.5 2^23), s
+        vec = aligned(act, 16) if quantize else False
+        launch(_FG, _w4t_act(tag, quantize), (npad * nbp // 256,), 256,
+               (ptr_arg(act), ptr_arg(ws), i32(n_rows), i64(nb), i32(npad), i64(nbp), i32(vec), i32(aligned4)))
+        forced = rt.tune("w4t_tile", -1)
+        if 0 <= forced < len(_W4T_TILES):
+            tile = _W4T_TILES[forced]
+        else:
+            sms = rt.sm_count(launch.device)
+
+            def est(i: int) -> float:
+                bm, bn = _w4t_geometry(_W4T_TILES[i])[:2]
+                return _cdiv(_cdiv(m, bm) * _cdiv(n_rows, bn), sms) * bm * bn * _W4T_COST[i]
+
+            tile = _W4T_TILES[min(range(len(_W4T_COST)), key=est)]
+        bm, bn, threads, smem = _w4t_geometry(tile)
+        wfast = nb % g["QC_W4T_BK"] == 0 and aligned(wq, 16)
+        ovec = n_rows % 2 == 0 and aligned(out, 8)
+        launch(_FG, _w4t(tile), (_cdiv(m, bm), _cdiv(n_rows, bn)), threads,
+               (ptr_arg(wq), ptr_arg(ws), ptr_arg(out), i64(m), i32(n_rows), i64(nb), i32(npad), i64(nbp),
+                i32(wfast), i32(ovec)), shared_mem=smem)
+
+    def gemm_q4_0_q8_1(self, wq, aq, out):
+        self._gemm(wq, aq, out, False, TYPE_TAG["float32"], int(aq.shape[0]), aligned(aq, 4))
+
+    def gemm_w4a8(self, wq, a, out):
+        k = int(wq.shape[1]) * ggml.QK
+        n = rt.numel(a) // k
+        if not self._gemm_w4a8_small(wq, a, out, n, k):
+            self._gemm(wq, a, out, True, _tag(a), n, False)
+
+    def _gemm_w4a8_small(self, wq, a, out, n: int, k: int) -> bool:
+        """N <= 8 on sm_90: the streaming kernel; False where it does not apply (then the tensor-core
+        kernel runs). QUANTCORE_CUDA_TUNE: w4a8_small=0 sends these calls to the tensor-core kernel
+        too; w4s_load=0 (default) fills the stream
+        kernel's ring by bulk copies from a producer warp, 1 by cp.async from every warp (W-14:
+        bit-equal, slower on the H200); w4s_cl (cluster 1/2/4), w4s_kc (blocks per stage row),
+        w4s_stages (ring depth), w4s_fly (KiB in flight, w4s_load=1) override its geometry."""
+        m, nbk = int(wq.shape[0]), k // ggml.QK
+        if not (1 <= n <= 8 and m > 0 and nbk % 8 == 0 and aligned(wq, 16)):
+            return False
+        launch = Launcher(wq)
+        # the stream kernel's launches, kept per geometry and tuning: a repeated call skips the
+        # geometry search below and CuPy's argument conversion (its three pointers go into slots)
+        stream = launch.raw_stream()
+        key = (launch.device, m, n, k, _tag(a), aligned(a, 16), rt.tune_spec())
+        planned = _W4_LAUNCHES.get(key) if stream is not None else None
+        if planned is not None:
+            planned(stream, rt.pointer(wq), rt.pointer(a), rt.pointer(out))
+            return True
+        if rt.tune("w4a8_small", 1) == 0 or rt.device_arch(launch.device) < 90:
+            return False
+        nb = 1 << (n - 1).bit_length()
+        sms = rt.sm_count(launch.device)
+        ld = 1 if rt.tune("w4s_load", 0) else 0
+        # Cluster: the smallest that keeps the activation quantized per CTA (NB x K / CL
+        # blocks, one lane each) at most 2048 blocks, so the prologue hides under the ring's fill.
+        cl = rt.tune("w4s_cl", 0)
+        if cl not in (1, 2, 4):
+            cl = next((c for c in (1, 2, 4) if nb * _cdiv(nbk, c) <= 2048), 4)
+        kbs = _cdiv(_cdiv(nbk, cl), 8) * 8
+        # Clusters of one wave: a cluster lives in one GPC; 2 SMs always pair up there, 4 not
+        # always (ncu, H200: 30 clusters of 4 on 132 SMs).
+        waves = {1: sms, 2: sms // 2, 4: sms * 7 // 32}[cl]
+        ntiles = _cdiv(m, _W4_STREAM_ROWS)
+        tpc = _cdiv(ntiles, max(1, waves))
+        fixed = kbs * nb * 40 + (2 * 16 + tpc) * _W4_STREAM_ROWS * nb * 4
+        # Blocks per stage row. The time grows with the number of stages per CTA (measured:
+        # docs/performance.md, the W4A8 N <= 8 log), so LD 0 takes the largest that leaves 2 stages. LD 1 runs nstage - 2 stages ahead, so
+        # kc is halved until those hold w4s_fly bytes (or the ring is at its depth cap, where
+        # halving kc would only shrink them).
+        fly, cap = rt.tune("w4s_fly", _W4_FLY // 1024) * 1024, rt.tune("w4s_stages", 8)
+        kc = min(kbs, _cdiv(rt.tune("w4s_kc", 128), 8) * 8)
+        while True:
+            units = _cdiv(kc * ggml.Q4_0_BLOCK_BYTES, 16)
+            stage = _W4_STREAM_ROWS * 16 * (units if units % 2 else units + 1) + 16  # ws_stride
+            nstage = min(cap, (_W4_SMEM_MAX - fixed) // stage)
+            if kc <= 8 or (nstage >= 2 and (ld == 0 or nstage >= cap or (nstage - 2) * (stage - 16) >= fly)):
+                break
+            kc = _cdiv(kc // 2, 8) * 8
+        if nstage >= 2:
+            spec = (_FG, _gemm_small(_tag(a), (nb, cl, ld)), (cl * _cdiv(ntiles, tpc),),
+                    32 * (_W4_STREAM_WARPS + 1 - ld))
+            geometry = (i64(m), i32(n), i64(k), i32(kbs), i32(kc), i32(nstage), i32(tpc), i32(aligned(a, 16)))
+            smem = fixed + nstage * stage
+            launch(*spec, (ptr_arg(wq), ptr_arg(a), ptr_arg(out)) + geometry, shared_mem=smem)
+            if stream is not None:
+                if len(_W4_LAUNCHES) >= _W4_MAX_LAUNCHES:
+                    _W4_LAUNCHES.clear()
+                _W4_LAUNCHES[key] = rt.PlannedLaunch(launch.device, *spec, (NULL,) * 3 + geometry,
+                                                     shared_mem=smem, slots=(0, 1, 2))
+            return True
+        return False
+

@@ -1,0 +1,242 @@
+"""Eager launch plans of the cuda backend (``quantcore.api`` keeps them on the QuantState): a
+repeated public gemv_4bit / dequantize_4bit call on the same weight skips the launch choice and the
+argument conversion."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from quantcore.arrays import as_dtype
+from quantcore.backend import Nested
+
+from . import runtime as rt
+from .bnb import _DEQUANT_SLOTS, _dequantize_launch, _gemv_launch
+from .common import _FV, TYPE_TAG, _torch_dtype
+
+# -- eager launch plans (quantcore.api keeps them on the QuantState) ---------------------------------
+_TENSOR: Any = None  # torch.Tensor, set when the first plan is made (torch is imported by then)
+_MAX_GEOMETRIES = 8  # input geometries one plan keeps
+
+
+def _tfp(t: Any) -> Any:
+    """What the core's checks, the adapters and a launch read from an array: pointer, shape,
+    strides, dtype and device of a torch tensor; None for None; False for anything else (never
+    equal to a tensor's)."""
+    if isinstance(t, _TENSOR):
+        return t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device()
+    return None if t is None else False
+
+
+def _state_fp(s: Any) -> tuple:
+    """The state's arrays and its nested state's fields. The state's own scalar fields are not
+    read: assigning any field drops the state's plans (QuantState.__setattr__), and a plan is
+    made only while they are immutable (a tuple shape)."""
+    s2 = s.state2
+    return (_tfp(s.absmax), _tfp(s.code), _tfp(s.offset),
+            None if s2 is None else (s2.blocksize, _tfp(s2.absmax), _tfp(s2.code)))
+
+
+class _StatePlan:
+    """Launches of one op for one state and one packed weight on one device under one tuning
+    setting, one per call geometry: ``entries`` maps a call's key (what the core's checks and the
+    kernel choice read from the arguments besides the state, the packed weight and the devices)
+    to what the call needs (output shape, dtype, launch). Subclasses say what the key is."""
+
+    __slots__ = ("device", "ctx", "tune", "packed_fp", "state_fp", "entries", "hits", "_stream", "_ctx_now")
+
+    def __init__(self, device: int, ctx: int, packed: Any, state: Any, tune: Any, stream: Any, ctx_now: Any):
+        global _TENSOR
+        _TENSOR = rt.torch_module().Tensor
+        self.device, self.ctx, self.tune = device, ctx, tune
+        self.packed_fp, self.state_fp = _tfp(packed), _state_fp(state)
+        self.entries: dict[tuple, tuple] = {}
+        self.hits = 0
+        self._stream, self._ctx_now = stream, ctx_now
+
+    def same(self, device: int, packed: Any, state: Any, tune: Any) -> bool:
+        return (device == self.device and tune == self.tune and _tfp(packed) == self.packed_fp
+                and _state_fp(state) == self.state_fp)
+
+    def _entry(self, key: Any, packed: Any, state: Any) -> Any:
+        """The entry of ``key`` while the packed weight, the state's arrays and the tuning are
+        those the plan was made for, else None."""
+        entry = self.entries.get(key)
+        if (entry is None or _tfp(packed) != self.packed_fp or _state_fp(state) != self.state_fp
+                or rt.tune_spec() != self.tune):
+            return None
+        return entry
+
+    def _launch(self, launch: Any, first: Any, out: Any) -> Any:
+        """Run a matched entry's launch on the caller's stream with these two arrays; None (the
+        full path runs) when the thread's current context is another device's."""
+        if self._ctx_now() != self.ctx:
+            return None
+        launch(self._stream(self.device), first.data_ptr(), out.data_ptr())
+        self.hits += 1
+        return out
+
+    def add(self, key: Any, value: tuple) -> None:
+        if len(self.entries) >= _MAX_GEOMETRIES and key not in self.entries:
+            self.entries.clear()
+        self.entries[key] = value
+
+
+class _GemvPlan(_StatePlan):
+    """gemv_4bit's plan; a call's key is the input's (shape, dtype, 16-byte alignment), all that
+    the core's checks and the kernel choice read from the input besides its device and contiguity."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def key(A: Any) -> tuple:
+        return A.shape, A.dtype, not A.data_ptr() & 15
+
+    def match(self, A: Any, packed: Any, state: Any) -> Any:
+        """The (output shape, launch) for these arguments, or None."""
+        if type(A) is not _TENSOR or not A.is_contiguous() or A.get_device() != self.device:
+            return None
+        return self._entry(self.key(A), packed, state)
+
+    def __call__(self, A: Any, packed: Any, state: Any) -> Any:
+        entry = self.match(A, packed, state)
+        if entry is None:
+            return None
+        return self._launch(entry[1], A, A.new_empty(entry[0]))
+
+    def bind(self, A: Any, packed: Any, state: Any) -> _BoundGemv | None:
+        """This plan's launch for A's geometry bound to these tensors (see :class:`_BoundGemv`), or
+        None where the plan does not match them or a tensor counts no versions (inference tensors)."""
+        entry = self.match(A, packed, state)
+        if entry is None:
+            return None
+        s2 = state.state2
+        arrays = (packed, state.absmax, state.code, state.offset) + ((s2.absmax, s2.code) if s2 is not None else ())
+        try:
+            return _BoundGemv(self, self.key(A), entry, tuple(t for t in arrays if t is not None))
+        except RuntimeError:  # "Inference tensors do not track version counter"
+            return None
+
+
+class _BoundGemv:
+    """One gemv plan entry bound to one input geometry and to the weight's and the state's tensors
+    as they are now, for a caller that repeats the same call (a module's eager forward). A call
+    checks the input (exact tensor type, shape, dtype, device, contiguity, 16-byte alignment), that
+    the bound tensors keep their pointers and version counters (every in-place change, set_ /
+    resize_ included, bumps a version; ``.data =`` gives another pointer), the thread's context and
+    the tuning, then launches; anything else returns None and the caller takes the public path."""
+
+    __slots__ = ("shape", "dtype", "align", "device", "out_shape", "launch", "tensors", "stamps", "plan")
+
+    def __init__(self, plan: Any, key: tuple, entry: tuple, tensors: tuple):
+        self.plan = plan
+        self.shape, self.dtype, self.align = key
+        self.device, self.out_shape, self.launch = plan.device, entry[0], entry[1]
+        self.tensors = tensors
+        self.stamps = tuple((t.data_ptr(), t._version) for t in tensors)
+
+    def __call__(self, A: Any) -> Any:
+        if (type(A) is not _TENSOR or A.shape != self.shape or A.dtype != self.dtype
+                or (not A.data_ptr() & 15) != self.align or not A.is_contiguous()
+                or A.get_device() != self.device):
+            return None
+        for t, (ptr, version) in zip(self.tensors, self.stamps):
+            if t.data_ptr() != ptr or t._version != version:
+                return None
+        if rt.tune_spec() != self.plan.tune:
+            return None
+        return self.plan._launch(self.launch, A, A.new_empty(self.out_shape))
+
+
+class _DequantPlan(_StatePlan):
+    """dequantize_4bit's plan; a call's key is its ``out_dtype`` argument as given (the output's
+    shape is the state's, its 16-byte alignment is checked per call)."""
+
+    __slots__ = ()
+
+    def match(self, packed: Any, state: Any, out_dtype: Any) -> Any:
+        """The (output shape, torch dtype, launch) for these arguments, or None."""
+        try:
+            return self._entry(out_dtype, packed, state)
+        except TypeError:  # an unhashable out_dtype: the full path reports it
+            return None
+
+    def __call__(self, packed: Any, state: Any, out_dtype: Any = None) -> Any:
+        entry = self.match(packed, state, out_dtype)
+        if entry is None:
+            return None
+        out = packed.new_empty(entry[0], dtype=entry[1])
+        if out.data_ptr() & 15:  # the launch was set up for 16-byte stores
+            return None
+        return self._launch(entry[2], packed, out)
+
+
+def _plannable(torch: Any, state: Any, arrays: tuple) -> bool:
+    """May a call on these arrays and this state be planned? Only where prepare() hands the arrays
+    through as they are (contiguous CUDA tensors) and the checks read nothing that can change
+    without a field assignment or a new pointer: a host code table is compared by value on every
+    call, a list shape can change in place."""
+    s2 = state.state2
+    need = arrays + (state.absmax,) + ((state.offset, s2.absmax, s2.code) if s2 is not None else ())
+    if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.is_contiguous() for t in need):
+        return False
+    if state.code is not None and not (isinstance(state.code, torch.Tensor) and state.code.is_cuda):
+        return False
+    return type(state.shape) is tuple and all(isinstance(d, (int, np.integer)) for d in state.shape)
+
+
+def _plan_for(cls: type, previous: Any, device: int, packed: Any, state: Any) -> Any:
+    """``previous`` when it was made for the same weight, state and tuning, else a new plan."""
+    tune = rt.tune_spec()
+    if isinstance(previous, cls) and previous.same(device, packed, state, tune):
+        return previous
+    return cls(device, rt.device_context(device), packed, state, tune, rt.raw_stream_getter(),
+               rt.cupy().cuda.driver.ctxGetCurrent)
+
+
+def _state_nested(state: Any) -> Nested | None:
+    s2 = state.state2
+    return Nested(absmax2=s2.absmax, code2=s2.code, offset=state.offset) if s2 is not None else None
+
+
+def _plan_gemv_4bit(A: Any, packed: Any, state: Any, previous: Any, n: int, k: int) -> _GemvPlan | None:
+    torch = rt.torch_module()
+    if torch is None or type(A) is not torch.Tensor or n == 0 or not _plannable(torch, state, (A, packed)):
+        return None
+    rows = A.numel() // k
+    if rows == 0:
+        return None
+    device = A.get_device()
+    plan = _plan_for(_GemvPlan, previous, device, packed, state)
+    if _GemvPlan.key(A) in plan.entries:
+        return plan  # it had this call: the thread's current context was another device's
+    spec = _gemv_launch(device, A, packed, state.absmax, None, rows=rows, n=n, k=k, blocksize=state.blocksize,
+                        quant_type=state.quant_type, nested=_state_nested(state))
+    launch = rt.PlannedLaunch(device, *spec[:5], shared_mem=spec[5], slots=spec[6], pdl=spec[0] == _FV)
+    plan.add(_GemvPlan.key(A), (tuple(A.shape[:-1]) + (n,), launch))
+    return plan
+
+
+def _plan_dequantize_4bit(packed: Any, state: Any, out_dtype: Any, previous: Any, dtype: str) -> _DequantPlan | None:
+    torch = rt.torch_module()
+    if torch is None or not isinstance(packed, torch.Tensor) or not _plannable(torch, state, (packed,)):
+        return None
+    n = math.prod(state.shape)
+    if n == 0:
+        return None
+    try:
+        hash(out_dtype)
+    except TypeError:
+        return None
+    device = packed.get_device()
+    plan = _plan_for(_DequantPlan, previous, device, packed, state)
+    if out_dtype in plan.entries:
+        return plan  # it had this call: the thread's current context was another device's
+    spec = _dequantize_launch(device, packed, state.absmax, None, n=n, tag=TYPE_TAG[dtype], out_aligned=True,
+                              blocksize=state.blocksize, quant_type=state.quant_type, nested=_state_nested(state))
+    launch = rt.PlannedLaunch(device, *spec, slots=_DEQUANT_SLOTS)
+    plan.add(out_dtype, (tuple(state.shape), _torch_dtype(as_dtype(dtype)), launch))
+    return plan
+
