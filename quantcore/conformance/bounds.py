@@ -81,16 +81,19 @@ NMSE_MARGIN = 16.0
 SECOND_ORDER = 1.05
 
 
-def gemv_4bit(a: np.ndarray, w: np.ndarray, dtype: str) -> tuple[np.ndarray, Bound]:
-    """fp64 reference ``a @ w.T`` and its bound; ``a`` [B, K] and ``w`` [N, K] exact values."""
+def _products(a: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """fp64 ``a @ w.T``, ``|a| @ |w|.T``, ``a^2 @ (w^2).T`` and K for ``a`` [B, K], ``w`` [N, K].
+    einsum, not BLAS: multithreaded BLAS can be slower by 1000x on a loaded 2-core machine, and the
+    reference need not be fast, only exact enough (fp64)."""
     a = np.asarray(a, dtype=np.float64)
     w = np.asarray(w, dtype=np.float64)
-    k = a.shape[1]
-    # einsum, not BLAS: multithreaded BLAS can be slower by 1000x on a loaded 2-core machine,
-    # and the reference need not be fast, only exact enough (fp64).
-    ref = np.einsum("bk,nk->bn", a, w)
-    s = np.einsum("bk,nk->bn", np.abs(a), np.abs(w))
-    q = np.einsum("bk,nk->bn", a * a, w * w)
+    return (np.einsum("bk,nk->bn", a, w), np.einsum("bk,nk->bn", np.abs(a), np.abs(w)),
+            np.einsum("bk,nk->bn", a * a, w * w), a.shape[1])
+
+
+def gemv_4bit(a: np.ndarray, w: np.ndarray, dtype: str) -> tuple[np.ndarray, Bound]:
+    """fp64 reference ``a @ w.T`` and its bound; ``a`` [B, K] and ``w`` [N, K] exact values."""
+    ref, s, q, k = _products(a, w)
     u, eta = UNIT_ROUNDOFF[dtype], UNDERFLOW_ERROR[dtype]
     c = 2 if dtype == "float32" else 4
     max_abs = SECOND_ORDER * (u * np.abs(ref) + (c * u + (k - 1) * U32) * s) + c * k * eta
@@ -131,12 +134,7 @@ def gemm_q4_0_q8_1(d4: np.ndarray, q4: np.ndarray, d8: np.ndarray, q8: np.ndarra
 def linear_mx(a: np.ndarray, w: np.ndarray, dtype: str) -> tuple[np.ndarray, Bound]:
     """fp64 reference ``a @ w.T`` and its bound (module docstring, linear_mx); ``a`` [B, K] and
     ``w`` [N, K] exact values."""
-    a = np.asarray(a, dtype=np.float64)
-    w = np.asarray(w, dtype=np.float64)
-    k = a.shape[1]
-    ref = np.einsum("bk,nk->bn", a, w)
-    s = np.einsum("bk,nk->bn", np.abs(a), np.abs(w))
-    q = np.einsum("bk,nk->bn", a * a, w * w)
+    ref, s, q, k = _products(a, w)
     u, eta = UNIT_ROUNDOFF[dtype], UNDERFLOW_ERROR[dtype]
     c = 4
     max_abs = (SECOND_ORDER * (u * np.abs(ref) + (c + k - 1) * U32 * s)
