@@ -1,5 +1,5 @@
 // bitsandbytes 4-bit NF4 / FP4: quantize, dequantize (nested statistics decoded in the same
-// kernel) and gemv. Semantics: shared/design/FORMATS.md section 1 and quantcore/formats/bnb.py.
+// kernel) and gemv. Semantics: quantcore/formats/bnb.py (docs/formats.md).
 #include "bnb_nested.cuh"
 
 namespace qc {

@@ -1,5 +1,5 @@
 // bitsandbytes blockwise 8-bit with the dynamic map, and the double quantization of absmax.
-// Semantics: shared/design/FORMATS.md sections 1 (double quantization) and 2.
+// Semantics: quantcore/formats/bnb.py (double quantization, the dynamic map; docs/formats.md).
 #include "bnb_nested.cuh"
 
 namespace qc {

@@ -2,7 +2,7 @@
 // double_quantize) and bnb_4bit.cu (quantize_4bit with double quantization in one launch): the
 // dynamic map's rounding (a threshold search, and by cells), one 8-value task of the blockwise
 // quantization, the top of the fp64 summation tree, and the gpu-scope synchronization the
-// one-launch kernels count their CTAs with. Semantics: shared/design/FORMATS.md section 1.
+// one-launch kernels count their CTAs with. Semantics: quantcore/formats/bnb.py.
 #pragma once
 #include "qc_common.cuh"
 

@@ -1,6 +1,6 @@
 // ggml Q4_0 / Q8_0 / Q8_1: quantize, dequantize, and the W4A8 GEMM (Q4_0 weights times Q8_1
-// activations, given or quantized inside the kernel). Semantics: shared/design/FORMATS.md
-// section 3 and quantcore/formats/ggml.py (ggml's _ref C functions, bit for bit).
+// activations, given or quantized inside the kernel). Semantics: quantcore/formats/ggml.py
+// (ggml's _ref C functions, bit for bit; docs/formats.md).
 #include "qc_common.cuh"
 
 namespace qc {

@@ -1,5 +1,5 @@
 // NVFP4, MXFP4 / MXFP8 and the 128x4 swizzled scale layout on SYCL (quantcore.formats.mx is the
-// reference, bit for bit; FORMATS-MX.md the rules): element conversions E2M1 / E4M3 / E8M0,
+// reference, bit for bit; docs/formats-mx.md the rules): element conversions E2M1 / E4M3 / E8M0,
 // block quantize and dequantize, scale swizzle, and the fp4 GEMM of the tolerance tier.
 //
 // Plain SYCL 2020 bodies; entry_points.cpp wraps them.

@@ -195,7 +195,7 @@ class Backend:
         raise NotImplementedError
 
     # -- MX family (NVFP4, MXFP4, MXFP8) -------------------------------------------------------
-    # Rules: quantcore.formats.mx (shared/design/FORMATS-MX.md). Shapes come as keywords so a
+    # Rules: quantcore.formats.mx (docs/formats-mx.md). Shapes come as keywords so a
     # backend can work on flat memory; ``x`` of any shape [..., K] is treated as [rows, cols].
     # Scale matrices are uint8 (E8M0 bytes for mxfp4 / mxfp8, E4M3 bytes for nvfp4), either
     # row-major [rows, cols/blk] or swizzled: [ceil(rows/128)*128, ceil(cols/blk/4)*4] in 128x4

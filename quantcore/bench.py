@@ -4,7 +4,7 @@ One run measures, on the selected backend: quantcore through its public API, the
 installed (bitsandbytes; torch bf16 for the matrix products) and the device's copy bandwidth (a
 large device-to-device copy, bytes read + written) as the ceiling. It prints a table (time, GB/s
 on the counted bytes, % of copy, speedup of quantcore over each peer), and writes JSON and a PNG
-plot. Method (shared/design/PERFORMANCE.md): random data, warm-up, median of many runs, input
+plot. Method (docs/performance.md): random data, warm-up, median of many runs, input
 buffers rotated when a call's data would fit in L2, bytes counted as each input read once plus
 each output written once (4-bit dequantize: the seeds' ``n/2 + nblocks + 2*ngroups + 2*256 +
 itemsize*n``).

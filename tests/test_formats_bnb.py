@@ -1,4 +1,4 @@
-"""The bitsandbytes-family reference: the rules of FORMATS.md §1-2, pinned case by case."""
+"""The bitsandbytes-family reference: the rules of docs/formats.md, pinned case by case."""
 
 import numpy as np
 import pytest

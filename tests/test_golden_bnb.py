@@ -1,7 +1,7 @@
 """quantcore's reference against bitsandbytes' own CUDA output (tests/golden, made by
 tools/make_golden_bnb.py with bitsandbytes 0.50.2 on an H200).
 
-What must hold (FORMATS.md): bitsandbytes' bytes with its state dequantize to its values bit for
+What must hold (docs/formats.md): bitsandbytes' bytes with its state dequantize to its values bit for
 bit (plain and double-quantized); quantizing gives bitsandbytes' bytes except where x * (1/absmax)
 lands on a rounding threshold (bitsandbytes' fast-math reciprocal is one ulp off for ~13% of
 mantissas), always to the neighbouring code; the double-quantization offset is within a few ulps

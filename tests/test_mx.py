@@ -5,7 +5,7 @@ Three kinds of checks:
   rounding for E4M3, the threshold rule for E2M1, exact ceil / floor of log2 for E8M0) on seeded
   and adversarial data: the reference's codes are exact against quantcore's own operation order;
 - the peers: golden vectors made with torchao 0.18 on CPU (tools/make_golden_mx.py), compared
-  by the rules of FORMATS-MX.md (MX: scales and codes identical; NVFP4: scale bytes identical
+  by the rules of docs/formats-mx.md (MX: scales and codes identical; NVFP4: scale bytes identical
   except the counted cases explained below, codes one step apart only at rounding boundaries);
 - the API: shapes, layouts (swizzle), validation errors, array kinds, torch dtype views, and
   scaled_fp4_mm.
@@ -104,7 +104,7 @@ def mx_oracle(x: np.ndarray, fmt: str, mode: str) -> tuple[np.ndarray, np.ndarra
 
 
 def nvfp4_oracle(x: np.ndarray, g: np.float32) -> tuple[np.ndarray, np.ndarray]:
-    """Scalar NVFP4 quantizer following FORMATS-MX.md's order with numpy fp32 scalars."""
+    """Scalar NVFP4 quantizer following docs/formats-mx.md's order with numpy fp32 scalars."""
     f = np.float32
     rows, k = x.shape
     codes = np.zeros((rows, k), dtype=np.uint8)

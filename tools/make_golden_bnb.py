@@ -6,7 +6,7 @@ Writes OUTDIR/bnb_golden.npz (4-bit NF4/FP4 with and without double quantization
 blocksize and input dtype, blockwise 8-bit, the code tables) and
 OUTDIR/bnb_linear4bit_{nf4,fp4}.safetensors (a Linear4bit state dict as transformers saves it,
 with bitsandbytes' dequantized weight beside it). bitsandbytes' CPU path is not bit-identical to
-its CUDA path (FORMATS.md), so this must run on a GPU. tests/test_golden_bnb.py reads the files.
+its CUDA path (docs/formats.md), so this must run on a GPU. tests/test_golden_bnb.py reads the files.
 """
 
 import sys

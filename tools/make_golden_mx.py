@@ -17,7 +17,7 @@ What is stored (all raw bytes; the inputs as bit patterns):
 - ``swz_in`` [200, 7] random bytes and torchao's ``to_blocked`` of them (the 128x4 layout with
   padding).
 
-The comparison rules are those of FORMATS-MX.md; tests/test_mx.py applies them.
+The comparison rules are those of docs/formats-mx.md; tests/test_mx.py applies them.
 """
 
 from __future__ import annotations

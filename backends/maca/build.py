@@ -137,7 +137,7 @@ def metax_gpu_count(maca_path: str) -> int:
 
 # -- command lines (pure) -------------------------------------------------------------------------
 def mxcc_compile_command(maca_path: str, source: str, obj: str, include_dirs: list[str]) -> list[str]:
-    """``mxcc -x maca -O3 -std=c++17 -fPIC -I... -c source -o obj`` (TOOLCHAINS.md, MACA)."""
+    """``mxcc -x maca -O3 -std=c++17 -fPIC -I... -c source -o obj`` (MetaX's public build scripts)."""
     return [mxcc_path(maca_path), "-x", "maca", "-O3", "-std=c++17", "-fPIC",
             *[f"-I{d}" for d in include_dirs], "-c", source, "-o", obj]
 
@@ -151,7 +151,7 @@ def mxcc_link_command(maca_path: str, objects: list[str], output: str) -> list[s
 
 
 def runtime_library_path(maca_path: str) -> str:
-    """What ``LD_LIBRARY_PATH`` must hold to run MACA programs (TOOLCHAINS.md)."""
+    """What ``LD_LIBRARY_PATH`` must hold to run MACA programs ."""
     return f"{maca_path}/lib:{maca_path}/mxgpu_llvm/lib"
 
 

@@ -231,7 +231,7 @@ class SyclBackend(Backend):
 
                 x = dpnp.ascontiguousarray(x)
             return SyclArray.from_usm(x)
-        # No silent host <-> device copy (ARCHITECTURE.md; docs/sycl.md "arrays"): the copy is the
+        # No silent host <-> device copy (docs/sycl.md "arrays"): the copy is the
         # caller's explicit from_numpy / to_numpy.
         raise DeviceError(
             f"the sycl backend takes SYCL USM arrays (SyclArray, dpnp arrays); this one is "

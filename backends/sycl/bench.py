@@ -3,7 +3,7 @@
 Both sides run the kernel-level op on their own native arrays (no host <-> device copies timed),
 warm-up first, then the median of ``repeats`` wall-clock runs, the SYCL side waiting for its queue
 each time. On a CPU OpenCL device these are CPU timings of the machine it runs on, not the
-project's performance figures (those come from the GPU machine, see PERFORMANCE.md).
+project's performance figures (those come from the GPU machine, see docs/performance.md).
 """
 
 from __future__ import annotations

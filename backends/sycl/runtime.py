@@ -1,6 +1,6 @@
 """SYCL plumbing of the ``sycl`` backend: OpenCL ICD setup, the C++ host shim, kernel builds, launches.
 
-The chain (measured facts in ``shared/design/TOOLCHAINS.md``): dpctl owns the queue and the USM
+The chain (measured facts in docs/sycl.md): dpctl owns the queue and the USM
 memory; a small C++ shim (``shim.cpp``), built at first use with the system C++ compiler against
 the headers and ``libsycl.so`` of the ``intel-sycl-rt`` wheel and cached on disk, compiles the SYCL
 sources of ``kernels_sycl/`` at run time with the runtime's kernel compiler (once per process and

@@ -1,6 +1,6 @@
 """bitsandbytes formats: 4-bit NF4 / FP4, blockwise 8-bit (dynamic map), double quantization.
 
-The rules are those of ``shared/design/FORMATS.md`` sections 1 and 2; the numpy functions here
+The rules are those of the peers' (bitsandbytes; docs/formats.md); the numpy functions here
 are the reference semantics every backend must reproduce bit for bit. All work is vectorized, in
 chunks of whole blocks (:data:`CHUNK_ELEMS`), so the temporaries stay a few tens of MB whatever the
 tensor's size. Chunking changes no bit: every code and absmax is a function of its own block alone,

@@ -1,4 +1,4 @@
-"""ggml block formats Q4_0, Q8_0, Q8_1 and the W4A8 dot product (``shared/design/FORMATS.md`` §3).
+"""ggml block formats Q4_0, Q8_0, Q8_1 and the W4A8 dot product (ggml's rules; docs/formats.md).
 
 Bit for bit with ggml's ``quantize_row_*_ref`` C functions for finite input (fp32 arithmetic,
 no FMA contraction) and with gguf-py's ``quants.py``.

@@ -1,4 +1,4 @@
-"""NVFP4, MXFP4 / MXFP8 and the swizzled scale layout (``shared/design/FORMATS-MX.md``).
+"""NVFP4, MXFP4 / MXFP8 and the swizzled scale layout (docs/formats-mx.md).
 
 The numpy reference every backend reproduces bit for bit (quantize, dequantize, swizzle) and
 the fp64 reference of ``scaled_fp4_mm`` (a tolerance-tier op). Everything works along the last
