@@ -62,8 +62,8 @@ class LinearGroup:
 
     def forward(self, member: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """``member``'s output for ``x`` from a grouped call, or None where ``member`` should run alone."""
-        rows = qct._rows(x)
-        if not 0 < rows <= qct.GEMV_MAX_ROWS or x.shape[-1] != self.members[0].in_features:
+        if x.shape[-1] != self.members[0].in_features or qct.linear_path(
+                qct._rows(x), backend=qct.backend_for(x.device), k=x.shape[-1]) != "gemv":
             return None
         if torch.is_grad_enabled() and (x.requires_grad or any(
                 p is not None and p.requires_grad for m in self.members for p in (m._parameters.get("bias"),))):
@@ -85,7 +85,8 @@ class LinearGroup:
 def group_linears(model: nn.Module, groups: Iterable[Iterable[str]] = DEFAULT_GROUPS) -> int:
     """Tie the :class:`~quantcore.nn.Linear4bit` children of every module of ``model`` named in one
     of ``groups`` (child attribute names, e.g. ``("q_proj", "k_proj", "v_proj")``) so that they run
-    as one grouped gemv for inputs of up to ``quantcore.torch.GEMV_MAX_ROWS`` rows. Returns the
+    as one grouped gemv for the inputs ``quantcore.torch.linear_path`` sends to the gemv path (up to
+    ``GEMV_MAX_ROWS`` rows; on cuda up to the fused GEMM's limit). Returns the
     number of groups made. Children missing, not Linear4bit, or unlike (in_features, blocksize,
     quant type, statistics, compute dtype, device) leave that group out. :func:`ungroup_linears`
     undoes it."""
