@@ -339,6 +339,114 @@ void gemv_row(const float* af, i64 K, i64 r, const uint8_t* packed, const Absmax
 #endif
 }
 
+#if QC_AVX512
+// -- gemv_4bit, AVX-512: the weight read as 32-bit words, the activation permuted to match -------
+// A 64-byte load holds 128 codes of one row: 32-bit lane i holds bytes 4i..4i+3, so nibble j of
+// lane i (bits 4j..4j+3) is element 8i + (j ^ 1) of the group (bitsandbytes puts element 2m in
+// the high nibble of byte m). vpermps reads only the low 4 bits of each index, so
+// `word >> 4j` is already the index of nibble j: the decode of 128 weights is 7 shifts and 8
+// table lookups, no unpacking. The activation is permuted once per call to the same order:
+// ap[128g + 16j + i] = a[128g + 8i + (j ^ 1)] (fp32; see permute_activation).
+constexpr i64 kGroup = 128;
+
+// fp32 copy of B rows of K (K % 128 == 0) in the permuted order above.
+void permute_activation(const void* a, int dtype, i64 B, i64 K, float* ap) {
+  const __m512i gidx = _mm512_setr_epi32(1, 9, 17, 25, 33, 41, 49, 57, 65, 73, 81, 89, 97, 105, 113, 121);
+  for (i64 g = 0; g < B * K; g += kGroup) {
+    alignas(64) float tmp[kGroup];
+    for (int e = 0; e < kGroup; e += 8) _mm256_store_ps(tmp + e, load8(a, dtype, g + e));
+    for (int j = 0; j < 8; ++j) {
+      // lane i <- tmp[8i + (j ^ 1)]: gidx holds 8i + 1, so add (j ^ 1) - 1
+      __m512i idx = _mm512_add_epi32(gidx, _mm512_set1_epi32((j ^ 1) - 1));
+      _mm512_storeu_ps(ap + g + 16 * j, _mm512_i32gather_ps(idx, tmp, 4));
+    }
+  }
+}
+
+// The block scales of row r, blocks [b0, b0 + n) into sc (n <= kScaleChunk): plain fp32 or
+// double quantization's two fp32 roundings (code2[q] * absmax2, then + offset).
+constexpr i64 kScaleChunk = 256;
+inline void row_scales(const Absmax& am, i64 b0, i64 n, float* sc) {
+  if (!am.q) { std::memcpy(sc, am.plain + b0, (size_t)n * 4); return; }
+  for (i64 i = 0; i < n; ++i) sc[i] = am(b0 + i);
+}
+
+// Decode the 128 weights of one 64-byte load into w[0..7] (vector j = nibble j of every lane).
+inline void decode128(const uint8_t* p, __m512 lut, __m512* w) {
+  __m512i v = _mm512_loadu_si512(p);
+  w[0] = _mm512_permutexvar_ps(v, lut);
+  w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
+  w[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), lut);
+  w[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), lut);
+  w[4] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 16), lut);
+  w[5] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 20), lut);
+  w[6] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 24), lut);
+  w[7] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 28), lut);
+}
+
+// sum_j w[j] * a[16j ..] for one activation row, in CH independent chains.
+template <int CH>
+inline __m512 dot128(const __m512* w, const float* ap) {
+  __m512 s[CH];
+  for (int c = 0; c < CH; ++c) s[c] = _mm512_mul_ps(w[c], _mm512_loadu_ps(ap + 16 * c));
+  for (int j = CH; j < 8; ++j) s[j % CH] = _mm512_fmadd_ps(w[j], _mm512_loadu_ps(ap + 16 * j), s[j % CH]);
+  if (CH == 4) { s[0] = _mm512_add_ps(s[0], s[2]); s[1] = _mm512_add_ps(s[1], s[3]); }
+  if (CH >= 2) s[0] = _mm512_add_ps(s[0], s[1]);
+  return s[0];
+}
+
+// One weight row against NB permuted activation rows (stride K): res[t] = row . a_t.
+// bs is 32, 64 or a multiple of 128. A block's products are summed in fp32, then scaled by its
+// absmax once (one rounding), as in gemv_row.
+template <int NB>
+void gemv_row512(const float* ap, i64 K, i64 r, const uint8_t* packed, const Absmax& am, int bs,
+                 __m512 lut, float* res) {
+  constexpr int CH = NB == 1 ? 4 : NB == 2 ? 2 : 1;
+  const uint8_t* prow = packed + r * K / 2;
+  i64 kb = K / bs;
+  __m512 acc[NB];
+  for (int t = 0; t < NB; ++t) acc[t] = _mm512_setzero_ps();
+  alignas(64) float sc[kScaleChunk + 16];
+  __m512 w[8];
+  if (bs >= kGroup) {
+    i64 gpb = bs / kGroup;  // groups per block
+    for (i64 c0 = 0; c0 < kb; c0 += kScaleChunk) {
+      i64 cn = kb - c0 < kScaleChunk ? kb - c0 : kScaleChunk;
+      row_scales(am, r * kb + c0, cn, sc);
+      for (i64 blk = 0; blk < cn; ++blk) {
+        i64 k0 = (c0 + blk) * bs;
+        __m512 bacc[NB];
+        for (int t = 0; t < NB; ++t) bacc[t] = _mm512_setzero_ps();
+        for (i64 g = 0; g < gpb; ++g) {
+          i64 k = k0 + g * kGroup;
+          decode128(prow + k / 2, lut, w);
+          for (int t = 0; t < NB; ++t) bacc[t] = _mm512_add_ps(bacc[t], dot128<CH>(w, ap + t * K + k));
+        }
+        __m512 vs = _mm512_set1_ps(sc[blk]);
+        for (int t = 0; t < NB; ++t) acc[t] = _mm512_fmadd_ps(bacc[t], vs, acc[t]);
+      }
+    }
+  } else {
+    // bs 64: lanes 0-7 of a group are one block, 8-15 the next; bs 32: four blocks of 4 lanes
+    const __m512i sidx = bs == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+                                  : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    i64 bpg = kGroup / bs;  // blocks per group
+    i64 chunk = kScaleChunk / bpg * bpg;
+    for (i64 c0 = 0; c0 < kb; c0 += chunk) {
+      i64 cn = kb - c0 < chunk ? kb - c0 : chunk;
+      row_scales(am, r * kb + c0, cn, sc);
+      for (i64 gb = 0; gb < cn; gb += bpg) {
+        i64 k = (c0 + gb) * bs;
+        decode128(prow + k / 2, lut, w);
+        __m512 vs = _mm512_permutexvar_ps(sidx, _mm512_loadu_ps(sc + gb));
+        for (int t = 0; t < NB; ++t) acc[t] = _mm512_fmadd_ps(dot128<CH>(w, ap + t * K + k), vs, acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < NB; ++t) res[t] = _mm512_reduce_add_ps(acc[t]);
+}
+#endif
+
 // One Q4_0 weight row against NT Q8_1 activation rows (stride nb blocks): acc[t] = row . a_t.
 template <int NT>
 void gemm_row(const uint8_t* wrow, const uint8_t* aq, i64 nb, float* acc) {
@@ -607,8 +715,37 @@ void qc_gemv_4bit(const void* a, int adtype, i64 B, i64 N, i64 K, const uint8_t*
                   const float* code2, float offset, int bs, int quant_type, void* out, int nt) {
   const float* code = code_table(quant_type);
   Absmax am{absmax, qabsmax, absmax2, code2, offset};
-  const float* af;
   thread_local std::vector<float> converted;
+#if QC_AVX512
+  if (K % kGroup == 0 && K % bs == 0 && (bs == 32 || bs == 64 || bs % kGroup == 0)) {
+    if ((i64)converted.size() < B * K) converted.resize((size_t)(B * K));
+    float* ap = converted.data();
+    permute_activation(a, adtype, B, K, ap);
+    const __m512 lut = _mm512_loadu_ps(code);
+    constexpr int TILE = 8;
+#pragma omp parallel for num_threads(threads_for(nt, N * K)) schedule(static)
+    for (i64 r = 0; r < N; ++r) {
+      for (i64 b0 = 0; b0 < B; b0 += TILE) {
+        int nbt = (int)(B - b0 < TILE ? B - b0 : TILE);
+        float res[TILE];
+        const float* at = ap + b0 * K;
+        switch (nbt) {
+          case 1: gemv_row512<1>(at, K, r, packed, am, bs, lut, res); break;
+          case 2: gemv_row512<2>(at, K, r, packed, am, bs, lut, res); break;
+          case 3: gemv_row512<3>(at, K, r, packed, am, bs, lut, res); break;
+          case 4: gemv_row512<4>(at, K, r, packed, am, bs, lut, res); break;
+          case 5: gemv_row512<5>(at, K, r, packed, am, bs, lut, res); break;
+          case 6: gemv_row512<6>(at, K, r, packed, am, bs, lut, res); break;
+          case 7: gemv_row512<7>(at, K, r, packed, am, bs, lut, res); break;
+          default: gemv_row512<8>(at, K, r, packed, am, bs, lut, res); break;
+        }
+        for (int t = 0; t < nbt; ++t) store_from_float(out, adtype, (b0 + t) * N + r, res[t]);
+      }
+    }
+    return;
+  }
+#endif
+  const float* af;
   if (adtype == QC_DTYPE_F32) {
     af = (const float*)a;
   } else {
