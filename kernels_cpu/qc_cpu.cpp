@@ -368,11 +368,34 @@ void permute_activation(const void* a, int dtype, i64 B, i64 K, float* ap) {
 constexpr i64 kScaleChunk = 256;
 inline void row_scales(const Absmax& am, i64 b0, i64 n, float* sc) {
   if (!am.q) { std::memcpy(sc, am.plain + b0, (size_t)n * 4); return; }
-  for (i64 i = 0; i < n; ++i) sc[i] = am(b0 + i);
+  i64 i = 0;
+  const __m512 off = _mm512_set1_ps(am.offset);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (; i + 16 <= n; i += 16) {
+    i64 b = b0 + i;
+    __m512 c = _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(am.q + b))), am.code2, 4);
+    __m512 a2;
+    if (b / QC_NESTED_BLOCKSIZE == (b + 15) / QC_NESTED_BLOCKSIZE) {
+      a2 = _mm512_set1_ps(am.absmax2[b / QC_NESTED_BLOCKSIZE]);
+    } else {
+      __m512i bi = _mm512_add_epi32(_mm512_set1_epi32((int)(b % QC_NESTED_BLOCKSIZE)), lane);
+      __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(b / QC_NESTED_BLOCKSIZE)),
+                                     _mm512_srli_epi32(bi, __builtin_ctz(QC_NESTED_BLOCKSIZE)));
+      a2 = _mm512_i32gather_ps(idx, am.absmax2, 4);
+    }
+    // code2[q] * absmax2, then + offset: two roundings, as the reference (no FMA)
+    _mm512_storeu_ps(sc + i, _mm512_add_ps(_mm512_mul_ps(c, a2), off));
+  }
+  for (; i < n; ++i) sc[i] = am(b0 + i);
 }
+static_assert((QC_NESTED_BLOCKSIZE & (QC_NESTED_BLOCKSIZE - 1)) == 0, "row_scales shifts by log2");
 
 // Decode the 128 weights of one 64-byte load into w[0..7] (vector j = nibble j of every lane).
+#ifndef QC_PREFETCH
+#define QC_PREFETCH 1536
+#endif
 inline void decode128(const uint8_t* p, __m512 lut, __m512* w) {
+  if (QC_PREFETCH) _mm_prefetch((const char*)p + QC_PREFETCH, _MM_HINT_T0);
   __m512i v = _mm512_loadu_si512(p);
   w[0] = _mm512_permutexvar_ps(v, lut);
   w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
@@ -401,7 +424,7 @@ inline __m512 dot128(const __m512* w, const float* ap) {
 template <int NB>
 void gemv_row512(const float* ap, i64 K, i64 r, const uint8_t* packed, const Absmax& am, int bs,
                  __m512 lut, float* res) {
-  constexpr int CH = NB == 1 ? 4 : NB == 2 ? 2 : 1;
+  constexpr int CH = NB == 1 ? 2 : NB == 2 ? 2 : 1;
   const uint8_t* prow = packed + r * K / 2;
   i64 kb = K / bs;
   __m512 acc[NB];
