@@ -536,6 +536,99 @@ void gemm_row(const uint8_t* wrow, const uint8_t* aq, i64 nb, float* acc) {
   }
 }
 
+#if QC_AVX2
+// -- Q4_0 x Q8_1, eight blocks at a time ------------------------------------------------------------
+// The activation is repacked once per call (repack_q8_1): its int8 values contiguous, d8 and
+// 8 * s8 as fp32 (exact: fp16 values, times 8). A weight block's 16 bytes are broadcast to both
+// 128-bit halves of a ymm register; shifting the upper half right by 4 puts the high nibbles
+// (elements 16..31) there, so after `& 0x0F` the 32 bytes are the block's codes in element order,
+// against the activation's 32 int8 values. vpdpbusd (AVX512-VNNI) or maddubs + madd gives eight
+// exact int32 partial sums per block; a transposing hadd tree turns eight blocks' partials into
+// their eight exact sums, so the block terms are those of the scalar path, eight per vector.
+struct Q8Rows {
+  const int8_t* qs;  // [N, nb * 32]
+  const float* d8;   // [N, nb]
+  const float* e8s;  // [N, nb]: 8 * s8
+};
+
+inline __m256i block_codes(const uint8_t* wb) {
+  const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+  __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(wb + 2)));
+  return _mm256_and_si256(_mm256_srlv_epi32(v, shift), _mm256_set1_epi8(0x0F));
+}
+
+inline __m256i block_dot(__m256i q4, const int8_t* q8) {
+  __m256i a = _mm256_loadu_si256((const __m256i*)q8);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q4, a);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(q4, a), _mm256_set1_epi16(1));  // |q4 q8| pairs < 2^15
+#endif
+}
+
+// lanes u of p[u] summed: out lane u = sum of p[u]'s eight lanes (exact int32).
+inline __m256i sum8x8(const __m256i* p) {
+  __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+  __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
+}
+
+// The fp16 d of eight consecutive Q4_0 blocks as fp32.
+inline __m256 block_d8(const uint8_t* wb) {
+  const __m256i offs = _mm256_setr_epi32(0, 18, 36, 54, 72, 90, 108, 126);
+  static_assert(QC_Q4_0_BLOCK_BYTES == 18, "block_d8's offsets");
+  __m256i g = _mm256_i32gather_epi32((const int*)wb, offs, 1);  // low 16 bits: d (little endian)
+#if defined(__AVX512VL__)
+  __m128i h = _mm256_cvtepi32_epi16(g);
+#else
+  g = _mm256_shuffle_epi8(g, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                              0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1));
+  __m128i h = _mm256_castsi256_si128(_mm256_permute4x64_epi64(g, 0x08));
+#endif
+  return _mm256_cvtph_ps(h);
+}
+
+template <int NT>
+void gemm_row8(const uint8_t* wrow, const Q8Rows& a, i64 nb, float* acc) {
+  __m256 vacc[NT];
+  for (int t = 0; t < NT; ++t) vacc[t] = _mm256_setzero_ps();
+  i64 b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    const uint8_t* wb = wrow + b * QC_Q4_0_BLOCK_BYTES;
+    _mm_prefetch((const char*)wb + 1536, _MM_HINT_T0);
+    _mm_prefetch((const char*)wb + 1536 + 64, _MM_HINT_T0);
+    _mm_prefetch((const char*)wb + 1536 + 128, _MM_HINT_T0);
+    __m256i q4[8];
+    for (int u = 0; u < 8; ++u) q4[u] = block_codes(wb + u * QC_Q4_0_BLOCK_BYTES);
+    __m256 d4 = block_d8(wb);
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* q8 = a.qs + (t * nb + b) * QC_QK;
+      __m256i p[8];
+      for (int u = 0; u < 8; ++u) p[u] = block_dot(q4[u], q8 + u * QC_QK);
+      __m256 sumi = _mm256_cvtepi32_ps(sum8x8(p));  // exact: |sumi| < 2^24
+      // d8 * sumi - 8 s8, then d4 *: the scalar path's three roundings
+      __m256 inner = _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(a.d8 + t * nb + b), sumi),
+                                   _mm256_loadu_ps(a.e8s + t * nb + b));
+      vacc[t] = _mm256_add_ps(vacc[t], _mm256_mul_ps(d4, inner));
+    }
+  }
+  for (int t = 0; t < NT; ++t) acc[t] = hsum8(vacc[t]);
+  for (; b < nb; ++b) {
+    const uint8_t* w = wrow + b * QC_Q4_0_BLOCK_BYTES;
+    float d4 = read_half(w);
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* qs = a.qs + (t * nb + b) * QC_QK;
+      int sumi = 0;
+      for (int j = 0; j < QC_QK / 2; ++j)
+        sumi += (w[2 + j] & 0x0F) * qs[j] + (w[2 + j] >> 4) * qs[j + QC_QK / 2];
+      float inner = a.d8[t * nb + b] * (float)sumi;
+      inner = inner - a.e8s[t * nb + b];
+      acc[t] += d4 * inner;
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -834,25 +927,53 @@ void qc_quantize_q8(const void* x, int dtype, i64 nblocks, int kind, uint8_t* ou
   int width = kind ? QC_Q8_1_BLOCK_BYTES : QC_Q8_0_BLOCK_BYTES;
 #pragma omp parallel for num_threads(threads_for(nt, nblocks * QC_QK)) schedule(static)
   for (i64 b = 0; b < nblocks; ++b) {
-    float v[QC_QK];
+    alignas(32) float v[QC_QK];
+#if QC_AVX2
+    for (int j = 0; j < QC_QK; j += 8) _mm256_store_ps(v + j, load8(x, dtype, b * QC_QK + j));
+    float amax = absmax_range(v, QC_DTYPE_F32, 0, QC_QK, NAN);  // NaN skipped; all NaN -> NaN
+#else
     for (int j = 0; j < QC_QK; ++j) v[j] = load_as_float(x, dtype, b * QC_QK + j);
     float amax = NAN;
     for (int j = 0; j < QC_QK; ++j) {
       float m = std::fabs(v[j]);
       amax = (m > amax || amax != amax) ? m : amax;
     }
+#endif
     if (amax != amax) amax = 0.0f;
     float d = amax / (float)QC_Q8_MAX;
     float id = d != 0.0f ? 1.0f / d : 0.0f;
     uint8_t* blk = out + b * width;
     int8_t* qs = (int8_t*)(blk + (kind ? 4 : 2));
     int sum = 0;
+#if QC_AVX2
+    // roundf(s) = trunc(s) + (|s - trunc(s)| >= 0.5 ? sign(s) : 0), exact (s - trunc(s) is exact);
+    // non-finite s -> 0; clamped to [-128, 127]
+    static_assert(QC_QK == 32, "the vector Q8 quantizer does four groups of 8");
+    __m256 vid = _mm256_set1_ps(id), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 signmask = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
+    __m256i c[4];
+    for (int g = 0; g < 4; ++g) {
+      __m256 s = _mm256_mul_ps(_mm256_loadu_ps(v + 8 * g), vid);
+      __m256 t = _mm256_round_ps(s, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+      __m256 up = _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(s, t), absmask), half, _CMP_GE_OQ);
+      __m256 r = _mm256_add_ps(t, _mm256_and_ps(up, _mm256_or_ps(_mm256_and_ps(s, signmask), one)));
+      r = _mm256_max_ps(_mm256_set1_ps(-128.0f), _mm256_min_ps(_mm256_set1_ps(127.0f), r));
+      __m256 fin = _mm256_cmp_ps(_mm256_and_ps(s, absmask), _mm256_set1_ps(INFINITY), _CMP_LT_OQ);
+      c[g] = _mm256_cvttps_epi32(_mm256_and_ps(r, fin));
+    }
+    sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3])));
+    __m256i b8 = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    b8 = _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i*)qs, b8);
+#else
     for (int j = 0; j < QC_QK; ++j) {
       float s = v[j] * id;
       int q = std::isfinite(s) ? (int)std::fmax(-128.0f, std::fmin(127.0f, std::round(s))) : 0;
       qs[j] = (int8_t)q;
       sum += q;
     }
+#endif
     write_half(blk, float_to_half(d));
     if (kind) {
       float s = (float)sum * d;
@@ -886,6 +1007,40 @@ void qc_dequantize_ggml(const uint8_t* q, int fmt, i64 nblocks, void* out, int d
 // subtraction, d4 *), summed in fp32 (the tolerance tier's bound allows four).
 void qc_gemm_q4_0_q8_1(const uint8_t* wq, const uint8_t* aq, i64 M, i64 N, i64 nb, float* out, int nt) {
   constexpr int TILE = 4;  // activation rows per pass over a weight row
+#if QC_AVX2
+  {
+    // the activation repacked once (kept per calling thread between calls): int8 values
+    // contiguous, d8 and 8 * s8 in fp32
+    thread_local std::vector<int8_t> qs;
+    thread_local std::vector<float> ds;
+    if ((i64)qs.size() < N * nb * QC_QK) qs.resize((size_t)(N * nb * QC_QK));
+    if ((i64)ds.size() < 2 * N * nb) ds.resize((size_t)(2 * N * nb));
+    for (i64 i = 0; i < N * nb; ++i) {
+      const uint8_t* blk = aq + i * QC_Q8_1_BLOCK_BYTES;
+      std::memcpy(qs.data() + i * QC_QK, blk + 4, QC_QK);
+      ds[(size_t)i] = read_half(blk);
+      ds[(size_t)(N * nb + i)] = (float)QC_Q4_0_OFFSET * read_half(blk + 2);  // exact
+    }
+    Q8Rows rows{qs.data(), ds.data(), ds.data() + N * nb};
+#pragma omp parallel for num_threads(threads_for(nt, M * nb * QC_QK)) schedule(static)
+    for (i64 m = 0; m < M; ++m) {
+      const uint8_t* wrow = wq + m * nb * QC_Q4_0_BLOCK_BYTES;
+      for (i64 n0 = 0; n0 < N; n0 += TILE) {
+        int nt_ = (int)(N - n0 < TILE ? N - n0 : TILE);
+        float acc[TILE];
+        Q8Rows at{rows.qs + n0 * nb * QC_QK, rows.d8 + n0 * nb, rows.e8s + n0 * nb};
+        switch (nt_) {
+          case 1: gemm_row8<1>(wrow, at, nb, acc); break;
+          case 2: gemm_row8<2>(wrow, at, nb, acc); break;
+          case 3: gemm_row8<3>(wrow, at, nb, acc); break;
+          default: gemm_row8<4>(wrow, at, nb, acc); break;
+        }
+        for (int t = 0; t < nt_; ++t) out[m * N + n0 + t] = acc[t];
+      }
+    }
+    return;
+  }
+#endif
 #pragma omp parallel for num_threads(threads_for(nt, M * nb * QC_QK)) schedule(dynamic, 16)
   for (i64 m = 0; m < M; ++m) {
     const uint8_t* wrow = wq + m * nb * QC_Q4_0_BLOCK_BYTES;
