@@ -1138,3 +1138,229 @@ void qc_unswizzle_scales(const uint8_t* swz, uint8_t* out, i64 rows, i64 cols) {
 }
 
 }  // extern "C"
+
+// -- MX family: quantize (bit for bit quantcore/formats/mx.py) and scaled_fp4_mm ------------------
+namespace {
+
+// fp32 -> E2M1 code: RNE with saturation on the grid of each binade range (spacing 0.5 on [0, 2),
+// 1 on [2, 4), 2 above), NaN -> QC_E2M1_NAN_CODE, the sign bit kept (except for NaN).
+inline uint8_t e2m1_code(float v) {
+  if (v != v) return (uint8_t)QC_E2M1_NAN_CODE;
+  float a = std::fabs(v);
+  float idx;
+  if (a < 2.0f) idx = std::nearbyint(a * 2.0f);
+  else if (a < 4.0f) idx = std::nearbyint(a) + 2.0f;
+  else idx = std::fmin(std::nearbyint(a * 0.5f) + 4.0f, 7.0f);
+  return (uint8_t)((int)idx | (std::signbit(v) ? QC_E2M1_SIGN_BIT : 0));
+}
+
+// fp32 -> E4M3 ("fn") byte: clamp to +-448, then RNE (subnormals in steps of 2^-9); NaN -> 0x7F.
+inline uint8_t e4m3_code(float v) {
+  if (v != v) return (uint8_t)QC_E4M3_NAN_CODE;
+  uint8_t sign = std::signbit(v) ? 0x80 : 0;
+  float a = std::fmin(std::fabs(v), QC_E4M3_MAX);
+  uint32_t code;
+  if (a < 0.015625f) {  // below 2^-6, the smallest normal: q = rint(a * 2^9), exact scaling
+    code = (uint32_t)std::nearbyint(a * 512.0f);
+  } else {
+    uint32_t u = bits_of(a);
+    uint32_t e = (u >> 23) - 127 + 7, m = (u >> 20) & 7, rem = u & 0xFFFFF;
+    code = (e << 3) + m;
+    if (rem > 0x80000u || (rem == 0x80000u && (m & 1))) code += 1;  // a carry moves into the exponent
+  }
+  return (uint8_t)(sign | code);
+}
+
+#if QC_AVX512
+// 16 lanes of e2m1_code / e4m3_code (the same arithmetic, lane by lane), as int32 lanes.
+inline __m512i e2m1_code16(__m512 v) {
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  __m512 a = _mm512_and_ps(v, absmask);
+  constexpr int rne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __m512 low = _mm512_roundscale_ps(_mm512_mul_ps(a, _mm512_set1_ps(2.0f)), rne);
+  __m512 mid = _mm512_add_ps(_mm512_roundscale_ps(a, rne), _mm512_set1_ps(2.0f));
+  __m512 high = _mm512_min_ps(_mm512_add_ps(_mm512_roundscale_ps(_mm512_mul_ps(a, _mm512_set1_ps(0.5f)), rne),
+                                            _mm512_set1_ps(4.0f)), _mm512_set1_ps(7.0f));
+  __m512 idx = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(4.0f), _CMP_LT_OQ), high, mid);
+  idx = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(2.0f), _CMP_LT_OQ), idx, low);
+  __m512i code = _mm512_cvttps_epi32(idx);  // NaN lanes fixed below
+  __mmask16 neg = _mm512_test_epi32_mask(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u));
+  code = _mm512_mask_or_epi32(code, neg, code, _mm512_set1_epi32(QC_E2M1_SIGN_BIT));
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(code, nan, _mm512_set1_epi32(QC_E2M1_NAN_CODE));
+}
+
+inline __m512i e4m3_code16(__m512 v) {
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  __m512 a = _mm512_min_ps(_mm512_and_ps(v, absmask), _mm512_set1_ps(QC_E4M3_MAX));
+  __m512i sub = _mm512_cvttps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(a, _mm512_set1_ps(512.0f)),
+                                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  __m512i u = _mm512_castps_si512(a);
+  __m512i e = _mm512_sub_epi32(_mm512_srli_epi32(u, 23), _mm512_set1_epi32(120));
+  __m512i m = _mm512_and_si512(_mm512_srli_epi32(u, 20), _mm512_set1_epi32(7));
+  __m512i rem = _mm512_and_si512(u, _mm512_set1_epi32(0xFFFFF));
+  __mmask16 up = _mm512_cmpgt_epi32_mask(rem, _mm512_set1_epi32(0x80000)) |
+                 (_mm512_cmpeq_epi32_mask(rem, _mm512_set1_epi32(0x80000)) &
+                  _mm512_test_epi32_mask(m, _mm512_set1_epi32(1)));
+  __m512i norm = _mm512_add_epi32(_mm512_slli_epi32(e, 3), m);
+  norm = _mm512_mask_add_epi32(norm, up, norm, _mm512_set1_epi32(1));
+  __mmask16 is_sub = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
+  __m512i code = _mm512_mask_mov_epi32(norm, is_sub, sub);
+  __mmask16 neg = _mm512_test_epi32_mask(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u));
+  code = _mm512_mask_or_epi32(code, neg, code, _mm512_set1_epi32(0x80));
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(code, nan, _mm512_set1_epi32(QC_E4M3_NAN_CODE));
+}
+
+// 16 fp4 codes (int32 lanes, element order) -> 8 bytes, element 2i in the low nibble.
+inline void store_fp4_16(uint8_t* o, __m512i code) {
+  __m128i b = _mm512_cvtepi32_epi8(code);
+  __m128i w = _mm_or_si128(_mm_and_si128(b, _mm_set1_epi16(0x0F)), _mm_slli_epi16(_mm_srli_epi16(b, 8), 4));
+  _mm_storel_epi64((__m128i*)o, _mm_packus_epi16(w, w));
+}
+#endif
+
+// E8M0 byte of a block amax (floor or rceil), as mx.e8m0_scale.
+inline uint8_t e8m0_byte(float amax, int emax, uint32_t max_mant, int rceil) {
+  if (!std::isfinite(amax)) return (uint8_t)QC_E8M0_NAN;
+  uint32_t u = bits_of(amax);
+  int e = (int)((u >> 23) & 0xFF) - QC_E8M0_BIAS - emax;
+  if (rceil) e += (u & 0x7FFFFF) > max_mant ? 1 : 0;
+  int hi = rceil ? QC_E8M0_BIAS : QC_E8M0_BIAS + 1;
+  e = e < -QC_E8M0_BIAS ? -QC_E8M0_BIAS : e > hi ? hi : e;
+  return (uint8_t)(e + QC_E8M0_BIAS);
+}
+
+// 2^(127 - b) in fp32 (b = 254: the denormal 2^-127; 0xFF: NaN).
+inline float e8m0_multiplier(uint8_t b) {
+  if (b == QC_E8M0_NAN) return NAN;
+  return b == 254 ? float_of(0x00400000u) : float_of((uint32_t)(254 - b) << 23);
+}
+
+// e2m1 code -> twice its value, an integer in [-12, 12] (exact products and block sums)
+constexpr int8_t kE2M1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static_assert(QC_E2M1_SIGN_BIT == 8, "kE2M1x2 puts the sign in bit 3");
+
+}  // namespace
+
+extern "C" {
+
+// x [rows, cols] (fp32 / fp16 / bf16) -> codes [rows, cols/2] (fp4, element 2i in the low nibble)
+// or [rows, cols] (E4M3 bytes), scales row-major [rows, cols/blk] or swizzled (padding zeroed).
+void qc_mx_quantize(const void* x, int dtype, i64 rows, i64 cols, int fmt, int scale_mode,
+                    int swizzled, float g, uint8_t* codes, uint8_t* scales, int nt) {
+  int blk = fmt == QC_FMT_NVFP4 ? QC_NVFP4_BLOCK : QC_MX_BLOCK;
+  bool fp4 = fmt != QC_FMT_MXFP8;
+  int emax = fp4 ? QC_EMAX_E2M1 : QC_EMAX_E4M3;
+  uint32_t max_mant = fp4 ? QC_MAX_MANTISSA_BITS_E2M1 : QC_MAX_MANTISSA_BITS_E4M3;
+  int rceil = scale_mode == QC_SCALE_MODE_RCEIL;
+  i64 ncols = cols / blk;
+  if (swizzled) {
+    i64 pr = (rows + QC_SWIZZLE_ROWS - 1) / QC_SWIZZLE_ROWS * QC_SWIZZLE_ROWS;
+    i64 pc = (ncols + QC_SWIZZLE_COLS - 1) / QC_SWIZZLE_COLS * QC_SWIZZLE_COLS;
+    std::memset(scales, 0, (size_t)(pr * pc));
+  }
+#pragma omp parallel for num_threads(threads_for(nt, rows * cols)) schedule(static)
+  for (i64 r = 0; r < rows; ++r) {
+    for (i64 c = 0; c < ncols; ++c) {
+      float v[QC_MX_BLOCK];
+      i64 i0 = r * cols + c * blk;
+      float amax = 0.0f;
+      bool nan = false;
+#if QC_AVX2
+      for (int j = 0; j < blk; j += 8) _mm256_storeu_ps(v + j, load8(x, dtype, i0 + j));
+#else
+      for (int j = 0; j < blk; ++j) v[j] = load_as_float(x, dtype, i0 + j);
+#endif
+      for (int j = 0; j < blk; ++j) {
+        float a = std::fabs(v[j]);
+        nan |= a != a;
+        amax = a > amax ? a : amax;
+      }
+      if (nan) amax = NAN;  // np.max propagates NaN
+      uint8_t sb;
+      float mult;
+      if (fmt == QC_FMT_NVFP4) {
+        float t = amax * QC_NVFP4_INV_E2M1_MAX;
+        sb = e4m3_code(g * t);
+        float s = e4m3_value(sb);
+        mult = s != 0.0f ? g * (1.0f / s) : 0.0f;  // NaN s: NaN
+      } else {
+        sb = e8m0_byte(amax, emax, max_mant, rceil);
+        mult = e8m0_multiplier(sb);
+      }
+      scales[swizzled ? swizzle_offset(r, c, ncols) : r * ncols + c] = sb;
+#if QC_AVX512
+      __m512 vm = _mm512_set1_ps(mult);
+      for (int j = 0; j < blk; j += 16) {
+        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(v + j), vm);
+        if (fp4) store_fp4_16(codes + (i0 + j) / 2, e2m1_code16(s));
+        else _mm_storeu_si128((__m128i*)(codes + i0 + j), _mm512_cvtepi32_epi8(e4m3_code16(s)));
+      }
+      continue;
+#endif
+      if (fp4) {
+        uint8_t* o = codes + i0 / 2;
+        for (int j = 0; j < blk; j += 2)
+          o[j / 2] = (uint8_t)(e2m1_code(v[j] * mult) | (e2m1_code(v[j + 1] * mult) << 4));
+      } else {
+        for (int j = 0; j < blk; ++j) codes[i0 + j] = e4m3_code(v[j] * mult);
+      }
+    }
+  }
+}
+
+// D [M, N] bf16 = alpha * A @ B^T + bias: A [M, K/2], B [N, K/2] packed E2M1, swizzled scales
+// (E4M3 for nvfp4, E8M0 for mxfp4). The reference's arithmetic: each block's sum of e2m1 products
+// is an exact integer (the codes doubled are integers), the block term isum * sa * sb / 4 is exact
+// in fp64, the terms are summed in fp64, then f32(f64(alpha) * acc (+ f64(bias))) -> bf16.
+// Scratch (kept per calling thread): the operands' doubled codes as int8 and their scales as fp64.
+void qc_scaled_fp4_mm(const uint8_t* a, const uint8_t* b, const uint8_t* sa, const uint8_t* sb,
+                      float alpha, const float* bias, i64 M, i64 N, i64 K, int fmt, uint16_t* out,
+                      int nt) {
+  int blk = fmt == QC_FMT_NVFP4 ? QC_NVFP4_BLOCK : QC_MX_BLOCK;
+  i64 nbk = K / blk;
+  thread_local std::vector<int8_t> qv;
+  thread_local std::vector<double> sv;
+  if ((i64)qv.size() < (M + N) * K) qv.resize((size_t)((M + N) * K));
+  if ((i64)sv.size() < (M + N) * nbk) sv.resize((size_t)((M + N) * nbk));
+  int8_t* qa = qv.data();
+  int8_t* qb = qa + M * K;
+  double* da = sv.data();
+  double* db = da + M * nbk;
+  auto unpack = [&](const uint8_t* p, const uint8_t* s, i64 rows, int8_t* q, double* d) {
+#pragma omp parallel for num_threads(threads_for(nt, rows * K)) schedule(static)
+    for (i64 r = 0; r < rows; ++r) {
+      for (i64 j = 0; j < K / 2; ++j) {
+        uint8_t byte = p[r * (K / 2) + j];
+        q[r * K + 2 * j] = kE2M1x2[byte & 0x0F];
+        q[r * K + 2 * j + 1] = kE2M1x2[byte >> 4];
+      }
+      for (i64 c = 0; c < nbk; ++c) {
+        uint8_t v = s[swizzle_offset(r, c, nbk)];
+        d[r * nbk + c] = fmt == QC_FMT_NVFP4 ? (double)e4m3_value(v) : (double)e8m0_value(v);
+      }
+    }
+  };
+  unpack(a, sa, M, qa, da);
+  unpack(b, sb, N, qb, db);
+  double al = (double)alpha;
+#pragma omp parallel for collapse(2) num_threads(threads_for(nt, M * N * K)) schedule(static)
+  for (i64 m = 0; m < M; ++m) {
+    for (i64 n = 0; n < N; ++n) {
+      const int8_t* x = qa + m * K;
+      const int8_t* y = qb + n * K;
+      double acc = 0.0;
+      for (i64 c = 0; c < nbk; ++c) {
+        int32_t isum = 0;
+        for (int j = 0; j < blk; ++j) isum += (int32_t)x[c * blk + j] * (int32_t)y[c * blk + j];
+        acc += (double)isum * (da[m * nbk + c] * db[n * nbk + c]) * 0.25;
+      }
+      double d = al * acc;
+      if (bias) d = d + (double)bias[n];
+      out[m * N + n] = float_to_bf16((float)d);
+    }
+  }
+}
+
+}  // extern "C"
