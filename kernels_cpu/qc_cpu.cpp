@@ -1241,6 +1241,27 @@ inline float e8m0_multiplier(uint8_t b) {
 constexpr int8_t kE2M1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 static_assert(QC_E2M1_SIGN_BIT == 8, "kE2M1x2 puts the sign in bit 3");
 
+// sum of n (16 or 32) products of int8 values in [-12, 12] (exact)
+inline int32_t block_dot_i8(const int8_t* x, const int8_t* y, int n) {
+#if QC_AVX2
+  if (n == 32) {
+    __m256i xv = _mm256_loadu_si256((const __m256i*)x), yv = _mm256_loadu_si256((const __m256i*)y);
+    __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(xv), _mm256_sign_epi8(yv, xv));  // |pair| <= 288
+    return hsum_epi32(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+  }
+  if (n == 16) {
+    __m128i xv = _mm_loadu_si128((const __m128i*)x), yv = _mm_loadu_si128((const __m128i*)y);
+    __m128i s = _mm_madd_epi16(_mm_maddubs_epi16(_mm_abs_epi8(xv), _mm_sign_epi8(yv, xv)), _mm_set1_epi16(1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+  }
+#endif
+  int32_t isum = 0;
+  for (int j = 0; j < n; ++j) isum += (int32_t)x[j] * (int32_t)y[j];
+  return isum;
+}
+
 }  // namespace
 
 extern "C" {
@@ -1352,8 +1373,7 @@ void qc_scaled_fp4_mm(const uint8_t* a, const uint8_t* b, const uint8_t* sa, con
       const int8_t* y = qb + n * K;
       double acc = 0.0;
       for (i64 c = 0; c < nbk; ++c) {
-        int32_t isum = 0;
-        for (int j = 0; j < blk; ++j) isum += (int32_t)x[c * blk + j] * (int32_t)y[c * blk + j];
+        int32_t isum = block_dot_i8(x + c * blk, y + c * blk, blk);
         acc += (double)isum * (da[m * nbk + c] * db[n * nbk + c]) * 0.25;
       }
       double d = al * acc;
