@@ -1,4 +1,5 @@
-// Host kernels of the `cpu` backend: C++17, OpenMP threads, AVX2 where the build target has it.
+// Host kernels of the `cpu` backend: C++17, OpenMP threads, AVX-512 / AVX2 where the build target
+// has them (scalar C++ otherwise).
 //
 // The semantics are those of the numpy reference (quantcore/formats/bnb.py, ggml.py): every
 // quantizer and dequantizer here is bit for bit the same; gemv_4bit and the Q4_0 x Q8_1 GEMM are
@@ -8,8 +9,9 @@
 // quantcore_constants.h (quantcore.formats.kernel_defines), never spelled here.
 //
 // Every entry point takes `nt`, the number of OpenMP threads (<= 0: the OpenMP default), writes
-// only into the outputs it is given and allocates nothing but a thread-local fp32 copy of a
-// half-precision gemv activation (kept between calls).
+// only into the outputs it is given and allocates nothing but thread-local scratch kept between
+// calls (the gemv activation in fp32, the GEMM's repacked Q8_1 activation, scaled_fp4_mm's
+// unpacked operands; docs/cpu.md, "Memory").
 
 #include <cmath>
 #include <cstdint>
