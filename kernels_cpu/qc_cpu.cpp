@@ -1,4 +1,5 @@
-// Host kernels of the `cpu` backend: C++17, OpenMP threads, AVX2 where the build target has it.
+// Host kernels of the `cpu` backend: C++17, OpenMP threads, AVX-512 / AVX2 where the build target
+// has them (scalar C++ otherwise).
 //
 // The semantics are those of the numpy reference (quantcore/formats/bnb.py, ggml.py): every
 // quantizer and dequantizer here is bit for bit the same; gemv_4bit and the Q4_0 x Q8_1 GEMM are
@@ -8,8 +9,9 @@
 // quantcore_constants.h (quantcore.formats.kernel_defines), never spelled here.
 //
 // Every entry point takes `nt`, the number of OpenMP threads (<= 0: the OpenMP default), writes
-// only into the outputs it is given and allocates nothing but a thread-local fp32 copy of a
-// half-precision gemv activation (kept between calls).
+// only into the outputs it is given and allocates nothing but thread-local scratch kept between
+// calls (the gemv activation in fp32, the GEMM's repacked Q8_1 activation, scaled_fp4_mm's
+// unpacked operands; docs/cpu.md, "Memory").
 
 #include <cmath>
 #include <cstdint>
@@ -339,6 +341,137 @@ void gemv_row(const float* af, i64 K, i64 r, const uint8_t* packed, const Absmax
 #endif
 }
 
+#if QC_AVX512
+// -- gemv_4bit, AVX-512: the weight read as 32-bit words, the activation permuted to match -------
+// A 64-byte load holds 128 codes of one row: 32-bit lane i holds bytes 4i..4i+3, so nibble j of
+// lane i (bits 4j..4j+3) is element 8i + (j ^ 1) of the group (bitsandbytes puts element 2m in
+// the high nibble of byte m). vpermps reads only the low 4 bits of each index, so
+// `word >> 4j` is already the index of nibble j: the decode of 128 weights is 7 shifts and 8
+// table lookups, no unpacking. The activation is permuted once per call to the same order:
+// ap[128g + 16j + i] = a[128g + 8i + (j ^ 1)] (fp32; see permute_activation).
+constexpr i64 kGroup = 128;
+
+// fp32 copy of B rows of K (K % 128 == 0) in the permuted order above.
+void permute_activation(const void* a, int dtype, i64 B, i64 K, float* ap) {
+  const __m512i gidx = _mm512_setr_epi32(1, 9, 17, 25, 33, 41, 49, 57, 65, 73, 81, 89, 97, 105, 113, 121);
+  for (i64 g = 0; g < B * K; g += kGroup) {
+    alignas(64) float tmp[kGroup];
+    for (int e = 0; e < kGroup; e += 8) _mm256_store_ps(tmp + e, load8(a, dtype, g + e));
+    for (int j = 0; j < 8; ++j) {
+      // lane i <- tmp[8i + (j ^ 1)]: gidx holds 8i + 1, so add (j ^ 1) - 1
+      __m512i idx = _mm512_add_epi32(gidx, _mm512_set1_epi32((j ^ 1) - 1));
+      _mm512_storeu_ps(ap + g + 16 * j, _mm512_i32gather_ps(idx, tmp, 4));
+    }
+  }
+}
+
+// The block scales of row r, blocks [b0, b0 + n) into sc (n <= kScaleChunk): plain fp32 or
+// double quantization's two fp32 roundings (code2[q] * absmax2, then + offset).
+constexpr i64 kScaleChunk = 256;
+inline void row_scales(const Absmax& am, i64 b0, i64 n, float* sc) {
+  if (!am.q) { std::memcpy(sc, am.plain + b0, (size_t)n * 4); return; }
+  i64 i = 0;
+  const __m512 off = _mm512_set1_ps(am.offset);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (; i + 16 <= n; i += 16) {
+    i64 b = b0 + i;
+    __m512 c = _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(am.q + b))), am.code2, 4);
+    __m512 a2;
+    if (b / QC_NESTED_BLOCKSIZE == (b + 15) / QC_NESTED_BLOCKSIZE) {
+      a2 = _mm512_set1_ps(am.absmax2[b / QC_NESTED_BLOCKSIZE]);
+    } else {
+      __m512i bi = _mm512_add_epi32(_mm512_set1_epi32((int)(b % QC_NESTED_BLOCKSIZE)), lane);
+      __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(b / QC_NESTED_BLOCKSIZE)),
+                                     _mm512_srli_epi32(bi, __builtin_ctz(QC_NESTED_BLOCKSIZE)));
+      a2 = _mm512_i32gather_ps(idx, am.absmax2, 4);
+    }
+    // code2[q] * absmax2, then + offset: two roundings, as the reference (no FMA)
+    _mm512_storeu_ps(sc + i, _mm512_add_ps(_mm512_mul_ps(c, a2), off));
+  }
+  for (; i < n; ++i) sc[i] = am(b0 + i);
+}
+static_assert((QC_NESTED_BLOCKSIZE & (QC_NESTED_BLOCKSIZE - 1)) == 0, "row_scales shifts by log2");
+
+// Decode the 128 weights of one 64-byte load into w[0..7] (vector j = nibble j of every lane).
+#ifndef QC_PREFETCH
+#define QC_PREFETCH 1536
+#endif
+inline void decode128(const uint8_t* p, __m512 lut, __m512* w) {
+  if (QC_PREFETCH) _mm_prefetch((const char*)p + QC_PREFETCH, _MM_HINT_T0);
+  __m512i v = _mm512_loadu_si512(p);
+  w[0] = _mm512_permutexvar_ps(v, lut);
+  w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
+  w[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), lut);
+  w[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), lut);
+  w[4] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 16), lut);
+  w[5] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 20), lut);
+  w[6] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 24), lut);
+  w[7] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 28), lut);
+}
+
+// sum_j w[j] * a[16j ..] for one activation row, in CH independent chains.
+template <int CH>
+inline __m512 dot128(const __m512* w, const float* ap) {
+  __m512 s[CH];
+  for (int c = 0; c < CH; ++c) s[c] = _mm512_mul_ps(w[c], _mm512_loadu_ps(ap + 16 * c));
+  for (int j = CH; j < 8; ++j) s[j % CH] = _mm512_fmadd_ps(w[j], _mm512_loadu_ps(ap + 16 * j), s[j % CH]);
+  if (CH == 4) { s[0] = _mm512_add_ps(s[0], s[2]); s[1] = _mm512_add_ps(s[1], s[3]); }
+  if (CH >= 2) s[0] = _mm512_add_ps(s[0], s[1]);
+  return s[0];
+}
+
+// One weight row against NB permuted activation rows (stride K): res[t] = row . a_t.
+// bs is 32, 64 or a multiple of 128. A block's products are summed in fp32, then scaled by its
+// absmax once (one rounding), as in gemv_row.
+template <int NB>
+void gemv_row512(const float* ap, i64 K, i64 r, const uint8_t* packed, const Absmax& am, int bs,
+                 __m512 lut, float* res) {
+  constexpr int CH = NB == 1 ? 2 : NB == 2 ? 2 : 1;
+  const uint8_t* prow = packed + r * K / 2;
+  i64 kb = K / bs;
+  __m512 acc[NB];
+  for (int t = 0; t < NB; ++t) acc[t] = _mm512_setzero_ps();
+  alignas(64) float sc[kScaleChunk + 16];
+  __m512 w[8];
+  if (bs >= kGroup) {
+    i64 gpb = bs / kGroup;  // groups per block
+    for (i64 c0 = 0; c0 < kb; c0 += kScaleChunk) {
+      i64 cn = kb - c0 < kScaleChunk ? kb - c0 : kScaleChunk;
+      row_scales(am, r * kb + c0, cn, sc);
+      for (i64 blk = 0; blk < cn; ++blk) {
+        i64 k0 = (c0 + blk) * bs;
+        __m512 bacc[NB];
+        for (int t = 0; t < NB; ++t) bacc[t] = _mm512_setzero_ps();
+        for (i64 g = 0; g < gpb; ++g) {
+          i64 k = k0 + g * kGroup;
+          decode128(prow + k / 2, lut, w);
+          for (int t = 0; t < NB; ++t) bacc[t] = _mm512_add_ps(bacc[t], dot128<CH>(w, ap + t * K + k));
+        }
+        __m512 vs = _mm512_set1_ps(sc[blk]);
+        for (int t = 0; t < NB; ++t) acc[t] = _mm512_fmadd_ps(bacc[t], vs, acc[t]);
+      }
+    }
+  } else {
+    // bs 64: lanes 0-7 of a group are one block, 8-15 the next; bs 32: four blocks of 4 lanes
+    const __m512i sidx = bs == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+                                  : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    i64 bpg = kGroup / bs;  // blocks per group
+    i64 chunk = kScaleChunk / bpg * bpg;
+    for (i64 c0 = 0; c0 < kb; c0 += chunk) {
+      i64 cn = kb - c0 < chunk ? kb - c0 : chunk;
+      row_scales(am, r * kb + c0, cn, sc);
+      for (i64 gb = 0; gb < cn; gb += bpg) {
+        i64 k = (c0 + gb) * bs;
+        decode128(prow + k / 2, lut, w);
+        __m512 vs = _mm512_permutexvar_ps(sidx, _mm512_loadu_ps(sc + gb));
+        for (int t = 0; t < NB; ++t) acc[t] = _mm512_fmadd_ps(dot128<CH>(w, ap + t * K + k), vs, acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < NB; ++t) res[t] = _mm512_reduce_add_ps(acc[t]);
+}
+#endif
+
 // One Q4_0 weight row against NT Q8_1 activation rows (stride nb blocks): acc[t] = row . a_t.
 template <int NT>
 void gemm_row(const uint8_t* wrow, const uint8_t* aq, i64 nb, float* acc) {
@@ -404,6 +537,99 @@ void gemm_row(const uint8_t* wrow, const uint8_t* aq, i64 nb, float* acc) {
     }
   }
 }
+
+#if QC_AVX2
+// -- Q4_0 x Q8_1, eight blocks at a time ------------------------------------------------------------
+// The activation is repacked once per call (repack_q8_1): its int8 values contiguous, d8 and
+// 8 * s8 as fp32 (exact: fp16 values, times 8). A weight block's 16 bytes are broadcast to both
+// 128-bit halves of a ymm register; shifting the upper half right by 4 puts the high nibbles
+// (elements 16..31) there, so after `& 0x0F` the 32 bytes are the block's codes in element order,
+// against the activation's 32 int8 values. vpdpbusd (AVX512-VNNI) or maddubs + madd gives eight
+// exact int32 partial sums per block; a transposing hadd tree turns eight blocks' partials into
+// their eight exact sums, so the block terms are those of the scalar path, eight per vector.
+struct Q8Rows {
+  const int8_t* qs;  // [N, nb * 32]
+  const float* d8;   // [N, nb]
+  const float* e8s;  // [N, nb]: 8 * s8
+};
+
+inline __m256i block_codes(const uint8_t* wb) {
+  const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+  __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(wb + 2)));
+  return _mm256_and_si256(_mm256_srlv_epi32(v, shift), _mm256_set1_epi8(0x0F));
+}
+
+inline __m256i block_dot(__m256i q4, const int8_t* q8) {
+  __m256i a = _mm256_loadu_si256((const __m256i*)q8);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q4, a);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(q4, a), _mm256_set1_epi16(1));  // |q4 q8| pairs < 2^15
+#endif
+}
+
+// lanes u of p[u] summed: out lane u = sum of p[u]'s eight lanes (exact int32).
+inline __m256i sum8x8(const __m256i* p) {
+  __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+  __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
+}
+
+// The fp16 d of eight consecutive Q4_0 blocks as fp32.
+inline __m256 block_d8(const uint8_t* wb) {
+  const __m256i offs = _mm256_setr_epi32(0, 18, 36, 54, 72, 90, 108, 126);
+  static_assert(QC_Q4_0_BLOCK_BYTES == 18, "block_d8's offsets");
+  __m256i g = _mm256_i32gather_epi32((const int*)wb, offs, 1);  // low 16 bits: d (little endian)
+#if defined(__AVX512VL__)
+  __m128i h = _mm256_cvtepi32_epi16(g);
+#else
+  g = _mm256_shuffle_epi8(g, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                              0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1));
+  __m128i h = _mm256_castsi256_si128(_mm256_permute4x64_epi64(g, 0x08));
+#endif
+  return _mm256_cvtph_ps(h);
+}
+
+template <int NT>
+void gemm_row8(const uint8_t* wrow, const Q8Rows& a, i64 nb, float* acc) {
+  __m256 vacc[NT];
+  for (int t = 0; t < NT; ++t) vacc[t] = _mm256_setzero_ps();
+  i64 b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    const uint8_t* wb = wrow + b * QC_Q4_0_BLOCK_BYTES;
+    _mm_prefetch((const char*)wb + 1536, _MM_HINT_T0);
+    _mm_prefetch((const char*)wb + 1536 + 64, _MM_HINT_T0);
+    _mm_prefetch((const char*)wb + 1536 + 128, _MM_HINT_T0);
+    __m256i q4[8];
+    for (int u = 0; u < 8; ++u) q4[u] = block_codes(wb + u * QC_Q4_0_BLOCK_BYTES);
+    __m256 d4 = block_d8(wb);
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* q8 = a.qs + (t * nb + b) * QC_QK;
+      __m256i p[8];
+      for (int u = 0; u < 8; ++u) p[u] = block_dot(q4[u], q8 + u * QC_QK);
+      __m256 sumi = _mm256_cvtepi32_ps(sum8x8(p));  // exact: |sumi| < 2^24
+      // d8 * sumi - 8 s8, then d4 *: the scalar path's three roundings
+      __m256 inner = _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(a.d8 + t * nb + b), sumi),
+                                   _mm256_loadu_ps(a.e8s + t * nb + b));
+      vacc[t] = _mm256_add_ps(vacc[t], _mm256_mul_ps(d4, inner));
+    }
+  }
+  for (int t = 0; t < NT; ++t) acc[t] = hsum8(vacc[t]);
+  for (; b < nb; ++b) {
+    const uint8_t* w = wrow + b * QC_Q4_0_BLOCK_BYTES;
+    float d4 = read_half(w);
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* qs = a.qs + (t * nb + b) * QC_QK;
+      int sumi = 0;
+      for (int j = 0; j < QC_QK / 2; ++j)
+        sumi += (w[2 + j] & 0x0F) * qs[j] + (w[2 + j] >> 4) * qs[j + QC_QK / 2];
+      float inner = a.d8[t * nb + b] * (float)sumi;
+      inner = inner - a.e8s[t * nb + b];
+      acc[t] += d4 * inner;
+    }
+  }
+}
+#endif
 
 }  // namespace
 
@@ -607,8 +833,37 @@ void qc_gemv_4bit(const void* a, int adtype, i64 B, i64 N, i64 K, const uint8_t*
                   const float* code2, float offset, int bs, int quant_type, void* out, int nt) {
   const float* code = code_table(quant_type);
   Absmax am{absmax, qabsmax, absmax2, code2, offset};
-  const float* af;
   thread_local std::vector<float> converted;
+#if QC_AVX512
+  if (K % kGroup == 0 && K % bs == 0 && (bs == 32 || bs == 64 || bs % kGroup == 0)) {
+    if ((i64)converted.size() < B * K) converted.resize((size_t)(B * K));
+    float* ap = converted.data();
+    permute_activation(a, adtype, B, K, ap);
+    const __m512 lut = _mm512_loadu_ps(code);
+    constexpr int TILE = 8;
+#pragma omp parallel for num_threads(threads_for(nt, N * K)) schedule(static)
+    for (i64 r = 0; r < N; ++r) {
+      for (i64 b0 = 0; b0 < B; b0 += TILE) {
+        int nbt = (int)(B - b0 < TILE ? B - b0 : TILE);
+        float res[TILE];
+        const float* at = ap + b0 * K;
+        switch (nbt) {
+          case 1: gemv_row512<1>(at, K, r, packed, am, bs, lut, res); break;
+          case 2: gemv_row512<2>(at, K, r, packed, am, bs, lut, res); break;
+          case 3: gemv_row512<3>(at, K, r, packed, am, bs, lut, res); break;
+          case 4: gemv_row512<4>(at, K, r, packed, am, bs, lut, res); break;
+          case 5: gemv_row512<5>(at, K, r, packed, am, bs, lut, res); break;
+          case 6: gemv_row512<6>(at, K, r, packed, am, bs, lut, res); break;
+          case 7: gemv_row512<7>(at, K, r, packed, am, bs, lut, res); break;
+          default: gemv_row512<8>(at, K, r, packed, am, bs, lut, res); break;
+        }
+        for (int t = 0; t < nbt; ++t) store_from_float(out, adtype, (b0 + t) * N + r, res[t]);
+      }
+    }
+    return;
+  }
+#endif
+  const float* af;
   if (adtype == QC_DTYPE_F32) {
     af = (const float*)a;
   } else {
@@ -674,25 +929,53 @@ void qc_quantize_q8(const void* x, int dtype, i64 nblocks, int kind, uint8_t* ou
   int width = kind ? QC_Q8_1_BLOCK_BYTES : QC_Q8_0_BLOCK_BYTES;
 #pragma omp parallel for num_threads(threads_for(nt, nblocks * QC_QK)) schedule(static)
   for (i64 b = 0; b < nblocks; ++b) {
-    float v[QC_QK];
+    alignas(32) float v[QC_QK];
+#if QC_AVX2
+    for (int j = 0; j < QC_QK; j += 8) _mm256_store_ps(v + j, load8(x, dtype, b * QC_QK + j));
+    float amax = absmax_range(v, QC_DTYPE_F32, 0, QC_QK, NAN);  // NaN skipped; all NaN -> NaN
+#else
     for (int j = 0; j < QC_QK; ++j) v[j] = load_as_float(x, dtype, b * QC_QK + j);
     float amax = NAN;
     for (int j = 0; j < QC_QK; ++j) {
       float m = std::fabs(v[j]);
       amax = (m > amax || amax != amax) ? m : amax;
     }
+#endif
     if (amax != amax) amax = 0.0f;
     float d = amax / (float)QC_Q8_MAX;
     float id = d != 0.0f ? 1.0f / d : 0.0f;
     uint8_t* blk = out + b * width;
     int8_t* qs = (int8_t*)(blk + (kind ? 4 : 2));
     int sum = 0;
+#if QC_AVX2
+    // roundf(s) = trunc(s) + (|s - trunc(s)| >= 0.5 ? sign(s) : 0), exact (s - trunc(s) is exact);
+    // non-finite s -> 0; clamped to [-128, 127]
+    static_assert(QC_QK == 32, "the vector Q8 quantizer does four groups of 8");
+    __m256 vid = _mm256_set1_ps(id), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 signmask = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
+    __m256i c[4];
+    for (int g = 0; g < 4; ++g) {
+      __m256 s = _mm256_mul_ps(_mm256_loadu_ps(v + 8 * g), vid);
+      __m256 t = _mm256_round_ps(s, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+      __m256 up = _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(s, t), absmask), half, _CMP_GE_OQ);
+      __m256 r = _mm256_add_ps(t, _mm256_and_ps(up, _mm256_or_ps(_mm256_and_ps(s, signmask), one)));
+      r = _mm256_max_ps(_mm256_set1_ps(-128.0f), _mm256_min_ps(_mm256_set1_ps(127.0f), r));
+      __m256 fin = _mm256_cmp_ps(_mm256_and_ps(s, absmask), _mm256_set1_ps(INFINITY), _CMP_LT_OQ);
+      c[g] = _mm256_cvttps_epi32(_mm256_and_ps(r, fin));
+    }
+    sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3])));
+    __m256i b8 = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    b8 = _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i*)qs, b8);
+#else
     for (int j = 0; j < QC_QK; ++j) {
       float s = v[j] * id;
       int q = std::isfinite(s) ? (int)std::fmax(-128.0f, std::fmin(127.0f, std::round(s))) : 0;
       qs[j] = (int8_t)q;
       sum += q;
     }
+#endif
     write_half(blk, float_to_half(d));
     if (kind) {
       float s = (float)sum * d;
@@ -726,6 +1009,40 @@ void qc_dequantize_ggml(const uint8_t* q, int fmt, i64 nblocks, void* out, int d
 // subtraction, d4 *), summed in fp32 (the tolerance tier's bound allows four).
 void qc_gemm_q4_0_q8_1(const uint8_t* wq, const uint8_t* aq, i64 M, i64 N, i64 nb, float* out, int nt) {
   constexpr int TILE = 4;  // activation rows per pass over a weight row
+#if QC_AVX2
+  {
+    // the activation repacked once (kept per calling thread between calls): int8 values
+    // contiguous, d8 and 8 * s8 in fp32
+    thread_local std::vector<int8_t> qs;
+    thread_local std::vector<float> ds;
+    if ((i64)qs.size() < N * nb * QC_QK) qs.resize((size_t)(N * nb * QC_QK));
+    if ((i64)ds.size() < 2 * N * nb) ds.resize((size_t)(2 * N * nb));
+    for (i64 i = 0; i < N * nb; ++i) {
+      const uint8_t* blk = aq + i * QC_Q8_1_BLOCK_BYTES;
+      std::memcpy(qs.data() + i * QC_QK, blk + 4, QC_QK);
+      ds[(size_t)i] = read_half(blk);
+      ds[(size_t)(N * nb + i)] = (float)QC_Q4_0_OFFSET * read_half(blk + 2);  // exact
+    }
+    Q8Rows rows{qs.data(), ds.data(), ds.data() + N * nb};
+#pragma omp parallel for num_threads(threads_for(nt, M * nb * QC_QK)) schedule(static)
+    for (i64 m = 0; m < M; ++m) {
+      const uint8_t* wrow = wq + m * nb * QC_Q4_0_BLOCK_BYTES;
+      for (i64 n0 = 0; n0 < N; n0 += TILE) {
+        int nt_ = (int)(N - n0 < TILE ? N - n0 : TILE);
+        float acc[TILE];
+        Q8Rows at{rows.qs + n0 * nb * QC_QK, rows.d8 + n0 * nb, rows.e8s + n0 * nb};
+        switch (nt_) {
+          case 1: gemm_row8<1>(wrow, at, nb, acc); break;
+          case 2: gemm_row8<2>(wrow, at, nb, acc); break;
+          case 3: gemm_row8<3>(wrow, at, nb, acc); break;
+          default: gemm_row8<4>(wrow, at, nb, acc); break;
+        }
+        for (int t = 0; t < nt_; ++t) out[m * N + n0 + t] = acc[t];
+      }
+    }
+    return;
+  }
+#endif
 #pragma omp parallel for num_threads(threads_for(nt, M * nb * QC_QK)) schedule(dynamic, 16)
   for (i64 m = 0; m < M; ++m) {
     const uint8_t* wrow = wq + m * nb * QC_Q4_0_BLOCK_BYTES;
@@ -820,6 +1137,252 @@ void qc_swizzle_scales(const uint8_t* scales, uint8_t* out, i64 rows, i64 cols) 
 void qc_unswizzle_scales(const uint8_t* swz, uint8_t* out, i64 rows, i64 cols) {
   for (i64 r = 0; r < rows; ++r)
     for (i64 c = 0; c < cols; ++c) out[r * cols + c] = swz[swizzle_offset(r, c, cols)];
+}
+
+}  // extern "C"
+
+// -- MX family: quantize (bit for bit quantcore/formats/mx.py) and scaled_fp4_mm ------------------
+namespace {
+
+// fp32 -> E2M1 code: RNE with saturation on the grid of each binade range (spacing 0.5 on [0, 2),
+// 1 on [2, 4), 2 above), NaN -> QC_E2M1_NAN_CODE, the sign bit kept (except for NaN).
+inline uint8_t e2m1_code(float v) {
+  if (v != v) return (uint8_t)QC_E2M1_NAN_CODE;
+  float a = std::fabs(v);
+  float idx;
+  if (a < 2.0f) idx = std::nearbyint(a * 2.0f);
+  else if (a < 4.0f) idx = std::nearbyint(a) + 2.0f;
+  else idx = std::fmin(std::nearbyint(a * 0.5f) + 4.0f, 7.0f);
+  return (uint8_t)((int)idx | (std::signbit(v) ? QC_E2M1_SIGN_BIT : 0));
+}
+
+// fp32 -> E4M3 ("fn") byte: clamp to +-448, then RNE (subnormals in steps of 2^-9); NaN -> 0x7F.
+inline uint8_t e4m3_code(float v) {
+  if (v != v) return (uint8_t)QC_E4M3_NAN_CODE;
+  uint8_t sign = std::signbit(v) ? 0x80 : 0;
+  float a = std::fmin(std::fabs(v), QC_E4M3_MAX);
+  uint32_t code;
+  if (a < 0.015625f) {  // below 2^-6, the smallest normal: q = rint(a * 2^9), exact scaling
+    code = (uint32_t)std::nearbyint(a * 512.0f);
+  } else {
+    uint32_t u = bits_of(a);
+    uint32_t e = (u >> 23) - 127 + 7, m = (u >> 20) & 7, rem = u & 0xFFFFF;
+    code = (e << 3) + m;
+    if (rem > 0x80000u || (rem == 0x80000u && (m & 1))) code += 1;  // a carry moves into the exponent
+  }
+  return (uint8_t)(sign | code);
+}
+
+#if QC_AVX512
+// 16 lanes of e2m1_code / e4m3_code (the same arithmetic, lane by lane), as int32 lanes.
+inline __m512i e2m1_code16(__m512 v) {
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  __m512 a = _mm512_and_ps(v, absmask);
+  constexpr int rne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __m512 low = _mm512_roundscale_ps(_mm512_mul_ps(a, _mm512_set1_ps(2.0f)), rne);
+  __m512 mid = _mm512_add_ps(_mm512_roundscale_ps(a, rne), _mm512_set1_ps(2.0f));
+  __m512 high = _mm512_min_ps(_mm512_add_ps(_mm512_roundscale_ps(_mm512_mul_ps(a, _mm512_set1_ps(0.5f)), rne),
+                                            _mm512_set1_ps(4.0f)), _mm512_set1_ps(7.0f));
+  __m512 idx = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(4.0f), _CMP_LT_OQ), high, mid);
+  idx = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(2.0f), _CMP_LT_OQ), idx, low);
+  __m512i code = _mm512_cvttps_epi32(idx);  // NaN lanes fixed below
+  __mmask16 neg = _mm512_test_epi32_mask(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u));
+  code = _mm512_mask_or_epi32(code, neg, code, _mm512_set1_epi32(QC_E2M1_SIGN_BIT));
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(code, nan, _mm512_set1_epi32(QC_E2M1_NAN_CODE));
+}
+
+inline __m512i e4m3_code16(__m512 v) {
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  __m512 a = _mm512_min_ps(_mm512_and_ps(v, absmask), _mm512_set1_ps(QC_E4M3_MAX));
+  __m512i sub = _mm512_cvttps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(a, _mm512_set1_ps(512.0f)),
+                                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  __m512i u = _mm512_castps_si512(a);
+  __m512i e = _mm512_sub_epi32(_mm512_srli_epi32(u, 23), _mm512_set1_epi32(120));
+  __m512i m = _mm512_and_si512(_mm512_srli_epi32(u, 20), _mm512_set1_epi32(7));
+  __m512i rem = _mm512_and_si512(u, _mm512_set1_epi32(0xFFFFF));
+  __mmask16 up = _mm512_cmpgt_epi32_mask(rem, _mm512_set1_epi32(0x80000)) |
+                 (_mm512_cmpeq_epi32_mask(rem, _mm512_set1_epi32(0x80000)) &
+                  _mm512_test_epi32_mask(m, _mm512_set1_epi32(1)));
+  __m512i norm = _mm512_add_epi32(_mm512_slli_epi32(e, 3), m);
+  norm = _mm512_mask_add_epi32(norm, up, norm, _mm512_set1_epi32(1));
+  __mmask16 is_sub = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
+  __m512i code = _mm512_mask_mov_epi32(norm, is_sub, sub);
+  __mmask16 neg = _mm512_test_epi32_mask(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u));
+  code = _mm512_mask_or_epi32(code, neg, code, _mm512_set1_epi32(0x80));
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(code, nan, _mm512_set1_epi32(QC_E4M3_NAN_CODE));
+}
+
+// 16 fp4 codes (int32 lanes, element order) -> 8 bytes, element 2i in the low nibble.
+inline void store_fp4_16(uint8_t* o, __m512i code) {
+  __m128i b = _mm512_cvtepi32_epi8(code);
+  __m128i w = _mm_or_si128(_mm_and_si128(b, _mm_set1_epi16(0x0F)), _mm_slli_epi16(_mm_srli_epi16(b, 8), 4));
+  _mm_storel_epi64((__m128i*)o, _mm_packus_epi16(w, w));
+}
+#endif
+
+// E8M0 byte of a block amax (floor or rceil), as mx.e8m0_scale.
+inline uint8_t e8m0_byte(float amax, int emax, uint32_t max_mant, int rceil) {
+  if (!std::isfinite(amax)) return (uint8_t)QC_E8M0_NAN;
+  uint32_t u = bits_of(amax);
+  int e = (int)((u >> 23) & 0xFF) - QC_E8M0_BIAS - emax;
+  if (rceil) e += (u & 0x7FFFFF) > max_mant ? 1 : 0;
+  int hi = rceil ? QC_E8M0_BIAS : QC_E8M0_BIAS + 1;
+  e = e < -QC_E8M0_BIAS ? -QC_E8M0_BIAS : e > hi ? hi : e;
+  return (uint8_t)(e + QC_E8M0_BIAS);
+}
+
+// 2^(127 - b) in fp32 (b = 254: the denormal 2^-127; 0xFF: NaN).
+inline float e8m0_multiplier(uint8_t b) {
+  if (b == QC_E8M0_NAN) return NAN;
+  return b == 254 ? float_of(0x00400000u) : float_of((uint32_t)(254 - b) << 23);
+}
+
+// e2m1 code -> twice its value, an integer in [-12, 12] (exact products and block sums)
+constexpr int8_t kE2M1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static_assert(QC_E2M1_SIGN_BIT == 8, "kE2M1x2 puts the sign in bit 3");
+
+// sum of n (16 or 32) products of int8 values in [-12, 12] (exact)
+inline int32_t block_dot_i8(const int8_t* x, const int8_t* y, int n) {
+#if QC_AVX2
+  if (n == 32) {
+    __m256i xv = _mm256_loadu_si256((const __m256i*)x), yv = _mm256_loadu_si256((const __m256i*)y);
+    __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(xv), _mm256_sign_epi8(yv, xv));  // |pair| <= 288
+    return hsum_epi32(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+  }
+  if (n == 16) {
+    __m128i xv = _mm_loadu_si128((const __m128i*)x), yv = _mm_loadu_si128((const __m128i*)y);
+    __m128i s = _mm_madd_epi16(_mm_maddubs_epi16(_mm_abs_epi8(xv), _mm_sign_epi8(yv, xv)), _mm_set1_epi16(1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+  }
+#endif
+  int32_t isum = 0;
+  for (int j = 0; j < n; ++j) isum += (int32_t)x[j] * (int32_t)y[j];
+  return isum;
+}
+
+}  // namespace
+
+extern "C" {
+
+// x [rows, cols] (fp32 / fp16 / bf16) -> codes [rows, cols/2] (fp4, element 2i in the low nibble)
+// or [rows, cols] (E4M3 bytes), scales row-major [rows, cols/blk] or swizzled (padding zeroed).
+void qc_mx_quantize(const void* x, int dtype, i64 rows, i64 cols, int fmt, int scale_mode,
+                    int swizzled, float g, uint8_t* codes, uint8_t* scales, int nt) {
+  int blk = fmt == QC_FMT_NVFP4 ? QC_NVFP4_BLOCK : QC_MX_BLOCK;
+  bool fp4 = fmt != QC_FMT_MXFP8;
+  int emax = fp4 ? QC_EMAX_E2M1 : QC_EMAX_E4M3;
+  uint32_t max_mant = fp4 ? QC_MAX_MANTISSA_BITS_E2M1 : QC_MAX_MANTISSA_BITS_E4M3;
+  int rceil = scale_mode == QC_SCALE_MODE_RCEIL;
+  i64 ncols = cols / blk;
+  if (swizzled) {
+    i64 pr = (rows + QC_SWIZZLE_ROWS - 1) / QC_SWIZZLE_ROWS * QC_SWIZZLE_ROWS;
+    i64 pc = (ncols + QC_SWIZZLE_COLS - 1) / QC_SWIZZLE_COLS * QC_SWIZZLE_COLS;
+    std::memset(scales, 0, (size_t)(pr * pc));
+  }
+#pragma omp parallel for num_threads(threads_for(nt, rows * cols)) schedule(static)
+  for (i64 r = 0; r < rows; ++r) {
+    for (i64 c = 0; c < ncols; ++c) {
+      float v[QC_MX_BLOCK];
+      i64 i0 = r * cols + c * blk;
+      float amax = 0.0f;
+      bool nan = false;
+#if QC_AVX2
+      for (int j = 0; j < blk; j += 8) _mm256_storeu_ps(v + j, load8(x, dtype, i0 + j));
+#else
+      for (int j = 0; j < blk; ++j) v[j] = load_as_float(x, dtype, i0 + j);
+#endif
+      for (int j = 0; j < blk; ++j) {
+        float a = std::fabs(v[j]);
+        nan |= a != a;
+        amax = a > amax ? a : amax;
+      }
+      if (nan) amax = NAN;  // np.max propagates NaN
+      uint8_t sb;
+      float mult;
+      if (fmt == QC_FMT_NVFP4) {
+        float t = amax * QC_NVFP4_INV_E2M1_MAX;
+        sb = e4m3_code(g * t);
+        float s = e4m3_value(sb);
+        mult = s != 0.0f ? g * (1.0f / s) : 0.0f;  // NaN s: NaN
+      } else {
+        sb = e8m0_byte(amax, emax, max_mant, rceil);
+        mult = e8m0_multiplier(sb);
+      }
+      scales[swizzled ? swizzle_offset(r, c, ncols) : r * ncols + c] = sb;
+#if QC_AVX512
+      __m512 vm = _mm512_set1_ps(mult);
+      for (int j = 0; j < blk; j += 16) {
+        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(v + j), vm);
+        if (fp4) store_fp4_16(codes + (i0 + j) / 2, e2m1_code16(s));
+        else _mm_storeu_si128((__m128i*)(codes + i0 + j), _mm512_cvtepi32_epi8(e4m3_code16(s)));
+      }
+      continue;
+#endif
+      if (fp4) {
+        uint8_t* o = codes + i0 / 2;
+        for (int j = 0; j < blk; j += 2)
+          o[j / 2] = (uint8_t)(e2m1_code(v[j] * mult) | (e2m1_code(v[j + 1] * mult) << 4));
+      } else {
+        for (int j = 0; j < blk; ++j) codes[i0 + j] = e4m3_code(v[j] * mult);
+      }
+    }
+  }
+}
+
+// D [M, N] bf16 = alpha * A @ B^T + bias: A [M, K/2], B [N, K/2] packed E2M1, swizzled scales
+// (E4M3 for nvfp4, E8M0 for mxfp4). The reference's arithmetic: each block's sum of e2m1 products
+// is an exact integer (the codes doubled are integers), the block term isum * sa * sb / 4 is exact
+// in fp64, the terms are summed in fp64, then f32(f64(alpha) * acc (+ f64(bias))) -> bf16.
+// Scratch (kept per calling thread): the operands' doubled codes as int8 and their scales as fp64.
+void qc_scaled_fp4_mm(const uint8_t* a, const uint8_t* b, const uint8_t* sa, const uint8_t* sb,
+                      float alpha, const float* bias, i64 M, i64 N, i64 K, int fmt, uint16_t* out,
+                      int nt) {
+  int blk = fmt == QC_FMT_NVFP4 ? QC_NVFP4_BLOCK : QC_MX_BLOCK;
+  i64 nbk = K / blk;
+  thread_local std::vector<int8_t> qv;
+  thread_local std::vector<double> sv;
+  if ((i64)qv.size() < (M + N) * K) qv.resize((size_t)((M + N) * K));
+  if ((i64)sv.size() < (M + N) * nbk) sv.resize((size_t)((M + N) * nbk));
+  int8_t* qa = qv.data();
+  int8_t* qb = qa + M * K;
+  double* da = sv.data();
+  double* db = da + M * nbk;
+  auto unpack = [&](const uint8_t* p, const uint8_t* s, i64 rows, int8_t* q, double* d) {
+#pragma omp parallel for num_threads(threads_for(nt, rows * K)) schedule(static)
+    for (i64 r = 0; r < rows; ++r) {
+      for (i64 j = 0; j < K / 2; ++j) {
+        uint8_t byte = p[r * (K / 2) + j];
+        q[r * K + 2 * j] = kE2M1x2[byte & 0x0F];
+        q[r * K + 2 * j + 1] = kE2M1x2[byte >> 4];
+      }
+      for (i64 c = 0; c < nbk; ++c) {
+        uint8_t v = s[swizzle_offset(r, c, nbk)];
+        d[r * nbk + c] = fmt == QC_FMT_NVFP4 ? (double)e4m3_value(v) : (double)e8m0_value(v);
+      }
+    }
+  };
+  unpack(a, sa, M, qa, da);
+  unpack(b, sb, N, qb, db);
+  double al = (double)alpha;
+#pragma omp parallel for collapse(2) num_threads(threads_for(nt, M * N * K)) schedule(static)
+  for (i64 m = 0; m < M; ++m) {
+    for (i64 n = 0; n < N; ++n) {
+      const int8_t* x = qa + m * K;
+      const int8_t* y = qb + n * K;
+      double acc = 0.0;
+      for (i64 c = 0; c < nbk; ++c) {
+        int32_t isum = block_dot_i8(x + c * blk, y + c * blk, blk);
+        acc += (double)isum * (da[m * nbk + c] * db[n * nbk + c]) * 0.25;
+      }
+      double d = al * acc;
+      if (bias) d = d + (double)bias[n];
+      out[m * N + n] = float_to_bf16((float)d);
+    }
+  }
 }
 
 }  // extern "C"

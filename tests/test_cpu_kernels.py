@@ -104,7 +104,7 @@ def test_gemm_and_gemv_compiled_close(rng, no_numpy_path, n_act):
     ref = qc.gemm_w4a8(wq, a, m, n_act, k, backend="reference")
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
     for dtype in DTYPES:
-        for bs, nested in ((64, True), (128, False)):
+        for bs, nested in ((64, True), (128, False), (32, True), (256, False)):
             p, st = qc.quantize_4bit(w, bs, "nf4", nested, backend="cpu")
             ad = a.astype(DTYPES[dtype])
             g = np.asarray(qc.gemv_4bit(ad, p, st, backend="cpu"), np.float32)
@@ -137,6 +137,43 @@ def test_mx_dequantize_and_swizzle_compiled_and_exact(rng, no_numpy_path, fmt):
     swz = api_mx.swizzle_scales(s8, backend="cpu")
     assert np.array_equal(swz, api_mx.swizzle_scales(s8, backend="reference"))
     assert np.array_equal(api_mx.unswizzle_scales(swz, rows, 5, backend="cpu"), s8)
+
+
+@needs_compiler
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the reference on NaN / Inf blocks
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8", "nvfp4"])
+def test_mx_quantize_and_scaled_fp4_mm_compiled(rng, no_numpy_path, fmt):
+    """mx_quantize bit for bit (every input dtype, both scale modes, both scale layouts, NaN / Inf
+    / denormal inputs) and scaled_fp4_mm against the reference, through the compiled path."""
+    from quantcore import api_mx
+
+    rows, cols = 130, 192
+    x32 = _data(rng, rows * cols, "float32").reshape(rows, cols)
+    x32[3, :32] = np.float32(1e-42)  # an fp32-denormal block: scale byte 0 (MX)
+    kw = {"global_scale": 2688.0 / 50.0} if fmt == "nvfp4" else {}
+    modes = (None,) if fmt == "nvfp4" else ("floor", "rceil")
+    for dtype in DTYPES:
+        with np.errstate(over="ignore"):
+            x = x32.astype(DTYPES[dtype])
+        for swz in (True, False):
+            for mode in modes:
+                mkw = {} if mode is None else {"scale_mode": mode}
+                got = api_mx.quantize_mx(x, fmt, swizzle=swz, backend="cpu", **kw, **mkw)
+                ref = api_mx.quantize_mx(x, fmt, swizzle=swz, backend="reference", **kw, **mkw)
+                assert np.array_equal(got[0], ref[0]) and np.array_equal(got[1], ref[1]), (dtype, swz, mode)
+    if fmt == "mxfp8":
+        return
+    m, n, k = 33, 20, 256
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k)).astype(np.float32)
+    qa = api_mx.quantize_mx(a, fmt, backend="reference", **kw)
+    qb = api_mx.quantize_mx(b, fmt, backend="reference", **kw)
+    bias = rng.standard_normal(n).astype(BF16)
+    for bb in (None, bias):
+        got = api_mx.scaled_fp4_mm(qa[0], qb[0], qa[1], qb[1], 0.75, bb, fmt=fmt, backend="cpu")
+        ref = api_mx.scaled_fp4_mm(qa[0], qb[0], qa[1], qb[1], 0.75, bb, fmt=fmt, backend="reference")
+        g, r = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+        np.testing.assert_allclose(g, r, rtol=2.0**-7, atol=1e-6 * np.abs(r).max())  # one bf16 ulp
 
 
 @needs_compiler

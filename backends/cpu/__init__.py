@@ -2,7 +2,7 @@
 
 The kernels (``kernels_cpu/qc_cpu.cpp``) are built at first use by the system C++ compiler and
 cached (:mod:`quantcore.backends.cpu.build`, docs/cpu.md). Every op the library does not cover
-(mx_quantize, scaled_fp4_mm, linear_mx, an unusual layout) runs the numpy reference of the ``reference`` backend, which
+(linear_mx, an unusual layout) runs the numpy reference of the ``reference`` backend, which
 this class extends; without a compiler, or when the build fails, every op does, and
 ``quantcore info`` says so. Native arrays are numpy arrays; torch CPU tensors are accepted and
 returned zero-copy.
@@ -32,9 +32,9 @@ ENV_THREADS = "QUANTCORE_NUM_THREADS"
 #: Ops the compiled library runs (for supported layouts); the others run the numpy reference.
 COMPILED_OPS = ("quantize_4bit", "dequantize_4bit", "double_quantize", "gemv_4bit",
                 "quantize_blockwise", "dequantize_blockwise", "quantize_q4_0", "quantize_q8_0",
-                "quantize_q8_1", "dequantize_ggml", "gemm_q4_0_q8_1", "gemm_w4a8", "mx_dequantize",
-                "swizzle_scales", "unswizzle_scales")
-NUMPY_OPS = ("mx_quantize", "scaled_fp4_mm", "linear_mx")
+                "quantize_q8_1", "dequantize_ggml", "gemm_q4_0_q8_1", "gemm_w4a8", "mx_quantize",
+                "mx_dequantize", "swizzle_scales", "unswizzle_scales", "scaled_fp4_mm")
+NUMPY_OPS = ("linear_mx",)
 
 
 
@@ -262,7 +262,48 @@ class CpuBackend(ReferenceBackend):
         lib.qc_quantize_q8(_ptr(a), dt, rows * nb, 1, _ptr(aq), self._threads)
         self.gemm_q4_0_q8_1(wq, aq, out)
 
-    # -- MX family: dequantize and the scale layout compiled; quantize and the GEMM run numpy ----
+    # -- MX family: quantize, dequantize, the scale layout and scaled_fp4_mm compiled; linear_mx numpy
+    def _mx_scales_size(self, rows: int, cols: int, fmt: str, swizzled: bool) -> int:
+        ncols = cols // mx.block_size(fmt)
+        return int(np.prod(mx.swizzled_shape(rows, ncols))) if swizzled else rows * ncols
+
+    def mx_quantize(self, x, codes, scales, *, rows, cols, fmt, scale_mode, swizzled,
+                    global_scale=None):
+        lib, dt = self.library(), _dtype_code(x)
+        oc, osc = _direct(codes, np.uint8), _direct(scales, np.uint8)
+        mode = scale_mode or "floor"
+        if (lib is None or dt is None or oc is None or osc is None or x.size != rows * cols
+                or not x.flags.c_contiguous
+                or cols % mx.block_size(fmt) or oc.size != rows * mx.codes_cols(fmt, cols)
+                or osc.size != self._mx_scales_size(rows, cols, fmt, swizzled)
+                or mode not in mx.SCALE_MODE_CODE or (fmt == "nvfp4") != (global_scale is not None)):
+            return super().mx_quantize(x, codes, scales, rows=rows, cols=cols, fmt=fmt,
+                                       scale_mode=scale_mode, swizzled=swizzled,
+                                       global_scale=global_scale)
+        g = 1.0 if global_scale is None else float(np.float32(_flat(global_scale)[0]))
+        lib.qc_mx_quantize(_ptr(x), dt, rows, cols, mx.MX_FORMAT_CODE[fmt], mx.SCALE_MODE_CODE[mode],
+                           int(bool(swizzled)), g, _ptr(oc), _ptr(osc), self._threads)
+
+    def scaled_fp4_mm(self, a, b, scale_a, scale_b, alpha, bias, out, *, m, n, k, fmt):
+        lib, od = self.library(), _direct(out)
+        blk = mx.block_size(fmt)
+        if (lib is None or od is None or od.dtype.name != "bfloat16" or od.size != m * n
+                or fmt not in mx.FP4_FORMATS or k % blk or a.dtype != np.uint8 or b.dtype != np.uint8
+                or a.size != m * k // 2 or b.size != n * k // 2 or scale_a.dtype != np.uint8
+                or scale_b.dtype != np.uint8
+                or scale_a.size != int(np.prod(mx.swizzled_shape(m, k // blk)))
+                or scale_b.size != int(np.prod(mx.swizzled_shape(n, k // blk)))
+                or (bias is not None and np.asarray(bias).size != n)):
+            return super().scaled_fp4_mm(a, b, scale_a, scale_b, alpha, bias, out, m=m, n=n, k=k,
+                                         fmt=fmt)
+        # bias as fp32 (the reference's first rounding of it); n values, not a hot path
+        bias32 = None if bias is None else np.ascontiguousarray(_flat(bias), dtype=np.float32)
+        lib.qc_scaled_fp4_mm(_ptr(np.ascontiguousarray(a)), _ptr(np.ascontiguousarray(b)),
+                             _ptr(np.ascontiguousarray(scale_a)), _ptr(np.ascontiguousarray(scale_b)),
+                             float(np.float32(_flat(alpha)[0])),
+                             None if bias32 is None else _ptr(bias32), m, n, k,
+                             mx.MX_FORMAT_CODE[fmt], _ptr(od), self._threads)
+
     def mx_dequantize(self, codes, scales, out, *, rows, cols, fmt, swizzled, global_scale=None):
         lib, od = self.library(), _direct(out)
         blk = mx.block_size(fmt)
