@@ -1125,6 +1125,56 @@ void qc_mx_dequantize(const uint8_t* codes, const uint8_t* scales, i64 rows, i64
   }
 }
 
+// linear_mx: y [batch, n] = x [batch, k] @ W^T for an fp4 weight W [n, k] (mxfp4 / nvfp4; codes
+// [n, k/2], scales row-major or swizzled). W's elements are dequantize_mx's, f32(e2m1 * scale)
+// (nvfp4: f32(f32(e2m1 * scale) / g)); each product rounds to fp32 and is added in fp32 (16
+// lane-wise partial sums per input row, then their total), one rounding into dtype at the end:
+// the tolerance tier of docs/formats-mx.md. x is converted to fp32 once per call into a buffer
+// kept by the calling thread; weight rows go over the threads; at most QC_CPU_MX_BATCH input rows
+// (the glue sends more rows to the reference: dequantize + BLAS).
+void qc_linear_mx(const void* x, int dtype, i64 batch, const uint8_t* codes, const uint8_t* scales, i64 n,
+                  i64 k, int fmt, int swizzled, float g, void* out, int nt) {
+  constexpr int kB = QC_CPU_MX_BATCH;
+  const int blk = fmt == QC_FMT_NVFP4 ? QC_NVFP4_BLOCK : QC_MX_BLOCK;
+  const i64 nbk = k / blk;
+  thread_local std::vector<float> xf;
+  xf.resize((size_t)(batch * k));
+  for (i64 i = 0; i < batch * k; ++i) xf[(size_t)i] = load_as_float(x, dtype, i);
+  const float* xs = xf.data();
+#pragma omp parallel for num_threads(threads_for(nt, n * k * batch)) schedule(static)
+  for (i64 r = 0; r < n; ++r) {
+    float acc[kB][16] = {};
+    float w[QC_MX_BLOCK];
+    const uint8_t* row = codes + r * (k / 2);
+    for (i64 c = 0; c < nbk; ++c) {
+      uint8_t sb = scales[swizzled ? swizzle_offset(r, c, nbk) : r * nbk + c];
+      float scale = fmt == QC_FMT_NVFP4 ? e4m3_value(sb) : e8m0_value(sb);
+      for (int j = 0; j < blk; j += 2) {
+        uint8_t byte = row[(c * blk + j) / 2];
+        float lo = kE2M1[byte & 0x0F] * scale, hi = kE2M1[byte >> 4] * scale;
+        if (fmt == QC_FMT_NVFP4) {
+          lo = lo / g;
+          hi = hi / g;
+        }
+        w[j] = lo;
+        w[j + 1] = hi;
+      }
+      for (i64 b = 0; b < batch; ++b) {
+        const float* xb = xs + b * k + c * blk;
+        for (int j = 0; j < blk; ++j) {
+          float prod = xb[j] * w[j];
+          acc[b][j & 15] += prod;
+        }
+      }
+    }
+    for (i64 b = 0; b < batch; ++b) {
+      float t = 0.0f;
+      for (int l = 0; l < 16; ++l) t += acc[b][l];
+      store_from_float(out, dtype, b * n + r, t);
+    }
+  }
+}
+
 // scales uint8 [rows, cols] -> out [ceil(rows/128)*128, ceil(cols/4)*4] swizzled, padding zeroed.
 void qc_swizzle_scales(const uint8_t* scales, uint8_t* out, i64 rows, i64 cols) {
   i64 pr = (rows + QC_SWIZZLE_ROWS - 1) / QC_SWIZZLE_ROWS * QC_SWIZZLE_ROWS;

@@ -177,6 +177,30 @@ def test_mx_quantize_and_scaled_fp4_mm_compiled(rng, no_numpy_path, fmt):
 
 
 @needs_compiler
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_linear_mx_compiled_within_bound(rng, no_numpy_path, fmt):
+    """linear_mx through the compiled kernel (batch 1, 5 and 16; both scale layouts; every input
+    dtype) within the conformance bound against the fp64 product of the exact weight values."""
+    from quantcore import api_mx
+    from quantcore.conformance import bounds
+    from quantcore.formats import mx
+
+    n, k = 70, 32 * 7
+    w = (rng.standard_normal((n, k)) * np.exp2(rng.uniform(-4, 4, (n, 1)))).astype(np.float32)
+    g = mx.nvfp4_global_scale(float(np.abs(w).max())) if fmt == "nvfp4" else None
+    codes, scales = mx.quantize(w, fmt, global_scale=g)
+    wv = mx.dequantize(codes, scales, fmt, global_scale=g).astype(np.float64)
+    for dtype in DTYPES:
+        for batch in (1, 5, 16):
+            x = (rng.standard_normal((batch, k)) / 4).astype(DTYPES[dtype])
+            ref, bound = bounds.linear_mx(x.astype(np.float64), wv, dtype)
+            for swizzled, s in ((False, scales), (True, mx.swizzle(scales))):
+                got = api_mx.linear_mx(x, codes, s, fmt, global_scale=g, swizzled=swizzled, backend="cpu")
+                err = np.abs(np.asarray(got, np.float64) - ref)
+                assert (err <= bound.max_abs).all(), (dtype, batch, swizzled, float(np.max(err / bound.max_abs)))
+
+
+@needs_compiler
 def test_gemv_rows_not_aligned_to_blocks(rng, no_numpy_path):
     """K not a multiple of the block size (blocks span rows) and an odd K: the element-wise path."""
     for n, k in ((5, 96), (3, 33)):

@@ -2,7 +2,7 @@
 
 The kernels (``kernels_cpu/qc_cpu.cpp``) are built at first use by the system C++ compiler and
 cached (:mod:`quantcore.backends.cpu.build`, docs/cpu.md). Every op the library does not cover
-(linear_mx, an unusual layout) runs the numpy reference of the ``reference`` backend, which
+(an unusual layout; linear_mx above its batch limit) runs the numpy reference of the ``reference`` backend, which
 this class extends; without a compiler, or when the build fails, every op does, and
 ``quantcore info`` says so. Native arrays are numpy arrays; torch CPU tensors are accepted and
 returned zero-copy.
@@ -22,7 +22,7 @@ import numpy as np
 from quantcore.backend import Availability, Nested
 from quantcore.errors import ParameterError, QuantcoreError
 from quantcore.formats import bnb, ggml, mx
-from quantcore.formats.kernel_defines import DTYPE_CODE, GGML_FORMAT_CODE, QUANT_TYPE_CODE
+from quantcore.formats.kernel_defines import DTYPE_CODE, GGML_FORMAT_CODE, LAUNCH_GEOMETRY, QUANT_TYPE_CODE
 
 from ..reference import ReferenceBackend, _direct, _flat
 
@@ -33,8 +33,11 @@ ENV_THREADS = "QUANTCORE_NUM_THREADS"
 COMPILED_OPS = ("quantize_4bit", "dequantize_4bit", "double_quantize", "gemv_4bit",
                 "quantize_blockwise", "dequantize_blockwise", "quantize_q4_0", "quantize_q8_0",
                 "quantize_q8_1", "dequantize_ggml", "gemm_q4_0_q8_1", "gemm_w4a8", "mx_quantize",
-                "mx_dequantize", "swizzle_scales", "unswizzle_scales", "scaled_fp4_mm")
-NUMPY_OPS = ("linear_mx",)
+                "mx_dequantize", "swizzle_scales", "unswizzle_scales", "scaled_fp4_mm", "linear_mx")
+NUMPY_OPS: tuple[str, ...] = ()
+#: linear_mx's compiled kernel (decode: the weight decoded once for all rows) takes up to this many
+#: input rows; more rows run the reference (the weight dequantized in panels, then a BLAS matmul)
+MX_BATCH = LAUNCH_GEOMETRY["QC_CPU_MX_BATCH"]
 
 
 
@@ -115,8 +118,8 @@ class CpuBackend(ReferenceBackend):
                                 mode=f"numpy fallback, no compiled kernels: {self._why_not}")
         info = lib.qc_cpu_build_info().decode()
         return Availability(True, "compiled host kernels",
-                            mode=f"compiled host kernels ({info}, {self.num_threads()} threads); "
-                                 f"numpy reference for {', '.join(NUMPY_OPS)}")
+                            mode=f"compiled host kernels ({info}, {self.num_threads()} threads)"
+                                 + (f"; numpy reference for {', '.join(NUMPY_OPS)}" if NUMPY_OPS else ""))
 
     # -- bitsandbytes --------------------------------------------------------------------------
     def quantize_4bit(self, x, packed, absmax, *, blocksize, quant_type):
@@ -262,7 +265,7 @@ class CpuBackend(ReferenceBackend):
         lib.qc_quantize_q8(_ptr(a), dt, rows * nb, 1, _ptr(aq), self._threads)
         self.gemm_q4_0_q8_1(wq, aq, out)
 
-    # -- MX family: quantize, dequantize, the scale layout and scaled_fp4_mm compiled; linear_mx numpy
+    # -- MX family: quantize, dequantize, the scale layout, scaled_fp4_mm and linear_mx compiled
     def _mx_scales_size(self, rows: int, cols: int, fmt: str, swizzled: bool) -> int:
         ncols = cols // mx.block_size(fmt)
         return int(np.prod(mx.swizzled_shape(rows, ncols))) if swizzled else rows * ncols
@@ -303,6 +306,22 @@ class CpuBackend(ReferenceBackend):
                              float(np.float32(_flat(alpha)[0])),
                              None if bias32 is None else _ptr(bias32), m, n, k,
                              mx.MX_FORMAT_CODE[fmt], _ptr(od), self._threads)
+
+    def linear_mx(self, x, codes, scales, out, *, n, k, fmt, swizzled, global_scale=None):
+        lib, od, xd = self.library(), _direct(out), _direct(x)
+        blk = mx.block_size(fmt)
+        batch = x.size // k if k else 0
+        nscales = int(np.prod(mx.swizzled_shape(n, k // blk))) if swizzled else n * (k // blk)
+        if (lib is None or od is None or xd is None or _dtype_code(xd) is None or od.dtype != xd.dtype
+                or od.size != batch * n or fmt not in mx.FP4_FORMATS or k % blk or codes.dtype != np.uint8
+                or not codes.flags.c_contiguous or codes.size != n * k // 2 or scales.dtype != np.uint8
+                or not scales.flags.c_contiguous or scales.size != nscales
+                or (fmt == "nvfp4") != (global_scale is not None) or not 0 < batch <= MX_BATCH):
+            return super().linear_mx(x, codes, scales, out, n=n, k=k, fmt=fmt, swizzled=swizzled,
+                                     global_scale=global_scale)
+        g = 1.0 if global_scale is None else float(np.float32(_flat(global_scale)[0]))
+        lib.qc_linear_mx(_ptr(xd), _dtype_code(xd), batch, _ptr(codes), _ptr(scales), n, k, mx.MX_FORMAT_CODE[fmt],
+                         int(bool(swizzled)), g, _ptr(od), self._threads)
 
     def mx_dequantize(self, codes, scales, out, *, rows, cols, fmt, swizzled, global_scale=None):
         lib, od = self.library(), _direct(out)

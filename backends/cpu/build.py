@@ -132,6 +132,7 @@ SIGNATURES = {
     "qc_dequantize_ggml": (None, [_vp, _i32, _i64, _vp, _i32, _i32]),
     "qc_gemm_q4_0_q8_1": (None, [_vp, _vp, _i64, _i64, _i64, _vp, _i32]),
     "qc_mx_dequantize": (None, [_vp, _vp, _i64, _i64, _i32, _i32, _f32, _vp, _i32, _i32]),
+    "qc_linear_mx": (None, [_vp, _i32, _i64, _vp, _vp, _i64, _i64, _i32, _i32, _f32, _vp, _i32]),
     "qc_mx_quantize": (None, [_vp, _i32, _i64, _i64, _i32, _i32, _i32, _f32, _vp, _vp, _i32]),
     "qc_scaled_fp4_mm": (None, [_vp, _vp, _vp, _vp, _f32, _vp, _i64, _i64, _i64, _i32, _vp, _i32]),
     "qc_swizzle_scales": (None, [_vp, _vp, _i64, _i64]),

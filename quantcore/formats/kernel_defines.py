@@ -52,6 +52,9 @@ LAUNCH_GEOMETRY = {**_gemv_geometry(warps=16, groups=4, chunks=8, stages=2), **B
 #: kernels_cuda/bnb_gemm.cu, gemv_4bit for many rows: threads per CTA, the byte pitch of a
 #: 64-element fp16 / bf16 tile row (128 + 16: ldmatrix rows on distinct banks)
 LAUNCH_GEOMETRY.update({"QC_GM_THREADS": 256, "QC_GM_PITCH": 144})
+#: the cpu backend's linear_mx (kernels_cpu/qc_cpu.cpp): input rows per call at most (its
+#: accumulators; the glue splits larger batches)
+LAUNCH_GEOMETRY["QC_CPU_MX_BATCH"] = 16
 #: linear_mx's gemv (kernels_cuda/mx_gemv.cu): warps per CTA, input rows per launch at most, and the
 #: weight rows per CTA: QC_MXGV_ROWS for up to 2 input rows, QC_MXGV_ROWS_B4 for 3..8, QC_MXGV_ROWS_B16
 #: for 9..16 (the accumulators take RW x B registers); :func:`mx_gemv_rows` for the launcher.
