@@ -13,6 +13,7 @@
 // calls (the gemv activation in fp32, the GEMM's repacked Q8_1 activation, scaled_fp4_mm's
 // unpacked operands; docs/cpu.md, "Memory").
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1126,52 +1127,96 @@ void qc_mx_dequantize(const uint8_t* codes, const uint8_t* scales, i64 rows, i64
 }
 
 // linear_mx: y [batch, n] = x [batch, k] @ W^T for an fp4 weight W [n, k] (mxfp4 / nvfp4; codes
-// [n, k/2], scales row-major or swizzled). W's elements are dequantize_mx's, f32(e2m1 * scale)
-// (nvfp4: f32(f32(e2m1 * scale) / g)); each product rounds to fp32 and is added in fp32 (16
-// lane-wise partial sums per input row, then their total), one rounding into dtype at the end:
-// the tolerance tier of docs/formats-mx.md. x is converted to fp32 once per call into a buffer
-// kept by the calling thread; weight rows go over the threads; at most QC_CPU_MX_BATCH input rows
-// (the glue sends more rows to the reference: dequantize + BLAS).
+// [n, k/2], scales row-major or swizzled). W's elements are dequantize_mx's values e2m1 * scale
+// (exact in fp32), nvfp4 then divided by g (the AVX-512 path multiplies by f32(1/g): one more
+// rounding, within the tolerance tier's 4 per term); products summed in fp32 in lane-wise
+// partials, one rounding into dtype at the end (docs/formats-mx.md, linear_mx). x is converted to
+// fp32 once per call into a buffer kept by the calling thread (AVX-512: each 32-element chunk's
+// even elements first, then its odd ones, the order of a code byte's two nibbles); weight rows go
+// over the threads; at most QC_CPU_MX_BATCH input rows (the glue sends more rows to the
+// reference: dequantize + BLAS).
 void qc_linear_mx(const void* x, int dtype, i64 batch, const uint8_t* codes, const uint8_t* scales, i64 n,
                   i64 k, int fmt, int swizzled, float g, void* out, int nt) {
   constexpr int kB = QC_CPU_MX_BATCH;
-  const int blk = fmt == QC_FMT_NVFP4 ? QC_NVFP4_BLOCK : QC_MX_BLOCK;
+  const bool nv = fmt == QC_FMT_NVFP4;
+  const int blk = nv ? QC_NVFP4_BLOCK : QC_MX_BLOCK;
   const i64 nbk = k / blk;
+  const i64 k32 = k / 32 * 32;  // the part taken 32 elements at a time (the rest: k % 32 == 16, nvfp4)
   thread_local std::vector<float> xf;
   xf.resize((size_t)(batch * k));
-  for (i64 i = 0; i < batch * k; ++i) xf[(size_t)i] = load_as_float(x, dtype, i);
+  for (i64 b = 0; b < batch; ++b) {
+    for (i64 i = 0; i < k; ++i) {
+      i64 d = i;
+#if QC_AVX512
+      if (i < k32) d = i / 32 * 32 + (i % 2) * 16 + (i % 32) / 2;
+#endif
+      xf[(size_t)(b * k + d)] = load_as_float(x, dtype, b * k + i);
+    }
+  }
   const float* xs = xf.data();
+  static const std::array<float, 256> e4m3_table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) t[(size_t)b] = e4m3_value((uint8_t)b);
+    return t;
+  }();
+  static const std::array<float, 256> e8m0_table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) t[(size_t)b] = e8m0_value((uint8_t)b);
+    return t;
+  }();
+  const float* stab = nv ? e4m3_table.data() : e8m0_table.data();
+  // scale (r, c) lies at sbase(r) + (c / COLS) * cstep + c % COLS (swizzled; swizzle_offset's terms
+  // that depend on r alone taken out of the loop), or r * nbk + c
+  const i64 cstep = swizzled ? QC_SWIZZLE_TILE_BYTES : QC_SWIZZLE_COLS;
 #pragma omp parallel for num_threads(threads_for(nt, n * k * batch)) schedule(static)
   for (i64 r = 0; r < n; ++r) {
-    float acc[kB][16] = {};
-    float w[QC_MX_BLOCK];
     const uint8_t* row = codes + r * (k / 2);
-    for (i64 c = 0; c < nbk; ++c) {
-      uint8_t sb = scales[swizzled ? swizzle_offset(r, c, nbk) : r * nbk + c];
-      float scale = fmt == QC_FMT_NVFP4 ? e4m3_value(sb) : e8m0_value(sb);
-      for (int j = 0; j < blk; j += 2) {
-        uint8_t byte = row[(c * blk + j) / 2];
-        float lo = kE2M1[byte & 0x0F] * scale, hi = kE2M1[byte >> 4] * scale;
-        if (fmt == QC_FMT_NVFP4) {
-          lo = lo / g;
-          hi = hi / g;
+    const i64 sbase = swizzled ? swizzle_offset(r, 0, nbk) : r * nbk;
+    auto scale_of = [&](i64 c) { return stab[scales[sbase + (c / QC_SWIZZLE_COLS) * cstep + c % QC_SWIZZLE_COLS]]; };
+    float tot[kB] = {};
+    i64 k0 = 0;
+#if QC_AVX512
+    {
+      const __m512 table = _mm512_loadu_ps(kE2M1);
+      const __m512 inv_g = _mm512_set1_ps(nv ? 1.0f / g : 1.0f);
+      const __m128i lo4 = _mm_set1_epi8(0x0F);
+      __m512 acc[kB];
+      for (i64 b = 0; b < batch; ++b) acc[b] = _mm512_setzero_ps();
+      for (; k0 < k32; k0 += 32) {
+        // 16 bytes: elements k0 + 2j (low nibbles) and k0 + 2j + 1 (high nibbles), j = 0..15
+        __m128i bytes = _mm_loadu_si128((const __m128i*)(row + k0 / 2));
+        __m512i ie = _mm512_cvtepu8_epi32(_mm_and_si128(bytes, lo4));
+        __m512i io = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), lo4));
+        __m512 sv;
+        if (nv) {  // lanes 0..7: the first 16-element block, 8..15 the second
+          sv = _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(scale_of(k0 / 16)),
+                                    _mm512_set1_ps(scale_of(k0 / 16 + 1)));
+          sv = _mm512_mul_ps(sv, inv_g);
+        } else {
+          sv = _mm512_set1_ps(scale_of(k0 / 32));
         }
-        w[j] = lo;
-        w[j + 1] = hi;
+        __m512 we = _mm512_mul_ps(_mm512_permutexvar_ps(ie, table), sv);
+        __m512 wo = _mm512_mul_ps(_mm512_permutexvar_ps(io, table), sv);
+        for (i64 b = 0; b < batch; ++b) {
+          const float* xb = xs + b * k + k0;
+          acc[b] = _mm512_fmadd_ps(_mm512_loadu_ps(xb), we, acc[b]);
+          acc[b] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), wo, acc[b]);
+        }
       }
-      for (i64 b = 0; b < batch; ++b) {
-        const float* xb = xs + b * k + c * blk;
-        for (int j = 0; j < blk; ++j) {
-          float prod = xb[j] * w[j];
-          acc[b][j & 15] += prod;
-        }
+      for (i64 b = 0; b < batch; ++b) tot[b] = _mm512_reduce_add_ps(acc[b]);
+    }
+#endif
+    for (i64 c = k0 / blk; c < nbk; ++c) {  // scalar: every block without AVX-512, else the tail
+      float scale = scale_of(c);
+      for (int j = 0; j < blk; ++j) {
+        i64 e = c * blk + j;
+        uint8_t byte = row[e / 2];
+        float w = kE2M1[(e & 1) ? byte >> 4 : byte & 0x0F] * scale;
+        if (nv) w = w / g;
+        for (i64 b = 0; b < batch; ++b) tot[b] += xs[b * k + e] * w;
       }
     }
-    for (i64 b = 0; b < batch; ++b) {
-      float t = 0.0f;
-      for (int l = 0; l < 16; ++l) t += acc[b][l];
-      store_from_float(out, dtype, b * n + r, t);
-    }
+    for (i64 b = 0; b < batch; ++b) store_from_float(out, dtype, b * n + r, tot[b]);
   }
 }
 
