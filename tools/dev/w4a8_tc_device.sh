@@ -4,14 +4,10 @@
 # small shapes, timing (tools/dev/w4a8_tc_time.py). Steps chosen by $W4T_STEPS (default all);
 # $W4T_NS the n values, $W4T_CONFIGS the QUANTCORE_CUDA_TUNE settings compared. Logs under $OUT.
 set -u
-OUT=${OUT:-/tmp/qc_out}
-mkdir -p "$OUT"
+. tools/dev/env.sh /tmp/qc_out
 S="$OUT/summary.txt"
 : > "$S"
 say() { echo "$*" | tee -a "$S"; }
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export QUANTCORE_CACHE_DIR=/tmp/qc_cache
-export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee -a "$S"
 t0=$(date +%s)
 timeout 150 python3 - <<'PY' 2>&1 | tee -a "$S"
