@@ -38,7 +38,7 @@ from . import ggml as _ggml
 from . import mx as _mx
 from . import runtime as rt
 from .bnb import BnbOps
-from .common import _cupy_dtype, _torch, _torch_cuda, _torch_dtype
+from .common import _cupy_dtype, _torch, _torch_dtype, default_kind, empty
 from .ggml import GgmlOps
 from .plans import _plan_dequantize_4bit, _plan_gemv_4bit
 
@@ -112,21 +112,10 @@ class CudaBackend(BnbOps, GgmlOps, Backend):
         return rt.cupy().from_dlpack(native)
 
     def _default_kind(self, like: Any) -> str:
-        k = rt.kind(like) if like is not None else None
-        if k in ("torch", "cupy"):
-            return k
-        return "torch" if _torch_cuda() else "cupy"
+        return default_kind(like)
 
     def empty(self, shape, dtype, like=None) -> Any:
-        dt = as_dtype(dtype)
-        if self._default_kind(like) == "torch":
-            torch = _torch()
-            device = like.device if rt.kind(like) == "torch" else torch.device("cuda", torch.cuda.current_device())
-            return torch.empty(tuple(shape), dtype=_torch_dtype(dt), device=device)
-        cp = rt.cupy()
-        dev = like.device if rt.kind(like) == "cupy" else cp.cuda.Device()
-        with dev:
-            return cp.empty(tuple(shape), dtype=_cupy_dtype(dt))
+        return empty(shape, dtype, like)
 
     def from_numpy(self, a: np.ndarray, like: Any = None) -> Any:
         a = np.ascontiguousarray(a)

@@ -81,3 +81,25 @@ def _cupy_dtype(dt: np.dtype) -> np.dtype:
             raise DTypeError("this CuPy has no bfloat16 arrays; pass torch tensors for bfloat16 "
                              f"({type(exc).__name__}: {exc})") from exc
     return dt
+
+
+def default_kind(like: Any) -> str:
+    """The array kind new arrays take: ``like``'s (torch or CuPy), else torch where it has CUDA."""
+    k = rt.kind(like) if like is not None else None
+    if k in ("torch", "cupy"):
+        return k
+    return "torch" if _torch_cuda() else "cupy"
+
+
+def empty(shape, dtype, like: Any = None) -> Any:
+    """An uninitialized device array of the kind and on the device of ``like`` (from its allocator:
+    torch's caching allocator or CuPy's pool, stream-ordered)."""
+    dt = as_dtype(dtype)
+    if default_kind(like) == "torch":
+        torch = _torch()
+        device = like.device if rt.kind(like) == "torch" else torch.device("cuda", torch.cuda.current_device())
+        return torch.empty(tuple(shape), dtype=_torch_dtype(dt), device=device)
+    cp = rt.cupy()
+    dev = like.device if rt.kind(like) == "cupy" else cp.cuda.Device()
+    with dev:
+        return cp.empty(tuple(shape), dtype=_cupy_dtype(dt))

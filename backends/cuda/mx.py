@@ -37,6 +37,7 @@ from quantcore.errors import DeviceError, KernelError, UnsupportedError
 from quantcore.formats import kernel_defines, mx
 
 from . import runtime as rt
+from .common import empty
 
 QUANT_SOURCE = "mx_quant.cu"
 GEMM_SOURCE = "mx_gemm.cu"
@@ -446,20 +447,15 @@ def _scaled_fp4_mm_panel(be, dev: int, a, b, scale_a, scale_b, alpha, bias, out,
     cublas = cp.cuda.cublas
     mp, np_ = mm_panels(m, n, k)
     nbytes = (mp + np_) * k * 2
-    if rt.kind(out) == "torch":  # the workspace from the output's allocator (caching, stream-ordered)
-        torch = rt.torch_module()
-        ws = torch.empty((nbytes,), dtype=torch.uint8, device=out.device)
-        beta = torch.empty((1,), dtype=torch.float32, device=out.device)
-    else:
-        with cp.cuda.Device(dev):
-            ws, beta = cp.empty((nbytes,), dtype=np.uint8), cp.empty((1,), dtype=np.float32)
+    # the workspace from the output's allocator (torch's caching allocator or CuPy's pool, stream-ordered)
+    ws, beta = empty((nbytes,), "uint8", like=out), empty((1,), "float32", like=out)
     pw = ptr(beta)
     pa_ws, pb_ws = ptr(ws), ptr(ws) + mp * k * 2
     launcher = rt.Launcher(out)
     pcols = mx.swizzled_shape(1, k // mx.block_size(fmt))[1]
     srow = pcols // mx.SWIZZLE_COLS * mx.SWIZZLE_TILE_BYTES  # swizzled scale bytes per 128 rows
     with cp.cuda.Device(dev):
-        stream = int(launcher.stream.ptr) if launcher.stream is not None else int(cp.cuda.get_current_stream().ptr)
+        stream = launcher.stream_handle()
         # beta (device fp32) = 1 over the bias rows written into out, else 0
         fill = function(dev, QUANT_SOURCE, quant_arch(dev), "qc_mx_mm_bias_fill")
         grid = max(1, min(m, rt.sm_count(dev) * 8)) if bias is not None else 1

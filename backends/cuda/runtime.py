@@ -384,8 +384,10 @@ class Launcher:
         """The launch stream as a ``cudaStream_t`` value for a :class:`PlannedLaunch`, or None where
         a planned launch cannot be used (the caller's current device is another one, so its
         context is not the function's)."""
-        if self._switch:
-            return None
+        return None if self._switch else self.stream_handle()
+
+    def stream_handle(self) -> int:
+        """The launch stream as a ``cudaStream_t`` value (the caller's stream, else CuPy's current one)."""
         return int(self.stream.ptr) if self.stream is not None else int(cupy().cuda.get_current_stream().ptr)
 
     def __call__(self, filename: str, expr: str, grid: tuple[int, ...], block: int, args: tuple,
