@@ -407,15 +407,20 @@ class Bench:
                                                                   quant_type=qt) for x in txs]))
         self.group(rows)
 
+    def _nf4_case(self, rows: int, n: int, k: int, qt: str, bs: int = 64) -> tuple:
+        """A 4-bit linear case (blocksize ``bs``, double quantization, bf16): its bytes (the 4-bit
+        weight and statistics, the input and the output once), the bf16 weights (rotated sets),
+        their quantizations and a bf16 input of ``rows`` rows."""
+        nbytes = n * k // 2 + _nested_bytes(n * k, bs) + 2 * rows * k + 2 * rows * n
+        ws = [self.rand((n, k), "bfloat16", 0.05) for _ in range(self.sets(nbytes))]
+        x = self.rand((rows, k), "bfloat16")
+        return nbytes, ws, [api.quantize_4bit(w, bs, qt, True, backend=self.be) for w in ws], x
+
     def gemv_4bit(self, bnk, qt: str = "nf4") -> None:
         b, n, k = bnk
         bs = 64
-        nbytes = n * k // 2 + _nested_bytes(n * k, bs) + 2 * b * k + 2 * b * n
-        sets = self.sets(nbytes)
         shape = f"B{b} N{n} K{k} {qt}"
-        ws = [self.rand((n, k), "bfloat16", 0.05) for _ in range(sets)]
-        a = self.rand((b, k), "bfloat16")
-        qs = [api.quantize_4bit(w, bs, qt, True, backend=self.be) for w in ws]
+        nbytes, ws, qs, a = self._nf4_case(b, n, k, qt, bs)
         be = self.be
         out = be.empty((b, n), as_dtype("bfloat16"), like=a)
         rows = [self.measure(
@@ -459,12 +464,8 @@ class Bench:
         rows_, n, k = rnk
         bs, t = 64, self.torch
         lin = t.nn.functional.linear
-        nbytes = n * k // 2 + _nested_bytes(n * k, bs) + 2 * rows_ * k + 2 * rows_ * n
-        sets = self.sets(nbytes)
         shape = f"rows{rows_} N{n} K{k} {qt}"
-        ws = [self.rand((n, k), "bfloat16", 0.05) for _ in range(sets)]
-        x = self.rand((rows_, k), "bfloat16")
-        qs = [api.quantize_4bit(w, bs, qt, True, backend=self.be) for w in ws]
+        nbytes, ws, qs, x = self._nf4_case(rows_, n, k, qt, bs)
         be = self.be
 
         def layer(p, s):
