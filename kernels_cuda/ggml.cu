@@ -670,6 +670,7 @@ static_assert((kTcARow / 16) % 2 == 1, "activation rows in distinct 16-byte bank
 
 __host__ __device__ constexpr i64 w4t_dm_offset(int npad, i64 nbp) { return (i64)npad * nbp * kQK; }
 __host__ __device__ constexpr i64 w4t_s_offset(int npad, i64 nbp) { return (i64)npad * nbp * (kQK + 8); }
+static_assert(QC_W4T_WS_BLOCK_BYTES == kQK + 8 + 2, "the launcher sizes the workspace with QC_W4T_WS_BLOCK_BYTES");
 
 // One thread per block (n, b), n-major: QUANTIZE the float activation x [N, K] (ws_q8_1_block_bits:
 // quantize_q8_1's bytes), else repack given Q8_1 blocks [N, nb, 36].

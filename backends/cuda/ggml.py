@@ -115,7 +115,7 @@ class GgmlOps:
         launch = Launcher(wq)
         npad = _cdiv(n_rows, g["QC_W4T_NPAD"]) * g["QC_W4T_NPAD"]
         nbp = _cdiv(nb, g["QC_W4T_BK"]) * g["QC_W4T_BK"]
-        ws = self.empty((npad * nbp * (ggml.QK + 8 + 2),), "uint8", like=wq)  # quants, (d8, -d8 1.5 2^23), s
+        ws = self.empty((npad * nbp * g["QC_W4T_WS_BLOCK_BYTES"],), "uint8", like=wq)  # quants, (d8, -d8 1.5 2^23), s
         vec = aligned(act, 16) if quantize else False
         launch(_FG, _w4t_act(tag, quantize), (npad * nbp // 256,), 256,
                (ptr_arg(act), ptr_arg(ws), i32(n_rows), i64(nb), i32(npad), i64(nbp), i32(vec), i32(aligned4)))

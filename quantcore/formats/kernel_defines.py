@@ -89,7 +89,10 @@ TILED_GEOMETRY = _tiled_geometry(tile_m=64, tile_n=64, tile_k=64, tm=4, tn=4, ch
 #: The W4A8 tensor-core GEMM (kernels_cuda/ggml.cu gemm_w4a8_tc_kernel) and its launcher: Q4_0
 #: blocks of K per pipeline stage, the padding of an activation row in shared memory (bytes), and
 #: the row multiple of the Q8_1 workspace (the widest activation tile).
-W4A8_TC_GEOMETRY = {"QC_W4T_BK": 8, "QC_W4T_APAD": 16, "QC_W4T_NPAD": 128}
+W4A8_TC_GEOMETRY = {"QC_W4T_BK": 8, "QC_W4T_APAD": 16, "QC_W4T_NPAD": 128,
+                    # workspace bytes per (row, block): 32 int8 quants, the fp32 pair (d8, -d8 1.5 2^23),
+                    # the fp16 s
+                    "QC_W4T_WS_BLOCK_BYTES": ggml.QK + 8 + 2}
 
 
 #: The MX dequantize kernel (kernels_cuda/mx_quant.cu, mx_dequantize_impl): threads per CTA and
