@@ -81,6 +81,7 @@ def _op_cases(gen, device):
         ("gemm_w4a8", (wq, _randn(gen, 4, 128, device=device), 64, 4, 128)),
         ("linear_q4_0", (xb.clone().requires_grad_(), wq, bias)),
         ("linear_q4_0", (_randn(gen, 24, 128, device=device).requires_grad_(), wq, None)),
+        ("linear_q4_0", (_randn(gen, 5, 128, device=device), wq, None)),  # fp32 through W4A8: output strides
         ("quantize_mx", (x, "mxfp4", "floor", None, True)),
         ("quantize_mx", (x.bfloat16(), "mxfp8", "rceil", None, False)),
         ("quantize_mx", (x, "nvfp4", "floor", gs, False)),

@@ -424,7 +424,7 @@ def linear_q4_0_eager(x, wq, bias=None):
     if linear_path(rows, "linear_q4_0", backend_for(wq.device).name) == "gemv":
         x2 = x.reshape(rows, k)
         y = _run(wq.device, api.gemm_w4a8, (wq, x2 if x2.is_contiguous() else x2.contiguous(), m, rows, k))
-        y = y.t().to(dtype=x.dtype, memory_format=torch.contiguous_format)
+        y = y.t().to(x.dtype).contiguous()  # .to(memory_format=...) keeps the transposed strides for fp32
         return add_bias(y.reshape(tuple(x.shape[:-1]) + (m,)), bias)
     w = _dequantize_q4_0(wq, x.dtype)
     return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
