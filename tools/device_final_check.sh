@@ -32,11 +32,11 @@ EOF
 for step in ${*:-alltests conformance maca sanitizer}; do
   case $step in
     tests)
-      timeout ${PYTEST_LIMIT:-330} python3 -m pytest tests/test_cuda.py tests/test_cuda_*.py tests/test_maca.py \
+      timeout ${PYTEST_LIMIT:-560} python3 -m pytest tests/test_cuda.py tests/test_cuda_*.py tests/test_maca.py \
         -m "not slow" -q -rs -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
       say "pytest GPU files: rc=$? $(tail -1 "$OUT/pytest_gpu.log") [+$(( $(date +%s) - t0 ))s]";;
     alltests)
-      timeout ${PYTEST_LIMIT:-330} python3 -m pytest -m "not slow" -q -rs -p no:cacheprovider > "$OUT/pytest_all.log" 2>&1
+      timeout ${PYTEST_LIMIT:-560} python3 -m pytest -m "not slow" -q -rs -p no:cacheprovider > "$OUT/pytest_all.log" 2>&1
       say "pytest (not slow): rc=$? $(tail -1 "$OUT/pytest_all.log") [+$(( $(date +%s) - t0 ))s]";;
     conformance|maca)
       be=cuda; [ "$step" = maca ] && be=maca
