@@ -86,7 +86,7 @@ def case_linear(rank, fmt, nested, n, k):
 
 def case_errors(rank):
     import quantcore.nn as qnn
-    from quantcore.errors import ShapeError, UnsupportedError
+    from quantcore.errors import ParameterError, ShapeError, UnsupportedError
     from quantcore.nn.parallel import quantize_shard, shard_linear
 
     out = {}
@@ -107,6 +107,17 @@ def case_errors(rank):
             out[label] = "no error"
         except (ShapeError, UnsupportedError) as exc:
             out[label] = f"{type(exc).__name__}: {exc}"
+    try:
+        shard_linear(qnn.LinearQ4_0.from_linear(_linear(8, 128, 1)), "rowwise", all_reduce="nvls")
+        out["bad_all_reduce"] = "no error"
+    except ParameterError as exc:
+        out["bad_all_reduce"] = f"{type(exc).__name__}: {exc}"
+    try:  # symmetric memory is CUDA's: on CPU tensors the forward says so
+        shard_linear(qnn.LinearQ4_0.from_linear(_linear(8, 128, 1)), "rowwise", all_reduce="symm_mem")(
+            torch.ones(1, 64))
+        out["symm_mem_on_cpu"] = "no error"
+    except UnsupportedError as exc:
+        out["symm_mem_on_cpu"] = f"{type(exc).__name__}: {exc}"
     return out
 
 

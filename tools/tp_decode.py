@@ -22,6 +22,7 @@ step), ms per step, per-GPU memory, the graph's status, the step's output agains
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -52,6 +53,8 @@ def parse(argv=None):
     p.add_argument("--eager", action="store_true", help="no CUDA graph")
     p.add_argument("--reduce-dtype", choices=("activation", "float32"), default="activation",
                    help="rowwise layers: product and all-reduce in the activation's dtype (Megatron's) or float32")
+    p.add_argument("--all-reduce", choices=("group", "symm_mem"), default="group",
+                   help="rowwise layers: NCCL's all-reduce (group) or torch's one-shot on symmetric memory")
     p.add_argument("--slice", action="store_true",
                    help="TP>1: quantize each whole weight, then slice (default: each rank quantizes its float shard)")
     p.add_argument("--out", required=True, help="rank 0's JSON")
@@ -115,15 +118,16 @@ def build(a, rank, world, dtype, device):
         for j, (rel, style) in enumerate(LLAMA_PLAN.items()):
             parent, child = rel.split(".")
             n, k = widths[child]
+            opts = {"reduce_dtype": reduce, "all_reduce": a.all_reduce} if style == "rowwise" else {}
             lin = nn.Linear(k, n, bias=False, device="meta")
             lin.weight = nn.Parameter(_weight(n, k, a.seed + 100 * i + j, dtype, device), requires_grad=False)
             if world == 1:  # TP=1: the whole weight quantized, as quantize_model does
                 mod = qnn.quantize_model(nn.Sequential(lin), a.fmt, skip=(), progress=False)[0]
             elif a.slice:  # quantize the whole weight, then keep this rank's slice
                 mod = qnn.quantize_model(nn.Sequential(lin), a.fmt, skip=(), progress=False)[0]
-                shard_linear(mod, style, reduce_dtype=reduce, name=f"layers.{i}.{rel}")
+                shard_linear(mod, style, name=f"layers.{i}.{rel}", **opts)
             else:  # each rank quantizes only its float shard (bitwise the same shard)
-                mod = quantize_shard(lin, style, None, a.fmt, reduce_dtype=reduce, name=f"layers.{i}.{rel}")
+                mod = quantize_shard(lin, style, None, a.fmt, name=f"layers.{i}.{rel}", **opts)
             del lin
             setattr(getattr(layer, parent), child, mod)
         layers.append(layer)
@@ -225,7 +229,8 @@ def main(a):
                     graph_note = "captured, but its output differs from the eager step's: timed eagerly"
                     graph = None
                 else:
-                    graph_note = "captured (NCCL all-reduces inside the graph)" if world > 1 else "captured"
+                    graph_note = (f"captured ({'NCCL' if a.all_reduce == 'group' else 'symmetric-memory'} "
+                                  "all-reduces inside the graph)") if world > 1 else "captured"
             except Exception as exc:  # noqa: BLE001 - reported, then the eager step is timed
                 graph = None
                 graph_note = f"capture failed, timed eagerly: {type(exc).__name__}: {str(exc)[:300]}"
@@ -255,10 +260,13 @@ def main(a):
     res = {"world": world, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "fmt": a.fmt, "layers": a.layers, "hidden": a.hidden,
            "intermediate": a.intermediate, "heads": a.heads, "kv_heads": a.kv_heads, "ctx": a.ctx,
-           "dtype": str(dtype).removeprefix("torch."), "reduce_dtype": a.reduce_dtype, "steps": a.steps,
+           "dtype": str(dtype).removeprefix("torch."), "reduce_dtype": a.reduce_dtype,
+           "all_reduce": a.all_reduce, "steps": a.steps,
            "graph": graph_note, "weights": "sliced" if a.slice else "quantized per shard",
            "build_s": round(build_s, 2), "ms_per_step": max(r["ms_per_step"] for r in per_rank),
            "tokens_per_s": 1.0 / max(r["ms_per_step"] for r in per_rank) * 1e3, "per_rank": per_rank}
+    # a digest of the step's output: two TP=2 runs (say, the two all-reduces) compare by it
+    res["out_digest"] = hashlib.sha1(ref_out.cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
     if a.save_ref and rank == 0:
         torch.save({"out": ref_out.cpu(), "q0": q0_out.cpu(), "args": vars(a)}, a.save_ref)
     if a.ref and rank == 0:

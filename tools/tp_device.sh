@@ -4,13 +4,14 @@
 # each captured in a CUDA graph where NCCL allows; JSON to $OUT (tp1.json, tp2.json, tp_decode.json).
 #   OUT=/some/dir tools/tp_device.sh    # LAYERS=32 by default (80 layers of nf4: ~35 GB by arithmetic)
 #   LAYERS=80 CTX=1024 STEPS=200 FMT=nf4 REDUCE=float32 OUT=... tools/tp_device.sh
+#   ALL_REDUCE="group symm_mem" OUT=... tools/tp_device.sh   # TP=2 with each all-reduce (tp2.json, tp2_symm_mem.json)
 #   DEVICE=cpu LAYERS=2 HIDDEN=256 INTERMEDIATE=512 HEADS=4 KV_HEADS=2 OUT=... tools/tp_device.sh  # gloo twin
 set -euo pipefail
 : "${OUT:?set OUT to the folder for the JSON}"
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export NCCL_NVLS_ENABLE=0            # NVLink multicast stays off (the device notes)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast stays off
 DEVICE=${DEVICE:-cuda}
 PY=${PYTHON:-python}
 ARGS=(--device "$DEVICE" --layers "${LAYERS:-32}" --hidden "${HIDDEN:-8192}" --intermediate "${INTERMEDIATE:-28672}"
@@ -24,21 +25,32 @@ if [ "$DEVICE" = cuda ]; then
 fi
 t0=$(date +%s)
 CUDA_VISIBLE_DEVICES=${TP1_GPU:-0} "$PY" tools/tp_decode.py "${ARGS[@]}" --out "$OUT/tp1.json" --save-ref "$OUT/tp1_ref.pt"
-"$PY" -m torch.distributed.run --standalone --nproc_per_node 2 tools/tp_decode.py "${ARGS[@]}" \
-  --out "$OUT/tp2.json" --ref "$OUT/tp1_ref.pt"
+for ar in ${ALL_REDUCE:-group}; do  # the rowwise all-reduce: group (NCCL) and/or symm_mem
+  f=tp2.json; [ "$ar" = group ] || f=tp2_$ar.json
+  "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 tools/tp_decode.py "${ARGS[@]}" \
+    --all-reduce "$ar" --out "$OUT/$f" --ref "$OUT/tp1_ref.pt"
+done
 "$PY" - "$OUT" <<'PY'
-import json, os, sys
+import glob, json, os, sys
 out = sys.argv[1]
-t1, t2 = (json.load(open(os.path.join(out, f))) for f in ("tp1.json", "tp2.json"))
-res = {"tp1": t1, "tp2": t2, "speedup_tp2_over_tp1": t2["tokens_per_s"] / t1["tokens_per_s"]}
+t1 = json.load(open(os.path.join(out, "tp1.json")))
+res, bad = {"tp1": t1}, []
+for path in sorted(glob.glob(os.path.join(out, "tp2*.json"))):
+    t2 = json.load(open(path))
+    key = os.path.basename(path)[:-5]
+    res[key] = t2
+    res[f"speedup_{key}_over_tp1"] = t2["tokens_per_s"] / t1["tokens_per_s"]
+    print(json.dumps({"run": key, "all_reduce": t2.get("all_reduce", "group"),
+                      "tp1_tokens_per_s": round(t1["tokens_per_s"], 1), "tp2_tokens_per_s": round(t2["tokens_per_s"], 1),
+                      "speedup": round(t2["tokens_per_s"] / t1["tokens_per_s"], 3), "tp1_graph": t1["graph"],
+                      "tp2_graph": t2["graph"], "vs_tp1": t2.get("vs_tp1"), "out_digest": t2.get("out_digest"),
+                      "gpu_bytes_tp1": [r.get("peak_allocated", r["weights_bytes"]) for r in t1["per_rank"]],
+                      "gpu_bytes_tp2": [r.get("peak_allocated", r["weights_bytes"]) for r in t2["per_rank"]]}, indent=1))
+    # bf16 partial sums: a few bf16 roundings per layer apart; a wrong shard or reduce is O(1) off
+    if not t2.get("vs_tp1") or t2["vs_tp1"]["rel_l2"] > 0.05:
+        bad.append(key)
 json.dump(res, open(os.path.join(out, "tp_decode.json"), "w"), indent=1)
-print(json.dumps({"tp1_tokens_per_s": round(t1["tokens_per_s"], 1), "tp2_tokens_per_s": round(t2["tokens_per_s"], 1),
-                  "speedup": round(res["speedup_tp2_over_tp1"], 3), "tp1_graph": t1["graph"], "tp2_graph": t2["graph"],
-                  "vs_tp1": t2.get("vs_tp1"),
-                  "gpu_bytes_tp1": [r.get("peak_allocated", r["weights_bytes"]) for r in t1["per_rank"]],
-                  "gpu_bytes_tp2": [r.get("peak_allocated", r["weights_bytes"]) for r in t2["per_rank"]]}, indent=1))
-# bf16 partial sums: a few bf16 roundings per layer apart; a wrong shard or reduce is O(1) off
-if not t2.get("vs_tp1") or t2["vs_tp1"]["rel_l2"] > 0.05:
-    sys.exit("tp_device.sh: TP=2's output is too far from TP=1's")
+if bad:
+    sys.exit(f"tp_device.sh: TP=2's output is too far from TP=1's in {bad}")
 PY
 echo "tp_device.sh: done in $(( $(date +%s) - t0 )) s"

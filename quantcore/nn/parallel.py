@@ -66,6 +66,10 @@ from ..formats import bnb, ggml, mx
 from . import FORMATS, FORMATS_4BIT, Linear4bit, LinearFP4, LinearQ4_0, _frozen
 
 COLWISE, ROWWISE = "colwise", "rowwise"
+#: how a rowwise layer sums its partial products: "group" (``dist.all_reduce`` on the process group:
+#: NCCL, gloo) or "symm_mem" (a one-shot all-reduce through torch's symmetric memory: each GPU reads
+#: its peers' partial sums over NVLink in one kernel; CUDA only, for the small outputs of decode)
+ALL_REDUCE = ("group", "symm_mem")
 _NB = bnb.NESTED_BLOCKSIZE  # 256 absmax per second-level block
 
 #: Megatron's plan for a Llama decoder layer (module names relative to a layer)
@@ -91,6 +95,7 @@ class ShardSpec:
     output: str = "shard"  # colwise: "shard" or "gather"
     input: str = "shard"  # rowwise: "shard" or "replicate"
     reduce_dtype: torch.dtype | None = None  # rowwise: the all-reduce's dtype (None: the activation's)
+    all_reduce: str = "group"  # rowwise: one of ALL_REDUCE
 
     @property
     def split(self) -> tuple[int, int]:
@@ -118,13 +123,15 @@ def _group_info(mesh_or_group: Any) -> tuple[Any, int, int]:
     return group, dist.get_rank(group), dist.get_world_size(group)
 
 
-def _check_style(style: str, output: str, input: str) -> None:
+def _check_style(style: str, output: str, input: str, all_reduce: str = "group") -> None:
     if style not in (COLWISE, ROWWISE):
         raise ParameterError(f"style must be 'colwise' or 'rowwise', got {style!r}")
     if output not in ("shard", "gather"):
         raise ParameterError(f"output must be 'shard' or 'gather', got {output!r}")
     if input not in ("shard", "replicate"):
         raise ParameterError(f"input must be 'shard' or 'replicate', got {input!r}")
+    if all_reduce not in ALL_REDUCE:
+        raise ParameterError(f"all_reduce must be one of {ALL_REDUCE}, got {all_reduce!r}")
 
 
 def _divide(full: int, world: int, what: str, name: str) -> int:
@@ -278,7 +285,8 @@ _SHARDABLE = (Linear4bit, LinearQ4_0, LinearFP4, nn.Linear)
 
 
 def shard_linear(module: nn.Module, style: str, mesh_or_group: Any = None, *, output: str = "shard",
-                 input: str = "shard", reduce_dtype: torch.dtype | None = None, name: str = "") -> nn.Module:
+                 input: str = "shard", reduce_dtype: torch.dtype | None = None, all_reduce: str = "group",
+                 name: str = "") -> nn.Module:
     """Shard ``module`` (a quantcore linear or a float ``nn.Linear``) in place for tensor parallelism
     over ``mesh_or_group`` (a 1-D DeviceMesh, a ProcessGroup, or None: the default group) and make
     its forward do the collectives; returns it. See the module's notes for the styles and options."""
@@ -287,11 +295,12 @@ def shard_linear(module: nn.Module, style: str, mesh_or_group: Any = None, *, ou
                                f"LinearFP4 or nn.Linear, got {type(module).__name__}")
     if shard_spec(module) is not None:
         raise StateError(f"{name or 'module'} is already sharded ({shard_spec(module)})")
-    _check_style(style, output, input)
+    _check_style(style, output, input, all_reduce)
     if reduce_dtype is not None and reduce_dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ParameterError(f"reduce_dtype must be a float dtype, got {reduce_dtype}")
     group, rank, world = _group_info(mesh_or_group)
-    spec = ShardSpec(style, rank, world, module.in_features, module.out_features, output, input, reduce_dtype)
+    spec = ShardSpec(style, rank, world, module.in_features, module.out_features, output, input, reduce_dtype,
+                     all_reduce)
     label = name or type(module).__name__
     _shard_tensors(module, spec, label)
     bias = module._parameters.get("bias")
@@ -333,6 +342,36 @@ def _colwise_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+#: (group name, numel, dtype, device) -> [two symmetric buffers, the one the next call takes]
+_SYMM_BUFFERS: dict[tuple, list] = {}
+
+
+def _symm_mem_all_reduce(y: torch.Tensor, group: Any) -> torch.Tensor:
+    """``y`` summed over ``group`` by torch's one-shot all-reduce on symmetric memory (``y`` is copied
+    into a symmetric buffer; every rank reads every peer's buffer after a barrier inside the kernel).
+    Two buffers per shape, taken in turn: a rank writes a buffer again only after the next call's
+    barrier, which every peer reaches after it has read that buffer. The buffers are made (a collective
+    rendezvous) on the first call of each shape, so run one step eagerly before capturing a CUDA graph."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if y.device.type != "cuda":
+        raise UnsupportedError(f"all_reduce='symm_mem' needs CUDA tensors (got {y.device}); use 'group'")
+    name = group.group_name
+    key = (name, y.numel(), y.dtype, y.device)
+    slot = _SYMM_BUFFERS.get(key)
+    if slot is None:
+        bufs = [symm_mem.empty(y.numel(), dtype=y.dtype, device=y.device) for _ in range(2)]
+        for b in bufs:
+            symm_mem.rendezvous(b, name)
+        slot = _SYMM_BUFFERS[key] = [bufs, 0]
+    buf = slot[0][slot[1]]
+    slot[1] ^= 1
+    buf.copy_(y.reshape(-1))
+    out = y if y.is_contiguous() else torch.empty_like(y, memory_format=torch.contiguous_format)
+    torch.ops.symm_mem.one_shot_all_reduce_out(buf, "sum", name, out.view(-1))
+    return out
+
+
 def _rowwise_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
 
@@ -346,7 +385,10 @@ def _rowwise_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     inp = x if spec.reduce_dtype is None else x.to(spec.reduce_dtype)
     y = type(self).forward(self, inp)
     if spec.world > 1:
-        dist.all_reduce(y, group=group)
+        if spec.all_reduce == "symm_mem":
+            y = _symm_mem_all_reduce(y, group)
+        else:
+            dist.all_reduce(y, group=group)
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
     bias = self._parameters.get("tp_bias")
@@ -378,15 +420,17 @@ class QuantRowwiseParallel(_parallel_style_base()):
     """``parallelize_module`` style: shard a quantcore linear (or ``nn.Linear``) by input columns over
     a 1-D DeviceMesh; the partial outputs are all-reduced. ``input``: "shard" (the previous colwise
     layer's features) or "replicate" (the layer slices the full input); ``reduce_dtype``: the dtype
-    of the product and the all-reduce (None: the activation's)."""
+    of the product and the all-reduce (None: the activation's); ``all_reduce``: "group" or "symm_mem"
+    (:data:`ALL_REDUCE`)."""
 
-    def __init__(self, *, input: str = "shard", reduce_dtype: torch.dtype | None = None):
+    def __init__(self, *, input: str = "shard", reduce_dtype: torch.dtype | None = None, all_reduce: str = "group"):
         super().__init__()
-        _check_style(ROWWISE, "shard", input)
-        self.input, self.reduce_dtype = input, reduce_dtype
+        _check_style(ROWWISE, "shard", input, all_reduce)
+        self.input, self.reduce_dtype, self.all_reduce = input, reduce_dtype, all_reduce
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        return shard_linear(module, ROWWISE, device_mesh, input=self.input, reduce_dtype=self.reduce_dtype)
+        return shard_linear(module, ROWWISE, device_mesh, input=self.input, reduce_dtype=self.reduce_dtype,
+                            all_reduce=self.all_reduce)
 
 
 # -- a Llama --------------------------------------------------------------------------------------------------
@@ -509,7 +553,8 @@ def _quantize_4bit_shard(part: torch.Tensor, spec: ShardSpec, group: Any, fmt: s
 
 def quantize_shard(linear: nn.Linear, style: str, mesh_or_group: Any = None, fmt: str = "nf4", *,
                    blocksize: int = 64, compress_statistics: bool = True, compute_dtype=None, output: str = "shard",
-                   input: str = "shard", reduce_dtype: torch.dtype | None = None, name: str = "") -> nn.Module:
+                   input: str = "shard", reduce_dtype: torch.dtype | None = None, all_reduce: str = "group",
+                   name: str = "") -> nn.Module:
     """A new quantcore module holding this rank's shard of the float ``linear``, quantized from its
     float shard only (bitwise the shard of ``linear``'s whole quantization; see the module's
     notes), its forward doing the collectives as :func:`shard_linear`'s. Collective over the group
@@ -518,9 +563,10 @@ def quantize_shard(linear: nn.Linear, style: str, mesh_or_group: Any = None, fmt
     _check_linear_arg(linear, name)
     if fmt not in FORMATS:
         raise ParameterError(f"fmt must be one of {FORMATS}, got {fmt!r}")
-    _check_style(style, output, input)
+    _check_style(style, output, input, all_reduce)
     group, rank, world = _group_info(mesh_or_group)
-    spec = ShardSpec(style, rank, world, linear.in_features, linear.out_features, output, input, reduce_dtype)
+    spec = ShardSpec(style, rank, world, linear.in_features, linear.out_features, output, input, reduce_dtype,
+                     all_reduce)
     label = name or "Linear"
     q = _quantize_shard(linear, spec, group, fmt, blocksize, compress_statistics, compute_dtype, label)
     bias = linear.bias
@@ -543,7 +589,7 @@ def _check_linear_arg(linear: Any, name: str) -> None:
 
 def parallelize_llama(model: nn.Module, mesh_or_group: Any = None, *, fmt: str | None = None,
                       blocksize: int = 64, compress_statistics: bool = True, compute_dtype=None,
-                      reduce_dtype: torch.dtype | None = None) -> nn.Module:
+                      reduce_dtype: torch.dtype | None = None, all_reduce: str = "group") -> nn.Module:
     """Megatron's plan on every decoder layer of a Llama-shaped model (``...layers.<i>`` with
     ``self_attn.{q,k,v,o}_proj`` and ``mlp.{gate,up,down}_proj``): q / k / v / gate / up colwise,
     their outputs kept sharded (each rank computes its heads and its slice of the MLP), o / down
@@ -553,11 +599,14 @@ def parallelize_llama(model: nn.Module, mesh_or_group: Any = None, *, fmt: str |
     ``fmt`` None shards the modules as they are (quantcore modules sliced, float ``nn.Linear``
     sharded as float); a format ("nf4", "q4_0", ...) quantizes each float ``nn.Linear`` of the plan
     from its float shard on this rank (see the module's notes for what is bitwise). Needs the head
-    counts to divide over the ranks. Returns ``model``."""
+    counts to divide over the ranks. ``reduce_dtype`` and ``all_reduce`` go to the rowwise layers
+    (see :class:`QuantRowwiseParallel`). Returns ``model``."""
     group, rank, world = _group_info(mesh_or_group)
     if fmt is not None and fmt not in FORMATS:
         raise ParameterError(f"fmt must be one of {FORMATS} or None, got {fmt!r}")
+    _check_style(ROWWISE, "shard", "shard", all_reduce)
     _check_llama(model, world)
+    rowwise = {"reduce_dtype": reduce_dtype, "all_reduce": all_reduce}
     for lname, layer in _llama_layers(model):
         for rel, style in LLAMA_PLAN.items():
             parent_name, _, child = rel.rpartition(".")
@@ -566,14 +615,13 @@ def parallelize_llama(model: nn.Module, mesh_or_group: Any = None, *, fmt: str |
             full = f"{lname}.{rel}"
             if mod is None:
                 raise ParameterError(f"{full}: no such module (not a Llama-shaped layer)")
+            opts = rowwise if style == ROWWISE else {}
             if fmt is not None and type(mod) is nn.Linear:
                 setattr(parent, child, quantize_shard(mod, style, group if world > 1 else None, fmt,
                                                       blocksize=blocksize, compress_statistics=compress_statistics,
-                                                      compute_dtype=compute_dtype, reduce_dtype=reduce_dtype
-                                                      if style == ROWWISE else None, name=full))
+                                                      compute_dtype=compute_dtype, name=full, **opts))
             else:
-                shard_linear(mod, style, group if world > 1 else None, reduce_dtype=reduce_dtype if style == ROWWISE
-                             else None, name=full)
+                shard_linear(mod, style, group if world > 1 else None, name=full, **opts)
     return model
 
 

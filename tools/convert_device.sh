@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Conversion spread over GPUs (issue #24 item 3) on the 2-GPU device kind: a synthetic bf16
+# safetensors checkpoint of Llama-3-8B's linear shapes (LAYERS layers, default 8: ~3.5 GB) quantized
+# to nf4 with `quantcore quantize --devices cuda:0` and `--devices cuda:0,cuda:1`; wall time of each
+# (process start-up included; the input in the page cache after the first, untimed, read) and the
+# outputs compared byte for byte. Summary in $OUT/convert.json.
+#   OUT=/some/dir tools/convert_device.sh     # LAYERS=8 FMT=nf4 REPS=2
+#   ONE="--workers 1" TWO="--workers 2" LAYERS=1 OUT=... tools/convert_device.sh   # CPU processes instead
+set -euo pipefail
+: "${OUT:?set OUT to the folder for the JSON}"
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python}
+W=${WORK:-/tmp/qc_convert}
+rm -rf "$W" && mkdir -p "$W"
+"$PY" - "$W/model.safetensors" "${LAYERS:-8}" <<'PY'
+import sys, torch
+from safetensors.torch import save_file
+path, layers = sys.argv[1], int(sys.argv[2])
+shapes = {"self_attn.q_proj": (4096, 4096), "self_attn.k_proj": (1024, 4096), "self_attn.v_proj": (1024, 4096),
+          "self_attn.o_proj": (4096, 4096), "mlp.gate_proj": (14336, 4096), "mlp.up_proj": (14336, 4096),
+          "mlp.down_proj": (4096, 14336)}
+g = torch.Generator().manual_seed(0)
+t = {f"model.layers.{i}.{k}.weight": (torch.randn(n, m, generator=g) * 0.02).to(torch.bfloat16)
+     for i in range(layers) for k, (n, m) in shapes.items()}
+save_file(t, path)
+print(f"wrote {sum(v.numel() * 2 for v in t.values()) / 1e9:.2f} GB in {len(t)} tensors")
+PY
+cat "$W/model.safetensors" > /dev/null   # into the page cache
+"$PY" - "$W" "$OUT/convert.json" "${FMT:-nf4}" "${REPS:-2}" "${ONE:---devices cuda:0}" "${TWO:---devices cuda:0,cuda:1}" <<'PY'
+import filecmp, json, os, shutil, subprocess, sys, time
+work, out, fmt, reps, one, two = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6]
+best = {}
+for devs, dst in ((one, os.path.join(work, "out_one")), (two, os.path.join(work, "out_two"))):
+    for r in range(reps):
+        shutil.rmtree(dst, ignore_errors=True)
+        if os.path.isfile(dst):
+            os.remove(dst)
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "quantcore", "quantize", os.path.join(work, "model.safetensors"),
+                        "-o", dst, "--format", fmt, *devs.split(), "-q"], check=True)
+        t = time.perf_counter() - t0
+        print(f"{devs} rep {r}: {t:.2f} s", flush=True)
+        best[devs] = min(best.get(devs, t), t)
+a, b = os.path.join(work, "out_one"), os.path.join(work, "out_two")
+if os.path.isdir(a):  # a model folder in, a folder out
+    files = sorted(os.listdir(a))
+    same = files == sorted(os.listdir(b)) and all(
+        filecmp.cmp(os.path.join(a, f), os.path.join(b, f), shallow=False) for f in files)
+else:  # a .safetensors file in, one file out
+    files, same = [os.path.basename(a)], filecmp.cmp(a, b, shallow=False)
+res = {"input_bytes": os.path.getsize(os.path.join(work, "model.safetensors")), "format": fmt,
+       "one": one, "two": two, "one_s": best[one], "two_s": best[two], "speedup": best[one] / best[two],
+       "identical_output": same, "files": files}
+json.dump(res, open(out, "w"), indent=1)
+print(json.dumps(res))
+sys.exit(0 if same else "convert_device.sh: the outputs differ")
+PY
