@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import bnb, ggml
+from . import bnb, ggml, kernel_interface
 
 HEADER_NAME = "quantcore_constants.h"
 
@@ -48,7 +48,8 @@ BNB_GEOMETRY = {
     "QC_DQ_TREE_CHUNK": 2048, "QC_DQ_SUM_THREADS": 1024, "QC_DQ_SUM_CHUNK": 1024 * 8,
     "QC_DQ_SUM_MAX_PARTS": 512 * 8,
 }
-LAUNCH_GEOMETRY = {**_gemv_geometry(warps=16, groups=4, chunks=8, stages=2), **BNB_GEOMETRY}
+LAUNCH_GEOMETRY = {**_gemv_geometry(warps=16, groups=kernel_interface.GEMV_TC_GROUPS, chunks=8, stages=2),
+                   **BNB_GEOMETRY}
 #: kernels_cuda/bnb_gemm.cu, gemv_4bit for many rows: threads per CTA, the byte pitch of a
 #: 64-element fp16 / bf16 tile row (128 + 16: ldmatrix rows on distinct banks)
 LAUNCH_GEOMETRY.update({"QC_GM_THREADS": 256, "QC_GM_PITCH": 144})
@@ -167,6 +168,9 @@ def constants_header() -> str:
         "#pragma once",
     ]
     lines += [f"#define {name} {value}" for name, value in _entries()]
+    # each dialect's entry point declarations (quantcore.formats.kernel_interface), expanded by the
+    # dialect before its definitions so that a definition that disagrees does not compile
+    lines += [f"#define {name} \\\n  {body}" for name, body in kernel_interface.prototype_macros()]
     return "\n".join(lines) + "\n"
 
 
