@@ -27,6 +27,7 @@ backend import it.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 #: Element types a pointer may point to, and the scalar types.
@@ -273,11 +274,11 @@ CUDA_KERNELS: dict[str, tuple[Arg, ...]] = {name: args(spec) for name, spec in {
                                  "i64 n, i32 log2bs, i32 vec",
     "dequantize_blockwise_kernel": "const u8* codes, const f32* absmax, const f32* code, elem* out, i64 n, "
                                    "i32 log2bs, i32 vec",
-    "absmax_tree_sum_kernel": "const void* in, i64 count, f64* partial, f32* offset, i64 nb",
+    "absmax_tree_sum_kernel": "const void* src, i64 count, f64* partial, f32* offset, i64 nb",
     "quantize_blockwise_v3_kernel": "const elem* x, const f32* thresholds, u8* codes, f32* absmax, i64 n, "
                                     "i32 log2bs, i32 vec, const f64* partials, i32 npart, i32 nchunks, f32* offset, "
                                     "i64 nb, i32 ndefer",
-    "absmax_chunk_sum_v3_kernel": "const f32* in, i64 nb, i32 vec, f64* partials, u32* counter",
+    "absmax_chunk_sum_v3_kernel": "const f32* src, i64 nb, i32 vec, f64* partials, u32* counter",
     # bnb_gemm.cu
     "gemm_4bit_kernel": f"const u16* a, const u8* packed, {_CUDA_NESTED}, u16* out, i64 ldo, i32 rows, i64 n, "
                         "i64 k, i32 log2bs",
@@ -311,13 +312,14 @@ CUDA_KERNELS: dict[str, tuple[Arg, ...]] = {name: args(spec) for name, spec in {
 }.items()}
 
 
+@functools.cache
 def cuda_kernel(name: str) -> str:
     """The CUDA_KERNELS key of a kernel name or name expression: ``qc::gemm_4bit_kernel<...>`` ->
     ``gemm_4bit_kernel``; ``qc_mx_gemv_nvfp4_bf16_b4`` -> ``qc_mx_gemv`` (the longest declared prefix)."""
     base = name.split("<", 1)[0].rsplit("::", 1)[-1].strip()
     if base in CUDA_KERNELS:
         return base
-    best = max((k for k in CUDA_KERNELS if base.startswith(k + "_") or base.startswith(k)), key=len, default=None)
+    best = max((k for k in CUDA_KERNELS if base.startswith(k)), key=len, default=None)
     if best is None:
         raise KeyError(f"CUDA kernel {name!r} is not declared in quantcore.formats.kernel_interface.CUDA_KERNELS")
     return best
