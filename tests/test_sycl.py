@@ -179,7 +179,7 @@ def test_subgroup_size_choice(runtime):
     assert runtime.pick_subgroup_size(Dev(False, [8, 16], 1)) == 16
 
 
-def test_geometry_header_is_parsed(runtime):
+def test_geometry_comes_from_the_core(runtime):
     g = runtime.GEOMETRY
     assert g["QC_DEQUANT_WG"] * g["QC_DEQUANT_BYTES_PER_ITEM"] == 512  # bitsandbytes' tile
     assert g["QC_GEMV_ROWS_PER_WG"] == 4 and g["QC_MAX_BATCH"] == 8

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import numbers
 import os
-import re
 import subprocess
 import threading
 from importlib import metadata, resources
@@ -38,7 +37,6 @@ _ARG_KINDS = {"ptr": (ARG_PTR, ctypes.c_void_p), "i32": (ARG_I32, ctypes.c_int32
 #: The one bundle's root source and the folder of kernel sources (package data).
 KERNEL_PACKAGE = "quantcore.kernels_sycl"
 KERNEL_ROOT = "entry_points.cpp"
-GEOMETRY_HEADER = "launch_geometry.hpp"
 
 #: Build options of the kernel bundle: no FMA contraction and correctly rounded fp32 division,
 #: which the bit-exact tier depends on (see docs/sycl.md, "bit-exactness").
@@ -238,14 +236,9 @@ def kernel_sources() -> tuple[str, dict[str, str]]:
     return folder.joinpath(KERNEL_ROOT).read_text(), includes
 
 
-def launch_geometry() -> dict[str, int]:
-    """The ``#define QC_* <int>`` values of kernels_sycl/launch_geometry.hpp."""
-    text = resources.files(KERNEL_PACKAGE).joinpath(GEOMETRY_HEADER).read_text()
-    return {m.group(1): int(m.group(2))
-            for m in re.finditer(r"^\s*#define\s+(QC_\w+)\s+(\d+)\s*$", text, re.MULTILINE)}
-
-
-GEOMETRY = launch_geometry()
+#: The kernels' launch geometry (generated into their header from the core, kernel_defines), with
+#: the default required sub-group size.
+GEOMETRY = {**kernel_defines.SYCL_GEOMETRY, "QC_SUBGROUP_SIZE": kernel_defines.SYCL_SUBGROUP_SIZE}
 
 
 # -- programs (one compiled bundle per context and device) ----------------------------------------------

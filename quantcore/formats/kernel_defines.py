@@ -101,6 +101,25 @@ W4A8_TC_GEOMETRY = {"QC_W4T_BK": 8, "QC_W4T_APAD": 16, "QC_W4T_NPAD": 128,
 MX_DEQUANT_GEOMETRY = {"QC_MXDQ_THREADS": 256, "QC_MXDQ_UNROLL": 4}
 
 
+#: The SYCL kernels' launch geometry (kernels_sycl/, read by backends/sycl): blockwise dequantize
+#: (bitsandbytes' kDequantizeBlockwise: work-items per work-group, packed bytes per work-item, a
+#: tile of 512 bytes); blockwise quantize (work-items per work-group, at least this many consecutive
+#: values per work-item, a block spread over blocksize / values_per_item work-items of one group);
+#: gemv_4bit (one sub-group per weight row, rows per work-group, 4-bit values per lane and step);
+#: the activation rows a gemv / GEMM work-group serves from one read of the weights; double
+#: quantization's one summing work-group (fp64 tree); ggml quantize / dequantize (one work-item per
+#: 32-value block); NVFP4 / MX (one work-item per block, value or scale byte); the ggml GEMMs (one
+#: sub-group per weight row, the activation staged in chunks of QC_SUBGROUP_SIZE blocks).
+SYCL_GEOMETRY = {"QC_DEQUANT_WG": 128, "QC_DEQUANT_BYTES_PER_ITEM": 4, "QC_QUANT_WG": 128,
+                 "QC_QUANT_MIN_VALUES_PER_ITEM": 4, "QC_GEMV_ROWS_PER_WG": 4, "QC_GEMV_VALUES_PER_LANE": 32,
+                 "QC_MAX_BATCH": 8, "QC_SUM_WG": 256, "QC_GGML_WG": 64, "QC_MX_WG": 128, "QC_GEMM_ROWS_PER_WG": 4}
+#: The required sub-group size of the SYCL kernels that reduce over a sub-group (gemv, the ggml
+#: GEMMs): 32 on GPUs (bitsandbytes' choice; its bf16 gemv was once wrong because the size did not
+#: reach the kernel). The run-time build always passes -DQC_SUBGROUP_SIZE=<n> per device (on a CPU
+#: device the native float width: 8 with AVX2, 16 with AVX-512, docs/sycl.md); this is the default.
+SYCL_SUBGROUP_SIZE = 32
+
+
 def _f32_list(values) -> str:
     vals = np.asarray(values, dtype=np.float32)
     items = []
@@ -149,6 +168,7 @@ def _entries() -> list[tuple[str, str]]:
         *((name, str(value)) for name, value in TILED_GEOMETRY.items()),
         *((name, str(value)) for name, value in W4A8_TC_GEOMETRY.items()),
         *((name, str(value)) for name, value in MX_DEQUANT_GEOMETRY.items()),
+        *((name, str(value)) for name, value in SYCL_GEOMETRY.items()),
     ]
     try:  # the MX family adds its constants when present
         from . import mx
@@ -168,6 +188,7 @@ def constants_header() -> str:
         "#pragma once",
     ]
     lines += [f"#define {name} {value}" for name, value in _entries()]
+    lines += ["#ifndef QC_SUBGROUP_SIZE", f"#define QC_SUBGROUP_SIZE {SYCL_SUBGROUP_SIZE}", "#endif"]
     # each dialect's entry point declarations (quantcore.formats.kernel_interface), expanded by the
     # dialect before its definitions so that a definition that disagrees does not compile
     lines += [f"#define {name} \\\n  {body}" for name, body in kernel_interface.prototype_macros()]
