@@ -221,12 +221,12 @@ class BnbOps:
         while True:
             chunks = _cdiv(count, _TREE_CHUNK)
             if chunks == 1:
-                launch(_F8, _tree(from_f32), (1,), 256,
+                launch(_F8, _tree(from_f32), (1,), _G["QC_DQ_TREE_THREADS"],
                        kernel_args(_tree(from_f32), src=src, count=count, partial=None, offset=offset, nb=nb))
                 break
             if region + 8 * chunks > base + nb:
                 raise AssertionError("double_quantize: partial sums do not fit in qabsmax")  # nb >= 2049 here
-            launch(_F8, _tree(from_f32), (chunks,), 256,
+            launch(_F8, _tree(from_f32), (chunks,), _G["QC_DQ_TREE_THREADS"],
                    kernel_args(_tree(from_f32), src=src, count=count, partial=region, offset=None, nb=nb))
             src, count, from_f32 = region, chunks, False
             region += 8 * chunks
@@ -264,7 +264,8 @@ class BnbOps:
             return
         vec = aligned(codes, 8) and aligned(out, 16)
         expr = _dqbw(_tag(out))
-        Launcher(out)(_F8, expr, (_cdiv(n, 256 * 2 * 8),), 256,
+        threads = _G["QC_DQBW_THREADS"]
+        Launcher(out)(_F8, expr, (_cdiv(n, threads * _G["QC_DQBW_WORDS"] * 8),), threads,
                       kernel_args(expr, codes=codes, absmax=absmax, code=code, out=out, n=n,
                                   log2bs=_log2(blocksize), vec=vec))
 
@@ -395,9 +396,10 @@ def _gemv_launch(device, a, packed, absmax, out, *, rows, n, k, blocksize, quant
         expr = _gemv_mma(_tag(a), quant_type, nested is not None, v)
         return (_F4, expr, grid, 32 * _GEMV_WARPS, kernel_args(expr, **common, ksplit=ksplit), _GEMV_SMEM,
                 _GEMV_SLOTS)
-    grid = (min(_cdiv(n, 8), 16 * sms), _cdiv(rows, 8))
+    threads = _G["QC_GEMV_SIMPLE_THREADS"]  # a warp per weight row
+    grid = (min(_cdiv(n, threads // 32), 16 * sms), _cdiv(rows, 8))
     expr = _gemv(_tag(a), quant_type, nested is not None)
-    return _F4, expr, grid, 256, kernel_args(expr, **common), 0, _GEMV_SLOTS
+    return _F4, expr, grid, threads, kernel_args(expr, **common), 0, _GEMV_SLOTS
 
 
 # -- dequantize_4bit: the launch (shared by the launcher and the eager launch plans) ---------------------

@@ -23,7 +23,10 @@ _W4T_TILES = ((4, 2, 4, 1, 3), (2, 4, 2, 1, 4), (2, 2, 2, 2, 6), (1, 2, 1, 4, 4)
 #: n = 4096, docs/performance.md "W4A8 prefill"); the launcher takes the smallest
 #: waves x BM x BN x cost (waves of one CTA per multiprocessor); w4t_tile=i forces one
 _W4T_COST = (1.0, 1.14, 1.41, 1.92)
-_W4_STREAM_WARPS, _W4_STREAM_ROWS = 16, 16  # gemm_w4a8_stream_kernel: kWsWarps (+ 1 producer for LD 0), kWsRows
+# gemm_w4a8_stream_kernel: kWsWarps (+ 1 producer for LD 0), kWsRows
+_W4_STREAM_WARPS, _W4_STREAM_ROWS = W4A8_TC_GEOMETRY["QC_WS_WARPS"], W4A8_TC_GEOMETRY["QC_WS_ROWS"]
+#: threads per CTA of the codecs and the activation pass (one block each)
+_THREADS = W4A8_TC_GEOMETRY["QC_GGML_THREADS"]
 _W4_SMEM_MAX = 227 * 1024  # dynamic shared memory per CTA on sm_90
 #: gemm_w4a8_stream_kernel launches kept per (device, M, N, K, activation dtype, its 16-byte alignment,
 #: QUANTCORE_CUDA_TUNE): everything of the launch but the three array pointers
@@ -87,7 +90,7 @@ class GgmlOps:
         nblocks = rt.numel(x) // ggml.QK
         if nblocks:
             expr = _qg(_tag(x), fmt)
-            Launcher(x)(_FG, expr, (_cdiv(nblocks, 256),), 256,
+            Launcher(x)(_FG, expr, (_cdiv(nblocks, _THREADS),), _THREADS,
                         kernel_args(expr, x=x, out=out, nblocks=nblocks, vec=aligned(x, 16), aligned2=aligned(out, 2)))
 
     def quantize_q4_0(self, w, out):
@@ -103,7 +106,7 @@ class GgmlOps:
         nblocks = rt.numel(out) // ggml.QK
         if nblocks:
             expr = _dqg(_tag(out), fmt)
-            Launcher(out)(_FG, expr, (_cdiv(nblocks * 4, 256),), 256,
+            Launcher(out)(_FG, expr, (_cdiv(nblocks * 4, _THREADS),), _THREADS,
                           kernel_args(expr, q=q, out=out, nblocks=nblocks, vec=aligned(out, 16)))
 
     def _gemm(self, wq, act, out, quantize: bool, tag: str, n_rows: int, aligned4: bool):
@@ -121,7 +124,7 @@ class GgmlOps:
         ws = self.empty((npad * nbp * g["QC_W4T_WS_BLOCK_BYTES"],), "uint8", like=wq)  # quants, (d8, -d8 1.5 2^23), s
         vec = aligned(act, 16) if quantize else False
         expr = _w4t_act(tag, quantize)
-        launch(_FG, expr, (npad * nbp // 256,), 256,
+        launch(_FG, expr, (_cdiv(npad * nbp, _THREADS),), _THREADS,
                kernel_args(expr, x=act, ws=ws, n=n_rows, nb=nb, npad=npad, nbp=nbp, vec=vec, aligned4=aligned4))
         forced = rt.tune("w4t_tile", -1)
         if 0 <= forced < len(_W4T_TILES):
@@ -185,7 +188,7 @@ class GgmlOps:
         waves = {1: sms, 2: sms // 2, 4: sms * 7 // 32}[cl]
         ntiles = _cdiv(m, _W4_STREAM_ROWS)
         tpc = _cdiv(ntiles, max(1, waves))
-        fixed = kbs * nb * 40 + (2 * 16 + tpc) * _W4_STREAM_ROWS * nb * 4
+        fixed = kbs * nb * 40 + (2 * _W4_STREAM_WARPS + tpc) * _W4_STREAM_ROWS * nb * 4
         # Blocks per stage row. The time grows with the number of stages per CTA (measured:
         # docs/performance.md, the W4A8 N <= 8 log), so LD 0 takes the largest that leaves 2 stages. LD 1 runs nstage - 2 stages ahead, so
         # kc is halved until those hold w4s_fly bytes (or the ring is at its depth cap, where

@@ -48,11 +48,13 @@ GEMM_MODE_ENV = "QUANTCORE_CUDA_MX_GEMM"
 #: (dequantize + cuBLAS), "wgmma" / "mma" (the fused kernel's two back ends: wgmma on compute
 #: capability 9.0, mma.sync on 8.x and others).
 GEMM_MODES = ("auto", "panel", "wgmma", "mma")
-THREADS = 256
-#: Dynamic shared memory of the GEMM kernels (kSmemBytes in mx_gemm.cu; the tests check the
-#: kernel reports the same number).
-GEMM_SMEM_BYTES = 1024 + 3 * 128 * 128 + 4 * (256 * 64 + 128 * 64 + 4 * 512 + 2 * 512) + 1024
-GEMM_BM, GEMM_BN, GEMM_GROUP_M = 256, 128, 8
+_MXG = kernel_defines.MX_KERNEL_GEOMETRY  # generated into the kernels' header too
+#: threads per CTA of quantize version 1, swizzle, unswizzle and the bias fill
+THREADS = _MXG["QC_MX_THREADS"]
+#: Dynamic shared memory of the GEMM kernels (mx_gemm.cu asserts its kSmemBytes equals it), its
+#: output tile and CTA raster group.
+GEMM_SMEM_BYTES = _MXG["QC_MXG_SMEM_BYTES"]
+GEMM_BM, GEMM_BN, GEMM_GROUP_M = _MXG["QC_MXG_BM"], _MXG["QC_MXG_BN"], _MXG["QC_MXG_GROUP_M"]
 
 
 #: the GEMM's timing experiments per back end (entry-point suffixes, compiled only with
@@ -88,7 +90,7 @@ def compile_cubin(source: str, arch: str, use_cache: bool = True, timing: bool =
     comp = rt.nvrtc()
     contents, names = headers()
     text = kernel_text(source)
-    options = [*rt.COMPILE_OPTIONS, f"-DQCMX_EXPECT_SMEM={GEMM_SMEM_BYTES}", f"--gpu-architecture={arch}",
+    options = [*rt.COMPILE_OPTIONS, f"--gpu-architecture={arch}",
                *(["-DQCMX_TIMING_VARIANTS"] if timing else [])]
     key = cache.digest(text, *contents, *names, *options, repr(comp.version))
     name = f"{os.path.splitext(source)[0]}{'-timing' if timing else ''}-{arch}-{key}.cubin"
@@ -214,10 +216,11 @@ QUANT2_CTAS_DEFAULT = {("mxfp4", "bfloat16"): 1, ("nvfp4", "bfloat16"): 2}
 #: version 1 (194 us), so it stays opt-in. ``QUANTCORE_CUDA_TUNE=mx_quant_layout=N`` picks a
 #: layout; ``mx_quant_sst=0`` stores NVFP4's scales a byte at a time (timing comparisons).
 QUANT2_LAYOUT_DEFAULT = {"nvfp4": 1}
-#: Threads and dynamic shared memory of version 2 (kStages * 256 units * 32 elements * bytes per
-#: element in mx_quant.cu: 4 stages of 16-bit input, 2 of fp32 = 64 KiB either way).
-QUANT2_THREADS = 256
-QUANT2_SMEM = {"float32": 2 * 256 * 32 * 4, "float16": 4 * 256 * 32 * 2, "bfloat16": 4 * 256 * 32 * 2}
+#: Threads and dynamic shared memory of version 2 (ring stages x threads (units) x 32 elements x
+#: bytes per element: 4 stages of 16-bit input, 2 of fp32 = 64 KiB either way).
+QUANT2_THREADS = _MXG["QC_MXQ2_THREADS"]
+QUANT2_SMEM = {dt: _MXG[f"QC_MXQ2_STAGES_{bits}"] * QUANT2_THREADS * 32 * bits // 8
+               for dt, bits in (("float32", 32), ("float16", 16), ("bfloat16", 16))}
 _occupancy: dict[tuple[int, str], int] = {}
 
 
@@ -456,7 +459,7 @@ def _scaled_fp4_mm_panel(be, dev: int, a, b, scale_a, scale_b, alpha, bias, out,
         # beta (device fp32) = 1 over the bias rows written into out, else 0
         fill = function(dev, QUANT_SOURCE, quant_arch(dev), "qc_mx_mm_bias_fill")
         grid = max(1, min(m, rt.sm_count(dev) * 8)) if bias is not None else 1
-        launcher.run(fill, "qc_mx_mm_bias_fill", (grid, 1, 1), (256, 1, 1),
+        launcher.run(fill, "qc_mx_mm_bias_fill", (grid, 1, 1), (THREADS, 1, 1),
                      kernel_args("qc_mx_mm_bias_fill", bias=ptr(bias), out=ptr(out), beta=pw, m=m, n=n))
 
         def dequant(pc: int, ps: int, dst: int, r0: int, rows: int) -> None:

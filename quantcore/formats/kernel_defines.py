@@ -47,6 +47,9 @@ BNB_GEOMETRY = {
     "QC_QBW_THREADS": 512,
     "QC_DQ_TREE_CHUNK": 2048, "QC_DQ_SUM_THREADS": 1024, "QC_DQ_SUM_CHUNK": 1024 * 8,
     "QC_DQ_SUM_MAX_PARTS": 512 * 8,
+    # the fallback gemv (one warp per weight row), dequantize_blockwise (words of 8 codes per thread),
+    # double_quantize's tree level (8 warps: the reference's pairwise order over their sums)
+    "QC_GEMV_SIMPLE_THREADS": 256, "QC_DQBW_THREADS": 256, "QC_DQBW_WORDS": 2, "QC_DQ_TREE_THREADS": 256,
 }
 LAUNCH_GEOMETRY = {**_gemv_geometry(warps=16, groups=kernel_interface.GEMV_TC_GROUPS, chunks=8, stages=2),
                    **BNB_GEOMETRY}
@@ -91,6 +94,11 @@ TILED_GEOMETRY = _tiled_geometry(tile_m=64, tile_n=64, tile_k=64, tm=4, tn=4, ch
 #: blocks of K per pipeline stage, the padding of an activation row in shared memory (bytes), and
 #: the row multiple of the Q8_1 workspace (the widest activation tile).
 W4A8_TC_GEOMETRY = {"QC_W4T_BK": 8, "QC_W4T_APAD": 16, "QC_W4T_NPAD": 128,
+                    # the ggml codecs' and the activation pass's threads per CTA (one block each)
+                    "QC_GGML_THREADS": 256,
+                    # the W4A8 streaming kernel for N <= 8 (gemm_w4a8_stream_kernel): consumer warps,
+                    # weight rows per tile (the mma's M)
+                    "QC_WS_WARPS": 16, "QC_WS_ROWS": 16,
                     # workspace bytes per (row, block): 32 int8 quants, the fp32 pair (d8, -d8 1.5 2^23),
                     # the fp16 s
                     "QC_W4T_WS_BLOCK_BYTES": ggml.QK + 8 + 2}
@@ -99,6 +107,27 @@ W4A8_TC_GEOMETRY = {"QC_W4T_BK": 8, "QC_W4T_APAD": 16, "QC_W4T_NPAD": 128,
 #: The MX dequantize kernel (kernels_cuda/mx_quant.cu, mx_dequantize_impl): threads per CTA and
 #: 16-byte chunks per thread whose loads are in flight together.
 MX_DEQUANT_GEOMETRY = {"QC_MXDQ_THREADS": 256, "QC_MXDQ_UNROLL": 4}
+
+
+def _mx_gemm_geometry(threads: int, bm: int, bn: int, stages: int, stage_k: int, bs_bufs: int,
+                      group_m: int) -> dict[str, int]:
+    from . import mx
+
+    tile = mx.SWIZZLE_TILE_BYTES
+    stage = bm * stage_k // 2 + bn * stage_k // 2 + 2 * 2 * tile + 2 * tile  # A, B codes; their scales
+    smem = 1024 + bs_bufs * bn * 128 + stages * stage + 256 * 4  # alignment, B tiles, ring, scale table
+    return {"QC_MXG_THREADS": threads, "QC_MXG_BM": bm, "QC_MXG_BN": bn, "QC_MXG_STAGES": stages,
+            "QC_MXG_STAGE_K": stage_k, "QC_MXG_BS_BUFS": bs_bufs, "QC_MXG_GROUP_M": group_m,
+            "QC_MXG_SMEM_BYTES": smem}
+
+
+#: The other MX kernels (kernels_cuda/mx_quant.cu, mx_gemm.cu): threads per CTA of the one-item-per-
+#: thread kernels (quantize version 1, swizzle, unswizzle, the bias fill); version 2 quantize's
+#: threads (a 32-element unit each per tile) and ring stages for 16-bit and fp32 input; the fused
+#: GEMM's threads, output tile, pipeline stages, K per stage, B tile buffers, CTA raster group and
+#: its dynamic shared memory (the kernel asserts its own sum equals it).
+MX_KERNEL_GEOMETRY = {"QC_MX_THREADS": 256, "QC_MXQ2_THREADS": 256, "QC_MXQ2_STAGES_16": 4, "QC_MXQ2_STAGES_32": 2,
+                      **_mx_gemm_geometry(threads=256, bm=256, bn=128, stages=4, stage_k=128, bs_bufs=3, group_m=8)}
 
 
 #: The SYCL kernels' launch geometry (kernels_sycl/, read by backends/sycl): blockwise dequantize
@@ -168,6 +197,7 @@ def _entries() -> list[tuple[str, str]]:
         *((name, str(value)) for name, value in TILED_GEOMETRY.items()),
         *((name, str(value)) for name, value in W4A8_TC_GEOMETRY.items()),
         *((name, str(value)) for name, value in MX_DEQUANT_GEOMETRY.items()),
+        *((name, str(value)) for name, value in MX_KERNEL_GEOMETRY.items()),
         *((name, str(value)) for name, value in SYCL_GEOMETRY.items()),
     ]
     try:  # the MX family adds its constants when present
