@@ -177,3 +177,148 @@ def test_prototypes_reach_the_generated_header():
            "long long n, int blocksize, int quant_type, mcStream_t stream);" in header
     assert "QC_KERNEL void qc_quantize_4bit_bf16(const qc::bf16* x, uint8_t* packed, float* absmax, int64_t n, " \
            "int blocksize, int quant_type, int64_t values_per_item);" in header
+
+
+# -- every CUDA launch path builds its arguments from the declaration (fake arrays, no GPU) ----------
+class _Ptr:
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
+class _FakeArray:
+    """A stand-in CuPy array: a device address, a shape and a dtype (the launchers read no data)."""
+
+    _next = [1 << 20]
+
+    def __init__(self, shape, dtype):
+        import numpy as np
+
+        from quantcore.arrays import as_dtype
+
+        self.shape = tuple(shape)
+        self.dtype = as_dtype(dtype)
+        self.size = int(np.prod(self.shape))
+        self.ndim = len(self.shape)
+        self.data = _Ptr(self._next[0])
+        self._next[0] += (self.size * self.dtype.itemsize // 256 + 2) * 256
+        self.device = type("Dev", (), {"id": 0})()
+        self.flags = type("Flags", (), {"c_contiguous": True})()
+
+    def __getitem__(self, key):
+        col = key[1].start or 0
+        view = _FakeArray((self.shape[0], self.shape[1] - col), self.dtype)
+        view.data = _Ptr(self.data.ptr + col * self.dtype.itemsize)
+        return view
+
+
+_FakeArray.__module__ = "cupy._fake"  # runtime.kind() takes it for a CuPy array
+
+
+def test_every_cuda_launch_path_builds_its_arguments(monkeypatch):
+    """Drive the cuda backend's launchers on an sm_90 stand-in (every family, the decode and
+    fallback gemv, the grouped gemv, both W4A8 paths, double_quantize's two paths, the MX codecs,
+    gemv and GEMM) and check each launch's tuple against its kernel's declaration: a launcher that
+    passes a wrong or missing name raises in kernel_args, one whose values have the wrong width
+    fails here."""
+    import types
+
+    import numpy as np
+    from quantcore.backends.cuda import bnb, ggml
+    from quantcore.backends.cuda import mx as cmx
+    from quantcore.backends.cuda import runtime as rt
+
+    from quantcore.backend import Nested
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, like):
+            self.device = 0
+
+        def raw_stream(self):
+            return None
+
+        def stream_handle(self):
+            return 0
+
+        def __call__(self, file, expr, grid, block, args, shared_mem=0, pdl=False):
+            launches.append((expr, args))
+
+        def run(self, fn, what, grid, block, args, shared_mem=0):
+            launches.append((what, args))
+
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        driver=types.SimpleNamespace(occupancyMaxActiveBlocksPerMultiprocessor=lambda *a: 4),
+        Device=lambda d: types.SimpleNamespace(__enter__=lambda s: s, __exit__=lambda *a: None)))
+    for mod in (rt, bnb, ggml):
+        monkeypatch.setattr(mod, "Launcher", Recorder, raising=False)
+    monkeypatch.setattr(rt, "cupy", lambda: fake_cupy)
+    monkeypatch.setattr(rt, "device_props", lambda d: {"sharedMemPerBlockOptin": 232448, "major": 9, "minor": 0,
+                                                       "multiProcessorCount": 132, "name": "stand-in"})
+    monkeypatch.setattr(rt, "sm_count", lambda d: 132)
+    monkeypatch.setattr(rt, "device_arch", lambda d: 90)
+    monkeypatch.setattr(cmx, "function", lambda *a, **k: types.SimpleNamespace(ptr=1))
+    monkeypatch.setattr(cmx, "_check", lambda *a: 0)
+    monkeypatch.setattr(cmx, "_occupancy_grid", lambda *a, **k: 264)
+
+    class Backend(bnb.BnbOps, ggml.GgmlOps):
+        def empty(self, shape, dtype, like=None):
+            return _FakeArray(shape, dtype)
+
+    A, be = _FakeArray, Backend()
+    nested = Nested(A((1,), np.float32), A((256,), np.float32), A((1,), np.float32))
+    for dt in ("float32", "float16", "bfloat16"):
+        be.quantize_4bit(A((8192,), dt), A((4096,), np.uint8), A((128,), np.float32), blocksize=64, quant_type="nf4")
+        be.quantize_4bit(A((8192,), dt), A((4096,), np.uint8), A((2,), np.float32), blocksize=4096, quant_type="fp4")
+        for nst in (None, nested):
+            am = A((512,), np.float32 if nst is None else np.uint8)
+            be.dequantize_4bit(A((16384,), np.uint8), am, A((32768,), dt), blocksize=64, quant_type="nf4", nested=nst)
+            for rows in (1, 5, 40):
+                be.gemv_4bit(A((rows, 512), dt), A((32 * 512,), np.uint8), am, A((rows, 64), dt), n=64, k=512,
+                             blocksize=64, quant_type="nf4", nested=nst)
+        be.quantize_blockwise(A((5000,), dt), A((255,), np.float32), A((5000,), np.uint8), A((20,), np.float32),
+                              blocksize=256)
+        be.dequantize_blockwise(A((5000,), np.uint8), A((20,), np.float32), A((256,), np.float32), A((5000,), dt),
+                                blocksize=256)
+        for fmt in ("q4_0", "q8_0", "q8_1"):
+            be._quantize_ggml(fmt, A((64, 256), dt), A((64 * 8 * 36,), np.uint8))
+            be.dequantize_ggml(A((64, 8, 36), np.uint8), A((64, 256), dt), fmt=fmt)
+        for rows in (4, 40):  # the streaming kernel, the tensor-core GEMM
+            be.gemm_w4a8(A((128, 8, 18), np.uint8), A((rows, 256), dt), A((128, rows), np.float32))
+    groups = [(A((64 * 256,), np.uint8), A((512,), np.float32), None, 64, 64, "nf4") for _ in range(5)]
+    be.gemv_4bit_grouped(A((3, 512), "bfloat16"), groups, A((3, 320), "bfloat16"), k=512)
+    for nb in (3000, 40000):  # the tree levels; the chunk sums
+        be.double_quantize(A((nb,), np.float32), A((nb,), np.uint8), A((nb // 256 + 1,), np.float32),
+                           A((1,), np.float32))
+    with monkeypatch.context() as m:
+        m.setenv("QUANTCORE_CUDA_TUNE", "gemv_kernel=1")  # the register-fed mma gemv
+        be.gemv_4bit(A((4, 512), "float16"), A((32 * 512,), np.uint8), A((512,), np.float32), A((4, 64), "float16"),
+                     n=64, k=512, blocksize=64, quant_type="nf4", nested=None)
+    for fmt, blk in (("nvfp4", 16), ("mxfp4", 32), ("mxfp8", 32)):
+        gs = A((1,), np.float32) if fmt == "nvfp4" else None
+        codes = A((128, 256 if fmt == "mxfp8" else 128), np.uint8)
+        for dt in ("float32", "bfloat16"):
+            cmx.mx_quantize(be, A((128, 256), dt), codes, A((128, 256 // blk), np.uint8), rows=128, cols=256, fmt=fmt,
+                            scale_mode="rceil", swizzled=True, global_scale=gs)
+            cmx.mx_dequantize(be, codes, A((128, 256 // blk), np.uint8), A((128, 256), dt), rows=128, cols=256,
+                              fmt=fmt, swizzled=False, global_scale=gs)
+        if fmt != "mxfp8":
+            cmx.linear_mx(be, A((4, 512), "bfloat16"), A((256, 256), np.uint8), A((256, 512 // blk), np.uint8),
+                          A((4, 256), "bfloat16"), n=256, k=512, fmt=fmt, swizzled=True, global_scale=gs)
+            cmx.scaled_fp4_mm(be, A((256, 256), np.uint8), A((256, 256), np.uint8), A((256 * 32,), np.uint8),
+                              A((256 * 32,), np.uint8), A((1,), np.float32), A((256,), "bfloat16"),
+                              A((256, 256), "bfloat16"), m=256, n=256, k=512, fmt=fmt)
+    cmx.swizzle_scales(be, A((200, 8), np.uint8), A((256, 8), np.uint8), rows=200, cols=8)
+    cmx.unswizzle_scales(be, A((256, 8), np.uint8), A((200, 8), np.uint8), rows=200, cols=8)
+
+    width = {"ptr": np.uint64, "i32": np.int32, "i64": np.int64, "u32": np.uint32, "u64": np.uint64,
+             "f32": np.float32}
+    kernels = set()
+    for name, args_ in launches:
+        key = cuda_kernel(name)
+        kernels.add(key)
+        assert [type(v) for v in args_] == [width[a.kind] for a in CUDA_KERNELS[key]], name
+    # every kernel a launcher reaches on sm_90 (the GEMM's mma back end, the v1 quantize the launcher
+    # picks by format, and the probe are the others)
+    assert kernels >= set(CUDA_KERNELS) - {"qc_mx_gemm_mma", "qc_mx_gemm_smem_bytes", "qc_mx_mm_bias_fill"}, \
+        set(CUDA_KERNELS) - kernels
