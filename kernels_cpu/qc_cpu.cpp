@@ -8,9 +8,10 @@
 // use -ffast-math (NaN rules, exact fp32 division). Format constants come from the generated
 // quantcore_constants.h (quantcore.formats.kernel_defines), never spelled here.
 //
-// Every entry point takes `nt`, the number of OpenMP threads (<= 0: the OpenMP default), writes
-// only into the outputs it is given and allocates nothing but thread-local scratch kept between
-// calls (the gemv activation in fp32, the GEMM's repacked Q8_1 activation, scaled_fp4_mm's
+// The entry points' arguments are declared once, in quantcore/formats/kernel_interface.py (the
+// generated header declares them: QC_CPU_PROTOTYPES). Every entry point takes `nt`, the number of
+// OpenMP threads (<= 0: the OpenMP default), writes only into the outputs it is given and
+// allocates nothing but thread-local scratch kept between calls (the gemv activation in fp32, the GEMM's repacked Q8_1 activation, scaled_fp4_mm's
 // unpacked operands; docs/cpu.md, "Memory").
 
 #include <array>
@@ -184,6 +185,12 @@ struct Absmax {
     return prod + offset;
   }
 };
+
+// absmax fp32, or (absmax2 given) the uint8 codes of a double quantization with absmax2, code2, offset
+inline Absmax make_absmax(const void* absmax, const float* absmax2, const float* code2, const float* offset) {
+  if (absmax2 == nullptr) return Absmax{(const float*)absmax, nullptr, nullptr, nullptr, 0.0f};
+  return Absmax{nullptr, (const uint8_t*)absmax, absmax2, code2, *offset};
+}
 
 inline uint8_t nibble(const uint8_t* packed, i64 i) {
   uint8_t byte = packed[i >> 1];
@@ -636,6 +643,10 @@ void gemm_row8(const uint8_t* wrow, const Q8Rows& a, i64 nb, float* acc) {
 
 extern "C" {
 
+// every entry point's declaration, generated from quantcore/formats/kernel_interface.py: a
+// definition below that disagrees with it does not compile
+QC_CPU_PROTOTYPES
+
 const char* qc_cpu_build_info() {
   return QC_AVX512 ? "avx512+avx2+fma+f16c" : QC_AVX2 ? "avx2+fma+f16c" : "scalar";
 }
@@ -673,8 +684,8 @@ void qc_stream_copy(const float* src, float* dst, i64 n, int nt) {
 }
 
 // -- bitsandbytes 4-bit ----------------------------------------------------------------------------
-void qc_quantize_4bit(const void* x, int dtype, i64 n, int bs, int quant_type, uint8_t* packed,
-                      float* absmax, int nt) {
+void qc_quantize_4bit(const void* x, int dtype, uint8_t* packed, float* absmax, i64 n, int bs,
+                      int quant_type, int nt) {
   i64 nb = (n + bs - 1) / bs;
 #pragma omp parallel for num_threads(threads_for(nt, n)) schedule(static)
   for (i64 b = 0; b < nb; ++b) {
@@ -732,11 +743,11 @@ void qc_quantize_4bit(const void* x, int dtype, i64 n, int bs, int quant_type, u
   }
 }
 
-void qc_dequantize_4bit(const uint8_t* packed, const float* absmax, const uint8_t* qabsmax,
-                        const float* absmax2, const float* code2, float offset, i64 n, int bs,
-                        int quant_type, void* out, int dtype, int nt) {
+void qc_dequantize_4bit(const uint8_t* packed, const void* absmax, const float* absmax2,
+                        const float* code2, const float* offset, void* out, int dtype, i64 n, int bs,
+                        int quant_type, int nt) {
   const float* code = code_table(quant_type);
-  Absmax am{absmax, qabsmax, absmax2, code2, offset};
+  const Absmax am = make_absmax(absmax, absmax2, code2, offset);
   i64 nb = (n + bs - 1) / bs;
 #pragma omp parallel for num_threads(threads_for(nt, n)) schedule(dynamic, 1024)
   for (i64 b = 0; b < nb; ++b) {
@@ -775,8 +786,8 @@ void qc_dequantize_4bit(const uint8_t* packed, const float* absmax, const uint8_
   }
 }
 
-void qc_double_quantize(const float* absmax, i64 nb, uint8_t* qabsmax, float* absmax2,
-                        float* offset_out, int nt) {
+void qc_double_quantize(const float* absmax, uint8_t* qabsmax, float* absmax2, float* offset_out,
+                        i64 nb, int nt) {
   if (nb <= 0) { offset_out[0] = 0.0f; return; }
   i64 size = 1;
   while (size < nb) size <<= 1;
@@ -802,13 +813,13 @@ void qc_double_quantize(const float* absmax, i64 nb, uint8_t* qabsmax, float* ab
 }
 
 // -- blockwise 8-bit -------------------------------------------------------------------------------
-void qc_quantize_blockwise(const void* x, int dtype, i64 n, int bs, const float* thresholds,
-                           uint8_t* codes, float* absmax, int nt) {
+void qc_quantize_blockwise(const void* x, int dtype, const float* thresholds, uint8_t* codes,
+                           float* absmax, i64 n, int bs, int nt) {
   quantize_blockwise_impl(x, dtype, n, bs, thresholds, codes, absmax, nt);
 }
 
-void qc_dequantize_blockwise(const uint8_t* codes, const float* absmax, const float* code, i64 n,
-                             int bs, void* out, int dtype, int nt) {
+void qc_dequantize_blockwise(const uint8_t* codes, const float* absmax, const float* code, void* out,
+                             int dtype, i64 n, int bs, int nt) {
   i64 nb = (n + bs - 1) / bs;
 #pragma omp parallel for num_threads(threads_for(nt, n)) schedule(static)
   for (i64 b = 0; b < nb; ++b) {
@@ -829,11 +840,11 @@ void qc_dequantize_blockwise(const uint8_t* codes, const float* absmax, const fl
 // -- gemv_4bit: out[b, r] = sum_k a[b, k] * code[q(r, k)] * absmax(block(r, k)) --------------------
 // fp32 accumulation. A block's products a * code are summed in fp32, then scaled by its absmax
 // once (a term of the tolerance tier's bound: one rounding for the product, one for the scaling).
-void qc_gemv_4bit(const void* a, int adtype, i64 B, i64 N, i64 K, const uint8_t* packed,
-                  const float* absmax, const uint8_t* qabsmax, const float* absmax2,
-                  const float* code2, float offset, int bs, int quant_type, void* out, int nt) {
+void qc_gemv_4bit(const void* a, int adtype, const uint8_t* packed, const void* absmax,
+                  const float* absmax2, const float* code2, const float* offset, void* out, i64 B,
+                  i64 N, i64 K, int bs, int quant_type, int nt) {
   const float* code = code_table(quant_type);
-  Absmax am{absmax, qabsmax, absmax2, code2, offset};
+  const Absmax am = make_absmax(absmax, absmax2, code2, offset);
   thread_local std::vector<float> converted;
 #if QC_AVX512
   if (K % kGroup == 0 && K % bs == 0 && (bs == 32 || bs == 64 || bs % kGroup == 0)) {
@@ -899,7 +910,7 @@ void qc_gemv_4bit(const void* a, int adtype, i64 B, i64 N, i64 K, const uint8_t*
 }
 
 // -- ggml ---------------------------------------------------------------------------------------------
-void qc_quantize_q4_0(const void* x, int dtype, i64 nblocks, uint8_t* out, int nt) {
+void qc_quantize_q4_0(const void* x, int dtype, uint8_t* out, i64 nblocks, int nt) {
 #pragma omp parallel for num_threads(threads_for(nt, nblocks * QC_QK)) schedule(static)
   for (i64 b = 0; b < nblocks; ++b) {
     float v[QC_QK];
@@ -925,8 +936,11 @@ void qc_quantize_q4_0(const void* x, int dtype, i64 nblocks, uint8_t* out, int n
   }
 }
 
+}  // extern "C"
+
+namespace {
 // kind 0: Q8_0 (34 bytes: d, qs); kind 1: Q8_1 (36 bytes: d, s, qs).
-void qc_quantize_q8(const void* x, int dtype, i64 nblocks, int kind, uint8_t* out, int nt) {
+void quantize_q8(const void* x, int dtype, i64 nblocks, int kind, uint8_t* out, int nt) {
   int width = kind ? QC_Q8_1_BLOCK_BYTES : QC_Q8_0_BLOCK_BYTES;
 #pragma omp parallel for num_threads(threads_for(nt, nblocks * QC_QK)) schedule(static)
   for (i64 b = 0; b < nblocks; ++b) {
@@ -985,8 +999,20 @@ void qc_quantize_q8(const void* x, int dtype, i64 nblocks, int kind, uint8_t* ou
   }
 }
 
+}  // namespace
+
+extern "C" {
+
+void qc_quantize_q8_0(const void* x, int dtype, uint8_t* out, i64 nblocks, int nt) {
+  quantize_q8(x, dtype, nblocks, 0, out, nt);
+}
+
+void qc_quantize_q8_1(const void* x, int dtype, uint8_t* out, i64 nblocks, int nt) {
+  quantize_q8(x, dtype, nblocks, 1, out, nt);
+}
+
 // fmt 0: Q4_0, 1: Q8_0, 2: Q8_1 -> out [nblocks * 32] in dtype.
-void qc_dequantize_ggml(const uint8_t* q, int fmt, i64 nblocks, void* out, int dtype, int nt) {
+void qc_dequantize_ggml(const uint8_t* q, int fmt, void* out, int dtype, i64 nblocks, int nt) {
   int width = fmt == QC_FMT_Q4_0 ? QC_Q4_0_BLOCK_BYTES : fmt == QC_FMT_Q8_0 ? QC_Q8_0_BLOCK_BYTES : QC_Q8_1_BLOCK_BYTES;
 #pragma omp parallel for num_threads(threads_for(nt, nblocks * QC_QK)) schedule(static)
   for (i64 b = 0; b < nblocks; ++b) {
@@ -1008,7 +1034,8 @@ void qc_dequantize_ggml(const uint8_t* q, int fmt, i64 nblocks, void* out, int d
 // out[m, n] = sum_b d4[m,b] * (d8[n,b] * sumi - 8 * s8[n,b]); wq [M, nb, 18], aq [N, nb, 36].
 // The integer dot product is exact; each block term is three fp32 roundings (d8 * sumi, the
 // subtraction, d4 *), summed in fp32 (the tolerance tier's bound allows four).
-void qc_gemm_q4_0_q8_1(const uint8_t* wq, const uint8_t* aq, i64 M, i64 N, i64 nb, float* out, int nt) {
+void qc_gemm_q4_0_q8_1(const uint8_t* wq, const uint8_t* aq, float* out, i64 M, i64 N, i64 K, int nt) {
+  const i64 nb = K / QC_QK;
   constexpr int TILE = 4;  // activation rows per pass over a weight row
 #if QC_AVX2
   {
@@ -1099,8 +1126,9 @@ extern "C" {
 // codes [rows, cols/2] (fp4, element 2i in the low nibble) or [rows, cols] (E4M3 bytes), scales
 // row-major [rows, cols/blk] or swizzled -> out [rows, cols]: f32(elem * scale) (nvfp4:
 // f32(f32(elem * scale) / g)), rounded once to dtype.
-void qc_mx_dequantize(const uint8_t* codes, const uint8_t* scales, i64 rows, i64 cols, int fmt,
-                      int swizzled, float g, void* out, int dtype, int nt) {
+void qc_mx_dequantize(const uint8_t* codes, const uint8_t* scales, void* out, int dtype, i64 rows,
+                      i64 cols, int fmt, int swizzled, const float* global_scale, int nt) {
+  const float g = global_scale ? *global_scale : 1.0f;
   int blk = fmt == QC_FMT_NVFP4 ? QC_NVFP4_BLOCK : QC_MX_BLOCK;
   bool fp4 = fmt != QC_FMT_MXFP8;
   i64 ncols = cols / blk;
@@ -1135,8 +1163,10 @@ void qc_mx_dequantize(const uint8_t* codes, const uint8_t* scales, i64 rows, i64
 // even elements first, then its odd ones, the order of a code byte's two nibbles); weight rows go
 // over the threads; at most QC_CPU_MX_BATCH input rows (the glue sends more rows to the
 // reference: dequantize + BLAS).
-void qc_linear_mx(const void* x, int dtype, i64 batch, const uint8_t* codes, const uint8_t* scales, i64 n,
-                  i64 k, int fmt, int swizzled, float g, void* out, int nt) {
+void qc_linear_mx(const void* x, int dtype, const uint8_t* codes, const uint8_t* scales,
+                  const float* global_scale, void* out, i64 batch, i64 n, i64 k, int fmt, int swizzled,
+                  int nt) {
+  const float g = global_scale ? *global_scale : 1.0f;
   constexpr int kB = QC_CPU_MX_BATCH;
   const bool nv = fmt == QC_FMT_NVFP4;
   const int blk = nv ? QC_NVFP4_BLOCK : QC_MX_BLOCK;
@@ -1221,7 +1251,7 @@ void qc_linear_mx(const void* x, int dtype, i64 batch, const uint8_t* codes, con
 }
 
 // scales uint8 [rows, cols] -> out [ceil(rows/128)*128, ceil(cols/4)*4] swizzled, padding zeroed.
-void qc_swizzle_scales(const uint8_t* scales, uint8_t* out, i64 rows, i64 cols) {
+void qc_swizzle_scales(const uint8_t* scales, uint8_t* out, i64 rows, i64 cols, int /*nt: one thread*/) {
   i64 pr = (rows + QC_SWIZZLE_ROWS - 1) / QC_SWIZZLE_ROWS * QC_SWIZZLE_ROWS;
   i64 pc = (cols + QC_SWIZZLE_COLS - 1) / QC_SWIZZLE_COLS * QC_SWIZZLE_COLS;
   std::memset(out, 0, (size_t)(pr * pc));
@@ -1229,7 +1259,7 @@ void qc_swizzle_scales(const uint8_t* scales, uint8_t* out, i64 rows, i64 cols) 
     for (i64 c = 0; c < cols; ++c) out[swizzle_offset(r, c, cols)] = scales[r * cols + c];
 }
 
-void qc_unswizzle_scales(const uint8_t* swz, uint8_t* out, i64 rows, i64 cols) {
+void qc_unswizzle_scales(const uint8_t* swz, uint8_t* out, i64 rows, i64 cols, int /*nt: one thread*/) {
   for (i64 r = 0; r < rows; ++r)
     for (i64 c = 0; c < cols; ++c) out[r * cols + c] = swz[swizzle_offset(r, c, cols)];
 }
@@ -1365,8 +1395,9 @@ extern "C" {
 
 // x [rows, cols] (fp32 / fp16 / bf16) -> codes [rows, cols/2] (fp4, element 2i in the low nibble)
 // or [rows, cols] (E4M3 bytes), scales row-major [rows, cols/blk] or swizzled (padding zeroed).
-void qc_mx_quantize(const void* x, int dtype, i64 rows, i64 cols, int fmt, int scale_mode,
-                    int swizzled, float g, uint8_t* codes, uint8_t* scales, int nt) {
+void qc_mx_quantize(const void* x, int dtype, uint8_t* codes, uint8_t* scales, i64 rows, i64 cols,
+                    int fmt, int scale_mode, int swizzled, const float* global_scale, int nt) {
+  const float g = global_scale ? *global_scale : 1.0f;
   int blk = fmt == QC_FMT_NVFP4 ? QC_NVFP4_BLOCK : QC_MX_BLOCK;
   bool fp4 = fmt != QC_FMT_MXFP8;
   int emax = fp4 ? QC_EMAX_E2M1 : QC_EMAX_E4M3;
@@ -1434,8 +1465,8 @@ void qc_mx_quantize(const void* x, int dtype, i64 rows, i64 cols, int fmt, int s
 // in fp64, the terms are summed in fp64, then f32(f64(alpha) * acc (+ f64(bias))) -> bf16.
 // Scratch (kept per calling thread): the operands' doubled codes as int8 and their scales as fp64.
 void qc_scaled_fp4_mm(const uint8_t* a, const uint8_t* b, const uint8_t* sa, const uint8_t* sb,
-                      float alpha, const float* bias, i64 M, i64 N, i64 K, int fmt, uint16_t* out,
-                      int nt) {
+                      const float* alpha, const uint16_t* bias, uint16_t* out, i64 M, i64 N, i64 K,
+                      int fmt, int nt) {
   int blk = fmt == QC_FMT_NVFP4 ? QC_NVFP4_BLOCK : QC_MX_BLOCK;
   i64 nbk = K / blk;
   thread_local std::vector<int8_t> qv;
@@ -1462,7 +1493,7 @@ void qc_scaled_fp4_mm(const uint8_t* a, const uint8_t* b, const uint8_t* sa, con
   };
   unpack(a, sa, M, qa, da);
   unpack(b, sb, N, qb, db);
-  double al = (double)alpha;
+  double al = (double)*alpha;
 #pragma omp parallel for collapse(2) num_threads(threads_for(nt, M * N * K)) schedule(static)
   for (i64 m = 0; m < M; ++m) {
     for (i64 n = 0; n < N; ++n) {
@@ -1474,7 +1505,7 @@ void qc_scaled_fp4_mm(const uint8_t* a, const uint8_t* b, const uint8_t* sa, con
         acc += (double)isum * (da[m * nbk + c] * db[n * nbk + c]) * 0.25;
       }
       double d = al * acc;
-      if (bias) d = d + (double)bias[n];
+      if (bias) d = d + (double)bf16_to_float(bias[n]);  // bf16 -> fp32 is exact
       out[m * N + n] = float_to_bf16((float)d);
     }
   }

@@ -661,7 +661,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_4bit_mma_kernel(
 // One warp per weight row, lanes striding over K; up to 8 activation rows at once so the weight
 // row is read once for them. fp32: w = f32(code * absmax), then fmaf(a, w, acc).
 template <typename T, int QT, bool NESTED>
-__global__ void __launch_bounds__(256) gemv_4bit_simple_kernel(
+__global__ void __launch_bounds__(QC_GEMV_SIMPLE_THREADS) gemv_4bit_simple_kernel(
     const typename T::S* __restrict__ a, const u8* __restrict__ packed, const void* __restrict__ absmax,
     const float* __restrict__ absmax2, const float* __restrict__ code2, const float* __restrict__ offset,
     typename T::S* __restrict__ out, int batch, i64 N, i64 K, int log2bs) {

@@ -56,23 +56,24 @@ __global__ void __launch_bounds__(512) quantize_blockwise_kernel(
 // dequantize_blockwise: out = T(code[q] * absmax[i / blocksize]); 8 elements per thread, two
 // groups of 8 per thread, loads first.
 template <typename T>
-__global__ void __launch_bounds__(256) dequantize_blockwise_kernel(
+__global__ void __launch_bounds__(QC_DQBW_THREADS) dequantize_blockwise_kernel(
     const u8* __restrict__ codes, const float* __restrict__ absmax, const float* __restrict__ code,
     typename T::S* __restrict__ out, i64 n, int log2bs, int vec) {
     __shared__ float table[kDynNThr + 1];
     for (int i = threadIdx.x; i <= kDynNThr; i += blockDim.x) table[i] = ldg_f32(code + i);
     __syncthreads();
-    const i64 first = (i64)blockIdx.x * blockDim.x * 2 + threadIdx.x;
-    u64 q[2];
-    float s[2];
+    constexpr int W = QC_DQBW_WORDS;  // words of 8 codes per thread
+    const i64 first = (i64)blockIdx.x * blockDim.x * W + threadIdx.x;
+    u64 q[W];
+    float s[W];
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < W; ++j) {
         const i64 e0 = (first + (i64)j * blockDim.x) * 8;
         q[j] = (vec && e0 + 8 <= n) ? ldg_u64(codes + e0) : 0ull;
         s[j] = e0 < n ? ldg_f32(absmax + (e0 >> log2bs)) : 0.0f;
     }
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < W; ++j) {
         const i64 e0 = (first + (i64)j * blockDim.x) * 8;
         if (e0 >= n) continue;
         float v[8];
@@ -99,9 +100,11 @@ __global__ void __launch_bounds__(256) dequantize_blockwise_kernel(
 // warp sums. Chunks are aligned subtrees, so a second launch over the chunk sums continues the
 // same tree. The last launch (one CTA) writes the offset; earlier ones write fp64 partial sums.
 constexpr int kTreeChunk = QC_DQ_TREE_CHUNK;
+static_assert(QC_DQ_TREE_THREADS == 256 && QC_DQ_TREE_THREADS * 8 == kTreeChunk,
+              "8 warps of 8 values per thread: the pairwise order of the reference's tree");
 
 template <bool FROM_F32>
-__global__ void __launch_bounds__(256) absmax_tree_sum_kernel(
+__global__ void __launch_bounds__(QC_DQ_TREE_THREADS) absmax_tree_sum_kernel(
     const void* __restrict__ in, i64 count, double* __restrict__ partial, float* __restrict__ offset,
     i64 nb) {
     __shared__ double ws[8];

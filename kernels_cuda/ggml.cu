@@ -86,7 +86,7 @@ __device__ __forceinline__ void store_u16(u8* p, u32 v, bool aligned2) {
 // the multiply and the add rounded separately; element j in the low nibble of qs[j], j + 16 in
 // its high nibble.
 template <typename T, int FMT>
-__global__ void __launch_bounds__(256) quantize_ggml_kernel(
+__global__ void __launch_bounds__(QC_GGML_THREADS) quantize_ggml_kernel(
     const typename T::S* __restrict__ x, u8* __restrict__ out, i64 nblocks, int vec, int aligned2) {
     const i64 b = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= nblocks) return;
@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(256) quantize_ggml_kernel(
 // dequantize: Q4_0 (q - 8) * d, Q8 q * d; one fp32 rounding, then one into T. One thread per
 // 8 elements (a quarter block).
 template <typename T, int FMT>
-__global__ void __launch_bounds__(256) dequantize_ggml_kernel(
+__global__ void __launch_bounds__(QC_GGML_THREADS) dequantize_ggml_kernel(
     const u8* __restrict__ q, typename T::S* __restrict__ out, i64 nblocks, int vec) {
     const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= nblocks * 4) return;
@@ -300,9 +300,10 @@ __device__ __forceinline__ float ld_cluster_f32(const float* p, u32 rank) {
 // stored). The consumer code is the same as LD = 0's, so the two give identical bits. The
 // activation prologue of LD = 1 loads block u + 512 before it quantizes block u (one load latency
 // per thread instead of one per block: N = 8 has 3-4 blocks per thread).
-constexpr int kWsWarps = 16;       // consumer warps; + 1 producer warp for LD = 0
+constexpr int kWsWarps = QC_WS_WARPS;  // consumer warps; + 1 producer warp for LD = 0
 static_assert((kWsWarps & (kWsWarps - 1)) == 0, "pair assignment masks by kWsWarps - 1");
-constexpr int kWsRows = 16;        // rows per tile (the mma's M)
+constexpr int kWsRows = QC_WS_ROWS;    // rows per tile (the mma's M)
+static_assert(kWsRows == 16, "a tile is one m16 mma");
 constexpr int kWsMagic = 0x4B400000;  // bits of 1.5 * 2^23
 
 // Bytes between the rows of a stage: kc blocks rounded up to 16 bytes, an odd number of 16-byte
@@ -675,7 +676,7 @@ static_assert(QC_W4T_WS_BLOCK_BYTES == kQK + 8 + 2, "the launcher sizes the work
 // One thread per block (n, b), n-major: QUANTIZE the float activation x [N, K] (ws_q8_1_block_bits:
 // quantize_q8_1's bytes), else repack given Q8_1 blocks [N, nb, 36].
 template <typename T, bool QUANTIZE>
-__global__ void __launch_bounds__(256) w4a8_tc_act_kernel(const void* __restrict__ x, u8* __restrict__ ws, int N,
+__global__ void __launch_bounds__(QC_GGML_THREADS) w4a8_tc_act_kernel(const void* __restrict__ x, u8* __restrict__ ws, int N,
                                                           i64 nb, int npad, i64 nbp, int vec, int aligned4) {
     const i64 u = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (u >= (i64)npad * nbp) return;

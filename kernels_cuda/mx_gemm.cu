@@ -49,10 +49,10 @@
 
 namespace qcmx {
 
-constexpr int kBM = 256, kBN = 128;
-constexpr int kStages = 4;
-constexpr int kThreads = 256;
-constexpr int kStageK = 128;                 // K elements per pipeline stage
+constexpr int kBM = QC_MXG_BM, kBN = QC_MXG_BN;
+constexpr int kStages = QC_MXG_STAGES;
+constexpr int kThreads = QC_MXG_THREADS;
+constexpr int kStageK = QC_MXG_STAGE_K;      // K elements per pipeline stage
 constexpr int kRowBytes = kStageK / 2;       // packed bytes of one row per stage
 constexpr int kAStageBytes = kBM * kRowBytes;
 constexpr int kBStageBytes = kBN * kRowBytes;
@@ -60,14 +60,13 @@ constexpr int kSAStageBytes = 2 * 2 * QC_SWIZZLE_TILE_BYTES;  // 2 row tiles x u
 constexpr int kSBStageBytes = 2 * QC_SWIZZLE_TILE_BYTES;
 constexpr int kStageBytes = kAStageBytes + kBStageBytes + kSAStageBytes + kSBStageBytes;
 constexpr int kBsBytes = kBN * 128;          // one 128 x 64 bf16 B tile
-constexpr int kBsBufs = 3;
+constexpr int kBsBufs = QC_MXG_BS_BUFS;
 constexpr int kLutBytes = 256 * 4;
 static_assert(kBsBytes % 1024 == 0 && kStageBytes % 1024 == 0, "the scale table is 1024-byte aligned (lut ORs it)");
 constexpr int kSmemBytes = 1024 + kBsBufs * kBsBytes + kStages * kStageBytes + kLutBytes;
-constexpr int kGroupM = 8;                   // CTA raster: 8 row tiles share the B tiles in L2
-#ifdef QCMX_EXPECT_SMEM  // the launcher passes its own number: a stale copy fails the build
-static_assert(kSmemBytes == QCMX_EXPECT_SMEM, "backends/cuda/mx.py GEMM_SMEM_BYTES is stale");
-#endif
+constexpr int kGroupM = QC_MXG_GROUP_M;     // CTA raster: row tiles that share the B tiles in L2
+// the launcher's number (kernel_defines.MX_KERNEL_GEOMETRY) is this layout's sum
+static_assert(kSmemBytes == QC_MXG_SMEM_BYTES, "kernel_defines._mx_gemm_geometry disagrees with the layout");
 
 template <int FMT>
 struct GemmFmt {

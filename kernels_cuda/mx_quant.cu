@@ -170,7 +170,7 @@ __device__ __forceinline__ void mx_quantize_impl(const typename T::S* __restrict
 // (quantcore.bench, 93% of copy; ncu 170 us, DRAM 83%, L2 88%) against 245 us for the flat one.
 // The MXFP8 pair layout (512 contiguous bytes per code store) measured 215 us under ncu, not
 // faster than version 1's 194 us, so it is opt-in (QUANTCORE_CUDA_TUNE=mx_quant_layout=2).
-#define QCMX_V2_THREADS 256
+#define QCMX_V2_THREADS QC_MXQ2_THREADS
 
 __device__ __forceinline__ void cp_async16(u32 dst, const void* gptr) {
     asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(dst), "l"(gptr) : "memory");
@@ -456,7 +456,7 @@ __device__ __forceinline__ void mx_quantize_v2_impl(const typename T::S* __restr
     constexpr int ES = (int)sizeof(typename T::S);  // bytes per element
     constexpr int UB = 32 * ES;                     // input bytes per unit
     constexpr int CPU = UB / 16;                    // 16-byte chunks per unit (4 or 8)
-    constexpr int kStages = ES == 2 ? 4 : 2;
+    constexpr int kStages = ES == 2 ? QC_MXQ2_STAGES_16 : QC_MXQ2_STAGES_32;
     constexpr int kTileUnits = QCMX_V2_THREADS;
     constexpr int kTileBytes = kTileUnits * UB;
     constexpr int kSwzShift = CPU == 4 ? 1 : 0;  // chunk j of unit u sits at slot j ^ ((u >> s) % CPU)
@@ -854,7 +854,7 @@ __device__ __forceinline__ void unswizzle_impl(const u8* __restrict__ swz, u8* _
 
 // -- entry points (plain C names: the loader needs no name mangling) --------------------------------
 #define QCMX_QUANT(FMTNAME, FMT, DTNAME, T)                                                            \
-    extern "C" __global__ void __launch_bounds__(256) qc_mx_quantize_##FMTNAME##_##DTNAME(             \
+    extern "C" __global__ void __launch_bounds__(QC_MX_THREADS) qc_mx_quantize_##FMTNAME##_##DTNAME(             \
         const qcmx::T::S* x, qcmx::u8* codes, qcmx::u8* scales, const float* gscale, long long rows,   \
         int ncols, long long prow, int pcols, int swizzled, int rceil, int vec) {                      \
         qcmx::mx_quantize_impl<qcmx::T, FMT>(x, codes, scales, gscale, rows, ncols, prow, pcols,       \
@@ -902,13 +902,13 @@ QCMX_QUANT_DTYPES(nvfp4, QC_FMT_NVFP4)
 QCMX_QUANT2L_DTYPES(b, nvfp4, QC_FMT_NVFP4, QCMX_BAND)
 QCMX_QUANT2L_DTYPES(p, mxfp8, QC_FMT_MXFP8, QCMX_PAIR)
 
-extern "C" __global__ void __launch_bounds__(256) qc_mx_swizzle(const qcmx::u8* s, qcmx::u8* out,
+extern "C" __global__ void __launch_bounds__(QC_MX_THREADS) qc_mx_swizzle(const qcmx::u8* s, qcmx::u8* out,
                                                                 long long rows, int cols, long long prow,
                                                                 int pcols, int aligned) {
     qcmx::swizzle_impl(s, out, rows, cols, prow, pcols, aligned);
 }
 
-extern "C" __global__ void __launch_bounds__(256) qc_mx_unswizzle(const qcmx::u8* swz, qcmx::u8* out,
+extern "C" __global__ void __launch_bounds__(QC_MX_THREADS) qc_mx_unswizzle(const qcmx::u8* swz, qcmx::u8* out,
                                                                   long long rows, int cols, int pcols,
                                                                   int aligned) {
     qcmx::unswizzle_impl(swz, out, rows, cols, pcols, aligned);
@@ -916,7 +916,7 @@ extern "C" __global__ void __launch_bounds__(256) qc_mx_unswizzle(const qcmx::u8
 
 // scaled_fp4_mm's panel path (backends/cuda/mx.py): *beta = 1 and out[r, :] = bias for every row,
 // or *beta = 0 without a bias (the cuBLAS GEMM then computes out = alpha * acc + beta * out).
-extern "C" __global__ void __launch_bounds__(256) qc_mx_mm_bias_fill(const qcmx::u16* bias, qcmx::u16* out,
+extern "C" __global__ void __launch_bounds__(QC_MX_THREADS) qc_mx_mm_bias_fill(const qcmx::u16* bias, qcmx::u16* out,
                                                                      float* beta, unsigned long long m,
                                                                      unsigned n) {
     if (blockIdx.x == 0 && threadIdx.x == 0) *beta = bias != nullptr ? 1.0f : 0.0f;

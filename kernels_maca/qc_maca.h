@@ -141,6 +141,15 @@ __device__ __forceinline__ float qc_rcp_rn(float x) { return __fdiv_rn(1.0f, x);
 // caller's stream and returns the mcError_t as an int (0 = success).
 #define QC_EXPORT extern "C" __attribute__((visibility("default")))
 
+// Every launcher's declaration, generated from quantcore/formats/kernel_interface.py (the one
+// declaration of the kernel interface): a launcher that disagrees with it does not compile.
+QC_MACA_PROTOTYPES
+
+// Sizes arrive as long long (the interface's i64); the kernels that index in int refuse larger ones.
+inline bool qc_fits_int(long long a, long long b, long long c) {
+  return a <= 2147483647LL && b <= 2147483647LL && c <= 2147483647LL;
+}
+
 // A launcher first clears an error left by earlier work of this runtime, so that the status it
 // returns belongs to its own launch.
 #define QC_CLEAR_LAST_ERROR() ((void)mcGetLastError())

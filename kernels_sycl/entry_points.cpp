@@ -8,8 +8,12 @@
 // point. All the arithmetic is in the SYCL 2020 bodies of bnb.hpp and ggml.hpp; an offline build
 // with another SYCL compiler replaces this file only (see docs/sycl.md).
 //
-// Every scalar argument is int64_t; every array is a USM pointer. The arguments were validated
-// by the core and the launcher; the kernels still guard every index against the sizes they get.
+// The arguments are declared once, in quantcore/formats/kernel_interface.py (the ops' common list,
+// less the dtype, which the kernel name carries): the generated header declares every kernel
+// (QC_SYCL_PROTOTYPES), so a definition here that disagrees does not compile, and the launcher
+// passes each argument as its declared kind. Every array is a USM pointer. The arguments were
+// validated by the core and the launcher; the kernels still guard every index against the sizes
+// they get.
 
 #include "bnb.hpp"
 #include "ggml.hpp"
@@ -33,10 +37,14 @@ namespace syclexp = sycl::ext::oneapi::experimental;
 // One entry point per element type: f32, f16, bf16 (the dtype codes of the core).
 #define QC_FOR_EACH_DTYPE(X) X(f32, float) X(f16, qc::half) X(bf16, qc::bf16)
 
+QC_SYCL_PROTOTYPES
+
 namespace {
-inline qc::Absmax make_absmax(const float *absmax, const uint8_t *qabsmax, const float *absmax2,
-                              const float *code2, const float *offset) {
-  return qc::Absmax{absmax, qabsmax, absmax2, code2, offset};
+// absmax fp32, or (absmax2 given) the uint8 codes of a double quantization
+inline qc::Absmax make_absmax(const void *absmax, const float *absmax2, const float *code2,
+                              const float *offset) {
+  if (absmax2 == nullptr) return qc::Absmax{static_cast<const float *>(absmax), nullptr, nullptr, nullptr, nullptr};
+  return qc::Absmax{nullptr, static_cast<const uint8_t *>(absmax), absmax2, code2, offset};
 }
 inline const float *code_4bit(int64_t quant_type) {
   return quant_type == qc::kQuantNF4 ? qc::kNF4Code : qc::kFP4Code;
@@ -46,35 +54,34 @@ inline const float *code_4bit(int64_t quant_type) {
 // ---- bitsandbytes ---------------------------------------------------------------------------------
 #define QC_DEQUANTIZE_4BIT(NAME, T)                                                           \
   QC_KERNEL void qc_dequantize_4bit_##NAME(                                                   \
-      const uint8_t *packed, const float *absmax, const uint8_t *qabsmax, const float *absmax2, \
-      const float *code2, const float *offset, T *out, int64_t n, int64_t blocksize,          \
-      int64_t quant_type) {                                                                   \
+      const uint8_t *packed, const void *absmax, const float *absmax2, const float *code2,    \
+      const float *offset, T *out, int64_t n, int blocksize, int quant_type) {                \
     static syclexp::work_group_static<float[qc::kCodes4Bit]> lut;                             \
     const auto it = QC_ITEM;                                                                  \
     qc::fill_local(it, QC_LOCAL(lut), code_4bit(quant_type), qc::kCodes4Bit);                 \
     qc::dequantize_blockwise<T, 4>(it, QC_LOCAL(lut), packed,                                 \
-                                   make_absmax(absmax, qabsmax, absmax2, code2, offset), out, \
-                                   n, blocksize);                                             \
+                                   make_absmax(absmax, absmax2, code2, offset), out, n,       \
+                                   blocksize);                                                \
   }
 QC_FOR_EACH_DTYPE(QC_DEQUANTIZE_4BIT)
 
 #define QC_DEQUANTIZE_BLOCKWISE(NAME, T)                                                      \
   QC_KERNEL void qc_dequantize_blockwise_##NAME(const uint8_t *codes, const float *absmax,    \
                                                 const float *code, T *out, int64_t n,         \
-                                                int64_t blocksize) {                          \
+                                                int blocksize) {                              \
     static syclexp::work_group_static<float[qc::kCodes8Bit]> lut;                             \
     const auto it = QC_ITEM;                                                                  \
     qc::fill_local(it, QC_LOCAL(lut), code, qc::kCodes8Bit);                                  \
     qc::dequantize_blockwise<T, 8>(it, QC_LOCAL(lut), codes,                                  \
-                                   make_absmax(absmax, nullptr, nullptr, nullptr, nullptr),   \
+                                   make_absmax(absmax, nullptr, nullptr, nullptr),            \
                                    out, n, blocksize);                                        \
   }
 QC_FOR_EACH_DTYPE(QC_DEQUANTIZE_BLOCKWISE)
 
 #define QC_QUANTIZE_4BIT(NAME, T)                                                               \
   QC_KERNEL void qc_quantize_4bit_##NAME(const T *x, uint8_t *packed, float *absmax, int64_t n, \
-                                         int64_t blocksize, int64_t values_per_item,            \
-                                         int64_t quant_type) {                                  \
+                                         int blocksize, int quant_type,                         \
+                                         int64_t values_per_item) {                             \
     static syclexp::work_group_static<float[QC_QUANT_WG]> scratch;                              \
     const auto it = QC_ITEM;                                                                    \
     qc::quantize_blockwise<4>(                                                                  \
@@ -87,7 +94,7 @@ QC_FOR_EACH_DTYPE(QC_QUANTIZE_4BIT)
 #define QC_QUANTIZE_BLOCKWISE(NAME, T)                                                         \
   QC_KERNEL void qc_quantize_blockwise_##NAME(const T *x, const float *thresholds,             \
                                               uint8_t *codes, float *absmax, int64_t n,        \
-                                              int64_t blocksize, int64_t values_per_item) {    \
+                                              int blocksize, int64_t values_per_item) {        \
     static syclexp::work_group_static<float[QC_QUANT_WG]> scratch;                             \
     static syclexp::work_group_static<float[qc::kCodes8Bit - 1]> table;                        \
     const auto it = QC_ITEM;                                                                   \
@@ -109,9 +116,8 @@ QC_KERNEL void qc_absmax_mean(const float *absmax, int64_t nblocks, float *offse
 
 // Double quantization, step 2: 8-bit blockwise (blocks of 256) of absmax - offset, with the
 // dynamic map's thresholds from the core.
-QC_KERNEL void qc_double_quantize_blocks(const float *absmax, const float *offset,
-                                         uint8_t *qabsmax, float *absmax2, int64_t nblocks,
-                                         int64_t values_per_item) {
+QC_KERNEL void qc_double_quantize(const float *absmax, uint8_t *qabsmax, float *absmax2, float *offset,
+                                  int64_t nblocks, int64_t values_per_item) {
   static syclexp::work_group_static<float[QC_QUANT_WG]> scratch;
   static syclexp::work_group_static<float[qc::kCodes8Bit - 1]> table;
   const auto it = QC_ITEM;
@@ -125,15 +131,14 @@ QC_KERNEL void qc_double_quantize_blocks(const float *absmax, const float *offse
 
 #define QC_GEMV_4BIT(NAME, T)                                                                  \
   QC_KERNEL_SUBGROUP void qc_gemv_4bit_##NAME(                                                 \
-      const T *a, const uint8_t *packed, const float *absmax, const uint8_t *qabsmax,          \
-      const float *absmax2, const float *code2, const float *offset, T *out, int64_t batch,    \
-      int64_t nrows, int64_t k, int64_t blocksize, int64_t quant_type) {                       \
+      const T *a, const uint8_t *packed, const void *absmax, const float *absmax2,             \
+      const float *code2, const float *offset, T *out, int64_t batch, int64_t nrows,           \
+      int64_t k, int blocksize, int quant_type) {                                              \
     static syclexp::work_group_static<float[qc::kCodes4Bit]> lut;                              \
     const auto it = QC_ITEM;                                                                   \
     qc::fill_local(it, QC_LOCAL(lut), code_4bit(quant_type), qc::kCodes4Bit);                  \
-    qc::gemv_4bit<T>(it, QC_LOCAL(lut), a, packed,                                             \
-                     make_absmax(absmax, qabsmax, absmax2, code2, offset), out, batch, nrows,  \
-                     k, blocksize);                                                            \
+    qc::gemv_4bit<T>(it, QC_LOCAL(lut), a, packed, make_absmax(absmax, absmax2, code2, offset), \
+                     out, batch, nrows, k, blocksize);                                         \
   }
 QC_FOR_EACH_DTYPE(QC_GEMV_4BIT)
 
@@ -151,18 +156,14 @@ QC_FOR_EACH_DTYPE(QC_GEMV_4BIT)
     const int64_t b = static_cast<int64_t>(QC_ITEM.get_global_id(0));                          \
     if (b < nblocks) qc::quantize_q8_block(x + b * qc::kQK, out + b * qc::kQ81Bytes, true);     \
   }                                                                                             \
-  QC_KERNEL void qc_dequantize_q4_0_##NAME(const uint8_t *q, T *out, int64_t nblocks) {         \
+  QC_KERNEL void qc_dequantize_ggml_##NAME(const uint8_t *q, int fmt, T *out, int64_t nblocks) { \
     const int64_t b = static_cast<int64_t>(QC_ITEM.get_global_id(0));                          \
-    if (b < nblocks) qc::dequantize_q4_0_block(q + b * qc::kQ40Bytes, out + b * qc::kQK);       \
-  }                                                                                             \
-  QC_KERNEL void qc_dequantize_q8_0_##NAME(const uint8_t *q, T *out, int64_t nblocks) {         \
-    const int64_t b = static_cast<int64_t>(QC_ITEM.get_global_id(0));                          \
-    if (b < nblocks)                                                                            \
+    if (b >= nblocks) return;                                                                   \
+    if (fmt == QC_FMT_Q4_0)                                                                     \
+      qc::dequantize_q4_0_block(q + b * qc::kQ40Bytes, out + b * qc::kQK);                      \
+    else if (fmt == QC_FMT_Q8_0)                                                                \
       qc::dequantize_q8_block(q + b * qc::kQ80Bytes, qc::kQ80QsOffset, out + b * qc::kQK);      \
-  }                                                                                             \
-  QC_KERNEL void qc_dequantize_q8_1_##NAME(const uint8_t *q, T *out, int64_t nblocks) {         \
-    const int64_t b = static_cast<int64_t>(QC_ITEM.get_global_id(0));                          \
-    if (b < nblocks)                                                                            \
+    else                                                                                        \
       qc::dequantize_q8_block(q + b * qc::kQ81Bytes, qc::kQ81QsOffset, out + b * qc::kQK);      \
   }
 QC_FOR_EACH_DTYPE(QC_GGML_CODECS)
@@ -190,16 +191,16 @@ QC_FOR_EACH_DTYPE(QC_GEMM_W4A8)
 // Many rows (tiled.hpp): one work-group of QC_TILE_THREADS per QC_TILE_M x QC_TILE_N output tile.
 #define QC_GEMV_4BIT_TILED(NAME, T)                                                              \
   QC_KERNEL_SUBGROUP void qc_gemv_4bit_tiled_##NAME(                                                      \
-      const T *a, const uint8_t *packed, const float *absmax, const uint8_t *qabsmax,            \
-      const float *absmax2, const float *code2, const float *offset, T *out, int64_t batch,      \
-      int64_t nrows, int64_t k, int64_t blocksize, int64_t quant_type) {                         \
+      const T *a, const uint8_t *packed, const void *absmax, const float *absmax2,               \
+      const float *code2, const float *offset, T *out, int64_t batch, int64_t nrows, int64_t k,  \
+      int blocksize, int quant_type) {                                                           \
     static syclexp::work_group_static<float[qc::kCodes4Bit]> lut;                                \
     static syclexp::work_group_static<float[QC_TILE_K * QC_TILE_M]> ws;                          \
     static syclexp::work_group_static<float[QC_TILE_K * QC_TILE_N]> as;                          \
     const auto it = QC_ITEM;                                                                     \
     qc::fill_local(it, QC_LOCAL(lut), code_4bit(quant_type), qc::kCodes4Bit);                    \
     qc::gemv_4bit_tiled<T>(it, QC_LOCAL(lut), QC_LOCAL(ws), QC_LOCAL(as), a, packed,             \
-                           make_absmax(absmax, qabsmax, absmax2, code2, offset), out, batch,     \
+                           make_absmax(absmax, absmax2, code2, offset), out, batch,              \
                            nrows, k, blocksize);                                                 \
   }
 QC_FOR_EACH_DTYPE(QC_GEMV_4BIT_TILED)
@@ -218,40 +219,41 @@ QC_KERNEL_SUBGROUP void qc_gemm_q4_0_q8_1_tiled(const uint8_t *wq, const uint8_t
 // ---- NVFP4 / MX -----------------------------------------------------------------------------------
 #define QC_GID static_cast<int64_t>(QC_ITEM.get_global_id(0))
 namespace {
-inline qc::MXArgs mx_args(int64_t rows, int64_t cols, int64_t fmt, int64_t rceil, int64_t swizzled,
+inline qc::MXArgs mx_args(int64_t rows, int64_t cols, int fmt, bool rceil, int swizzled,
                           const float *global_scale) {
-  return qc::MXArgs{rows, cols, static_cast<int>(fmt), rceil != 0, swizzled != 0, global_scale};
+  return qc::MXArgs{rows, cols, fmt, rceil, swizzled != 0, global_scale};
 }
 } // namespace
 
 #define QC_MX_CODECS(NAME, T)                                                                     \
-  QC_KERNEL void qc_mx_quantize_##NAME(const T *x, uint8_t *codes, uint8_t *scales,               \
-                                       const float *global_scale, int64_t rows, int64_t cols,     \
-                                       int64_t fmt, int64_t rceil, int64_t swizzled) {            \
-    const auto g = mx_args(rows, cols, fmt, rceil, swizzled, global_scale);                       \
+  QC_KERNEL void qc_mx_quantize_##NAME(const T *x, uint8_t *codes, uint8_t *scales, int64_t rows, \
+                                       int64_t cols, int fmt, int scale_mode, int swizzled,       \
+                                       const float *global_scale) {                               \
+    const auto g = mx_args(rows, cols, fmt, scale_mode == QC_SCALE_MODE_RCEIL, swizzled,          \
+                           global_scale);                                                         \
     const int64_t b = QC_GID;                                                                     \
     if (b < rows * (cols / qc::mx_block(g.fmt))) qc::mx_quantize_block(x, codes, scales, g, b);   \
   }                                                                                               \
-  QC_KERNEL void qc_mx_dequantize_##NAME(const uint8_t *codes, const uint8_t *scales,             \
-                                         const float *global_scale, T *out, int64_t rows,         \
-                                         int64_t cols, int64_t fmt, int64_t swizzled) {           \
-    const auto g = mx_args(rows, cols, fmt, 0, swizzled, global_scale);                           \
+  QC_KERNEL void qc_mx_dequantize_##NAME(const uint8_t *codes, const uint8_t *scales, T *out,     \
+                                         int64_t rows, int64_t cols, int fmt, int swizzled,       \
+                                         const float *global_scale) {                             \
+    const auto g = mx_args(rows, cols, fmt, false, swizzled, global_scale);                       \
     const int64_t i = QC_GID;                                                                     \
     if (i < rows * cols) qc::mx_dequantize_value(codes, scales, out, g, i);                       \
   }
 QC_FOR_EACH_DTYPE(QC_MX_CODECS)
 
 // Swizzled scales: byte p of the [ceil(rows/128)*128, ceil(cols/4)*4] buffer holds scale (r, c),
-// or 0 in the padding. `src` may be null: then only the padding is written (mx_quantize writes
+// or 0 in the padding. `scales` may be null: then only the padding is written (mx_quantize writes
 // the scales themselves at their swizzled offsets).
-QC_KERNEL void qc_swizzle_scales(const uint8_t *src, uint8_t *out, int64_t rows, int64_t cols) {
+QC_KERNEL void qc_swizzle_scales(const uint8_t *scales, uint8_t *out, int64_t rows, int64_t cols) {
   const int64_t p = QC_GID;
   if (p >= qc::padded_scale_rows(rows) * qc::padded_scale_cols(cols)) return;
   int64_t r, c;
   qc::swizzle_position(p, cols, r, c);
   const bool inside = r < rows && c < cols;
   if (!inside) out[p] = 0;
-  else if (src != nullptr) out[p] = src[r * cols + c];
+  else if (scales != nullptr) out[p] = scales[r * cols + c];
 }
 
 QC_KERNEL void qc_unswizzle_scales(const uint8_t *swz, uint8_t *out, int64_t rows, int64_t cols) {
@@ -261,18 +263,16 @@ QC_KERNEL void qc_unswizzle_scales(const uint8_t *swz, uint8_t *out, int64_t row
 
 QC_KERNEL void qc_scaled_fp4_mm(const uint8_t *a, const uint8_t *b, const uint8_t *scale_a,
                                 const uint8_t *scale_b, const float *alpha, const qc::bf16 *bias,
-                                qc::bf16 *out, int64_t m, int64_t n, int64_t k, int64_t fmt) {
+                                qc::bf16 *out, int64_t m, int64_t n, int64_t k, int fmt) {
   const int64_t idx = QC_GID;
-  if (idx < m * n)
-    qc::scaled_fp4_mm_value(a, b, scale_a, scale_b, alpha, bias, out, m, n, k, static_cast<int>(fmt), idx);
+  if (idx < m * n) qc::scaled_fp4_mm_value(a, b, scale_a, scale_b, alpha, bias, out, m, n, k, fmt, idx);
 }
 
 #define QC_LINEAR_MX(NAME, T)                                                                     \
   QC_KERNEL_SUBGROUP void qc_linear_mx_##NAME(const T *x, const uint8_t *codes, const uint8_t *scales, \
                                               const float *global_scale, T *out, int64_t batch,        \
-                                              int64_t nrows, int64_t k, int64_t fmt, int64_t swizzled) { \
-    qc::linear_mx<T>(QC_ITEM, x, codes, scales, global_scale, out, batch, nrows, k,                   \
-                     static_cast<int>(fmt), swizzled != 0);                                           \
+                                              int64_t nrows, int64_t k, int fmt, int swizzled) {       \
+    qc::linear_mx<T>(QC_ITEM, x, codes, scales, global_scale, out, batch, nrows, k, fmt, swizzled != 0); \
   }
 QC_FOR_EACH_DTYPE(QC_LINEAR_MX)
 

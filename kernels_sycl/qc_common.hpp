@@ -9,7 +9,6 @@
 
 #include <cstdint>
 
-#include "launch_geometry.hpp"
 #include "quantcore_constants.h" // generated from the core (quantcore.formats.kernel_defines)
 
 // fp64 is needed only by the double-quantization mean; the run-time build passes 0 on a device

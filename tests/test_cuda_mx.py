@@ -46,7 +46,7 @@ def _gencode(arch: str) -> list[str]:
 def _nvcc(tmp_path: Path, source: str, arch: str, *defines: str) -> str:
     kernel_defines.write_header(tmp_path)
     cmd = [NVCC, "-std=c++17", "-cubin", *_gencode(arch), "-ftz=false", "--fmad=false", "-prec-div=true",
-           f"-I{tmp_path}", f"-DQCMX_EXPECT_SMEM={cmx.GEMM_SMEM_BYTES}", *defines, "-Xptxas", "-v",
+           f"-I{tmp_path}", *defines, "-Xptxas", "-v",
            str(KDIR / source), "-o", str(tmp_path / "k.cubin")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout}\n{res.stderr}"
@@ -97,10 +97,10 @@ def test_gemm_source_compiles(tmp_path, arch, timing):
 
 
 def test_smem_constant_is_the_kernels():
-    # the GEMM's dynamic shared memory, spelled once in mx.py and checked against kSmemBytes by
-    # a static_assert at every build (NVRTC and the nvcc tests above pass -DQCMX_EXPECT_SMEM)
+    # the GEMM's dynamic shared memory, computed once in kernel_defines, generated into the kernels'
+    # header and checked against kSmemBytes by a static_assert at every build (NVRTC, the nvcc tests)
     assert cmx.GEMM_SMEM_BYTES == 161792
-    assert "QCMX_EXPECT_SMEM" in (KDIR / cmx.GEMM_SOURCE).read_text()
+    assert "static_assert(kSmemBytes == QC_MXG_SMEM_BYTES" in (KDIR / cmx.GEMM_SOURCE).read_text()
 
 
 # -- GPU ------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import quantcore as qc
 from quantcore import ops
 from quantcore.arrays import BF16
 from quantcore.errors import DeviceError, KernelError
-from quantcore.formats import ggml, mx
+from quantcore.formats import ggml, kernel_interface, mx
 from quantcore.formats.kernel_defines import DTYPE_CODE
 
 from .conftest import bits
@@ -79,7 +79,7 @@ def test_every_maca_source_compiles_and_links_with_nvcc_through_compat(compat_bu
     # second call: the cached library, not a rebuild
     assert again == path and path.stat().st_mtime_ns == mtime
     lib = maca._load_library(str(path), toolchain)
-    for op in maca._SIGNATURES:
+    for op in kernel_interface.MACA.ops:
         assert hasattr(lib, f"qc_maca_{op}"), op
     assert lib.qc_maca_wave_size() == 32  # the compatibility build's constant (NVIDIA warp)
 
@@ -93,7 +93,7 @@ def test_launcher_error_codes_become_kernel_error(compat_build):
     assert rc != 0
     with pytest.raises(KernelError, match=r"maca quantize_4bit failed: invalid argument"):
         maca.MacaBackend._check(lib, "quantize_4bit", rc)
-    rc = lib.qc_maca_dequantize_ggml(None, 17, None, 0, 1, None)  # no format has 17-byte blocks
+    rc = lib.qc_maca_dequantize_ggml(None, 7, None, 0, 1, None)  # no format has code 7
     with pytest.raises(KernelError, match="invalid argument"):
         maca.MacaBackend._check(lib, "dequantize_ggml", rc)
     # MX launchers: an unknown format or scale mode, nvfp4 without its global scale, K off the block

@@ -93,7 +93,9 @@ def test_device_arithmetic_is_the_references(be, runtime, rng):
     bf16: on random bit patterns (subnormals, huge values, NaN and Inf included), built with the
     backend's own options."""
     _, includes = runtime.kernel_sources()
-    prog = runtime.compile_source(be.default_queue(), ARITH_SRC, includes, runtime.BASE_BUILD_OPTIONS)
+    prog = runtime.compile_source(be.default_queue(), ARITH_SRC, includes, runtime.BASE_BUILD_OPTIONS,
+                                  {"arith": "const f32* x, const f32* y, const f32* z, f32* recip, f32* muladd, "
+                                            "u16* as_bf16, u16* as_half, i64 n"})
     n = 1 << 18
     x = _random_bit_floats(rng, n)
     y = rng.standard_normal(n).astype(np.float32)
@@ -147,6 +149,24 @@ def test_required_subgroup_size_reaches_the_kernels(be):
     assert int(host(be, probe)[0]) == prog.subgroup_size
 
 
+def test_arguments_are_passed_by_their_declared_kinds(be):
+    """The launcher passes each argument as the kernel interface declares it (no guessing from the
+    Python value); a value of another kind, or a wrong count, is a KernelError naming the kernel
+    and the argument, before anything is submitted."""
+    prog, q = be.program(), be.default_queue()
+    out = be.empty((512,), np.uint8)
+    with pytest.raises(KernelError, match=r"qc_swizzle_scales: argument rows \(i64\) must be an integer"):
+        prog.launch(q, "qc_swizzle_scales", 1, 128, (None, out, 1.5, 4))
+    with pytest.raises(KernelError, match=r"qc_swizzle_scales: argument out \(u8\*\) must be a device array"):
+        prog.launch(q, "qc_swizzle_scales", 1, 128, (None, 3, 1, 4))
+    with pytest.raises(KernelError, match=r"qc_gemv_4bit_f32: argument quant_type \(i32\) must be an integer that fits"):
+        prog.launch(q, "qc_gemv_4bit_f32", 1, 128, (None,) * 7 + (1, 1, 64, 64, 1 << 40))
+    with pytest.raises(KernelError, match=r"takes 4 arguments \(scales, out, rows, cols\), got 3"):
+        prog.launch(q, "qc_swizzle_scales", 1, 128, (None, out, 1))
+    with pytest.raises(KernelError, match="not declared in the kernel interface"):
+        prog.launch(q, "qc_no_such_kernel", 1, 128, ())
+
+
 def test_subgroup_size_choice(runtime):
     class Dev:
         def __init__(self, cpu, sizes, width):
@@ -159,7 +179,7 @@ def test_subgroup_size_choice(runtime):
     assert runtime.pick_subgroup_size(Dev(False, [8, 16], 1)) == 16
 
 
-def test_geometry_header_is_parsed(runtime):
+def test_geometry_comes_from_the_core(runtime):
     g = runtime.GEOMETRY
     assert g["QC_DEQUANT_WG"] * g["QC_DEQUANT_BYTES_PER_ITEM"] == 512  # bitsandbytes' tile
     assert g["QC_GEMV_ROWS_PER_WG"] == 4 and g["QC_MAX_BATCH"] == 8

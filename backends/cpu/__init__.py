@@ -49,6 +49,11 @@ def _dtype_code(a: np.ndarray) -> int | None:
     return DTYPE_CODE.get(a.dtype.name)
 
 
+def _f32_scalar(v) -> np.ndarray | None:
+    """A scalar array argument (global scale, alpha) as one contiguous fp32 value, or None."""
+    return None if v is None else np.ascontiguousarray(_flat(v)[:1], dtype=np.float32)
+
+
 def _threads_from_env() -> int:
     raw = os.environ.get(ENV_THREADS, "").strip()
     if not raw:
@@ -129,21 +134,21 @@ class CpuBackend(ReferenceBackend):
         if (lib is None or dt is None or pd is None or ad is None or pd.size != (n + 1) // 2
                 or ad.size != bnb.nblocks(n, blocksize)):
             return super().quantize_4bit(x, packed, absmax, blocksize=blocksize, quant_type=quant_type)
-        lib.qc_quantize_4bit(_ptr(x), dt, n, blocksize, QUANT_TYPE_CODE[quant_type], _ptr(pd),
-                             _ptr(ad), self._threads)
+        lib.qc_quantize_4bit(_ptr(x), dt, _ptr(pd), _ptr(ad), n, blocksize, QUANT_TYPE_CODE[quant_type],
+                             self._threads)
 
     def _nested_args(self, absmax, nested: Nested | None, nblocks: int):
-        """(absmax, qabsmax, absmax2, code2, offset) pointers for the library, or None."""
+        """(absmax, absmax2, code2, offset) pointers for the library, or None."""
         if nested is None:
             if absmax.dtype != np.float32 or absmax.size < nblocks:
                 return None
-            return (_ptr(absmax), None, None, None, 0.0)
+            return (_ptr(absmax), None, None, None)
         a2, c2, off = nested.absmax2, nested.code2, nested.offset
         if (absmax.dtype != np.uint8 or absmax.size < nblocks or a2.dtype != np.float32
                 or a2.size < bnb.nblocks(nblocks, bnb.NESTED_BLOCKSIZE) or c2.dtype != np.float32
-                or c2.size != bnb.DYNAMIC_MAP.size or off.size < 1):
+                or c2.size != bnb.DYNAMIC_MAP.size or off.dtype != np.float32 or off.size < 1):
             return None
-        return (None, _ptr(absmax), _ptr(a2), _ptr(c2), float(_flat(off)[0]))
+        return (_ptr(absmax), _ptr(a2), _ptr(c2), _ptr(off))
 
     def dequantize_4bit(self, packed, absmax, out, *, blocksize, quant_type, nested):
         lib, od = self.library(), _direct(out)
@@ -153,8 +158,8 @@ class CpuBackend(ReferenceBackend):
                 or 2 * packed.size < n):
             return super().dequantize_4bit(packed, absmax, out, blocksize=blocksize,
                                            quant_type=quant_type, nested=nested)
-        lib.qc_dequantize_4bit(_ptr(packed), *args, n, blocksize, QUANT_TYPE_CODE[quant_type],
-                               _ptr(od), _dtype_code(od), self._threads)
+        lib.qc_dequantize_4bit(_ptr(packed), *args, _ptr(od), _dtype_code(od), n, blocksize,
+                               QUANT_TYPE_CODE[quant_type], self._threads)
 
     def double_quantize(self, absmax, qabsmax, absmax2, offset):
         lib = self.library()
@@ -163,7 +168,7 @@ class CpuBackend(ReferenceBackend):
         if (lib is None or absmax.dtype != np.float32 or qd is None or a2d is None or od is None
                 or qd.size != nb or a2d.size != bnb.nblocks(nb, bnb.NESTED_BLOCKSIZE) or od.size != 1):
             return super().double_quantize(absmax, qabsmax, absmax2, offset)
-        lib.qc_double_quantize(_ptr(absmax), nb, _ptr(qd), _ptr(a2d), _ptr(od), self._threads)
+        lib.qc_double_quantize(_ptr(absmax), _ptr(qd), _ptr(a2d), _ptr(od), nb, self._threads)
 
     def quantize_blockwise(self, x, thresholds, codes, absmax, *, blocksize):
         lib, dt = self.library(), _dtype_code(x)
@@ -173,7 +178,7 @@ class CpuBackend(ReferenceBackend):
         if (lib is None or dt is None or cd is None or ad is None or cd.size != n
                 or ad.size != bnb.nblocks(n, blocksize) or th.size != bnb.DYNAMIC_THRESHOLDS.size):
             return super().quantize_blockwise(x, thresholds, codes, absmax, blocksize=blocksize)
-        lib.qc_quantize_blockwise(_ptr(x), dt, n, blocksize, _ptr(th), _ptr(cd), _ptr(ad), self._threads)
+        lib.qc_quantize_blockwise(_ptr(x), dt, _ptr(th), _ptr(cd), _ptr(ad), n, blocksize, self._threads)
 
     def dequantize_blockwise(self, codes, absmax, code, out, *, blocksize):
         lib, od = self.library(), _direct(out)
@@ -183,8 +188,8 @@ class CpuBackend(ReferenceBackend):
                 or codes.size != n or absmax.dtype != np.float32
                 or absmax.size < bnb.nblocks(n, blocksize) or cf.size != bnb.DYNAMIC_MAP.size):
             return super().dequantize_blockwise(codes, absmax, code, out, blocksize=blocksize)
-        lib.qc_dequantize_blockwise(_ptr(codes), _ptr(absmax), _ptr(cf), n, blocksize, _ptr(od),
-                                    _dtype_code(od), self._threads)
+        lib.qc_dequantize_blockwise(_ptr(codes), _ptr(absmax), _ptr(cf), _ptr(od), _dtype_code(od), n,
+                                    blocksize, self._threads)
 
     def gemv_4bit(self, a, packed, absmax, out, *, n, k, blocksize, quant_type, nested):
         lib, dt, od = self.library(), _dtype_code(a), _direct(out)
@@ -195,31 +200,28 @@ class CpuBackend(ReferenceBackend):
                 or 2 * packed.size < n * k):
             return super().gemv_4bit(a, packed, absmax, out, n=n, k=k, blocksize=blocksize,
                                      quant_type=quant_type, nested=nested)
-        lib.qc_gemv_4bit(_ptr(a), dt, rows, n, k, _ptr(packed), *args, blocksize,
-                         QUANT_TYPE_CODE[quant_type], _ptr(od), self._threads)
+        lib.qc_gemv_4bit(_ptr(a), dt, _ptr(packed), *args, _ptr(od), rows, n, k, blocksize,
+                         QUANT_TYPE_CODE[quant_type], self._threads)
 
     # -- ggml ----------------------------------------------------------------------------------
-    def _ggml_quantize(self, x, out, kind: int, width: int) -> bool:
+    def _ggml_quantize(self, x, out, fmt: str) -> bool:
         lib, dt, od = self.library(), _dtype_code(x), _direct(out, np.uint8)
         if (lib is None or dt is None or od is None or x.ndim == 0 or x.shape[-1] % ggml.QK
-                or od.size != x.size // ggml.QK * width):
+                or od.size != x.size // ggml.QK * ggml.BLOCK_BYTES[fmt]):
             return False
-        if kind < 0:
-            lib.qc_quantize_q4_0(_ptr(x), dt, x.size // ggml.QK, _ptr(od), self._threads)
-        else:
-            lib.qc_quantize_q8(_ptr(x), dt, x.size // ggml.QK, kind, _ptr(od), self._threads)
+        getattr(lib, f"qc_quantize_{fmt}")(_ptr(x), dt, _ptr(od), x.size // ggml.QK, self._threads)
         return True
 
     def quantize_q4_0(self, w, out):
-        if not self._ggml_quantize(w, out, -1, ggml.Q4_0_BLOCK_BYTES):
+        if not self._ggml_quantize(w, out, "q4_0"):
             super().quantize_q4_0(w, out)
 
     def quantize_q8_0(self, a, out):
-        if not self._ggml_quantize(a, out, 0, ggml.Q8_0_BLOCK_BYTES):
+        if not self._ggml_quantize(a, out, "q8_0"):
             super().quantize_q8_0(a, out)
 
     def quantize_q8_1(self, a, out):
-        if not self._ggml_quantize(a, out, 1, ggml.Q8_1_BLOCK_BYTES):
+        if not self._ggml_quantize(a, out, "q8_1"):
             super().quantize_q8_1(a, out)
 
     def dequantize_ggml(self, q, out, *, fmt):
@@ -228,8 +230,8 @@ class CpuBackend(ReferenceBackend):
         if (lib is None or od is None or _dtype_code(od) is None or q.dtype != np.uint8 or q.ndim < 2
                 or q.shape[-1] != width or od.size != q.size // width * ggml.QK):
             return super().dequantize_ggml(q, out, fmt=fmt)
-        lib.qc_dequantize_ggml(_ptr(q), GGML_FORMAT_CODE[fmt], q.size // width, _ptr(od),
-                               _dtype_code(od), self._threads)
+        lib.qc_dequantize_ggml(_ptr(q), GGML_FORMAT_CODE[fmt], _ptr(od), _dtype_code(od), q.size // width,
+                               self._threads)
 
     def _gemm_ok(self, wq, aq, out) -> np.ndarray | None:
         od = _direct(out, np.float32)
@@ -244,8 +246,8 @@ class CpuBackend(ReferenceBackend):
         od = self._gemm_ok(wq, aq, out)
         if od is None:
             return super().gemm_q4_0_q8_1(wq, aq, out)
-        self._lib.qc_gemm_q4_0_q8_1(_ptr(wq), _ptr(aq), wq.shape[0], aq.shape[0], wq.shape[1],
-                                    _ptr(od), self._threads)
+        self._lib.qc_gemm_q4_0_q8_1(_ptr(wq), _ptr(aq), _ptr(od), wq.shape[0], aq.shape[0],
+                                    wq.shape[1] * ggml.QK, self._threads)
 
     def _q8_scratch(self, rows: int, nb: int) -> np.ndarray:
         """A per-thread buffer for the Q8_1 activation of gemm_w4a8, kept between calls."""
@@ -262,7 +264,7 @@ class CpuBackend(ReferenceBackend):
             return super().gemm_w4a8(wq, a, out)
         rows, nb = a.size // a.shape[-1], a.shape[-1] // ggml.QK
         aq = self._q8_scratch(rows, nb)
-        lib.qc_quantize_q8(_ptr(a), dt, rows * nb, 1, _ptr(aq), self._threads)
+        lib.qc_quantize_q8_1(_ptr(a), dt, _ptr(aq), rows * nb, self._threads)
         self.gemm_q4_0_q8_1(wq, aq, out)
 
     # -- MX family: quantize, dequantize, the scale layout, scaled_fp4_mm and linear_mx compiled
@@ -283,9 +285,10 @@ class CpuBackend(ReferenceBackend):
             return super().mx_quantize(x, codes, scales, rows=rows, cols=cols, fmt=fmt,
                                        scale_mode=scale_mode, swizzled=swizzled,
                                        global_scale=global_scale)
-        g = 1.0 if global_scale is None else float(np.float32(_flat(global_scale)[0]))
-        lib.qc_mx_quantize(_ptr(x), dt, rows, cols, mx.MX_FORMAT_CODE[fmt], mx.SCALE_MODE_CODE[mode],
-                           int(bool(swizzled)), g, _ptr(oc), _ptr(osc), self._threads)
+        g = _f32_scalar(global_scale)
+        lib.qc_mx_quantize(_ptr(x), dt, _ptr(oc), _ptr(osc), rows, cols, mx.MX_FORMAT_CODE[fmt],
+                           mx.SCALE_MODE_CODE[mode], int(bool(swizzled)), _ptr(g) if g is not None else None,
+                           self._threads)
 
     def scaled_fp4_mm(self, a, b, scale_a, scale_b, alpha, bias, out, *, m, n, k, fmt):
         lib, od = self.library(), _direct(out)
@@ -299,13 +302,11 @@ class CpuBackend(ReferenceBackend):
                 or (bias is not None and np.asarray(bias).size != n)):
             return super().scaled_fp4_mm(a, b, scale_a, scale_b, alpha, bias, out, m=m, n=n, k=k,
                                          fmt=fmt)
-        # bias as fp32 (the reference's first rounding of it); n values, not a hot path
-        bias32 = None if bias is None else np.ascontiguousarray(_flat(bias), dtype=np.float32)
+        bias16 = None if bias is None else np.ascontiguousarray(_flat(bias))  # bfloat16 (the core checked)
         lib.qc_scaled_fp4_mm(_ptr(np.ascontiguousarray(a)), _ptr(np.ascontiguousarray(b)),
                              _ptr(np.ascontiguousarray(scale_a)), _ptr(np.ascontiguousarray(scale_b)),
-                             float(np.float32(_flat(alpha)[0])),
-                             None if bias32 is None else _ptr(bias32), m, n, k,
-                             mx.MX_FORMAT_CODE[fmt], _ptr(od), self._threads)
+                             _ptr(_f32_scalar(alpha)), None if bias16 is None else _ptr(bias16), _ptr(od), m, n, k,
+                             mx.MX_FORMAT_CODE[fmt], self._threads)
 
     def linear_mx(self, x, codes, scales, out, *, n, k, fmt, swizzled, global_scale=None):
         lib, od, xd = self.library(), _direct(out), _direct(x)
@@ -319,38 +320,39 @@ class CpuBackend(ReferenceBackend):
                 or (fmt == "nvfp4") != (global_scale is not None) or not 0 < batch <= MX_BATCH):
             return super().linear_mx(x, codes, scales, out, n=n, k=k, fmt=fmt, swizzled=swizzled,
                                      global_scale=global_scale)
-        g = 1.0 if global_scale is None else float(np.float32(_flat(global_scale)[0]))
-        lib.qc_linear_mx(_ptr(xd), _dtype_code(xd), batch, _ptr(codes), _ptr(scales), n, k, mx.MX_FORMAT_CODE[fmt],
-                         int(bool(swizzled)), g, _ptr(od), self._threads)
+        g = _f32_scalar(global_scale)
+        lib.qc_linear_mx(_ptr(xd), _dtype_code(xd), _ptr(codes), _ptr(scales), _ptr(g) if g is not None else None,
+                         _ptr(od), batch, n, k, mx.MX_FORMAT_CODE[fmt], int(bool(swizzled)), self._threads)
 
     def mx_dequantize(self, codes, scales, out, *, rows, cols, fmt, swizzled, global_scale=None):
         lib, od = self.library(), _direct(out)
         blk = mx.block_size(fmt)
         nscales = (int(np.prod(mx.swizzled_shape(rows, cols // blk))) if swizzled
                    else rows * (cols // blk))
-        g = 1.0 if global_scale is None else float(_flat(global_scale)[0])
+        g = _f32_scalar(global_scale)
         if (lib is None or od is None or _dtype_code(od) is None or od.size != rows * cols
                 or codes.dtype != np.uint8 or codes.size != rows * mx.codes_cols(fmt, cols)
                 or scales.dtype != np.uint8 or scales.size != nscales
                 or (fmt == "nvfp4") != (global_scale is not None)):
             return super().mx_dequantize(codes, scales, out, rows=rows, cols=cols, fmt=fmt,
                                          swizzled=swizzled, global_scale=global_scale)
-        lib.qc_mx_dequantize(_ptr(codes), _ptr(scales), rows, cols, mx.MX_FORMAT_CODE[fmt],
-                             int(bool(swizzled)), g, _ptr(od), _dtype_code(od), self._threads)
+        lib.qc_mx_dequantize(_ptr(codes), _ptr(scales), _ptr(od), _dtype_code(od), rows, cols,
+                             mx.MX_FORMAT_CODE[fmt], int(bool(swizzled)), _ptr(g) if g is not None else None,
+                             self._threads)
 
     def swizzle_scales(self, scales, out, *, rows, cols):
         lib, od = self.library(), _direct(out, np.uint8)
         if (lib is None or od is None or scales.dtype != np.uint8 or scales.size != rows * cols
                 or od.size != int(np.prod(mx.swizzled_shape(rows, cols)))):
             return super().swizzle_scales(scales, out, rows=rows, cols=cols)
-        lib.qc_swizzle_scales(_ptr(scales), _ptr(od), rows, cols)
+        lib.qc_swizzle_scales(_ptr(scales), _ptr(od), rows, cols, self._threads)
 
     def unswizzle_scales(self, swz, out, *, rows, cols):
         lib, od = self.library(), _direct(out, np.uint8)
         if (lib is None or od is None or swz.dtype != np.uint8 or od.size != rows * cols
                 or swz.size != int(np.prod(mx.swizzled_shape(rows, cols)))):
             return super().unswizzle_scales(swz, out, rows=rows, cols=cols)
-        lib.qc_unswizzle_scales(_ptr(swz), _ptr(od), rows, cols)
+        lib.qc_unswizzle_scales(_ptr(swz), _ptr(od), rows, cols, self._threads)
 
 
 def create() -> CpuBackend:

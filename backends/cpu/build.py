@@ -20,7 +20,7 @@ from pathlib import Path
 
 from quantcore import cache
 from quantcore.errors import KernelError
-from quantcore.formats import kernel_defines
+from quantcore.formats import kernel_defines, kernel_interface
 
 #: The compiler to use (a name on PATH or a path); default: $CXX, else c++, g++, clang++.
 ENV_CXX = "QUANTCORE_CPU_CXX"
@@ -112,37 +112,10 @@ def build(force: bool = False) -> Path:
                                  force=force)
 
 
-_i64, _i32, _f32, _vp = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-
-#: ctypes signatures of the library's entry points (see kernels_cpu/qc_cpu.cpp).
-SIGNATURES = {
-    "qc_cpu_build_info": (ctypes.c_char_p, []),
-    "qc_cpu_max_threads": (_i32, []),
-    "qc_stream_read": (ctypes.c_double, [_vp, _i64, _i32]),
-    "qc_stream_copy": (None, [_vp, _vp, _i64, _i32]),
-    "qc_quantize_4bit": (None, [_vp, _i32, _i64, _i32, _i32, _vp, _vp, _i32]),
-    "qc_dequantize_4bit": (None, [_vp, _vp, _vp, _vp, _vp, _f32, _i64, _i32, _i32, _vp, _i32, _i32]),
-    "qc_double_quantize": (None, [_vp, _i64, _vp, _vp, _vp, _i32]),
-    "qc_quantize_blockwise": (None, [_vp, _i32, _i64, _i32, _vp, _vp, _vp, _i32]),
-    "qc_dequantize_blockwise": (None, [_vp, _vp, _vp, _i64, _i32, _vp, _i32, _i32]),
-    "qc_gemv_4bit": (None, [_vp, _i32, _i64, _i64, _i64, _vp, _vp, _vp, _vp, _vp, _f32, _i32, _i32,
-                            _vp, _i32]),
-    "qc_quantize_q4_0": (None, [_vp, _i32, _i64, _vp, _i32]),
-    "qc_quantize_q8": (None, [_vp, _i32, _i64, _i32, _vp, _i32]),
-    "qc_dequantize_ggml": (None, [_vp, _i32, _i64, _vp, _i32, _i32]),
-    "qc_gemm_q4_0_q8_1": (None, [_vp, _vp, _i64, _i64, _i64, _vp, _i32]),
-    "qc_mx_dequantize": (None, [_vp, _vp, _i64, _i64, _i32, _i32, _f32, _vp, _i32, _i32]),
-    "qc_linear_mx": (None, [_vp, _i32, _i64, _vp, _vp, _i64, _i64, _i32, _i32, _f32, _vp, _i32]),
-    "qc_mx_quantize": (None, [_vp, _i32, _i64, _i64, _i32, _i32, _i32, _f32, _vp, _vp, _i32]),
-    "qc_scaled_fp4_mm": (None, [_vp, _vp, _vp, _vp, _f32, _vp, _i64, _i64, _i64, _i32, _vp, _i32]),
-    "qc_swizzle_scales": (None, [_vp, _vp, _i64, _i64]),
-    "qc_unswizzle_scales": (None, [_vp, _vp, _i64, _i64]),
-}
-
-
 def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
-    for name, (res, args) in SIGNATURES.items():
+    # every symbol's result and argument types, from the one declaration of the kernel interface
+    for name, (res, args) in kernel_interface.ctypes_signatures(kernel_interface.CPU).items():
         fn = getattr(lib, name)
         fn.restype = res
         fn.argtypes = args

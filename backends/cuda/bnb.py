@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from quantcore.arrays import as_dtype, dtype_name
 from quantcore.backend import Nested
 from quantcore.formats import bnb
@@ -15,10 +13,11 @@ from quantcore.formats.kernel_defines import (
     LAUNCH_GEOMETRY,
     QUANT_TYPE_CODE,
 )
+from quantcore.formats.kernel_interface import arg_index
 
 from . import runtime as rt
 from .common import _F4, _F8, _FM, _FV, _G, TYPE_TAG, _b, _cdiv, _log2, _resident, _tag
-from .runtime import NULL, Launcher, aligned, i32, i64, ptr_arg
+from .runtime import Launcher, aligned, kernel_args
 
 _DEQUANT_THREADS, _DEQUANT_WORDS = _G["QC_DQ4_THREADS"], _G["QC_DQ4_WORDS"]
 _GEMV_WARPS, _GEMV_U, _GEMV_V = _G["QC_GEMV_MMA_WARPS"], _G["QC_GEMV_MMA_U"], (4, 8)
@@ -138,13 +137,14 @@ class BnbOps:
         if g in _Q4V3_G:  # tiles of threads x elems through a shared-memory ring
             tile = threads * elems
             grid = _resident(launch.device, _cdiv(n, tile), per_sm)
-            launch(_F4, _q4v3(tag, quant_type, g), (grid,), threads,
-                   (ptr_arg(x), ptr_arg(packed), ptr_arg(absmax), i64(n), i32(vec)),
+            expr = _q4v3(tag, quant_type, g)
+            launch(_F4, expr, (grid,), threads, kernel_args(expr, x=x, packed=packed, absmax=absmax, n=n, vec=vec),
                    shared_mem=_Q4V3_STAGES * tile * as_dtype(dtype_name(x.dtype)).itemsize)
             return
         grid = _resident(launch.device, _cdiv(_cdiv(n, elems), threads), per_sm)
-        launch(_F4, _q4(tag, quant_type), (grid,), threads,
-               (ptr_arg(x), ptr_arg(packed), ptr_arg(absmax), i64(n), i32(_log2(blocksize)), i32(vec)))
+        expr = _q4(tag, quant_type)
+        launch(_F4, expr, (grid,), threads,
+               kernel_args(expr, x=x, packed=packed, absmax=absmax, n=n, log2bs=_log2(blocksize), vec=vec))
 
     def dequantize_4bit(self, packed, absmax, out, *, blocksize, quant_type, nested: Nested | None):
         n = rt.numel(out)
@@ -207,27 +207,30 @@ class BnbOps:
             nchunks = _cdiv(nb, _SUM_CHUNK)
             ndefer = _cdiv(parts + 8 * nchunks - base, bnb.NESTED_BLOCKSIZE)  # codes over the sums
             launch(_F8, _tree(None), (nchunks,), _SUM3_THREADS,
-                   (ptr_arg(absmax), i64(nb), i32(aligned(absmax, 16)), np.uint64(parts), ptr_arg(offset)))
-            self._quantize_blockwise(launch, absmax, NULL, qabsmax, absmax2, NULL, nb, bnb.NESTED_BLOCKSIZE,
-                                     tree=(np.uint64(parts), i32(size // _SUM_CHUNK), i32(nchunks),
-                                           ptr_arg(offset), i64(nb), i32(ndefer)))
+                   kernel_args(_tree(None), src=absmax, nb=nb, vec=aligned(absmax, 16), partials=parts,
+                               counter=offset))
+            self._quantize_blockwise(launch, absmax, None, qabsmax, absmax2, None, nb, bnb.NESTED_BLOCKSIZE,
+                                     tree={"partials": parts, "npart": size // _SUM_CHUNK, "nchunks": nchunks,
+                                           "offset": offset, "nb": nb, "ndefer": ndefer})
             return
         # below that: tree levels of fp64 partial sums kept in qabsmax's bytes until the codes
         # overwrite them, a one-CTA last level writing the offset, then the quantization
         base = rt.pointer(qabsmax)
         region = (base + 7) // 8 * 8
-        src, count, from_f32 = ptr_arg(absmax), nb, True
+        src, count, from_f32 = absmax, nb, True
         while True:
             chunks = _cdiv(count, _TREE_CHUNK)
             if chunks == 1:
-                launch(_F8, _tree(from_f32), (1,), 256, (src, i64(count), NULL, ptr_arg(offset), i64(nb)))
+                launch(_F8, _tree(from_f32), (1,), _G["QC_DQ_TREE_THREADS"],
+                       kernel_args(_tree(from_f32), src=src, count=count, partial=None, offset=offset, nb=nb))
                 break
             if region + 8 * chunks > base + nb:
                 raise AssertionError("double_quantize: partial sums do not fit in qabsmax")  # nb >= 2049 here
-            launch(_F8, _tree(from_f32), (chunks,), 256, (src, i64(count), np.uint64(region), NULL, i64(nb)))
-            src, count, from_f32 = np.uint64(region), chunks, False
+            launch(_F8, _tree(from_f32), (chunks,), _G["QC_DQ_TREE_THREADS"],
+                   kernel_args(_tree(from_f32), src=src, count=count, partial=region, offset=None, nb=nb))
+            src, count, from_f32 = region, chunks, False
             region += 8 * chunks
-        self._quantize_blockwise(launch, absmax, NULL, qabsmax, absmax2, ptr_arg(offset), nb,
+        self._quantize_blockwise(launch, absmax, None, qabsmax, absmax2, offset, nb,
                                  bnb.NESTED_BLOCKSIZE, cells=False)
 
     # -- blockwise 8-bit -----------------------------------------------------------------------------
@@ -237,41 +240,45 @@ class BnbOps:
         computes and subtracts the offset itself; ``cells`` False: the kernel that subtracts
         ``*center``."""
         vec = aligned(x, 16) and aligned(codes, 8)
+        common = {"x": x, "thresholds": thresholds, "codes": codes, "absmax": absmax, "n": n,
+                  "log2bs": _log2(blocksize), "vec": vec}
         if cells:
             threads = _G["QC_QBW_THREADS"]  # kernel bounds: 2 CTAs per multiprocessor
             grid = _resident(launch.device, _cdiv(_cdiv(n, 8), threads), 2)
-            extra = tree if tree is not None else (NULL, i32(0), i32(0), NULL, i64(0), i32(0))
-            launch(_F8, _qbw(_tag(x)), (grid,), threads,
-                   (ptr_arg(x), thresholds, ptr_arg(codes), ptr_arg(absmax), i64(n), i32(_log2(blocksize)),
-                    i32(vec)) + extra)
+            tree = tree or {"partials": None, "npart": 0, "nchunks": 0, "offset": None, "nb": 0, "ndefer": 0}
+            launch(_F8, _qbw(_tag(x)), (grid,), threads, kernel_args(_qbw(_tag(x)), **common, **tree))
             return
         threads = max(256, blocksize // 8)
-        launch(_F8, _qbw(_tag(x), cells=False), (_resident(launch.device, _cdiv(_cdiv(n, 8), threads), 2048 // threads),),
-               threads, (ptr_arg(x), thresholds, ptr_arg(codes), ptr_arg(absmax), center, i64(n),
-                         i32(_log2(blocksize)), i32(vec)))
+        expr = _qbw(_tag(x), cells=False)
+        launch(_F8, expr, (_resident(launch.device, _cdiv(_cdiv(n, 8), threads), 2048 // threads),),
+               threads, kernel_args(expr, **common, center=center))
 
     def quantize_blockwise(self, x, thresholds, codes, absmax, *, blocksize):
         n = rt.numel(x)
         if n:
-            self._quantize_blockwise(Launcher(x), x, ptr_arg(thresholds), codes, absmax, NULL, n, blocksize)
+            self._quantize_blockwise(Launcher(x), x, thresholds, codes, absmax, None, n, blocksize)
 
     def dequantize_blockwise(self, codes, absmax, code, out, *, blocksize):
         n = rt.numel(out)
         if n == 0:
             return
         vec = aligned(codes, 8) and aligned(out, 16)
-        Launcher(out)(_F8, _dqbw(_tag(out)), (_cdiv(n, 256 * 2 * 8),), 256,
-                      (ptr_arg(codes), ptr_arg(absmax), ptr_arg(code), ptr_arg(out), i64(n),
-                       i32(_log2(blocksize)), i32(vec)))
+        expr = _dqbw(_tag(out))
+        threads = _G["QC_DQBW_THREADS"]
+        Launcher(out)(_F8, expr, (_cdiv(n, threads * _G["QC_DQBW_WORDS"] * 8),), threads,
+                      kernel_args(expr, codes=codes, absmax=absmax, code=code, out=out, n=n,
+                                  log2bs=_log2(blocksize), vec=vec))
 
 
 # -- gemv_4bit: the kernel choice (shared by the launcher and the eager launch plans) ----------------
-#: positions of a and out in the older gemv kernels' parameter lists (the per-call slots of a plan)
-_GEMV_SLOTS = (0, 6)
+#: positions of a and out in the other gemv kernels' parameter lists (the per-call slots of a plan)
+_GEMV_SLOTS = tuple(arg_index("gemv_4bit_simple_kernel", a) for a in ("a", "out"))
+assert all(tuple(arg_index(k, a) for a in ("a", "out")) == _GEMV_SLOTS
+           for k in ("gemv_4bit_mma_kernel", "gemm_4bit_kernel"))
 # bnb_gemv.cu: warps per CTA, weights per launch, the bytes of a warp's ring (the generated header's
-# QC_GV_*, which the kernel compiles with); a and out are parameters 0 and 1 + 6 * _GT_GROUPS
+# QC_GV_*, which the kernel compiles with)
 _GT_WARPS, _GT_GROUPS, _GT_RING = (LAUNCH_GEOMETRY[k] for k in ("QC_GV_WARPS", "QC_GV_GROUPS", "QC_GV_RING"))
-_GT_SLOTS = (0, 1 + 6 * _GT_GROUPS)
+_GT_SLOTS = tuple(arg_index("gemv_4bit_tc_kernel", a) for a in ("a", "out"))
 
 
 def _gt_smem(nb: int, device: int) -> int:
@@ -299,22 +306,22 @@ def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, 
     """(file, kernel, grid, block, arguments, shared memory, slots) of the decode gemv over
     ``weights`` [(packed, absmax, nested, n)] (one nestedness) into ``out`` [rows, ldo]."""
     nested = weights[0][2] is not None
-    args = [ptr_arg(a)]
+    named = {"a": a, "out": out, "ldo": ldo, "rows": rows, "k": k, "log2bs": _log2(blocksize),
+             "ngroups": len(weights)}
     for i in range(_GT_GROUPS):
-        if i < len(weights):
-            p, am, nst, n = weights[i]
-            args += [ptr_arg(p), ptr_arg(am)]
-            args += [ptr_arg(nst.absmax2), ptr_arg(nst.code2), ptr_arg(nst.offset)] if nst else [NULL] * 3
-            args.append(i64(n))
-        else:
-            args += [NULL] * 5 + [i64(0)]
-    args += [ptr_arg(out) if out is not None else NULL, i64(ldo), i32(rows), i64(k), i32(_log2(blocksize)),
-             i32(len(weights))]
+        p, am, nst, n = weights[i] if i < len(weights) else (None, None, None, 0)
+        named.update({f"packed{i}": p, f"absmax{i}": am, f"n{i}": n, **_nested_named(nst, f"{i}", f"_{i}")})
     ntiles = sum(_cdiv(w[3], 16) for w in weights)
     nb = 1 if rows <= 8 else 2
     grid = (max(1, min(ntiles, rt.sm_count(device))), _cdiv(rows, 8 * nb))
-    return (_FV, _gemv_tc(_tag(a), quant_type, nested, nb), grid, 32 * _GT_WARPS, tuple(args),
-            _gt_smem(nb, device), _GT_SLOTS)
+    expr = _gemv_tc(_tag(a), quant_type, nested, nb)
+    return (_FV, expr, grid, 32 * _GT_WARPS, kernel_args(expr, **named), _gt_smem(nb, device), _GT_SLOTS)
+
+
+def _nested_named(nested: Nested | None, suffix: str = "", suffix2: str = "") -> dict[str, Any]:
+    """The double-quantization arguments by name (absmax2, code2, offset; None when not nested)."""
+    return {f"absmax2{suffix2}": nested.absmax2 if nested else None, f"code2{suffix2}": nested.code2 if nested else None,
+            f"offset{suffix}": nested.offset if nested else None}
 
 
 # bnb_gemm.cu (gemv_4bit for more than _GM_MIN_ROWS rows): threads, tile row pitch (the generated
@@ -358,11 +365,10 @@ def _gemm4_launch(device, a, packed, absmax, nested, out, *, rows, n, k, blocksi
     sms = rt.sm_count(device)
     bn = rt.tune("gm_bn", 0) or next((t for t in (128, 64) if _cdiv(n, t) * _cdiv(rows, bm) >= sms), 32)
     smem = _gm_smem(bm, bn, _gm_stages(bm, bn))
-    nest = (ptr_arg(nested.absmax2), ptr_arg(nested.code2), ptr_arg(nested.offset)) if nested else (NULL,) * 3
-    args = (ptr_arg(a), ptr_arg(packed), ptr_arg(absmax)) + nest + (
-        ptr_arg(out) if out is not None else NULL, i64(ldo), i32(rows), i64(n), i64(k), i32(_log2(blocksize)))
-    return (_FM, _gemm4(_tag(a), quant_type, nested is not None, bm, bn), (_cdiv(n, bn), _cdiv(rows, bm)),
-            _GM_THREADS, args, smem, _GEMV_SLOTS)
+    expr = _gemm4(_tag(a), quant_type, nested is not None, bm, bn)
+    args = kernel_args(expr, a=a, packed=packed, absmax=absmax, **_nested_named(nested), out=out, ldo=ldo, rows=rows,
+                       n=n, k=k, log2bs=_log2(blocksize))
+    return _FM, expr, (_cdiv(n, bn), _cdiv(rows, bm)), _GM_THREADS, args, smem, _GEMV_SLOTS
 
 
 def _gemv_launch(device, a, packed, absmax, out, *, rows, n, k, blocksize, quant_type, nested):
@@ -375,9 +381,8 @@ def _gemv_launch(device, a, packed, absmax, out, *, rows, n, k, blocksize, quant
     if _gemv_tc_takes_input(device, dt, a, rows, k) and _gemv_tc_takes_weight(packed, blocksize):
         return _gemv_tc_launch(device, a, [(packed, absmax, nested, n)], out, rows=rows, k=k,
                                blocksize=blocksize, quant_type=quant_type, ldo=n)
-    nest = (ptr_arg(nested.absmax2), ptr_arg(nested.code2), ptr_arg(nested.offset)) if nested else (NULL,) * 3
-    common = (ptr_arg(a), ptr_arg(packed), ptr_arg(absmax)) + nest + (
-        ptr_arg(out) if out is not None else NULL, i32(rows), i64(n), i64(k), i32(_log2(blocksize)))
+    common = {"a": a, "packed": packed, "absmax": absmax, **_nested_named(nested), "out": out, "rows": rows, "n": n,
+              "k": k, "log2bs": _log2(blocksize)}
     sms = rt.sm_count(device)
     # bytes per lane and super-piece: 8 (a super-piece of 64 elements) unless a block or the
     # row length only allows 32
@@ -388,25 +393,28 @@ def _gemv_launch(device, a, packed, absmax, out, *, rows, n, k, blocksize, quant
         ngroups = _cdiv(_cdiv(n, 16), _GEMV_WARPS // ksplit)
         cap = rt.tune("gemv_ctas_per_sm", 0) or 2
         grid = (min(ngroups, cap * sms), _cdiv(rows, 8))
-        return (_F4, _gemv_mma(_tag(a), quant_type, nested is not None, v), grid, 32 * _GEMV_WARPS,
-                common + (i32(ksplit),), _GEMV_SMEM, _GEMV_SLOTS)
-    grid = (min(_cdiv(n, 8), 16 * sms), _cdiv(rows, 8))
-    return _F4, _gemv(_tag(a), quant_type, nested is not None), grid, 256, common, 0, _GEMV_SLOTS
+        expr = _gemv_mma(_tag(a), quant_type, nested is not None, v)
+        return (_F4, expr, grid, 32 * _GEMV_WARPS, kernel_args(expr, **common, ksplit=ksplit), _GEMV_SMEM,
+                _GEMV_SLOTS)
+    threads = _G["QC_GEMV_SIMPLE_THREADS"]  # a warp per weight row
+    grid = (min(_cdiv(n, threads // 32), 16 * sms), _cdiv(rows, 8))
+    expr = _gemv(_tag(a), quant_type, nested is not None)
+    return _F4, expr, grid, threads, kernel_args(expr, **common), 0, _GEMV_SLOTS
 
 
 # -- dequantize_4bit: the launch (shared by the launcher and the eager launch plans) ---------------------
 #: positions of packed and out in the dequantize kernel's parameter list
-_DEQUANT_SLOTS = (0, 5)
+_DEQUANT_SLOTS = tuple(arg_index("dequantize_4bit_kernel", a) for a in ("packed", "out"))
 
 
 def _dequantize_launch(device, packed, absmax, out, *, n, tag, out_aligned, blocksize, quant_type, nested):
     """(file, kernel, grid, block, arguments) of dequantize_4bit; ``out`` None leaves its pointer 0
     (a plan fills it per call) and ``out_aligned`` says whether it is 16-byte aligned."""
     vec = aligned(packed, 4) and out_aligned
-    nest = (ptr_arg(nested.absmax2), ptr_arg(nested.code2), ptr_arg(nested.offset)) if nested else (NULL,) * 3
     grid = _resident(device, _cdiv(_cdiv(n, 8), _DEQUANT_THREADS * _DEQUANT_WORDS), 2048 // _DEQUANT_THREADS)
-    return (_F4, _dq4(tag, quant_type, nested is not None), (grid,), _DEQUANT_THREADS,
-            (ptr_arg(packed), ptr_arg(absmax)) + nest + (ptr_arg(out) if out is not None else NULL, i64(n),
-                                                         i32(_log2(blocksize)), i32(vec)))
+    expr = _dq4(tag, quant_type, nested is not None)
+    return (_F4, expr, (grid,), _DEQUANT_THREADS,
+            kernel_args(expr, packed=packed, absmax=absmax, **_nested_named(nested), out=out, n=n,
+                        log2bs=_log2(blocksize), vec=vec))
 
 

@@ -10,10 +10,11 @@ from quantcore.formats import ggml
 from quantcore.formats.kernel_defines import (
     W4A8_TC_GEOMETRY,
 )
+from quantcore.formats.kernel_interface import arg_index
 
 from . import runtime as rt
 from .common import _FG, GGML_FMT, TYPE_TAG, _b, _cdiv, _tag
-from .runtime import NULL, Launcher, aligned, i32, i64, ptr_arg
+from .runtime import Launcher, aligned, kernel_args
 
 #: gemm_w4a8_tc_kernel configurations (MT, WGM, WGN, WGK, ST), widest tile first: WGM x WGN x WGK warps
 #: (rows x columns x K), a warp 16 MT rows x 32 columns, the CTA tile 16 MT WGM x 32 WGN, ST stages
@@ -22,7 +23,10 @@ _W4T_TILES = ((4, 2, 4, 1, 3), (2, 4, 2, 1, 4), (2, 2, 2, 2, 6), (1, 2, 1, 4, 4)
 #: n = 4096, docs/performance.md "W4A8 prefill"); the launcher takes the smallest
 #: waves x BM x BN x cost (waves of one CTA per multiprocessor); w4t_tile=i forces one
 _W4T_COST = (1.0, 1.14, 1.41, 1.92)
-_W4_STREAM_WARPS, _W4_STREAM_ROWS = 16, 16  # gemm_w4a8_stream_kernel: kWsWarps (+ 1 producer for LD 0), kWsRows
+# gemm_w4a8_stream_kernel: kWsWarps (+ 1 producer for LD 0), kWsRows
+_W4_STREAM_WARPS, _W4_STREAM_ROWS = W4A8_TC_GEOMETRY["QC_WS_WARPS"], W4A8_TC_GEOMETRY["QC_WS_ROWS"]
+#: threads per CTA of the codecs and the activation pass (one block each)
+_THREADS = W4A8_TC_GEOMETRY["QC_GGML_THREADS"]
 _W4_SMEM_MAX = 227 * 1024  # dynamic shared memory per CTA on sm_90
 #: gemm_w4a8_stream_kernel launches kept per (device, M, N, K, activation dtype, its 16-byte alignment,
 #: QUANTCORE_CUDA_TUNE): everything of the launch but the three array pointers
@@ -85,8 +89,9 @@ class GgmlOps:
     def _quantize_ggml(self, fmt, x, out):
         nblocks = rt.numel(x) // ggml.QK
         if nblocks:
-            Launcher(x)(_FG, _qg(_tag(x), fmt), (_cdiv(nblocks, 256),), 256,
-                        (ptr_arg(x), ptr_arg(out), i64(nblocks), i32(aligned(x, 16)), i32(aligned(out, 2))))
+            expr = _qg(_tag(x), fmt)
+            Launcher(x)(_FG, expr, (_cdiv(nblocks, _THREADS),), _THREADS,
+                        kernel_args(expr, x=x, out=out, nblocks=nblocks, vec=aligned(x, 16), aligned2=aligned(out, 2)))
 
     def quantize_q4_0(self, w, out):
         self._quantize_ggml("q4_0", w, out)
@@ -100,8 +105,9 @@ class GgmlOps:
     def dequantize_ggml(self, q, out, *, fmt):
         nblocks = rt.numel(out) // ggml.QK
         if nblocks:
-            Launcher(out)(_FG, _dqg(_tag(out), fmt), (_cdiv(nblocks * 4, 256),), 256,
-                          (ptr_arg(q), ptr_arg(out), i64(nblocks), i32(aligned(out, 16))))
+            expr = _dqg(_tag(out), fmt)
+            Launcher(out)(_FG, expr, (_cdiv(nblocks * 4, _THREADS),), _THREADS,
+                          kernel_args(expr, q=q, out=out, nblocks=nblocks, vec=aligned(out, 16)))
 
     def _gemm(self, wq, act, out, quantize: bool, tag: str, n_rows: int, aligned4: bool):
         """gemm_w4a8_tc_kernel: the activation as Q8_1 values into a workspace (w4a8_tc_act_kernel:
@@ -117,8 +123,9 @@ class GgmlOps:
         nbp = _cdiv(nb, g["QC_W4T_BK"]) * g["QC_W4T_BK"]
         ws = self.empty((npad * nbp * g["QC_W4T_WS_BLOCK_BYTES"],), "uint8", like=wq)  # quants, (d8, -d8 1.5 2^23), s
         vec = aligned(act, 16) if quantize else False
-        launch(_FG, _w4t_act(tag, quantize), (npad * nbp // 256,), 256,
-               (ptr_arg(act), ptr_arg(ws), i32(n_rows), i64(nb), i32(npad), i64(nbp), i32(vec), i32(aligned4)))
+        expr = _w4t_act(tag, quantize)
+        launch(_FG, expr, (_cdiv(npad * nbp, _THREADS),), _THREADS,
+               kernel_args(expr, x=act, ws=ws, n=n_rows, nb=nb, npad=npad, nbp=nbp, vec=vec, aligned4=aligned4))
         forced = rt.tune("w4t_tile", -1)
         if 0 <= forced < len(_W4T_TILES):
             tile = _W4T_TILES[forced]
@@ -134,8 +141,8 @@ class GgmlOps:
         wfast = nb % g["QC_W4T_BK"] == 0 and aligned(wq, 16)
         ovec = n_rows % 2 == 0 and aligned(out, 8)
         launch(_FG, _w4t(tile), (_cdiv(m, bm), _cdiv(n_rows, bn)), threads,
-               (ptr_arg(wq), ptr_arg(ws), ptr_arg(out), i64(m), i32(n_rows), i64(nb), i32(npad), i64(nbp),
-                i32(wfast), i32(ovec)), shared_mem=smem)
+               kernel_args(_w4t(tile), wq=wq, ws=ws, out=out, m=m, n=n_rows, nb=nb, npad=npad, nbp=nbp, wfast=wfast,
+                           ovec=ovec), shared_mem=smem)
 
     def gemm_q4_0_q8_1(self, wq, aq, out):
         self._gemm(wq, aq, out, False, TYPE_TAG["float32"], int(aq.shape[0]), aligned(aq, 4))
@@ -181,7 +188,7 @@ class GgmlOps:
         waves = {1: sms, 2: sms // 2, 4: sms * 7 // 32}[cl]
         ntiles = _cdiv(m, _W4_STREAM_ROWS)
         tpc = _cdiv(ntiles, max(1, waves))
-        fixed = kbs * nb * 40 + (2 * 16 + tpc) * _W4_STREAM_ROWS * nb * 4
+        fixed = kbs * nb * 40 + (2 * _W4_STREAM_WARPS + tpc) * _W4_STREAM_ROWS * nb * 4
         # Blocks per stage row. The time grows with the number of stages per CTA (measured:
         # docs/performance.md, the W4A8 N <= 8 log), so LD 0 takes the largest that leaves 2 stages. LD 1 runs nstage - 2 stages ahead, so
         # kc is halved until those hold w4s_fly bytes (or the ring is at its depth cap, where
@@ -198,14 +205,16 @@ class GgmlOps:
         if nstage >= 2:
             spec = (_FG, _gemm_small(_tag(a), (nb, cl, ld)), (cl * _cdiv(ntiles, tpc),),
                     32 * (_W4_STREAM_WARPS + 1 - ld))
-            geometry = (i64(m), i32(n), i64(k), i32(kbs), i32(kc), i32(nstage), i32(tpc), i32(aligned(a, 16)))
+            geometry = {"m": m, "n": n, "k": k, "kbs": kbs, "kc": kc, "nstage": nstage, "tpc": tpc,
+                        "vec": aligned(a, 16)}
             smem = fixed + nstage * stage
-            launch(*spec, (ptr_arg(wq), ptr_arg(a), ptr_arg(out)) + geometry, shared_mem=smem)
+            launch(*spec, kernel_args(spec[1], wq=wq, act=a, out=out, **geometry), shared_mem=smem)
             if stream is not None:
                 if len(_W4_LAUNCHES) >= _W4_MAX_LAUNCHES:
                     _W4_LAUNCHES.clear()
-                _W4_LAUNCHES[key] = rt.PlannedLaunch(launch.device, *spec, (NULL,) * 3 + geometry,
-                                                     shared_mem=smem, slots=(0, 1, 2))
+                _W4_LAUNCHES[key] = rt.PlannedLaunch(
+                    launch.device, *spec, kernel_args(spec[1], wq=None, act=None, out=None, **geometry),
+                    shared_mem=smem, slots=tuple(arg_index(spec[1], p) for p in ("wq", "act", "out")))
             return True
         return False
 

@@ -38,6 +38,7 @@ from quantcore.formats import kernel_defines, mx
 
 from . import runtime as rt
 from .common import empty
+from .runtime import kernel_args
 
 QUANT_SOURCE = "mx_quant.cu"
 GEMM_SOURCE = "mx_gemm.cu"
@@ -47,11 +48,13 @@ GEMM_MODE_ENV = "QUANTCORE_CUDA_MX_GEMM"
 #: (dequantize + cuBLAS), "wgmma" / "mma" (the fused kernel's two back ends: wgmma on compute
 #: capability 9.0, mma.sync on 8.x and others).
 GEMM_MODES = ("auto", "panel", "wgmma", "mma")
-THREADS = 256
-#: Dynamic shared memory of the GEMM kernels (kSmemBytes in mx_gemm.cu; the tests check the
-#: kernel reports the same number).
-GEMM_SMEM_BYTES = 1024 + 3 * 128 * 128 + 4 * (256 * 64 + 128 * 64 + 4 * 512 + 2 * 512) + 1024
-GEMM_BM, GEMM_BN, GEMM_GROUP_M = 256, 128, 8
+_MXG = kernel_defines.MX_KERNEL_GEOMETRY  # generated into the kernels' header too
+#: threads per CTA of quantize version 1, swizzle, unswizzle and the bias fill
+THREADS = _MXG["QC_MX_THREADS"]
+#: Dynamic shared memory of the GEMM kernels (mx_gemm.cu asserts its kSmemBytes equals it), its
+#: output tile and CTA raster group.
+GEMM_SMEM_BYTES = _MXG["QC_MXG_SMEM_BYTES"]
+GEMM_BM, GEMM_BN, GEMM_GROUP_M = _MXG["QC_MXG_BM"], _MXG["QC_MXG_BN"], _MXG["QC_MXG_GROUP_M"]
 
 
 #: the GEMM's timing experiments per back end (entry-point suffixes, compiled only with
@@ -87,7 +90,7 @@ def compile_cubin(source: str, arch: str, use_cache: bool = True, timing: bool =
     comp = rt.nvrtc()
     contents, names = headers()
     text = kernel_text(source)
-    options = [*rt.COMPILE_OPTIONS, f"-DQCMX_EXPECT_SMEM={GEMM_SMEM_BYTES}", f"--gpu-architecture={arch}",
+    options = [*rt.COMPILE_OPTIONS, f"--gpu-architecture={arch}",
                *(["-DQCMX_TIMING_VARIANTS"] if timing else [])]
     key = cache.digest(text, *contents, *names, *options, repr(comp.version))
     name = f"{os.path.splitext(source)[0]}{'-timing' if timing else ''}-{arch}-{key}.cubin"
@@ -190,10 +193,6 @@ def _grid2(cols: int, rows: int, per_thread_cols: int = 1) -> tuple[tuple[int, i
     return (-(-tcols // bx), max(gy, 1), 1), (bx, by, 1)
 
 
-def _u64(v: int) -> np.uint64:
-    return np.uint64(v)
-
-
 # -- ops -------------------------------------------------------------------------------------------------
 #: Kernel version of mx_quantize per (format, input dtype): 2 (cp.async-staged tiles, persistent
 #: grid) or 1 (one thread per block straight from global memory), whichever was faster in the
@@ -217,10 +216,11 @@ QUANT2_CTAS_DEFAULT = {("mxfp4", "bfloat16"): 1, ("nvfp4", "bfloat16"): 2}
 #: version 1 (194 us), so it stays opt-in. ``QUANTCORE_CUDA_TUNE=mx_quant_layout=N`` picks a
 #: layout; ``mx_quant_sst=0`` stores NVFP4's scales a byte at a time (timing comparisons).
 QUANT2_LAYOUT_DEFAULT = {"nvfp4": 1}
-#: Threads and dynamic shared memory of version 2 (kStages * 256 units * 32 elements * bytes per
-#: element in mx_quant.cu: 4 stages of 16-bit input, 2 of fp32 = 64 KiB either way).
-QUANT2_THREADS = 256
-QUANT2_SMEM = {"float32": 2 * 256 * 32 * 4, "float16": 4 * 256 * 32 * 2, "bfloat16": 4 * 256 * 32 * 2}
+#: Threads and dynamic shared memory of version 2 (ring stages x threads (units) x 32 elements x
+#: bytes per element: 4 stages of 16-bit input, 2 of fp32 = 64 KiB either way).
+QUANT2_THREADS = _MXG["QC_MXQ2_THREADS"]
+QUANT2_SMEM = {dt: _MXG[f"QC_MXQ2_STAGES_{bits}"] * QUANT2_THREADS * 32 * bits // 8
+               for dt, bits in (("float32", 32), ("float16", 16), ("bfloat16", 16))}
 _occupancy: dict[tuple[int, str], int] = {}
 
 
@@ -273,17 +273,16 @@ def mx_quantize(be, x, codes, scales, *, rows: int, cols: int, fmt: str, scale_m
         ntiles = prow // 128 * (ncols // 4) if tag == "b" else -(-nunits // QUANT2_THREADS)
         grid = _quant2_grid(dev, fn, name, smem, ntiles, QUANT2_CTAS_DEFAULT.get((fmt, dt), 0))
         shift = ncols.bit_length() - 1 if ncols & (ncols - 1) == 0 else -1
-        args = (_u64(ptr(x)), _u64(ptr(codes)), _u64(ptr(scales)), _u64(ptr(global_scale)), np.uint32(nunits),
-                np.uint32(rows), np.uint32(ncols), np.int32(shift), np.uint32(prow), np.uint32(pcols),
-                np.int32(bool(swizzled)), np.int32(mode))
+        args = kernel_args(name, x=ptr(x), codes=ptr(codes), scales=ptr(scales), gscale=ptr(global_scale),
+                           nunits=nunits, rows=rows, ncols=ncols, ncols_shift=shift, prow=prow, pcols=pcols,
+                           swizzled=bool(swizzled), mode=mode)
         rt.Launcher(x).run(fn, name, (grid, 1, 1), (QUANT2_THREADS, 1, 1), args, smem)
         return
     name = f"qc_mx_quantize_{fmt}_{dt}"
     fn = function(dev, QUANT_SOURCE, quant_arch(dev), name)
     grid, block = _grid2(pcols, prow)
-    args = (_u64(ptr(x)), _u64(ptr(codes)), _u64(ptr(scales)), _u64(ptr(global_scale)), np.int64(rows),
-            np.int32(ncols), np.int64(prow), np.int32(pcols), np.int32(bool(swizzled)), np.int32(rceil),
-            np.int32(vec))
+    args = kernel_args(name, x=ptr(x), codes=ptr(codes), scales=ptr(scales), gscale=ptr(global_scale), rows=rows,
+                       ncols=ncols, prow=prow, pcols=pcols, swizzled=bool(swizzled), rceil=rceil, vec=vec)
     rt.Launcher(x).run(fn, name, grid, block, args)
 
 
@@ -354,9 +353,10 @@ def _dequantize_launch(launcher: rt.Launcher, dev: int, pc: int, ps: int, po: in
         s_off = r0 // mx.SWIZZLE_ROWS * tile_row_bytes if swizzled else r0 * ncols
         grid, sstep = dequantize_grid(nchunks, chunks_per_row, _occupancy_grid(dev, fn, name, DQ_THREADS, 0, 1 << 30),
                                       tile_row_bytes if swizzled else 0)
-        args = (_u64(pc + r0 * cols * code_bytes // per_chunk), _u64(ps + s_off), _u64(po + r0 * cols * item),
-                _u64(pg), np.uint32(nchunks), np.uint32(ncols), np.uint32(mul), np.uint32(shift),
-                np.uint32(tile_row_bytes), np.uint32(sstep), np.int32(bool(swizzled)), np.int32(vec))
+        args = kernel_args(name, codes=pc + r0 * cols * code_bytes // per_chunk, scales=ps + s_off,
+                           out=po + r0 * cols * item, gscale=pg, nchunks=nchunks, ncols=ncols, div_mul=mul,
+                           div_shift=shift, tile_row_bytes=tile_row_bytes, sstep=sstep, swizzled=bool(swizzled),
+                           vec=vec)
         launcher.run(fn, name, (grid, 1, 1), (DQ_THREADS, 1, 1), args)
 
 
@@ -374,8 +374,8 @@ def swizzle_scales(be, scales, out, *, rows: int, cols: int) -> None:
     prow, pcols = mx.swizzled_shape(rows, cols)
     fn = function(dev, QUANT_SOURCE, quant_arch(dev), "qc_mx_swizzle")
     grid, block = _grid2(pcols, prow, per_thread_cols=4)
-    args = (_u64(ptr(scales)), _u64(ptr(out)), np.int64(rows), np.int32(cols), np.int64(prow),
-            np.int32(pcols), np.int32(ptr(out) % 4 == 0))
+    args = kernel_args("qc_mx_swizzle", s=ptr(scales), out=ptr(out), rows=rows, cols=cols, prow=prow, pcols=pcols,
+                       aligned=ptr(out) % 4 == 0)
     rt.Launcher(out).run(fn, "qc_mx_swizzle", grid, block, args)
 
 
@@ -385,8 +385,8 @@ def unswizzle_scales(be, swz, out, *, rows: int, cols: int) -> None:
     pcols = mx.swizzled_shape(rows, cols)[1]
     fn = function(dev, QUANT_SOURCE, quant_arch(dev), "qc_mx_unswizzle")
     grid, block = _grid2(cols, rows, per_thread_cols=4)
-    args = (_u64(ptr(swz)), _u64(ptr(out)), np.int64(rows), np.int32(cols), np.int32(pcols),
-            np.int32(ptr(swz) % 4 == 0))
+    args = kernel_args("qc_mx_unswizzle", swz=ptr(swz), out=ptr(out), rows=rows, cols=cols, pcols=pcols,
+                       aligned=ptr(swz) % 4 == 0)
     rt.Launcher(out).run(fn, "qc_mx_unswizzle", grid, block, args)
 
 
@@ -459,8 +459,8 @@ def _scaled_fp4_mm_panel(be, dev: int, a, b, scale_a, scale_b, alpha, bias, out,
         # beta (device fp32) = 1 over the bias rows written into out, else 0
         fill = function(dev, QUANT_SOURCE, quant_arch(dev), "qc_mx_mm_bias_fill")
         grid = max(1, min(m, rt.sm_count(dev) * 8)) if bias is not None else 1
-        launcher.run(fill, "qc_mx_mm_bias_fill", (grid, 1, 1), (256, 1, 1),
-                     (_u64(ptr(bias)), _u64(ptr(out)), _u64(pw), _u64(m), np.uint32(n)))
+        launcher.run(fill, "qc_mx_mm_bias_fill", (grid, 1, 1), (THREADS, 1, 1),
+                     kernel_args("qc_mx_mm_bias_fill", bias=ptr(bias), out=ptr(out), beta=pw, m=m, n=n))
 
         def dequant(pc: int, ps: int, dst: int, r0: int, rows: int) -> None:
             _dequantize_launch(launcher, dev, pc + r0 * k // 2, ps + r0 // mx.SWIZZLE_ROWS * srow, dst, 0,
@@ -520,9 +520,9 @@ def scaled_fp4_mm(be, a, b, scale_a, scale_b, alpha, bias, out, *, m: int, n: in
     flags = int(n % 2 == 0 and ptr(out) % 4 == 0)  # bit 0: bf16 pairs may be stored
     if wgmma and fmt == "mxfp4" and cpw == 16 and not variant and rt.tune("mx_gemm_f16", 1):
         flags |= 2  # the fp16 decode where the CTA's scales allow it (mx_gemm.cu, kE8F16Lo)
-    args = (_u64(ptrs[0]), _u64(ptrs[1]), _u64(ptrs[2]), _u64(ptrs[3]), _u64(ptr(alpha)), _u64(ptr(bias)),
-            _u64(ptr(out)), np.int32(m), np.int32(n), np.int32(k), np.int32(flags))
     name = gemm_kernel_name(fmt, wgmma, cpw) + variant
+    args = kernel_args(name, a=ptrs[0], b=ptrs[1], scale_a=ptrs[2], scale_b=ptrs[3], alpha=ptr(alpha), bias=ptr(bias),
+                       out=ptr(out), m=m, n=n, k=k, flags=flags)
     fn = function(dev, GEMM_SOURCE, arch, name, GEMM_SMEM_BYTES, timing=bool(variant))
     rt.Launcher(out).run(fn, name, (ntiles, 1, 1), (THREADS, 1, 1), args, GEMM_SMEM_BYTES)
 
@@ -577,9 +577,9 @@ def linear_mx(be, x, codes, scales, out, *, n: int, k: int, fmt: str, swizzled: 
         name = gemv_kernel_name(fmt, dt, nb)
         fn = function(dev, GEMV_SOURCE, quant_arch(dev), name)
         grid = -(-n // kernel_defines.mx_gemv_rows(nb))
-        args = (_u64(ptr(x) + b0 * k * xsize), _u64(ptr(codes)), _u64(ptr(scales)), _u64(ptr(global_scale)),
-                _u64(ptr(out) + b0 * n * osize), np.int32(nrows), np.int32(n), np.int32(k), np.int32(pcols),
-                np.int32(flags))
+        args = kernel_args(name, x=ptr(x) + b0 * k * xsize, codes=ptr(codes), scales=ptr(scales),
+                           gscale=ptr(global_scale), out=ptr(out) + b0 * n * osize, nrows=nrows, n=n, k=k, pcols=pcols,
+                           flags=flags)
         rt.Launcher(out).run(fn, name, (grid, 1, 1), (GEMV_THREADS, 1, 1), args)
 
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from quantcore import cache
 from quantcore.errors import BackendUnavailableError, DeviceError, KernelError
-from quantcore.formats import kernel_defines
+from quantcore.formats import kernel_defines, kernel_interface
 
 #: the options every kernel is compiled with (besides the architecture and include paths):
 #: IEEE arithmetic with subnormals, no a*b+c contraction (kernels write fmaf where they want it)
@@ -457,6 +457,35 @@ def i64(v: int) -> np.int64:
 
 def i32(v: int) -> np.int32:
     return np.int32(v)
+
+
+_TO_NUMPY = {"i32": np.int32, "i64": np.int64, "u32": np.uint32, "u64": np.uint64, "f32": np.float32}
+
+
+def _kernel_value(kernel: str, arg: kernel_interface.Arg, v: Any) -> np.generic:
+    if arg.is_pointer:
+        if v is None:
+            return NULL
+        return np.uint64(v) if isinstance(v, int | np.integer) else np.uint64(pointer(v))  # an address, or an array
+    if arg.kind == "f32" or isinstance(v, int | np.integer):  # bools are ints: flags
+        return _TO_NUMPY[arg.kind](v)
+    raise TypeError(f"{kernel}: argument {arg.name} ({arg.type}) takes an integer, got {type(v).__name__} {v!r}")
+
+
+def kernel_args(kernel: str, **values: Any) -> tuple[np.generic, ...]:
+    """The argument tuple of the CUDA kernel ``kernel`` (its name expression, or its declared family
+    name) from named values: ordered and converted as quantcore/formats/kernel_interface.py declares
+    its parameters (pointers: an array, a raw address or None; integers and floats to their
+    declared width). A missing or unknown name raises TypeError."""
+    declared = kernel_interface.CUDA_KERNELS[kernel_interface.cuda_kernel(kernel)]
+    if len(values) != len(declared) or any(a.name not in values for a in declared):
+        names = [a.name for a in declared]
+        missing = [n for n in names if n not in values]
+        extra = [n for n in values if n not in names]
+        raise TypeError(f"{kernel}: " + "; ".join(
+            ([f"missing: {', '.join(missing)}"] if missing else [])
+            + ([f"not parameters of {kernel_interface.cuda_kernel(kernel)}: {', '.join(extra)}"] if extra else [])))
+    return tuple(_kernel_value(kernel, a, values[a.name]) for a in declared)
 
 
 def aligned(x: Any, nbytes: int) -> bool:

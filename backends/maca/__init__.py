@@ -25,39 +25,13 @@ from quantcore import ops
 from quantcore.arrays import array_kind, as_dtype, device_of, dtype_name
 from quantcore.backend import Availability, Backend, Nested
 from quantcore.errors import BackendUnavailableError, DeviceError, KernelError
-from quantcore.formats import ggml, mx
-from quantcore.formats.kernel_defines import DTYPE_CODE, QUANT_TYPE_CODE, TILED_MIN_ROWS
+from quantcore.formats import ggml, kernel_interface, mx
+from quantcore.formats.kernel_defines import DTYPE_CODE, GGML_FORMAT_CODE, QUANT_TYPE_CODE, TILED_MIN_ROWS
 
 from . import build
 
 COMPAT_MODE = "validated through the CUDA compatibility header"
 MXCC_MODE = "MetaX MACA (mxcc)"
-
-_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-#: Launcher arguments (the mcStream_t that ends each list is added below).
-_SIGNATURES = {
-    "quantize_4bit": (_P, _I, _P, _P, _L, _I, _I),
-    "dequantize_4bit": (_P, _P, _P, _P, _P, _P, _I, _L, _I, _I),
-    "double_quantize": (_P, _P, _P, _P, _L),
-    "quantize_blockwise": (_P, _I, _P, _P, _P, _L, _I),
-    "dequantize_blockwise": (_P, _P, _P, _P, _I, _L, _I),
-    "gemv_4bit": (_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I),
-    "gemv_4bit_tiled": (_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I),
-    "quantize_q4_0": (_P, _I, _P, _L),
-    "quantize_q8_0": (_P, _I, _P, _L),
-    "quantize_q8_1": (_P, _I, _P, _L),
-    "dequantize_ggml": (_P, _I, _P, _I, _L),
-    "gemm_q4_0_q8_1": (_P, _P, _P, _I, _I, _I),
-    "gemm_w4a8": (_P, _P, _I, _P, _I, _I, _I),
-    "gemm_q4_0_q8_1_tiled": (_P, _P, _P, _I, _I, _I),
-    "mx_quantize": (_P, _I, _P, _P, _L, _L, _I, _I, _I, _P),
-    "mx_dequantize": (_P, _P, _P, _I, _L, _L, _I, _I, _P),
-    "swizzle_scales": (_P, _P, _L, _L),
-    "unswizzle_scales": (_P, _P, _L, _L),
-    "scaled_fp4_mm": (_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I),
-    "linear_mx": (_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I),
-}
-
 
 def _torch():
     import torch
@@ -81,15 +55,10 @@ def _load_library(path: str, toolchain: build.Toolchain) -> ctypes.CDLL:
     if toolchain.mode == build.MODE_MXCC:  # make the MACA runtime resolvable without LD_LIBRARY_PATH
         ctypes.CDLL(f"{toolchain.maca_path}/lib/libmcruntime.so", mode=ctypes.RTLD_GLOBAL)
     lib = ctypes.CDLL(path)
-    for op, args in _SIGNATURES.items():
-        fn = getattr(lib, f"qc_maca_{op}")
-        fn.argtypes = [*args, _P]
-        fn.restype = _I
-    lib.qc_maca_error_string.argtypes, lib.qc_maca_error_string.restype = [_I], ctypes.c_char_p
-    lib.qc_maca_wave_size.argtypes, lib.qc_maca_wave_size.restype = [], _I
-    for name in ("qc_maca_device_wave_size", "qc_maca_device_shared_memory"):
-        getattr(lib, name).argtypes, getattr(lib, name).restype = [_I, ctypes.POINTER(_I)], _I
-    lib.qc_maca_set_device.argtypes, lib.qc_maca_set_device.restype = [_I], _I
+    # every launcher's result and argument types, from the one declaration of the kernel interface
+    for name, (res, args) in kernel_interface.ctypes_signatures(kernel_interface.MACA).items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
     return lib
 
 
@@ -172,7 +141,7 @@ class MacaBackend(Backend):
     def _check_wave_size(self, lib: ctypes.CDLL) -> None:
         compiled = lib.qc_maca_wave_size()
         for dev in range(_torch().cuda.device_count()):
-            reported = _I(0)
+            reported = ctypes.c_int(0)
             self._check(lib, "device_wave_size", lib.qc_maca_device_wave_size(dev, ctypes.byref(reported)))
             if reported.value != compiled:
                 raise KernelError(f"maca: the kernels were compiled for {compiled}-lane waves but "
@@ -287,7 +256,7 @@ class MacaBackend(Backend):
         self._launch("quantize_q8_1", out, a, _dtype_code(a), out, a.numel() // ggml.QK)
 
     def dequantize_ggml(self, q, out, *, fmt):
-        self._launch("dequantize_ggml", out, q, ggml.BLOCK_BYTES[fmt], out, _dtype_code(out),
+        self._launch("dequantize_ggml", out, q, GGML_FORMAT_CODE[fmt], out, _dtype_code(out),
                      out.numel() // ggml.QK)
 
     def _gemm(self, wq, act, out, quantized: bool) -> None:

@@ -30,8 +30,8 @@ from quantcore import ops
 from quantcore.arrays import array_kind, as_dtype, device_of, dtype_name
 from quantcore.backend import Availability, Backend, Nested
 from quantcore.errors import BackendUnavailableError, DeviceError, ParameterError
-from quantcore.formats import bnb, ggml
-from quantcore.formats.kernel_defines import QUANT_TYPE_CODE, TILED_GEOMETRY, TILED_MIN_ROWS
+from quantcore.formats import bnb, ggml, kernel_interface
+from quantcore.formats.kernel_defines import GGML_FORMAT_CODE, QUANT_TYPE_CODE, TILED_GEOMETRY, TILED_MIN_ROWS
 
 from . import runtime
 from .arrays import SyclArray
@@ -40,7 +40,6 @@ __all__ = ["SyclArray", "SyclBackend", "asarray", "create"]
 
 G = runtime.GEOMETRY
 T = TILED_GEOMETRY  #: the many-rows kernels' tiles (kernels_sycl/tiled.hpp), from the generated header
-_KERNEL_DTYPE = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
 
 def asarray(obj: Any, shape: tuple[int, ...] | None = None, dtype: Any = None) -> SyclArray:
@@ -53,7 +52,7 @@ def asarray(obj: Any, shape: tuple[int, ...] | None = None, dtype: Any = None) -
 
 
 def _kdt(x: SyclArray) -> str:
-    return _KERNEL_DTYPE[dtype_name(x.dtype)]
+    return kernel_interface.SYCL_SUFFIX[dtype_name(x.dtype)]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -279,8 +278,8 @@ class SyclBackend(Backend):
     @staticmethod
     def _absmax_args(absmax: SyclArray, nested: Nested | None) -> tuple:
         if nested is None:
-            return (absmax, None, None, None, None)
-        return (None, absmax, nested.absmax2, nested.code2, nested.offset)
+            return (absmax, None, None, None)
+        return (absmax, nested.absmax2, nested.code2, nested.offset)
 
     @staticmethod
     def _quantize_geometry(n: int, blocksize: int) -> tuple[int, int]:
@@ -303,7 +302,7 @@ class SyclBackend(Backend):
         per_item, groups = self._quantize_geometry(x.size, blocksize)
         with self._launch(packed, x, absmax) as launch:
             launch(f"qc_quantize_4bit_{_kdt(x)}", groups, G["QC_QUANT_WG"], x, packed, absmax, x.size,
-                   blocksize, per_item, QUANT_TYPE_CODE[quant_type])
+                   blocksize, QUANT_TYPE_CODE[quant_type], per_item)
 
     def dequantize_4bit(self, packed, absmax, out, *, blocksize, quant_type, nested):
         n = out.size
@@ -317,8 +316,8 @@ class SyclBackend(Backend):
         per_item, groups = self._quantize_geometry(nb, bnb.NESTED_BLOCKSIZE)
         with self._launch(qabsmax, absmax, absmax2, offset) as launch:
             launch("qc_absmax_mean", 1, G["QC_SUM_WG"], absmax, nb, offset)
-            launch("qc_double_quantize_blocks", groups, G["QC_QUANT_WG"], absmax, offset, qabsmax,
-                   absmax2, nb, per_item)
+            launch("qc_double_quantize", groups, G["QC_QUANT_WG"], absmax, qabsmax, absmax2, offset, nb,
+                   per_item)
 
     def quantize_blockwise(self, x, thresholds, codes, absmax, *, blocksize):
         if thresholds.size != 255:
@@ -351,10 +350,10 @@ class SyclBackend(Backend):
                        G["QC_GEMV_ROWS_PER_WG"] * self.program(out.queue).subgroup_size, *args)
 
     # -- ggml --------------------------------------------------------------------------------------------
-    def _ggml_codec(self, name: str, src: SyclArray, dst: SyclArray, values: int) -> None:
+    def _ggml_codec(self, name: str, src: SyclArray, dst: SyclArray, values: int, *fmt: int) -> None:
         nblocks = values // ggml.QK
         with self._launch(dst, src) as launch:
-            launch(name, _cdiv(nblocks, G["QC_GGML_WG"]), G["QC_GGML_WG"], src, dst, nblocks)
+            launch(name, _cdiv(nblocks, G["QC_GGML_WG"]), G["QC_GGML_WG"], src, *fmt, dst, nblocks)
 
     def quantize_q4_0(self, w, out):
         self._ggml_codec(f"qc_quantize_q4_0_{_kdt(w)}", w, out, w.size)
@@ -368,7 +367,7 @@ class SyclBackend(Backend):
     def dequantize_ggml(self, q, out, *, fmt):
         if fmt not in ggml.BLOCK_BYTES:
             raise ParameterError(f"unknown ggml format {fmt!r}")
-        self._ggml_codec(f"qc_dequantize_{fmt}_{_kdt(out)}", q, out, out.size)
+        self._ggml_codec(f"qc_dequantize_ggml_{_kdt(out)}", q, out, out.size, GGML_FORMAT_CODE[fmt])
 
     def _gemm(self, wq: SyclArray, act: SyclArray, out: SyclArray, quantized: bool) -> None:
         """The W4A8 GEMMs' one dispatch point. N < TILED_MIN_ROWS: the few-rows kernel (one
@@ -420,8 +419,8 @@ class SyclBackend(Backend):
         nblocks = rows * (cols // mx.block_size(fmt))
         wg = G["QC_MX_WG"]
         with self._launch(codes, x, scales, global_scale) as launch:
-            launch(f"qc_mx_quantize_{_kdt(x)}", _cdiv(nblocks, wg), wg, x, codes, scales, global_scale,
-                   rows, cols, code, int(scale_mode == "rceil"), int(bool(swizzled)))
+            launch(f"qc_mx_quantize_{_kdt(x)}", _cdiv(nblocks, wg), wg, x, codes, scales, rows, cols, code,
+                   mx.SCALE_MODE_CODE[scale_mode or "floor"], int(bool(swizzled)), global_scale)
             if swizzled:  # the padding of the 128x4 tiles is written as zeros
                 scols = cols // mx.block_size(fmt)
                 pr, pc = mx.swizzled_shape(rows, scols)
@@ -431,8 +430,8 @@ class SyclBackend(Backend):
         code = self._mx_fmt(fmt)
         wg = G["QC_MX_WG"]
         with self._launch(out, codes, scales, global_scale) as launch:
-            launch(f"qc_mx_dequantize_{_kdt(out)}", _cdiv(rows * cols, wg), wg, codes, scales,
-                   global_scale, out, rows, cols, code, int(bool(swizzled)))
+            launch(f"qc_mx_dequantize_{_kdt(out)}", _cdiv(rows * cols, wg), wg, codes, scales, out, rows,
+                   cols, code, int(bool(swizzled)), global_scale)
 
     def swizzle_scales(self, scales, out, *, rows, cols):
         wg = G["QC_MX_WG"]

@@ -12,8 +12,8 @@ Nothing here imports dpctl at module import time: :func:`setup_opencl_icd` must 
 from __future__ import annotations
 
 import ctypes
+import numbers
 import os
-import re
 import subprocess
 import threading
 from importlib import metadata, resources
@@ -22,20 +22,21 @@ from typing import Any
 
 from quantcore import cache
 from quantcore.errors import BackendUnavailableError, KernelError
-from quantcore.formats import kernel_defines
+from quantcore.formats import kernel_defines, kernel_interface
 
 #: dpctl filter string of the device the backend uses by default (e.g. "opencl:cpu:0", "level_zero:gpu").
 ENV_DEVICE = "QUANTCORE_SYCL_DEVICE"
 #: Where built artefacts are cached (default $XDG_CACHE_HOME/quantcore or ~/.cache/quantcore).
 ENV_CACHE = cache.ENV_CACHE
 
-# Kinds of kernel arguments (keep in sync with ArgKind in shim.cpp).
+# Kinds of kernel arguments (keep in sync with ArgKind in shim.cpp), by the interface's argument kind.
 ARG_PTR, ARG_I32, ARG_I64, ARG_F32 = 0, 1, 2, 3
+_ARG_KINDS = {"ptr": (ARG_PTR, ctypes.c_void_p), "i32": (ARG_I32, ctypes.c_int32),
+              "i64": (ARG_I64, ctypes.c_int64), "f32": (ARG_F32, ctypes.c_float)}
 
 #: The one bundle's root source and the folder of kernel sources (package data).
 KERNEL_PACKAGE = "quantcore.kernels_sycl"
 KERNEL_ROOT = "entry_points.cpp"
-GEOMETRY_HEADER = "launch_geometry.hpp"
 
 #: Build options of the kernel bundle: no FMA contraction and correctly rounded fp32 division,
 #: which the bit-exact tier depends on (see docs/sycl.md, "bit-exactness").
@@ -235,14 +236,9 @@ def kernel_sources() -> tuple[str, dict[str, str]]:
     return folder.joinpath(KERNEL_ROOT).read_text(), includes
 
 
-def launch_geometry() -> dict[str, int]:
-    """The ``#define QC_* <int>`` values of kernels_sycl/launch_geometry.hpp."""
-    text = resources.files(KERNEL_PACKAGE).joinpath(GEOMETRY_HEADER).read_text()
-    return {m.group(1): int(m.group(2))
-            for m in re.finditer(r"^\s*#define\s+(QC_\w+)\s+(\d+)\s*$", text, re.MULTILINE)}
-
-
-GEOMETRY = launch_geometry()
+#: The kernels' launch geometry (generated into their header from the core, kernel_defines), with
+#: the default required sub-group size.
+GEOMETRY = {**kernel_defines.SYCL_GEOMETRY, "QC_SUBGROUP_SIZE": kernel_defines.SYCL_SUBGROUP_SIZE}
 
 
 # -- programs (one compiled bundle per context and device) ----------------------------------------------
@@ -250,10 +246,14 @@ class Program:
     """The kernels of kernels_sycl/ compiled for one queue's context and device."""
 
     def __init__(self, queue: Any, subgroup_size: int, fp64: bool, source: str | None = None,
-                 includes: dict[str, str] | None = None, extra_options: tuple[str, ...] = ()):
+                 includes: dict[str, str] | None = None, extra_options: tuple[str, ...] = (),
+                 interface: dict[str, tuple[kernel_interface.Arg, ...]] | None = None):
         self.shim = shim()
         if source is None:
             source, includes = kernel_sources()
+            interface = kernel_interface.sycl_kernels()
+        #: kernel name -> its declared arguments (kernel_interface); a launch passes each as its kind
+        self.interface = interface or {}
         includes = includes or {}
         self.subgroup_size = subgroup_size
         self.fp64 = fp64
@@ -292,26 +292,22 @@ class Program:
 
     def launch(self, queue: Any, name: str, groups: int, wg: int, args: tuple, dep: int | None = None,
                want_event: bool = False) -> int | None:
-        """Submit ``name`` over ``groups`` work-groups of ``wg`` items. ``args``: native arrays
-        (anything with ``.ptr``), None (null pointer), Python ints (int64) or floats (fp32)."""
+        """Submit ``name`` over ``groups`` work-groups of ``wg`` items. ``args`` in the kernel's
+        declared order (kernel_interface), each passed as its declared kind: a pointer is a native
+        array (anything with ``.ptr``) or None (null), an integer an int, an f32 a float; anything
+        else raises KernelError naming the kernel and the argument."""
+        declared = self.interface.get(name)
+        if declared is None:
+            raise KernelError(f"kernel {name}: not declared in the kernel interface "
+                              "(quantcore/formats/kernel_interface.py)")
+        if len(args) != len(declared):
+            raise KernelError(f"kernel {name} takes {len(declared)} arguments "
+                              f"({', '.join(a.name for a in declared)}), got {len(args)}")
         n = len(args)
         kinds = (ctypes.c_int * n)()
-        holders: list[Any] = []
-        for i, a in enumerate(args):
-            if a is None:
-                kinds[i], v = ARG_PTR, ctypes.c_void_p(0)
-            elif hasattr(a, "ptr"):
-                kinds[i], v = ARG_PTR, ctypes.c_void_p(a.ptr)
-            elif isinstance(a, bool):
-                raise KernelError(f"kernel {name}: argument {i} is a bool; pass an int")
-            elif isinstance(a, int):
-                kinds[i], v = ARG_I64, ctypes.c_int64(a)
-            elif isinstance(a, float):
-                kinds[i], v = ARG_F32, ctypes.c_float(a)
-            else:
-                raise KernelError(f"kernel {name}: argument {i} of type {type(a).__name__} is not "
-                                  "a native array, int or float")
-            holders.append(v)
+        holders = [_marshal(name, a, v) for a, v in zip(declared, args)]
+        for i, a in enumerate(declared):
+            kinds[i] = _ARG_KINDS[a.kind][0]
         values = (ctypes.c_void_p * n)(*[ctypes.addressof(v) for v in holders])
         event = ctypes.c_void_p(0)
         if groups <= 0:
@@ -330,11 +326,36 @@ class Program:
             pass
 
 
+def _marshal(kernel: str, arg: kernel_interface.Arg, value: Any) -> Any:
+    """``value`` as the ctypes value of ``arg``'s declared kind (KernelError when it is not one)."""
+    kind = arg.kind
+    if kind == "ptr":
+        if value is None or hasattr(value, "ptr"):
+            return ctypes.c_void_p(0 if value is None else value.ptr)
+        what = "a device array or None"
+    elif kind in ("i32", "i64"):
+        bits = 32 if kind == "i32" else 64
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool) \
+                and -(1 << (bits - 1)) <= int(value) < 1 << (bits - 1):
+            return _ARG_KINDS[kind][1](int(value))
+        what = f"an integer that fits {kind}"
+    elif kind == "f32":
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            return ctypes.c_float(float(value))
+        what = "a float"
+    else:  # pragma: no cover - the SYCL declarations use these kinds only
+        raise KernelError(f"kernel {kernel}: argument {arg.name} has kind {kind}, which the shim cannot pass")
+    raise KernelError(f"kernel {kernel}: argument {arg.name} ({arg.type}) must be {what}, got "
+                      f"{type(value).__name__} {value!r}"[:300])
+
+
 def compile_source(queue: Any, source: str, includes: dict[str, str] | None = None,
-                   options: tuple[str, ...] = ()) -> Program:
-    """Compile arbitrary SYCL source for ``queue`` (KernelError with the compiler log on failure)."""
+                   options: tuple[str, ...] = (), interface: dict[str, str] | None = None) -> Program:
+    """Compile arbitrary SYCL source for ``queue`` (KernelError with the compiler log on failure);
+    ``interface`` declares its kernels' arguments: name -> ``"const f32* x, i64 n"``."""
     return Program(queue, subgroup_size=GEOMETRY["QC_SUBGROUP_SIZE"], fp64=False, source=source,
-                   includes=includes, extra_options=options)
+                   includes=includes, extra_options=options,
+                   interface={k: kernel_interface.args(v) for k, v in (interface or {}).items()})
 
 
 def pick_subgroup_size(device: Any) -> int:

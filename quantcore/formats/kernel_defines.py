@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import bnb, ggml
+from . import bnb, ggml, kernel_interface
 
 HEADER_NAME = "quantcore_constants.h"
 
@@ -47,8 +47,12 @@ BNB_GEOMETRY = {
     "QC_QBW_THREADS": 512,
     "QC_DQ_TREE_CHUNK": 2048, "QC_DQ_SUM_THREADS": 1024, "QC_DQ_SUM_CHUNK": 1024 * 8,
     "QC_DQ_SUM_MAX_PARTS": 512 * 8,
+    # the fallback gemv (one warp per weight row), dequantize_blockwise (words of 8 codes per thread),
+    # double_quantize's tree level (8 warps: the reference's pairwise order over their sums)
+    "QC_GEMV_SIMPLE_THREADS": 256, "QC_DQBW_THREADS": 256, "QC_DQBW_WORDS": 2, "QC_DQ_TREE_THREADS": 256,
 }
-LAUNCH_GEOMETRY = {**_gemv_geometry(warps=16, groups=4, chunks=8, stages=2), **BNB_GEOMETRY}
+LAUNCH_GEOMETRY = {**_gemv_geometry(warps=16, groups=kernel_interface.GEMV_TC_GROUPS, chunks=8, stages=2),
+                   **BNB_GEOMETRY}
 #: kernels_cuda/bnb_gemm.cu, gemv_4bit for many rows: threads per CTA, the byte pitch of a
 #: 64-element fp16 / bf16 tile row (128 + 16: ldmatrix rows on distinct banks)
 LAUNCH_GEOMETRY.update({"QC_GM_THREADS": 256, "QC_GM_PITCH": 144})
@@ -90,6 +94,11 @@ TILED_GEOMETRY = _tiled_geometry(tile_m=64, tile_n=64, tile_k=64, tm=4, tn=4, ch
 #: blocks of K per pipeline stage, the padding of an activation row in shared memory (bytes), and
 #: the row multiple of the Q8_1 workspace (the widest activation tile).
 W4A8_TC_GEOMETRY = {"QC_W4T_BK": 8, "QC_W4T_APAD": 16, "QC_W4T_NPAD": 128,
+                    # the ggml codecs' and the activation pass's threads per CTA (one block each)
+                    "QC_GGML_THREADS": 256,
+                    # the W4A8 streaming kernel for N <= 8 (gemm_w4a8_stream_kernel): consumer warps,
+                    # weight rows per tile (the mma's M)
+                    "QC_WS_WARPS": 16, "QC_WS_ROWS": 16,
                     # workspace bytes per (row, block): 32 int8 quants, the fp32 pair (d8, -d8 1.5 2^23),
                     # the fp16 s
                     "QC_W4T_WS_BLOCK_BYTES": ggml.QK + 8 + 2}
@@ -98,6 +107,46 @@ W4A8_TC_GEOMETRY = {"QC_W4T_BK": 8, "QC_W4T_APAD": 16, "QC_W4T_NPAD": 128,
 #: The MX dequantize kernel (kernels_cuda/mx_quant.cu, mx_dequantize_impl): threads per CTA and
 #: 16-byte chunks per thread whose loads are in flight together.
 MX_DEQUANT_GEOMETRY = {"QC_MXDQ_THREADS": 256, "QC_MXDQ_UNROLL": 4}
+
+
+def _mx_gemm_geometry(threads: int, bm: int, bn: int, stages: int, stage_k: int, bs_bufs: int,
+                      group_m: int) -> dict[str, int]:
+    from . import mx
+
+    tile = mx.SWIZZLE_TILE_BYTES
+    stage = bm * stage_k // 2 + bn * stage_k // 2 + 2 * 2 * tile + 2 * tile  # A, B codes; their scales
+    smem = 1024 + bs_bufs * bn * 128 + stages * stage + 256 * 4  # alignment, B tiles, ring, scale table
+    return {"QC_MXG_THREADS": threads, "QC_MXG_BM": bm, "QC_MXG_BN": bn, "QC_MXG_STAGES": stages,
+            "QC_MXG_STAGE_K": stage_k, "QC_MXG_BS_BUFS": bs_bufs, "QC_MXG_GROUP_M": group_m,
+            "QC_MXG_SMEM_BYTES": smem}
+
+
+#: The other MX kernels (kernels_cuda/mx_quant.cu, mx_gemm.cu): threads per CTA of the one-item-per-
+#: thread kernels (quantize version 1, swizzle, unswizzle, the bias fill); version 2 quantize's
+#: threads (a 32-element unit each per tile) and ring stages for 16-bit and fp32 input; the fused
+#: GEMM's threads, output tile, pipeline stages, K per stage, B tile buffers, CTA raster group and
+#: its dynamic shared memory (the kernel asserts its own sum equals it).
+MX_KERNEL_GEOMETRY = {"QC_MX_THREADS": 256, "QC_MXQ2_THREADS": 256, "QC_MXQ2_STAGES_16": 4, "QC_MXQ2_STAGES_32": 2,
+                      **_mx_gemm_geometry(threads=256, bm=256, bn=128, stages=4, stage_k=128, bs_bufs=3, group_m=8)}
+
+
+#: The SYCL kernels' launch geometry (kernels_sycl/, read by backends/sycl): blockwise dequantize
+#: (bitsandbytes' kDequantizeBlockwise: work-items per work-group, packed bytes per work-item, a
+#: tile of 512 bytes); blockwise quantize (work-items per work-group, at least this many consecutive
+#: values per work-item, a block spread over blocksize / values_per_item work-items of one group);
+#: gemv_4bit (one sub-group per weight row, rows per work-group, 4-bit values per lane and step);
+#: the activation rows a gemv / GEMM work-group serves from one read of the weights; double
+#: quantization's one summing work-group (fp64 tree); ggml quantize / dequantize (one work-item per
+#: 32-value block); NVFP4 / MX (one work-item per block, value or scale byte); the ggml GEMMs (one
+#: sub-group per weight row, the activation staged in chunks of QC_SUBGROUP_SIZE blocks).
+SYCL_GEOMETRY = {"QC_DEQUANT_WG": 128, "QC_DEQUANT_BYTES_PER_ITEM": 4, "QC_QUANT_WG": 128,
+                 "QC_QUANT_MIN_VALUES_PER_ITEM": 4, "QC_GEMV_ROWS_PER_WG": 4, "QC_GEMV_VALUES_PER_LANE": 32,
+                 "QC_MAX_BATCH": 8, "QC_SUM_WG": 256, "QC_GGML_WG": 64, "QC_MX_WG": 128, "QC_GEMM_ROWS_PER_WG": 4}
+#: The required sub-group size of the SYCL kernels that reduce over a sub-group (gemv, the ggml
+#: GEMMs): 32 on GPUs (bitsandbytes' choice; its bf16 gemv was once wrong because the size did not
+#: reach the kernel). The run-time build always passes -DQC_SUBGROUP_SIZE=<n> per device (on a CPU
+#: device the native float width: 8 with AVX2, 16 with AVX-512, docs/sycl.md); this is the default.
+SYCL_SUBGROUP_SIZE = 32
 
 
 def _f32_list(values) -> str:
@@ -148,6 +197,8 @@ def _entries() -> list[tuple[str, str]]:
         *((name, str(value)) for name, value in TILED_GEOMETRY.items()),
         *((name, str(value)) for name, value in W4A8_TC_GEOMETRY.items()),
         *((name, str(value)) for name, value in MX_DEQUANT_GEOMETRY.items()),
+        *((name, str(value)) for name, value in MX_KERNEL_GEOMETRY.items()),
+        *((name, str(value)) for name, value in SYCL_GEOMETRY.items()),
     ]
     try:  # the MX family adds its constants when present
         from . import mx
@@ -167,6 +218,10 @@ def constants_header() -> str:
         "#pragma once",
     ]
     lines += [f"#define {name} {value}" for name, value in _entries()]
+    lines += ["#ifndef QC_SUBGROUP_SIZE", f"#define QC_SUBGROUP_SIZE {SYCL_SUBGROUP_SIZE}", "#endif"]
+    # each dialect's entry point declarations (quantcore.formats.kernel_interface), expanded by the
+    # dialect before its definitions so that a definition that disagrees does not compile
+    lines += [f"#define {name} \\\n  {body}" for name, body in kernel_interface.prototype_macros()]
     return "\n".join(lines) + "\n"
 
 
