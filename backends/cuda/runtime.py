@@ -460,32 +460,56 @@ def i32(v: int) -> np.int32:
 
 
 _TO_NUMPY = {"i32": np.int32, "i64": np.int64, "u32": np.uint32, "u64": np.uint64, "f32": np.float32}
+_INTS = (int, np.integer)
 
 
-def _kernel_value(kernel: str, arg: kernel_interface.Arg, v: Any) -> np.generic:
-    if arg.is_pointer:
-        if v is None:
-            return NULL
-        return np.uint64(v) if isinstance(v, int | np.integer) else np.uint64(pointer(v))  # an address, or an array
-    if arg.kind == "f32" or isinstance(v, int | np.integer):  # bools are ints: flags
-        return _TO_NUMPY[arg.kind](v)
-    raise TypeError(f"{kernel}: argument {arg.name} ({arg.type}) takes an integer, got {type(v).__name__} {v!r}")
+def _pointer_value(v: Any) -> np.uint64:
+    if v is None:
+        return NULL
+    return np.uint64(v) if isinstance(v, _INTS) else np.uint64(pointer(v))  # an address, or an array
+
+
+def _scalar_converter(kernel: str, arg: kernel_interface.Arg):
+    to = _TO_NUMPY[arg.kind]
+    if arg.kind == "f32":
+        return to
+
+    def convert(v: Any) -> np.generic:
+        if isinstance(v, _INTS):  # bools are ints: flags
+            return to(v)
+        raise TypeError(f"{kernel}: argument {arg.name} ({arg.type}) takes an integer, got {type(v).__name__} {v!r}")
+
+    return convert
+
+
+#: kernel name expression -> (parameter names in order, their set, one converter per parameter)
+_ARG_PLANS: dict[str, tuple] = {}
+
+
+def _arg_plan(kernel: str) -> tuple:
+    plan = _ARG_PLANS.get(kernel)
+    if plan is None:
+        declared = kernel_interface.CUDA_KERNELS[kernel_interface.cuda_kernel(kernel)]
+        names = tuple(a.name for a in declared)
+        convs = tuple(_pointer_value if a.is_pointer else _scalar_converter(kernel, a) for a in declared)
+        plan = _ARG_PLANS[kernel] = (names, frozenset(names), convs)
+    return plan
 
 
 def kernel_args(kernel: str, **values: Any) -> tuple[np.generic, ...]:
     """The argument tuple of the CUDA kernel ``kernel`` (its name expression, or its declared family
     name) from named values: ordered and converted as quantcore/formats/kernel_interface.py declares
     its parameters (pointers: an array, a raw address or None; integers and floats to their
-    declared width). A missing or unknown name raises TypeError."""
-    declared = kernel_interface.CUDA_KERNELS[kernel_interface.cuda_kernel(kernel)]
-    if len(values) != len(declared) or any(a.name not in values for a in declared):
-        names = [a.name for a in declared]
+    declared width). A missing or unknown name raises TypeError. The order and converters are
+    worked out once per name expression (this runs on every eager launch)."""
+    names, nameset, convs = _arg_plan(kernel)
+    if values.keys() != nameset:
         missing = [n for n in names if n not in values]
-        extra = [n for n in values if n not in names]
+        extra = [n for n in values if n not in nameset]
         raise TypeError(f"{kernel}: " + "; ".join(
             ([f"missing: {', '.join(missing)}"] if missing else [])
             + ([f"not parameters of {kernel_interface.cuda_kernel(kernel)}: {', '.join(extra)}"] if extra else [])))
-    return tuple(_kernel_value(kernel, a, values[a.name]) for a in declared)
+    return tuple(c(values[n]) for n, c in zip(names, convs))
 
 
 def aligned(x: Any, nbytes: int) -> bool:
