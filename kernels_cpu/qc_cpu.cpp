@@ -921,7 +921,7 @@ void qc_quantize_q4_0(const void* x, int dtype, uint8_t* out, i64 nblocks, int n
       if (mag != mag) mag = -1.0f;
       if (mag > best) { best = mag; mx = v[j]; }
     }
-    if (mx != mx) mx = 0.0f;
+    if (!(best > 0.0f)) mx = 0.0f;  // NaN or zero only: +0.0 as llama.cpp (x[0] may be -0.0)
     float d = mx / (float)(-QC_Q4_0_OFFSET);
     float id = d != 0.0f ? 1.0f / d : 0.0f;
     uint8_t* blk = out + b * QC_Q4_0_BLOCK_BYTES;

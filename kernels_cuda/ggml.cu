@@ -82,7 +82,7 @@ __device__ __forceinline__ void store_u16(u8* p, u32 v, bool aligned2) {
 }
 
 // One thread per block. Q4_0: max = the signed value of the first element of largest |x| (NaN
-// never wins), d = max / -8, id = 1/d (0 if d == 0), q = min(15, trunc(f32(x * id) + 8.5)) with
+// never wins; +0.0 when no element is a nonzero number), d = max / -8, id = 1/d (0 if d == 0), q = min(15, trunc(f32(x * id) + 8.5)) with
 // the multiply and the add rounded separately; element j in the low nibble of qs[j], j + 16 in
 // its high nibble.
 template <typename T, int FMT>
@@ -108,6 +108,7 @@ __global__ void __launch_bounds__(QC_GGML_THREADS) quantize_ggml_kernel(
                 mx = v[j];
             }
         }
+        if (best <= 0) mx = 0.0f;  // no nonzero number: +0.0 as llama.cpp (x[0] may be -0.0)
         const float d = __fdiv_rn(mx, -(float)QC_Q4_0_OFFSET);
         const float id = d != 0.0f ? recip_rn(d) : 0.0f;
         int q[kQK];

@@ -26,7 +26,8 @@ __device__ __forceinline__ int qc_round_q8(float v) {
   return (int)r;
 }
 
-// Q4_0: the signed value of the first element of largest |x| (NaN skipped), d = max / -8,
+// Q4_0: the signed value of the first element of largest |x| (NaN skipped; +0.0 when no element is
+// a nonzero number), d = max / -8,
 // id = 1/d (0 if d == 0), q = min(15, trunc(f32(x * id) + 8.5)); returns q as the uint8 the
 // reference stores (a saturated negative wraps) and d in fp32.
 __device__ __forceinline__ uint32_t qc_q4_0_lane(float x, int j, float* d_out) {
@@ -43,7 +44,7 @@ __device__ __forceinline__ uint32_t qc_q4_0_lane(float x, int j, float* d_out) {
     }
   }
   float mx = qc_shfl(x, best_j, QC_QK);
-  if (mx != mx) mx = 0.0f;
+  if (!(best > 0.0f)) mx = 0.0f;  // NaN or zero only: +0.0 as llama.cpp (x[0] may be -0.0)
   const float d = __fdiv_rn(mx, -(float)QC_Q4_0_OFFSET);
   const float id = d != 0.0f ? qc_rcp_rn(d) : 0.0f;
   const float biased = __fadd_rn(__fmul_rn(x, id), QC_Q4_0_ROUND_BIAS);

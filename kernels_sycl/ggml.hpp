@@ -14,8 +14,8 @@ namespace qc {
 // consecutive 32-value slices of the flattened array, so every op here works on flat blocks.
 template <typename T>
 void quantize_q4_0_block(const T *x, uint8_t *dst) {
-  // max = the signed value of the first element of largest |x|; NaN never wins; an all-NaN
-  // block gives +0.0 (the reference's rule).
+  // max = the signed value of the first element of largest |x|; NaN never wins; a block without
+  // a nonzero number gives +0.0 (the reference's rule, llama.cpp's: x[0] may be -0.0).
   float amax = kNoMagnitude, maxv = 0.0f;
   for (int j = 0; j < kQK; ++j) {
     const float v = Elem<T>::load(x, j);
@@ -25,6 +25,7 @@ void quantize_q4_0_block(const T *x, uint8_t *dst) {
       maxv = v;
     }
   }
+  if (!(amax > 0.0f)) maxv = 0.0f;
   const float d = maxv / static_cast<float>(-kQ4Offset);
   const float id = d != 0.0f ? recip_rn(d) : 0.0f;
   store_half_le(dst, d);

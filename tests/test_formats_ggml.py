@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+import quantcore as qc
 from quantcore.formats import ggml
 
 gguf = pytest.importorskip("gguf", reason="gguf-py is the peer the ggml goldens come from")
@@ -89,3 +90,43 @@ def test_w4a8_reference_matches_dequantized_product(rng):
     # s8 is fp16-rounded d*sum(q): differs from the exact sum by at most 8 * half an fp16 ulp per block
     assert np.abs(got - ref).max() < 1e-2 * np.abs(ref).max()
 
+
+
+def test_q4_0_block_of_zeros_has_d_minus_zero_as_llama_cpp():
+    """llama.cpp's quantize_row_q4_0_ref starts its max at +0.0 and replaces it only for a strictly
+    larger |x|, so every block without a nonzero number gets d = +0.0 / -8 = -0.0 (bytes 00 80), also
+    when x[0] is -0.0 (gguf-py takes that -0.0 and writes +0.0; llama-quantize's files are the C's)."""
+    x = np.zeros((3, 32), np.float32)
+    x[0, 0] = -0.0
+    x[1] = -0.0
+    for q in (ggml.quantize_q4_0(x), np.asarray(qc.quantize_q4_0(x, backend="cpu"))):
+        assert (q[..., 0:2] == [0x00, 0x80]).all() and (q[..., 2:] == 0x88).all()
+
+
+def test_q4_0_bytes_equal_llama_cpp_c_reference():
+    """Every block type through llama.cpp's own quantize_row_q4_0_ref (libggml-base of llama-cpp-python)."""
+    import ctypes
+    import glob
+    import os
+
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (see docs/gguf.md)")
+    libs = glob.glob(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so*"))
+    if not libs:
+        pytest.skip("llama-cpp-python without libggml-base.so")
+    ref = ctypes.CDLL(libs[0]).quantize_row_q4_0_ref
+    ref.argtypes, ref.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((48, 32)).astype(np.float32)
+    x[0], x[1], x[2] = 0.0, -0.0, np.nan
+    x[3, :] = 0.0
+    x[3, 0] = -0.0
+    x[4, 7] = np.nan
+    x[5] *= np.float32(1e-39)  # 1/d overflows: codes 0
+    x[6] *= np.float32(1e30)  # d overflows fp16
+    x[7, :] = 0.0
+    x[7, 9] = np.float32(1e-45)
+    want = np.zeros((48, 18), np.uint8)
+    ref(x.ctypes.data, want.ctypes.data, x.size)
+    with np.errstate(all="ignore"):
+        for got in (ggml.quantize_q4_0(x), np.asarray(qc.quantize_q4_0(x, backend="cpu"))):
+            assert np.array_equal(got.reshape(48, 18), want), np.nonzero((got.reshape(48, 18) != want).any(1))

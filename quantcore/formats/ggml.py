@@ -133,8 +133,8 @@ def quantize_q4_0(w: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 def _quantize_q4_0(w: np.ndarray) -> np.ndarray:
     """quantize_q4_0 over the whole of ``w``.
 
-    Per block: ``max`` = the signed value of the first element of largest |x| (NaN skipped),
-    ``d = max / -8``, ``id = 1/d`` (0 if d == 0), ``q = min(15, trunc(f32(x*id) + 8.5))``;
+    Per block: ``max`` = the signed value of the first element of largest |x| (NaN skipped; +0.0
+    when no element is a nonzero number, as llama.cpp), ``d = max / -8``, ``id = 1/d`` (0 if d == 0), ``q = min(15, trunc(f32(x*id) + 8.5))``;
     element j in the low nibble of ``qs[j]``, element j+16 in its high nibble.
     """
     b = _blocks(w)
@@ -142,7 +142,9 @@ def _quantize_q4_0(w: np.ndarray) -> np.ndarray:
     mag = np.where(np.isnan(mag), F32(-1.0), mag)
     first = np.argmax(mag, axis=-1)[..., None]
     mx = np.take_along_axis(b, first, axis=-1)[..., 0]
-    mx = np.where(np.isnan(mx), F32(0.0), mx).astype(F32)
+    # a block without a nonzero number starts from +0.0 as llama.cpp's quantize_row_q4_0_ref does
+    # (its max only changes for a strictly larger |x|), so d = -0.0 even when x[0] is -0.0
+    mx = np.where(np.isnan(mx) | (mx == 0), F32(0.0), mx).astype(F32)
     d = (mx / F32(-Q4_0_OFFSET)).astype(F32)
     inv = _inverse(d)
     with np.errstate(invalid="ignore", over="ignore"):

@@ -46,7 +46,7 @@ QUANTIZE_KINDS = {
     "rows-7-K256": "[7, 256]",
     "one-block": "[1, 32]",
     "1d": "a 1-D [64] input (the public API passes [K] as is)",
-    "zero-blocks": "+0.0 and -0.0 blocks",
+    "zero-blocks": "+0.0, -0.0 and mixed-sign zero blocks",
     "ties": "exact rounding ties: x*id + 8.5 an integer (Q4_0), x*id = k + 0.5 (Q8); equal +-max",
     "sensitive": "values where an FMA, x/d, an fp16-rounded d or round-half-even change the code",
     "nonfinite": "NaN, +Inf, -Inf, an all-NaN block, NaN in first position",
@@ -139,6 +139,8 @@ def quantize_input(kind: str, fmt: str, rng: np.random.Generator, dtype: str) ->
     if kind == "zero-blocks":
         x = scaled_normal(rng, 2 * 128, QK).reshape(2, 128)
         x[0, 32:64] = 0.0
+        x[0, 96:128] = 0.0
+        x[0, 96] = -0.0  # llama.cpp's max starts at +0.0: d = -0.0 here too
         x[1, 0:32] = -0.0
         x[1, 96:] = 0.0
         return cast(x, T)
