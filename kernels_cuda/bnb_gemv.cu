@@ -27,7 +27,10 @@ namespace qc {
 //
 // Decode: the 64 KiB table holds T(hi nibble), T(lo nibble) for each byte, one copy per lane
 // (conflict-free); its shared address is a multiple of 64 KiB so one byte_perm forms the entry's
-// address (table + byte * 256 + lane * 4).
+// address (table + byte * 256 + lane * 4). The entries take bytes 0 .. 127 of each 256-byte table
+// row; when a CTA's input rows fit in the other halves (32 KiB, XS), they are copied there once and
+// read from shared memory (no input loads through the small L1 that the shared carve-out leaves).
+// Before the programmatic-dependent wait each warp prefetches its first stages into L2.
 // The geometry comes from the generated header (quantcore.formats.kernel_defines.LAUNCH_GEOMETRY),
 // which the launcher reads too.
 constexpr int kGtWarps = QC_GV_WARPS;
@@ -41,6 +44,10 @@ static_assert(2 * kGtChunks <= 16, "a stage's scales fit in its slot's row paddi
 constexpr int kGtSlot = 16 * kGtPitch;
 constexpr int kGtRing = QC_GV_RING;
 static_assert(kGtRing == kGtStages * kGtSlot, "the ring the launcher sizes");
+// XS: the input rows of a CTA's block, when they fit, live in the decode table's free halves
+// (bytes 128 .. 255 of each of its 256 rows: the lanes' entries take bytes 0 .. 127)
+constexpr int kGtXs = QC_GV_XS_BYTES;
+static_assert(kGtXs == 256 * 128, "the table's free halves");
 
 template <int NB>
 struct GtGeo {
@@ -93,7 +100,7 @@ struct GtW {
     int gi;
 };
 
-template <typename T, int QT, bool NESTED, int NB>
+template <typename T, int QT, bool NESTED, int NB, bool XS>
 __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
     const u16* __restrict__ a, QC_GT_GROUP_PARAMS(0), QC_GT_GROUP_PARAMS(1), QC_GT_GROUP_PARAMS(2),
     QC_GT_GROUP_PARAMS(3), u16* __restrict__ out, i64 ldo, int batch, i64 K, int log2bs, int ngroups) {
@@ -206,6 +213,18 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
     int arow[NB];  // element offsets into a (32-bit: 16 rows of K < 2^26 elements; registers are tight)
 #pragma unroll
     for (int h = 0; h < NB; ++h) arow[h] = min(8 * h + g, batch - 1) * (int)K + 16 * c;
+    // XS: the block's input rows to the table's free halves, element e of row b at table row
+    // b C + e / 64, byte 128 + 2 (e % 64) (one 64-element chunk per row; the launcher checks the fit)
+    const u32 xbase = smem_addr(lut) + 128;
+    if constexpr (XS) {
+        if ((i64)batch * K * 2 > kGtXs) __trap();  // launcher bug
+        const int rowp = (int)(K >> 3);  // 16-byte pieces of a row
+        for (int p = threadIdx.x; p < batch * rowp; p += blockDim.x) {
+            const int b = p / rowp, e = (p - b * rowp) * 8;
+            cp_async16(xbase + (u32)(b * Ci + (e >> 6)) * 256 + 2 * (e & 63), a + ((i64)b * K + e));
+        }
+        cp_async_commit();  // the oldest group: the stages' waits below cover it
+    }
 
     // A stage: chunks [j, j + nch) of one tile (never crossing a tile). Producer and consumer walk
     // the warp's range with the same steps; 32-bit counts (the launcher keeps N K / 64 < 2^31).
@@ -280,6 +299,10 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
         issue(pq, s);
         if (pq.left > 0 && advance(pq) && pq.left > 0) producer_tile(pq.tile);
     }
+    if constexpr (XS) {
+        cp_async_wait<S>();  // this thread's input copies (its stage groups may be in flight)
+        __syncthreads();     // everyone's
+    }
 
     // consumer's tile: its weight, rows and the blocks of its two rows
     const u8* cabs = nullptr;  // the consumer's tile: its weight's absmax and absmax2
@@ -349,9 +372,17 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
         const u32 sbuf = wring + s * kGtSlot + (g >> 2) * kGtPitch + 256 + 8 * (g & 3);
 #pragma unroll
         for (int i = 0; i < kGtSc; ++i) gt_sts_f2(sbuf + (c + 4 * i) * 2 * kGtPitch, sc[i][0], sc[i][1]);
-        const u16* xp[NB];  // this lane's inputs at the current chunk (advanced by the chunk loops)
+        // this lane's inputs at the current chunk (advanced by the chunk loops): in device memory,
+        // or (XS) in the table's free halves, one table row per chunk
+        const u16* xp[NB];
+        u32 xq[NB];
 #pragma unroll
-        for (int h = 0; h < NB; ++h) xp[h] = a + (arow[h] + j * 64);
+        for (int h = 0; h < NB; ++h) {
+            if constexpr (XS)
+                xq[h] = xbase + (u32)((arow[h] >> 6) + j) * 256 + 32 * c;
+            else
+                xp[h] = a + (arow[h] + j * 64);
+        }
 
         cp_async_wait<S - 1>();
         __syncwarp();
@@ -364,8 +395,13 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
             u32 x[NB][8];
 #pragma unroll
             for (int h = 0; h < NB; ++h) {
-                ldg_v4(xp[h] + 64 * q, x[h][0], x[h][1], x[h][2], x[h][3]);
-                ldg_v4(xp[h] + 64 * q + 8, x[h][4], x[h][5], x[h][6], x[h][7]);
+                if constexpr (XS) {
+                    lds_v4(xq[h] + 256 * q, x[h][0], x[h][1], x[h][2], x[h][3]);
+                    lds_v4(xq[h] + 256 * q + 16, x[h][4], x[h][5], x[h][6], x[h][7]);
+                } else {
+                    ldg_v4(xp[h] + 64 * q, x[h][0], x[h][1], x[h][2], x[h][3]);
+                    ldg_v4(xp[h] + 64 * q + 8, x[h][4], x[h][5], x[h][6], x[h][7]);
+                }
             }
             float d[NB][4];
 #pragma unroll
@@ -406,14 +442,24 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
 #pragma unroll
                 for (int q = 0; q < P; ++q) run_chunk(u + q, q);
 #pragma unroll
-                for (int h = 0; h < NB; ++h) xp[h] += 64 * P;
+                for (int h = 0; h < NB; ++h) {
+                    if constexpr (XS)
+                        xq[h] += 256 * P;
+                    else
+                        xp[h] += 64 * P;
+                }
             }
         } else {
 #pragma unroll 1
             for (int u = 0; u < nch; ++u) {
                 run_chunk(u, 0);
 #pragma unroll
-                for (int h = 0; h < NB; ++h) xp[h] += 64;
+                for (int h = 0; h < NB; ++h) {
+                    if constexpr (XS)
+                        xq[h] += 256;
+                    else
+                        xp[h] += 64;
+                }
             }
         }
         __syncwarp();  // every lane has read the slot: refill it

@@ -56,8 +56,8 @@ def _gemv_mma(tag: str, qt: str, nested: bool, v: int) -> str:
     return f"qc::gemv_4bit_mma_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {v}>"
 
 
-def _gemv_tc(tag: str, qt: str, nested: bool, nb: int) -> str:
-    return f"qc::gemv_4bit_tc_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}>"
+def _gemv_tc(tag: str, qt: str, nested: bool, nb: int, xs: bool) -> str:
+    return f"qc::gemv_4bit_tc_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}, {_b(xs)}>"
 
 
 def _gemm4(tag: str, qt: str, nested: bool, bm: int, bn: int) -> str:
@@ -93,7 +93,7 @@ def instances() -> list[tuple[str, str]]:
                 out.append((_F4, _gemv(tag, qt, nested)))
                 if tag != TYPE_TAG["float32"]:
                     out += [(_F4, _gemv_mma(tag, qt, nested, v)) for v in _GEMV_V]
-                    out += [(_FV, _gemv_tc(tag, qt, nested, nb)) for nb in (1, 2)]
+                    out += [(_FV, _gemv_tc(tag, qt, nested, nb, xs)) for nb in (1, 2) for xs in (False, True)]
                     out += [(_FM, _gemm4(tag, qt, nested, bm, bn)) for bm in _GM_TILES for bn in _GM_TILES]
     for tag in tags:
         out += [(_F8, _qbw(tag)), (_F8, _qbw(tag, cells=False)), (_F8, _dqbw(tag))]
@@ -270,7 +270,8 @@ class BnbOps:
 _GEMV_SLOTS = (0, 6)
 # bnb_gemv.cu: warps per CTA, weights per launch, the bytes of a warp's ring (the generated header's
 # QC_GV_*, which the kernel compiles with); a and out are parameters 0 and 1 + 6 * _GT_GROUPS
-_GT_WARPS, _GT_GROUPS, _GT_RING = (LAUNCH_GEOMETRY[k] for k in ("QC_GV_WARPS", "QC_GV_GROUPS", "QC_GV_RING"))
+_GT_WARPS, _GT_GROUPS, _GT_RING, _GT_XS = (LAUNCH_GEOMETRY[k] for k in ("QC_GV_WARPS", "QC_GV_GROUPS", "QC_GV_RING",
+                                                                       "QC_GV_XS_BYTES"))
 _GT_SLOTS = (0, 1 + 6 * _GT_GROUPS)
 
 
@@ -312,8 +313,10 @@ def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, 
              i32(len(weights))]
     ntiles = sum(_cdiv(w[3], 16) for w in weights)
     nb = 1 if rows <= 8 else 2
+    # a CTA's input rows (8 nb at most) in its decode table's free halves when they fit there
+    xs = min(rows, 8 * nb) * k * 2 <= _GT_XS
     grid = (max(1, min(ntiles, rt.sm_count(device))), _cdiv(rows, 8 * nb))
-    return (_FV, _gemv_tc(_tag(a), quant_type, nested, nb), grid, 32 * _GT_WARPS, tuple(args),
+    return (_FV, _gemv_tc(_tag(a), quant_type, nested, nb, xs), grid, 32 * _GT_WARPS, tuple(args),
             _gt_smem(nb, device), _GT_SLOTS)
 
 
