@@ -292,8 +292,9 @@ def _gemv_tc_takes_input(device: int, dt: str, a: Any, rows: int, k: int) -> boo
 
 
 def _gemv_tc_takes_weight(packed: Any, blocksize: int) -> bool:
-    """... and this weight: chunks inside blocks, 8-byte rows, chunk counts in 32 bits."""
-    return blocksize >= 64 and aligned(packed, 8) and rt.numel(packed) * 2 // 64 < 1 << 31
+    """... and this weight: chunks inside blocks, 16-byte aligned codes (the kernel's 16-byte
+    cp.async copies), chunk counts in 32 bits."""
+    return blocksize >= 64 and aligned(packed, 16) and rt.numel(packed) * 2 // 64 < 1 << 31
 
 
 def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, ldo):
