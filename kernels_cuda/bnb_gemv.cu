@@ -16,8 +16,9 @@ namespace qc {
 // its k slots 2c, 2c+1 and 2c+8, 2c+9, the lane's bytes 2m and 2m+1 (elements 16 c + 4 m .. + 3);
 // the activation fragment of lane (g, c) is then the 4 consecutive inputs 16 c + 4 m .. + 3 of
 // input row g: two 16-byte loads per chunk give all four steps. Every element of a chunk lies in
-// one block (blocksize >= 64, K % 64 == 0), and each lane reads the absmax of its own two rows
-// (loaded a stage ahead): no shuffles.
+// one block (blocksize >= 64, K % 64 == 0): lane (g, c) loads the scale data of chunks c and c + 4
+// of its two rows a stage ahead, decodes them and leaves them in the slot's row padding, where
+// the quad reads each chunk's pair with one load (GV-36).
 //
 // Work: the tiles of all groups form one list; CTA b takes tiles [T b / G, T (b + 1) / G) and its
 // 16 warps split that range's (tile, chunk) list evenly, so any shape keeps every warp busy. A
@@ -26,7 +27,10 @@ namespace qc {
 //
 // Decode: the 64 KiB table holds T(hi nibble), T(lo nibble) for each byte, one copy per lane
 // (conflict-free); its shared address is a multiple of 64 KiB so one byte_perm forms the entry's
-// address (table + byte * 256 + lane * 4).
+// address (table + byte * 256 + lane * 4). The entries take bytes 0 .. 127 of each 256-byte table
+// row; when a CTA's input rows fit in the other halves (32 KiB, XS), they are copied there once and
+// read from shared memory (no input loads through the small L1 that the shared carve-out leaves).
+// Before the programmatic-dependent wait each warp prefetches its first stages into L2.
 // The geometry comes from the generated header (quantcore.formats.kernel_defines.LAUNCH_GEOMETRY),
 // which the launcher reads too.
 constexpr int kGtWarps = QC_GV_WARPS;
@@ -36,9 +40,14 @@ constexpr int kGtStages = QC_GV_STAGES;  // stages per warp ring
 constexpr int kGtPitch = QC_GV_PITCH;    // bytes per row in a slot: 32 per chunk + 32 (rows g = 0..3 on distinct banks)
 static_assert(kGtPitch == 32 * kGtChunks + 32, "the slot layout the kernel reads");
 constexpr int kGtSc = kGtChunks / 4;  // chunks whose scales one lane decodes per stage
+static_assert(2 * kGtChunks <= 16, "a stage's scales fit in its slot's row padding");
 constexpr int kGtSlot = 16 * kGtPitch;
 constexpr int kGtRing = QC_GV_RING;
 static_assert(kGtRing == kGtStages * kGtSlot, "the ring the launcher sizes");
+// XS: the input rows of a CTA's block, when they fit, live in the decode table's free halves
+// (bytes 128 .. 255 of each of its 256 rows: the lanes' entries take bytes 0 .. 127)
+constexpr int kGtXs = QC_GV_XS_BYTES;
+static_assert(kGtXs == 256 * 128, "the table's free halves");
 
 template <int NB>
 struct GtGeo {
@@ -57,6 +66,13 @@ __device__ __forceinline__ u32 gt_pair(u32 w, u32 lutx) {
 
 __device__ __forceinline__ void gt_lds_v2(u32 addr, u32& a, u32& b) {
     asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "r"(addr));
+}
+
+__device__ __forceinline__ void gt_sts_f2(u32 addr, float a, float b) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(a), "f"(b) : "memory");
+}
+__device__ __forceinline__ void gt_lds_f2(u32 addr, float& a, float& b) {
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(a), "=f"(b) : "r"(addr));
 }
 
 __device__ __forceinline__ void grid_dep_wait() {
@@ -84,7 +100,7 @@ struct GtW {
     int gi;
 };
 
-template <typename T, int QT, bool NESTED, int NB>
+template <typename T, int QT, bool NESTED, int NB, bool XS>
 __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
     const u16* __restrict__ a, QC_GT_GROUP_PARAMS(0), QC_GT_GROUP_PARAMS(1), QC_GT_GROUP_PARAMS(2),
     QC_GT_GROUP_PARAMS(3), u16* __restrict__ out, i64 ldo, int batch, i64 K, int log2bs, int ngroups) {
@@ -126,21 +142,6 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
             *reinterpret_cast<uint4*>(lw + (16 * warp + lo) * 64 + 4 * q4) = make_uint4(v, v, v, v);
         }
     }
-    // Launched as a programmatic dependent (PDL), the kernel may start while the previous one in the
-    // stream drains: everything above reads only this kernel's own constants; every argument array
-    // (the input, the weights and their statistics, which a previous kernel may have just written)
-    // is read below this wait.
-    grid_dep_wait();
-    if (NESTED) {
-        for (int i = threadIdx.x; i < ngroups * kDynCodes; i += blockDim.x) {
-            const int q = i / kDynCodes;
-            const float* c2p = q == 0 ? code2_0 : q == 1 ? code2_1 : q == 2 ? code2_2 : code2_3;
-            c2s[i] = ldg_f32(c2p + i % kDynCodes);
-        }
-    }
-    __syncthreads();  // the table and the code2 copies are read by every warp
-    const u32 lutx = smem_addr(lut) | (4u * (u32)lane);
-
     // the tile list: group i owns tiles [tb(i), tb(i + 1)) (read from the parameters where used, so
     // nothing of it stays in registers through the main loop)
     auto nt = [&](int i) -> i64 {
@@ -171,6 +172,35 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
     };
 
     const i64 row_bytes = K >> 1;
+    // L2 prefetch of the warp's first stages of weight bytes: a prefetch brings nothing into the
+    // kernel, and L2 is where a previous kernel's writes land, so it may precede the wait below
+    if (w1 > w0) {
+        const i64 tile = t0 + w0 / C, j = w0 % C;
+        const GtW wt = weight_of(tile);
+        const i64 r = (tile - wt.tile0) * 16 + (lane >> 1);
+        const i64 nb = 32 * min(min((i64)(kGtStages * kGtChunks), C - j), w1 - w0);
+        const u8* base = wt.packed + r * row_bytes + 32 * j;
+#pragma unroll
+        for (int m = 0; m < 2 * kGtStages * kGtChunks / 8; m += 2) {
+            const i64 off = 128 * (m + (lane & 1));
+            if (r < wt.n && off < nb) asm volatile("prefetch.global.L2 [%0];" ::"l"(base + off));
+        }
+    }
+    // Launched as a programmatic dependent (PDL), the kernel may start while the previous one in the
+    // stream drains: everything above reads only this kernel's own constants; every argument array
+    // (the input, the weights and their statistics, which a previous kernel may have just written)
+    // is read below this wait.
+    grid_dep_wait();
+    if (NESTED) {
+        for (int i = threadIdx.x; i < ngroups * kDynCodes; i += blockDim.x) {
+            const int q = i / kDynCodes;
+            const float* c2p = q == 0 ? code2_0 : q == 1 ? code2_1 : q == 2 ? code2_2 : code2_3;
+            c2s[i] = ldg_f32(c2p + i % kDynCodes);
+        }
+    }
+    __syncthreads();  // the table and the code2 copies are read by every warp
+    const u32 lutx = smem_addr(lut) | (4u * (u32)lane);
+
     const int bsh = log2bs - 6;  // chunks per block, log2
     const int Ci = (int)C;
     // input rows of this lane's B fragment columns (clamped: a lane past the batch reads the last
@@ -183,6 +213,18 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
     int arow[NB];  // element offsets into a (32-bit: 16 rows of K < 2^26 elements; registers are tight)
 #pragma unroll
     for (int h = 0; h < NB; ++h) arow[h] = min(8 * h + g, batch - 1) * (int)K + 16 * c;
+    // XS: the block's input rows to the table's free halves, element e of row b at table row
+    // b C + e / 64, byte 128 + 2 (e % 64) (one 64-element chunk per row; the launcher checks the fit)
+    const u32 xbase = smem_addr(lut) + 128;
+    if constexpr (XS) {
+        if ((i64)batch * K * 2 > kGtXs) __trap();  // launcher bug
+        const int rowp = (int)(K >> 3);  // 16-byte pieces of a row
+        for (int p = threadIdx.x; p < batch * rowp; p += blockDim.x) {
+            const int b = p / rowp, e = (p - b * rowp) * 8;
+            cp_async16(xbase + (u32)(b * Ci + (e >> 6)) * 256 + 2 * (e & 63), a + ((i64)b * K + e));
+        }
+        cp_async_commit();  // the oldest group: the stages' waits below cover it
+    }
 
     // A stage: chunks [j, j + nch) of one tile (never crossing a tile). Producer and consumer walk
     // the warp's range with the same steps; 32-bit counts (the launcher keeps N K / 64 < 2^31).
@@ -206,27 +248,47 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
         return nt;
     };
 
-    // producer: lane l copies 16-byte pieces l + 32 i, i < 8 (row l / 16 + 2 i, bytes 16 (l % 16)
-    // of the stage's 256 per row); rows past N and chunks past the row are zero-filled
+    // producer: lane l copies rows l / 8 + 4 h (h < 4) of the tile, bytes 128 i + 16 (l % 8) of the
+    // stage's 32 CH (a copy instruction: 4 rows x 128 contiguous bytes; each quarter warp writes
+    // one row's 128 bytes, on distinct banks), from a row pointer that advances with the stage; rows
+    // past N and chunks past the row are zero-filled (the slow path)
+    static_assert(CH % 4 == 0, "whole 128-byte pieces of a row per stage");
+    constexpr int kPieces = CH / 4;  // 128-byte pieces of a row in a stage
+    const int pr = lane >> 3, pc = lane & 7;
     const u8* psrc = nullptr;
-    int prows = 0;
+    const i64 prow4 = 4 * row_bytes;  // bytes from row pr to row pr + 4
+    bool pfull = false;               // all 16 rows of the tile exist (warp-uniform)
+    u32 pok = 0;                      // bit h: row pr + 4 h exists
     auto producer_tile = [&](int tile) {
         const GtW wt = weight_of(tile);
         const i64 r = (tile - wt.tile0) * 16;
-        prows = (int)min((i64)16, wt.n - r) - (lane >> 4);
-        psrc = wt.packed + (r + (lane >> 4)) * row_bytes + 16 * (lane & 15);
+        const i64 rows = min((i64)16, wt.n - r);
+        pfull = rows == 16;
+        pok = 0;
+#pragma unroll
+        for (int h = 0; h < 4; ++h) pok |= pr + 4 * h < rows ? 1u << h : 0u;
+        psrc = wt.packed + (r + min((i64)pr, rows - 1)) * row_bytes + 16 * pc;
     };
-    const u32 pdst = wring + (lane >> 4) * kGtPitch + 16 * (lane & 15);
-    const i64 rstep = 2 * row_bytes;
+    const u32 pdst = wring + pr * kGtPitch + 16 * pc;
     auto issue = [&](const Cursor& q, int s) {
         if (q.left > 0) {
-            const bool col_ok = q.j + ((lane & 15) >> 1) < Ci;
             const u8* src = psrc + 32 * q.j;
+            const u32 dst = pdst + s * kGtSlot;
+            if (q.nch == CH && pfull) {
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const bool ok = col_ok && 2 * i < prows;
-                cp_async16(pdst + s * kGtSlot + 2 * i * kGtPitch, ok ? src : psrc, ok ? 16u : 0u);
-                src += rstep;
+                for (int h = 0; h < 4; ++h)
+#pragma unroll
+                    for (int i = 0; i < kPieces; ++i)
+                        cp_async16(dst + 4 * h * kGtPitch + 128 * i, src + h * prow4 + 128 * i);
+            } else {
+#pragma unroll
+                for (int h = 0; h < 4; ++h)
+#pragma unroll
+                    for (int i = 0; i < kPieces; ++i) {
+                        const bool ok = 4 * i + (pc >> 1) < q.nch && (pok >> h & 1u);
+                        cp_async16(dst + 4 * h * kGtPitch + 128 * i, ok ? src + h * prow4 + 128 * i : psrc,
+                                   ok ? 16u : 0u);
+                    }
             }
         }
         cp_async_commit();  // one group per stage (empty past the end): wait_group counts stages
@@ -237,19 +299,26 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
         issue(pq, s);
         if (pq.left > 0 && advance(pq) && pq.left > 0) producer_tile(pq.tile);
     }
+    if constexpr (XS) {
+        cp_async_wait<S>();  // this thread's input copies (its stage groups may be in flight)
+        __syncthreads();     // everyone's
+    }
 
     // consumer's tile: its weight, rows and the blocks of its two rows
-    GtW ct;
+    const u8* cabs = nullptr;  // the consumer's tile: its weight's absmax and absmax2
+    const float* cabs2 = nullptr;
     u32 ea = 0, eb = 0;  // first chunk of rows g and g + 8, counted over the matrix
     float off = 0.0f;
     const float* c2 = c2s;
     auto consumer_tile = [&](int tile) {
-        ct = weight_of(tile);
+        const GtW ct = weight_of(tile);
         const i64 r = (tile - ct.tile0) * 16 + g;
         ea = (u32)(min(r, ct.n - 1) * C);
         eb = (u32)(min(r + 8, ct.n - 1) * C);
         off = NESTED ? ldg_f32(ct.offset) : 0.0f;
         c2 = c2s + ct.gi * kDynCodes;
+        cabs = ct.absmax;
+        cabs2 = ct.absmax2;
     };
     // raw scale data of a stage: lane (g, c) loads those of chunks c + 4 i (i < kGtSc) of rows g
     // and g + 8; a chunk's scales reach the quad's other lanes by shuffles
@@ -262,13 +331,13 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
             const u32 uu = (u32)(q.j + min(c + 4 * i, q.nch - 1));
             const u32 ba = (ea + uu) >> bsh, bb = (eb + uu) >> bsh;
             if constexpr (NESTED) {
-                sq[i][0] = ldg_u8(ct.absmax + ba);
-                sq[i][1] = ldg_u8(ct.absmax + bb);
-                s2[i][0] = ldg_f32(ct.absmax2 + (ba >> kNestLog2));
-                s2[i][1] = ldg_f32(ct.absmax2 + (bb >> kNestLog2));
+                sq[i][0] = ldg_u8(cabs + ba);
+                sq[i][1] = ldg_u8(cabs + bb);
+                s2[i][0] = ldg_f32(cabs2 + (ba >> kNestLog2));
+                s2[i][1] = ldg_f32(cabs2 + (bb >> kNestLog2));
             } else {
-                sq[i][0] = ldg_u32(reinterpret_cast<const float*>(ct.absmax) + ba);
-                sq[i][1] = ldg_u32(reinterpret_cast<const float*>(ct.absmax) + bb);
+                sq[i][0] = ldg_u32(reinterpret_cast<const float*>(cabs) + ba);
+                sq[i][1] = ldg_u32(reinterpret_cast<const float*>(cabs) + bb);
             }
         }
     };
@@ -293,25 +362,46 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
             for (int r = 0; r < 2; ++r)
                 sc[i][r] = NESTED ? __fadd_rn(__fmul_rn(c2[sq[i][r]], s2[i][r]), off) : __uint_as_float(sq[i][r]);
         const int tile = cq.tile, j = cq.j, nch = cq.nch;
-        const GtW wt = ct;
         const bool new_tile = advance(cq);  // cq is the next stage now
         if (new_tile && cq.left > 0) consumer_tile(cq.tile);
         load_scales(cq);
+
+        // the scales go to the slot's row padding (bytes 256 .. 287 of each row, which the copies never
+        // write): chunk u's pair (row g, row g + 8) at row 2 u + g / 4, byte 256 + 8 (g % 4), so a
+        // chunk's eight pairs lie on distinct banks and a quad reads its pair by one broadcast load
+        const u32 sbuf = wring + s * kGtSlot + (g >> 2) * kGtPitch + 256 + 8 * (g & 3);
+#pragma unroll
+        for (int i = 0; i < kGtSc; ++i) gt_sts_f2(sbuf + (c + 4 * i) * 2 * kGtPitch, sc[i][0], sc[i][1]);
+        // this lane's inputs at the current chunk (advanced by the chunk loops): in device memory,
+        // or (XS) in the table's free halves, one table row per chunk
+        const u16* xp[NB];
+        u32 xq[NB];
+#pragma unroll
+        for (int h = 0; h < NB; ++h) {
+            if constexpr (XS)
+                xq[h] = xbase + (u32)((arow[h] >> 6) + j) * 256 + 32 * c;
+            else
+                xp[h] = a + (arow[h] + j * 64);
+        }
 
         cp_async_wait<S - 1>();
         __syncwarp();
         const u32 slot = wring + s * kGtSlot + 8 * c;
         // one chunk: weights from the slot, inputs, decode, mma, the scaled accumulation
-        auto run_chunk = [&](const int u) {
+        auto run_chunk = [&](const int u, const int q) {  // q: u's offset from xp (a constant)
             u32 wq[4];
             gt_lds_v2(slot + g * kGtPitch + 32 * u, wq[0], wq[1]);
             gt_lds_v2(slot + (g + 8) * kGtPitch + 32 * u, wq[2], wq[3]);
-            const int e = (j + u) * 64;
             u32 x[NB][8];
 #pragma unroll
             for (int h = 0; h < NB; ++h) {
-                ldg_v4(a + (arow[h] + e), x[h][0], x[h][1], x[h][2], x[h][3]);
-                ldg_v4(a + (arow[h] + e + 8), x[h][4], x[h][5], x[h][6], x[h][7]);
+                if constexpr (XS) {
+                    lds_v4(xq[h] + 256 * q, x[h][0], x[h][1], x[h][2], x[h][3]);
+                    lds_v4(xq[h] + 256 * q + 16, x[h][4], x[h][5], x[h][6], x[h][7]);
+                } else {
+                    ldg_v4(xp[h] + 64 * q, x[h][0], x[h][1], x[h][2], x[h][3]);
+                    ldg_v4(xp[h] + 64 * q + 8, x[h][4], x[h][5], x[h][6], x[h][7]);
+                }
             }
             float d[NB][4];
 #pragma unroll
@@ -334,9 +424,8 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
 #pragma unroll
                 for (int h = 0; h < NB; ++h) mma_16816<T>(d[h], af, x[h][2 * m], x[h][2 * m + 1]);
             }
-            static_assert(kGtSc == 2, "the scale selects below take two chunk sets");
-            const float sa = __shfl_sync(kFullMask, u < 4 ? sc[0][0] : sc[1][0], (lane & ~3) | (u & 3));
-            const float sb = __shfl_sync(kFullMask, u < 4 ? sc[0][1] : sc[1][1], (lane & ~3) | (u & 3));
+            float sa, sb;
+            gt_lds_f2(sbuf + u * 2 * kGtPitch, sa, sb);
 #pragma unroll
             for (int h = 0; h < NB; ++h) {
                 acc[h][0] = fmaf(d[h][0], sa, acc[h][0]);
@@ -351,11 +440,27 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
 #pragma unroll 1
             for (int u = 0; u < CH; u += P) {
 #pragma unroll
-                for (int q = 0; q < P; ++q) run_chunk(u + q);
+                for (int q = 0; q < P; ++q) run_chunk(u + q, q);
+#pragma unroll
+                for (int h = 0; h < NB; ++h) {
+                    if constexpr (XS)
+                        xq[h] += 256 * P;
+                    else
+                        xp[h] += 64 * P;
+                }
             }
         } else {
 #pragma unroll 1
-            for (int u = 0; u < nch; ++u) run_chunk(u);  // uniform over the warp: the shuffles stay full
+            for (int u = 0; u < nch; ++u) {
+                run_chunk(u, 0);
+#pragma unroll
+                for (int h = 0; h < NB; ++h) {
+                    if constexpr (XS)
+                        xq[h] += 256;
+                    else
+                        xp[h] += 64;
+                }
+            }
         }
         __syncwarp();  // every lane has read the slot: refill it
         issue(pq, s);
@@ -366,6 +471,7 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
             const bool whole = seg_j0 == 0 && j + nch == Ci;
             if (whole) {
                 // C fragment (row g, col 2c), (g, 2c + 1), (g + 8, 2c), (g + 8, 2c + 1)
+                const GtW wt = weight_of(tile);
                 const i64 r0 = (tile - wt.tile0) * 16 + g;
 #pragma unroll
                 for (int h = 0; h < NB; ++h)

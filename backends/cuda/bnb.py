@@ -55,8 +55,8 @@ def _gemv_mma(tag: str, qt: str, nested: bool, v: int) -> str:
     return f"qc::gemv_4bit_mma_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {v}>"
 
 
-def _gemv_tc(tag: str, qt: str, nested: bool, nb: int) -> str:
-    return f"qc::gemv_4bit_tc_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}>"
+def _gemv_tc(tag: str, qt: str, nested: bool, nb: int, xs: bool) -> str:
+    return f"qc::gemv_4bit_tc_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}, {_b(xs)}>"
 
 
 def _gemm4(tag: str, qt: str, nested: bool, bm: int, bn: int) -> str:
@@ -92,7 +92,7 @@ def instances() -> list[tuple[str, str]]:
                 out.append((_F4, _gemv(tag, qt, nested)))
                 if tag != TYPE_TAG["float32"]:
                     out += [(_F4, _gemv_mma(tag, qt, nested, v)) for v in _GEMV_V]
-                    out += [(_FV, _gemv_tc(tag, qt, nested, nb)) for nb in (1, 2)]
+                    out += [(_FV, _gemv_tc(tag, qt, nested, nb, xs)) for nb in (1, 2) for xs in (False, True)]
                     out += [(_FM, _gemm4(tag, qt, nested, bm, bn)) for bm in _GM_TILES for bn in _GM_TILES]
     for tag in tags:
         out += [(_F8, _qbw(tag)), (_F8, _qbw(tag, cells=False)), (_F8, _dqbw(tag))]
@@ -276,8 +276,9 @@ _GEMV_SLOTS = tuple(arg_index("gemv_4bit_simple_kernel", a) for a in ("a", "out"
 assert all(tuple(arg_index(k, a) for a in ("a", "out")) == _GEMV_SLOTS
            for k in ("gemv_4bit_mma_kernel", "gemm_4bit_kernel"))
 # bnb_gemv.cu: warps per CTA, weights per launch, the bytes of a warp's ring (the generated header's
-# QC_GV_*, which the kernel compiles with)
-_GT_WARPS, _GT_GROUPS, _GT_RING = (LAUNCH_GEOMETRY[k] for k in ("QC_GV_WARPS", "QC_GV_GROUPS", "QC_GV_RING"))
+# QC_GV_*, which the kernel compiles with; QC_GV_XS_BYTES: the input bytes its decode table's free halves hold)
+_GT_WARPS, _GT_GROUPS, _GT_RING, _GT_XS = (LAUNCH_GEOMETRY[k] for k in ("QC_GV_WARPS", "QC_GV_GROUPS", "QC_GV_RING",
+                                                                       "QC_GV_XS_BYTES"))
 _GT_SLOTS = tuple(arg_index("gemv_4bit_tc_kernel", a) for a in ("a", "out"))
 
 
@@ -298,8 +299,9 @@ def _gemv_tc_takes_input(device: int, dt: str, a: Any, rows: int, k: int) -> boo
 
 
 def _gemv_tc_takes_weight(packed: Any, blocksize: int) -> bool:
-    """... and this weight: chunks inside blocks, 8-byte rows, chunk counts in 32 bits."""
-    return blocksize >= 64 and aligned(packed, 8) and rt.numel(packed) * 2 // 64 < 1 << 31
+    """... and this weight: chunks inside blocks, 16-byte aligned codes (the kernel's 16-byte
+    cp.async copies), chunk counts in 32 bits."""
+    return blocksize >= 64 and aligned(packed, 16) and rt.numel(packed) * 2 // 64 < 1 << 31
 
 
 def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, ldo):
@@ -313,8 +315,10 @@ def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, 
         named.update({f"packed{i}": p, f"absmax{i}": am, f"n{i}": n, **_nested_named(nst, f"{i}", f"_{i}")})
     ntiles = sum(_cdiv(w[3], 16) for w in weights)
     nb = 1 if rows <= 8 else 2
+    # a CTA's input rows (8 nb at most) in its decode table's free halves when they fit there
+    xs = min(rows, 8 * nb) * k * 2 <= _GT_XS
     grid = (max(1, min(ntiles, rt.sm_count(device))), _cdiv(rows, 8 * nb))
-    expr = _gemv_tc(_tag(a), quant_type, nested, nb)
+    expr = _gemv_tc(_tag(a), quant_type, nested, nb, xs)
     return (_FV, expr, grid, 32 * _GT_WARPS, kernel_args(expr, **named), _gt_smem(nb, device), _GT_SLOTS)
 
 

@@ -26,12 +26,13 @@ GGML_FORMAT_CODE = {"q4_0": 0, "q8_0": 1, "q8_1": 2}
 def _gemv_geometry(warps: int, groups: int, chunks: int, stages: int) -> dict[str, int]:
     pitch = 32 * chunks + 32  # bytes per row of a ring slot: 64-element chunks of 32 bytes, rows on distinct banks
     return {"QC_GV_WARPS": warps, "QC_GV_GROUPS": groups, "QC_GV_CHUNKS": chunks, "QC_GV_STAGES": stages,
-            "QC_GV_PITCH": pitch, "QC_GV_RING": stages * 16 * pitch}
+            "QC_GV_PITCH": pitch, "QC_GV_RING": stages * 16 * pitch, "QC_GV_XS_BYTES": 256 * 128}
 
 
 #: Launch geometry that a kernel and its launcher share, generated into the header like the format
 #: constants. The decode gemv (kernels_cuda/bnb_gemv.cu): warps per CTA, weights per launch, chunks
-#: per ring stage, stages per warp ring, the ring's row pitch and size in bytes.
+#: per ring stage, stages per warp ring, the ring's row pitch and size in bytes, the input bytes a
+#: CTA keeps in its decode table's free halves (256 rows of which the lanes' entries use 128 bytes).
 #: The bitsandbytes kernels' launch geometry (kernels_cuda/bnb_4bit.cu, bnb_8bit.cu): quantize_4bit's
 #: threads, elements per thread, CTAs per multiprocessor and ring stages; dequantize_4bit's threads and
 #: packed words per thread; the fallback gemv's warps, pieces per iteration and shared memory (its
