@@ -280,6 +280,9 @@ assert all(tuple(arg_index(k, a) for a in ("a", "out")) == _GEMV_SLOTS
 _GT_WARPS, _GT_GROUPS, _GT_RING, _GT_XS = (LAUNCH_GEOMETRY[k] for k in ("QC_GV_WARPS", "QC_GV_GROUPS", "QC_GV_RING",
                                                                        "QC_GV_XS_BYTES"))
 _GT_SLOTS = tuple(arg_index("gemv_4bit_tc_kernel", a) for a in ("a", "out"))
+#: the decode kernel's parameter names of weight i: packed, absmax, n, absmax2, code2, offset
+_GT_GROUP_NAMES = tuple((f"packed{i}", f"absmax{i}", f"n{i}", f"absmax2_{i}", f"code2_{i}", f"offset{i}")
+                        for i in range(_GT_GROUPS))
 
 
 def _gt_smem(nb: int, device: int) -> int:
@@ -310,9 +313,9 @@ def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, 
     nested = weights[0][2] is not None
     named = {"a": a, "out": out, "ldo": ldo, "rows": rows, "k": k, "log2bs": _log2(blocksize),
              "ngroups": len(weights)}
-    for i in range(_GT_GROUPS):
+    for i, names in enumerate(_GT_GROUP_NAMES):
         p, am, nst, n = weights[i] if i < len(weights) else (None, None, None, 0)
-        named.update({f"packed{i}": p, f"absmax{i}": am, f"n{i}": n, **_nested_named(nst, f"{i}", f"_{i}")})
+        named.update(zip(names, (p, am, n, *((nst.absmax2, nst.code2, nst.offset) if nst else (None,) * 3))))
     ntiles = sum(_cdiv(w[3], 16) for w in weights)
     nb = 1 if rows <= 8 else 2
     # a CTA's input rows (8 nb at most) in its decode table's free halves when they fit there

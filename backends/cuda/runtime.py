@@ -503,13 +503,16 @@ def kernel_args(kernel: str, **values: Any) -> tuple[np.generic, ...]:
     declared width). A missing or unknown name raises TypeError. The order and converters are
     worked out once per name expression (this runs on every eager launch)."""
     names, nameset, convs = _arg_plan(kernel)
-    if values.keys() != nameset:
-        missing = [n for n in names if n not in values]
-        extra = [n for n in values if n not in nameset]
-        raise TypeError(f"{kernel}: " + "; ".join(
-            ([f"missing: {', '.join(missing)}"] if missing else [])
-            + ([f"not parameters of {kernel_interface.cuda_kernel(kernel)}: {', '.join(extra)}"] if extra else [])))
-    return tuple(c(values[n]) for n, c in zip(names, convs))
+    if len(values) == len(names):  # then a missing name is a KeyError, and no name is extra
+        try:
+            return tuple([c(values[n]) for n, c in zip(names, convs)])
+        except KeyError:
+            pass
+    missing = [n for n in names if n not in values]
+    extra = [n for n in values if n not in nameset]
+    raise TypeError(f"{kernel}: " + "; ".join(
+        ([f"missing: {', '.join(missing)}"] if missing else [])
+        + ([f"not parameters of {kernel_interface.cuda_kernel(kernel)}: {', '.join(extra)}"] if extra else [])))
 
 
 def aligned(x: Any, nbytes: int) -> bool:
