@@ -15,6 +15,7 @@
 // unpacked operands; docs/cpu.md, "Memory").
 
 #include <array>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -139,6 +140,13 @@ inline void store8(void* p, int dtype, i64 i, __m256 v) {
   _mm_storeu_si128((__m128i*)((uint16_t*)p + i), h);
 }
 
+// bf16 bits (in the low half of each lane) of eight finite fp32 values, rounded to nearest even.
+inline __m256i bf16_bits_finite(__m256 v) {
+  __m256i x = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+}
+
 // code[idx] for eight 4-bit indices (one per 32-bit lane).
 inline __m256 lut16(__m256 lo, __m256 hi, __m256i idx) {
   __m256 a = _mm256_permutevar8x32_ps(lo, idx), b = _mm256_permutevar8x32_ps(hi, idx);
@@ -170,6 +178,33 @@ inline int hsum_epi32(__m256i v) {
 #endif
 
 inline const float* code_table(int quant_type) { return quant_type == QC_QUANT_NF4 ? kNF4 : kFP4; }
+
+// The smallest nonzero |code| (smallest = true) or the largest |code| of a 16-entry table.
+constexpr float code_abs(const float* c, bool smallest) {
+  float m = smallest ? 1.0f : 0.0f;
+  for (int i = 0; i < 16; ++i) {
+    float a = c[i] < 0 ? -c[i] : c[i];
+    if (smallest ? (a != 0.0f && a < m) : a > m) m = a;
+  }
+  return m;
+}
+constexpr float pow2_at_most(float v) {  // the largest power of two <= v (v in (0, 1])
+  float p = 1.0f;
+  while (p > v) p *= 0.5f;
+  return p;
+}
+static_assert(code_abs(kNF4, false) <= 1.0f && code_abs(kFP4, false) <= 1.0f, "4-bit codes in [-1, 1]");
+// A block scale s with kNormalScale <= |s| <= FLT_MAX makes every product code * s with a nonzero
+// code an fp32 normal (|code * s| >= min|code| * FLT_MIN / pow2 >= FLT_MIN) and no product NaN or
+// Inf (|code| <= 1). The vector bf16 conversions of dequantize_4bit rely on it: vcvtneps2bf16
+// reads fp32 subnormals as zero, and the bits rounding without a NaN test carries a NaN's payload
+// into its sign. Blocks outside this range take the exact conversion (store_from_float / store8).
+constexpr float kNormalScale =
+    FLT_MIN / pow2_at_most(code_abs(kNF4, true) < code_abs(kFP4, true) ? code_abs(kNF4, true) : code_abs(kFP4, true));
+inline bool bf16_vector_scale(float s) {
+  float a = std::fabs(s);
+  return a >= kNormalScale && a <= FLT_MAX;
+}
 
 // absmax of block b: plain fp32, or double quantization's code2[q] * absmax2[b / 256] + offset
 // (two fp32 roundings; -ffp-contract=off keeps them two).
@@ -480,6 +515,82 @@ void gemv_row512(const float* ap, i64 K, i64 r, const uint8_t* packed, const Abs
 }
 #endif
 
+#if QC_AVX512
+// -- dequantize_4bit, AVX-512: 32 outputs per 16 packed bytes ------------------------------------
+// The 16 bytes widened to 16 dword lanes: vpermps reads index bits 0-3, so the lane itself looks up
+// the low nibble (the odd elements 2m + 1) and the lane >> 4 the high nibble (the even elements
+// 2m). Each is multiplied by the block scale in fp32 (the reference's one product), converted to
+// the output type (one rounding), and the even / odd halves are interleaved by one two-source
+// permute on the way to the store.
+#if defined(__AVX512BF16__)
+#define QC_AVX512BF16 1
+#else
+#define QC_AVX512BF16 0
+#endif
+
+
+template <int DT>
+inline void dequant32(const uint8_t* p, __m512 lut, __m512 vs, void* out, i64 i) {
+  __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  __m512 odd = _mm512_mul_ps(_mm512_permutexvar_ps(v, lut), vs);
+  __m512 even = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut), vs);
+  if (DT == QC_DTYPE_F32) {
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    _mm512_storeu_ps((float*)out + i, _mm512_permutex2var_ps(even, lo, odd));
+    _mm512_storeu_ps((float*)out + i + 16, _mm512_permutex2var_ps(even, hi, odd));
+    return;
+  }
+  __m512i w;
+  if (DT == QC_DTYPE_F16) {
+    // word m of the even half, word m of the odd half (the odd half is the second source)
+    const __m512i idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    __m256i he = _mm512_cvtps_ph(even, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256i ho = _mm512_cvtps_ph(odd, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    w = _mm512_permutex2var_epi16(_mm512_castsi256_si512(he), idx, _mm512_castsi256_si512(ho));
+  } else {
+#if QC_AVX512BF16
+    // cvtne2ps(a, b): words 0-15 from b, 16-31 from a
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    w = _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+#else
+    // round to nearest even on the bits (finite values: see bf16_vector_scale), then the high
+    // word of each dword
+    const __m512i idx = _mm512_set_epi16(63, 31, 61, 29, 59, 27, 57, 25, 55, 23, 53, 21, 51, 19, 49, 17,
+                                         47, 15, 45, 13, 43, 11, 41, 9, 39, 7, 37, 5, 35, 3, 33, 1);
+    const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+    __m512i xe = _mm512_castps_si512(even), xo = _mm512_castps_si512(odd);
+    xe = _mm512_add_epi32(_mm512_add_epi32(xe, bias), _mm512_and_si512(_mm512_srli_epi32(xe, 16), one));
+    xo = _mm512_add_epi32(_mm512_add_epi32(xo, bias), _mm512_and_si512(_mm512_srli_epi32(xo, 16), one));
+    w = _mm512_permutex2var_epi16(xe, idx, xo);
+#endif
+  }
+  _mm512_storeu_si512((uint16_t*)out + i, w);
+}
+
+// Blocks [b0, b0 + nblk) (nblk <= kScaleChunk) of the output; a thread's unit of work is about
+// kDequantChunkElems elements of whole blocks.
+constexpr i64 kDequantChunkElems = 1 << 14;
+template <int DT>
+void dequant4_blocks(const uint8_t* packed, const float* code, const Absmax& am, i64 b0, i64 nblk, i64 n,
+                     int bs, void* out) {
+  alignas(64) float sc[kScaleChunk + 16];
+  row_scales(am, b0, nblk, sc);
+  const __m512 lut = _mm512_loadu_ps(code);
+  for (i64 j = 0; j < nblk; ++j) {
+    i64 i = (b0 + j) * bs, i1 = i + bs < n ? i + bs : n;
+    float s = sc[j];
+    if (DT != QC_DTYPE_BF16 || bf16_vector_scale(s)) {
+      __m512 vs = _mm512_set1_ps(s);
+      for (; i + 32 <= i1; i += 32) dequant32<DT>(packed + i / 2, lut, vs, out, i);
+    }
+    for (; i < i1; ++i) store_from_float(out, DT, i, code[nibble(packed, i)] * s);
+  }
+}
+#endif
+
 // One Q4_0 weight row against NT Q8_1 activation rows (stride nb blocks): acc[t] = row . a_t.
 template <int NT>
 void gemm_row(const uint8_t* wrow, const uint8_t* aq, i64 nb, float* acc) {
@@ -749,30 +860,40 @@ void qc_dequantize_4bit(const uint8_t* packed, const void* absmax, const float* 
   const float* code = code_table(quant_type);
   const Absmax am = make_absmax(absmax, absmax2, code2, offset);
   i64 nb = (n + bs - 1) / bs;
+#if QC_AVX512
+  // chunks of whole blocks, their scales decoded together (row_scales)
+  i64 chunk = kDequantChunkElems / bs;
+  chunk = chunk < 1 ? 1 : chunk > kScaleChunk ? kScaleChunk : chunk;
+  i64 nchunks = (nb + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(threads_for(nt, n)) schedule(static)
+  for (i64 c = 0; c < nchunks; ++c) {
+    i64 b0 = c * chunk, nblk = nb - b0 < chunk ? nb - b0 : chunk;
+    if (dtype == QC_DTYPE_F32) dequant4_blocks<QC_DTYPE_F32>(packed, code, am, b0, nblk, n, bs, out);
+    else if (dtype == QC_DTYPE_F16) dequant4_blocks<QC_DTYPE_F16>(packed, code, am, b0, nblk, n, bs, out);
+    else dequant4_blocks<QC_DTYPE_BF16>(packed, code, am, b0, nblk, n, bs, out);
+  }
+#else
 #pragma omp parallel for num_threads(threads_for(nt, n)) schedule(dynamic, 1024)
   for (i64 b = 0; b < nb; ++b) {
     i64 i0 = b * bs, i1 = i0 + bs < n ? i0 + bs : n;
     float scale = am(b);
     i64 i = i0;
-#if QC_AVX512
-    __m512 lut = _mm512_loadu_ps(code), vs16 = _mm512_set1_ps(scale);
-    for (; i + 32 <= i1; i += 32) {
-      __m128i e0, e1;
-      unpack32(packed + i / 2, e0, e1);
-      __m512 w0 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(e0), lut), vs16);
-      __m512 w1 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(e1), lut), vs16);
-      if (dtype == QC_DTYPE_F32) {
-        _mm512_storeu_ps((float*)out + i, w0);
-        _mm512_storeu_ps((float*)out + i + 16, w1);
-      } else {
-        store8(out, dtype, i, _mm512_castps512_ps256(w0));
-        store8(out, dtype, i + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w0), 1)));
-        store8(out, dtype, i + 16, _mm512_castps512_ps256(w1));
-        store8(out, dtype, i + 24, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w1), 1)));
+#if QC_AVX2
+    __m256 lo = _mm256_loadu_ps(code), hi = _mm256_loadu_ps(code + 8), vs = _mm256_set1_ps(scale);
+    if (dtype == QC_DTYPE_BF16 && bf16_vector_scale(scale)) {
+      // finite products: bf16 by the bits rounding alone (no NaN test), 16 values per pack
+      for (; i + 32 <= i1; i += 32) {
+        __m128i e0, e1;
+        unpack32(packed + i / 2, e0, e1);
+        __m256i r0 = bf16_bits_finite(_mm256_mul_ps(lut16(lo, hi, _mm256_cvtepu8_epi32(e0)), vs));
+        __m256i r1 = bf16_bits_finite(_mm256_mul_ps(lut16(lo, hi, _mm256_cvtepu8_epi32(_mm_srli_si128(e0, 8))), vs));
+        __m256i r2 = bf16_bits_finite(_mm256_mul_ps(lut16(lo, hi, _mm256_cvtepu8_epi32(e1)), vs));
+        __m256i r3 = bf16_bits_finite(_mm256_mul_ps(lut16(lo, hi, _mm256_cvtepu8_epi32(_mm_srli_si128(e1, 8))), vs));
+        uint16_t* o = (uint16_t*)out + i;
+        _mm256_storeu_si256((__m256i*)o, _mm256_permute4x64_epi64(_mm256_packus_epi32(r0, r1), 0xD8));
+        _mm256_storeu_si256((__m256i*)(o + 16), _mm256_permute4x64_epi64(_mm256_packus_epi32(r2, r3), 0xD8));
       }
     }
-#elif QC_AVX2  // (the AVX-512 loop above leaves no whole 32-element group)
-    __m256 lo = _mm256_loadu_ps(code), hi = _mm256_loadu_ps(code + 8), vs = _mm256_set1_ps(scale);
     for (; i + 32 <= i1; i += 32) {
       __m128i e0, e1;
       unpack32(packed + i / 2, e0, e1);
@@ -784,6 +905,7 @@ void qc_dequantize_4bit(const uint8_t* packed, const void* absmax, const float* 
 #endif
     for (; i < i1; ++i) store_from_float(out, dtype, i, code[nibble(packed, i)] * scale);
   }
+#endif
 }
 
 void qc_double_quantize(const float* absmax, uint8_t* qabsmax, float* absmax2, float* offset_out,

@@ -81,6 +81,41 @@ def test_bnb_ops_compiled_and_exact(rng, no_numpy_path, dtype, qt):
 
 
 @needs_compiler
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("qt", ["nf4", "fp4"])
+def test_dequantize_4bit_extreme_scales_exact(rng, no_numpy_path, dtype, qt):
+    """dequantize_4bit bit for bit the reference where the block scale makes fp32-subnormal
+    products (the bf16 vector conversion reads subnormals as zero), around the smallest scale with
+    normal products, and NaN (payloads that carry in a bits-rounding) / Inf scales; plain and
+    double-quantized absmax, several block sizes, through the compiled path."""
+    from quantcore.backend import Nested
+    from quantcore.formats import bnb
+
+    T = DTYPES[dtype]
+    f32 = np.float32
+    nan_bits = np.array([0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0xFFC00000], np.uint32).view(f32)
+    for bs in (32, 64, 128):
+        n = 96 * bs + bs // 2 + 3
+        nb = bnb.nblocks(n, bs)
+        packed = rng.integers(0, 256, (n + 1) // 2, dtype=np.uint8)
+        sign = rng.choice(np.array([-1, 1], f32), nb)
+        plain = np.exp2(rng.uniform(-149, -96, nb)).astype(f32) * sign  # subnormal to normal products
+        plain[:8] = np.exp2(np.arange(-120, -112, dtype=f32))  # around the smallest all-normal scale
+        plain[8:12] = nan_bits
+        plain[12:18] = np.array([np.inf, -np.inf, 0.0, -0.0, 1e-45, 3.4028235e38], f32)
+        q = rng.integers(0, 256, nb, dtype=np.uint8)
+        a2 = np.exp2(rng.uniform(-140, -100, bnb.nblocks(nb, bnb.NESTED_BLOCKSIZE))).astype(f32)
+        a2[0] = nan_bits[0]
+        for absmax, nested in ((plain, None), (q, Nested(a2, bnb.DYNAMIC_MAP, np.zeros(1, f32)))):
+            eff = plain if nested is None else bnb.dequantize_absmax(q, a2, f32(0), bnb.DYNAMIC_MAP)
+            with np.errstate(invalid="ignore", over="ignore"):
+                ref = bnb.dequantize_4bit(packed, eff, n, bs, qt, T)
+            got = np.empty(n, T)
+            CPU.dequantize_4bit(packed, absmax, got, blocksize=bs, quant_type=qt, nested=nested)
+            assert same_bits(got, ref), (bs, nested is not None)
+
+
+@needs_compiler
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the reference on NaN / Inf blocks
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_ggml_ops_compiled_and_exact(rng, no_numpy_path, dtype):
