@@ -35,6 +35,12 @@
 #else
 #define QC_AVX512 0
 #endif
+// AVX512-BF16 adds vcvtne2ps2bf16 (dequantize_4bit's bf16 output).
+#if QC_AVX512 && defined(__AVX512BF16__)
+#define QC_AVX512BF16 1
+#else
+#define QC_AVX512BF16 0
+#endif
 
 #include "quantcore_constants.h"
 
@@ -522,12 +528,6 @@ void gemv_row512(const float* ap, i64 K, i64 r, const uint8_t* packed, const Abs
 // 2m). Each is multiplied by the block scale in fp32 (the reference's one product), converted to
 // the output type (one rounding), and the even / odd halves are interleaved by one two-source
 // permute on the way to the store.
-#if defined(__AVX512BF16__)
-#define QC_AVX512BF16 1
-#else
-#define QC_AVX512BF16 0
-#endif
-
 
 template <int DT>
 inline void dequant32(const uint8_t* p, __m512 lut, __m512 vs, void* out, i64 i) {
@@ -759,7 +759,9 @@ extern "C" {
 QC_CPU_PROTOTYPES
 
 const char* qc_cpu_build_info() {
-  return QC_AVX512 ? "avx512+avx2+fma+f16c" : QC_AVX2 ? "avx2+fma+f16c" : "scalar";
+  return QC_AVX512BF16 ? "avx512+bf16+avx2+fma+f16c" : QC_AVX512 ? "avx512+avx2+fma+f16c"
+         : QC_AVX2      ? "avx2+fma+f16c"
+                        : "scalar";
 }
 
 int qc_cpu_max_threads() { return omp_get_max_threads(); }
