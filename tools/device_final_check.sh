@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The final check of the project on the GPU machine, in steps that fit one or two calls:
-#   tests        the GPU test files (tests/test_cuda*.py, tests/test_maca.py) through pytest
+#   tests        the GPU test files (tests/test_cuda*.py, tests/test_maca.py, the torch layer's tests)
+#                through pytest; NVCC_CHECKS=0 skips the nvcc compile checks (they need no GPU)
 #   alltests     the project's whole test command (pytest -m "not slow"; SYCL tests skip there)
 #   conformance  the full conformance suite on the cuda backend (JSON + log)
 #   maca         the full conformance suite on the maca backend (compatibility mode)
@@ -32,8 +33,12 @@ EOF
 for step in ${*:-alltests conformance maca sanitizer}; do
   case $step in
     tests)
+      # NVCC_CHECKS=0 leaves out the nvcc compile checks (about half the time on an H200; they need
+      # no GPU and run wherever nvcc is: pytest tests/test_cuda.py tests/test_cuda_mx.py -k nvcc ...)
+      sel=(); [ "${NVCC_CHECKS:-1}" = 0 ] && sel=(-k "not nvcc and not source_compiles and not compiles_and_links")
       timeout ${PYTEST_LIMIT:-560} python3 -m pytest tests/test_cuda.py tests/test_cuda_*.py tests/test_maca.py \
-        -m "not slow" -q -rs -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
+        tests/test_torch_nn.py tests/test_torch_hf.py -m "not slow" -q -rs -p no:cacheprovider ${sel[@]+"${sel[@]}"} \
+        > "$OUT/pytest_gpu.log" 2>&1
       say "pytest GPU files: rc=$? $(tail -1 "$OUT/pytest_gpu.log") [+$(( $(date +%s) - t0 ))s]";;
     alltests)
       timeout ${PYTEST_LIMIT:-560} python3 -m pytest -m "not slow" -q -rs -p no:cacheprovider > "$OUT/pytest_all.log" 2>&1
