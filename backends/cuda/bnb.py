@@ -13,7 +13,7 @@ from quantcore.formats.kernel_defines import (
     LAUNCH_GEOMETRY,
     QUANT_TYPE_CODE,
 )
-from quantcore.formats.kernel_interface import arg_index
+from quantcore.formats.kernel_interface import GEMV_TC_WEIGHT_NAMES, arg_index
 
 from . import runtime as rt
 from .common import _F4, _F8, _FM, _FV, _G, TYPE_TAG, _b, _cdiv, _log2, _resident, _tag
@@ -280,9 +280,6 @@ assert all(tuple(arg_index(k, a) for a in ("a", "out")) == _GEMV_SLOTS
 _GT_WARPS, _GT_GROUPS, _GT_RING, _GT_XS = (LAUNCH_GEOMETRY[k] for k in ("QC_GV_WARPS", "QC_GV_GROUPS", "QC_GV_RING",
                                                                        "QC_GV_XS_BYTES"))
 _GT_SLOTS = tuple(arg_index("gemv_4bit_tc_kernel", a) for a in ("a", "out"))
-#: the decode kernel's parameter names of weight i: packed, absmax, n, absmax2, code2, offset
-_GT_GROUP_NAMES = tuple((f"packed{i}", f"absmax{i}", f"n{i}", f"absmax2_{i}", f"code2_{i}", f"offset{i}")
-                        for i in range(_GT_GROUPS))
 
 
 def _gt_smem(nb: int, device: int) -> int:
@@ -313,9 +310,9 @@ def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, 
     nested = weights[0][2] is not None
     named = {"a": a, "out": out, "ldo": ldo, "rows": rows, "k": k, "log2bs": _log2(blocksize),
              "ngroups": len(weights)}
-    for i, names in enumerate(_GT_GROUP_NAMES):
+    for i, names in enumerate(GEMV_TC_WEIGHT_NAMES):  # packed, absmax, absmax2, code2, offset, n
         p, am, nst, n = weights[i] if i < len(weights) else (None, None, None, 0)
-        named.update(zip(names, (p, am, n, *((nst.absmax2, nst.code2, nst.offset) if nst else (None,) * 3))))
+        named.update(zip(names, (p, am, *((nst.absmax2, nst.code2, nst.offset) if nst else (None,) * 3), n)))
     ntiles = sum(_cdiv(w[3], 16) for w in weights)
     nb = 1 if rows <= 8 else 2
     # a CTA's input rows (8 nb at most) in its decode table's free halves when they fit there
@@ -325,10 +322,10 @@ def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, 
     return (_FV, expr, grid, 32 * _GT_WARPS, kernel_args(expr, **named), _gt_smem(nb, device), _GT_SLOTS)
 
 
-def _nested_named(nested: Nested | None, suffix: str = "", suffix2: str = "") -> dict[str, Any]:
+def _nested_named(nested: Nested | None) -> dict[str, Any]:
     """The double-quantization arguments by name (absmax2, code2, offset; None when not nested)."""
-    return {f"absmax2{suffix2}": nested.absmax2 if nested else None, f"code2{suffix2}": nested.code2 if nested else None,
-            f"offset{suffix}": nested.offset if nested else None}
+    return {"absmax2": nested.absmax2 if nested else None, "code2": nested.code2 if nested else None,
+            "offset": nested.offset if nested else None}
 
 
 # bnb_gemm.cu (gemv_4bit for more than _GM_MIN_ROWS rows): threads, tile row pitch (the generated

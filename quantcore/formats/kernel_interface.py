@@ -252,6 +252,11 @@ def sycl_kernels() -> dict[str, tuple[Arg, ...]]:
 # -- CUDA: the __global__ kernels' parameter lists ------------------------------------------------------------
 #: weights one decode-gemv launch takes (kernels_cuda/bnb_gemv.cu QC_GT_GROUP_PARAMS x QC_GV_GROUPS)
 GEMV_TC_GROUPS = 4
+#: the parameters of weight i of that kernel
+_GEMV_TC_WEIGHT = ("const u8* packed{i}, const void* absmax{i}, const f32* absmax2_{i}, const f32* code2_{i}, "
+                   "const f32* offset{i}, i64 n{i}")
+#: their names per weight (the launcher passes weight i's arrays by these)
+GEMV_TC_WEIGHT_NAMES = tuple(tuple(a.name for a in args(_GEMV_TC_WEIGHT.format(i=i))) for i in range(GEMV_TC_GROUPS))
 _CUDA_NESTED = "const void* absmax, const f32* absmax2, const f32* code2, const f32* offset"
 _MX_GEMM = ("const u8* a, const u8* b, const u8* scale_a, const u8* scale_b, const f32* alpha, const u16* bias, "
             "u16* out, i32 m, i32 n, i32 k, i32 flags")
@@ -283,9 +288,7 @@ CUDA_KERNELS: dict[str, tuple[Arg, ...]] = {name: args(spec) for name, spec in {
     "gemm_4bit_kernel": f"const u16* a, const u8* packed, {_CUDA_NESTED}, u16* out, i64 ldo, i32 rows, i64 n, "
                         "i64 k, i32 log2bs",
     # bnb_gemv.cu: the input, GEMV_TC_GROUPS weights, the output
-    "gemv_4bit_tc_kernel": "const u16* a, " + ", ".join(
-        f"const u8* packed{i}, const void* absmax{i}, const f32* absmax2_{i}, const f32* code2_{i}, "
-        f"const f32* offset{i}, i64 n{i}" for i in range(GEMV_TC_GROUPS))
+    "gemv_4bit_tc_kernel": "const u16* a, " + ", ".join(_GEMV_TC_WEIGHT.format(i=i) for i in range(GEMV_TC_GROUPS))
         + ", u16* out, i64 ldo, i32 rows, i64 k, i32 log2bs, i32 ngroups",
     # ggml.cu
     "quantize_ggml_kernel": "const elem* x, u8* out, i64 nblocks, i32 vec, i32 aligned2",
