@@ -178,8 +178,7 @@ void gemv_4bit(const sycl::nd_item<1> &it, const float *code, const T *a, const 
   const sycl::sub_group sg = it.get_sub_group();
   const int lane = static_cast<int>(sg.get_local_linear_id());
   const int lanes = static_cast<int>(sg.get_local_linear_range());
-  const int64_t row = static_cast<int64_t>(it.get_group(0)) * sg.get_group_linear_range() +
-                      sg.get_group_linear_id();
+  const int64_t row = subgroup_row(it);
   const bool active = row < nrows; // uniform over the sub-group
   const int shift = log2_pow2(blocksize);
   const int64_t row_first = row * k; // index of W[row, 0] in the flattened weight

@@ -229,8 +229,7 @@ void linear_mx(const sycl::nd_item<1> &it, const T *x, const uint8_t *codes, con
   const sycl::sub_group sg = it.get_sub_group();
   const int lane = static_cast<int>(sg.get_local_linear_id());
   const int lanes = static_cast<int>(sg.get_local_linear_range());
-  const int64_t row = static_cast<int64_t>(it.get_group(0)) * sg.get_group_linear_range() +
-                      sg.get_group_linear_id();
+  const int64_t row = subgroup_row(it);
   const bool active = row < nrows; // uniform over the sub-group
   const bool nv = fmt == kFmtNVFP4;
   const int blk = mx_block(fmt);

@@ -169,4 +169,10 @@ inline void fill_local(const sycl::nd_item<1> &it, float *dst, const float *src,
 
 inline int log2_pow2(int64_t v) { return static_cast<int>(sycl::ctz(static_cast<uint64_t>(v))); }
 
+// The weight row a sub-group takes in the row-per-sub-group kernels (gemv_4bit, linear_mx).
+inline int64_t subgroup_row(const sycl::nd_item<1> &it) {
+  const sycl::sub_group sg = it.get_sub_group();
+  return static_cast<int64_t>(it.get_group(0)) * sg.get_group_linear_range() + sg.get_group_linear_id();
+}
+
 } // namespace qc
