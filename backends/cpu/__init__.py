@@ -41,8 +41,9 @@ MX_BATCH = LAUNCH_GEOMETRY["QC_CPU_MX_BATCH"]
 
 
 
-def _ptr(a: np.ndarray) -> int:
-    return a.__array_interface__["data"][0]
+def _ptr(a: np.ndarray | None) -> int | None:
+    """The data address of ``a`` (None for None: a null pointer for ctypes)."""
+    return None if a is None else a.__array_interface__["data"][0]
 
 
 def _dtype_code(a: np.ndarray) -> int | None:
@@ -287,7 +288,7 @@ class CpuBackend(ReferenceBackend):
                                        global_scale=global_scale)
         g = _f32_scalar(global_scale)
         lib.qc_mx_quantize(_ptr(x), dt, _ptr(oc), _ptr(osc), rows, cols, mx.MX_FORMAT_CODE[fmt],
-                           mx.SCALE_MODE_CODE[mode], int(bool(swizzled)), _ptr(g) if g is not None else None,
+                           mx.SCALE_MODE_CODE[mode], int(bool(swizzled)), _ptr(g),
                            self._threads)
 
     def scaled_fp4_mm(self, a, b, scale_a, scale_b, alpha, bias, out, *, m, n, k, fmt):
@@ -305,7 +306,7 @@ class CpuBackend(ReferenceBackend):
         bias16 = None if bias is None else np.ascontiguousarray(_flat(bias))  # bfloat16 (the core checked)
         lib.qc_scaled_fp4_mm(_ptr(np.ascontiguousarray(a)), _ptr(np.ascontiguousarray(b)),
                              _ptr(np.ascontiguousarray(scale_a)), _ptr(np.ascontiguousarray(scale_b)),
-                             _ptr(_f32_scalar(alpha)), None if bias16 is None else _ptr(bias16), _ptr(od), m, n, k,
+                             _ptr(_f32_scalar(alpha)), _ptr(bias16), _ptr(od), m, n, k,
                              mx.MX_FORMAT_CODE[fmt], self._threads)
 
     def linear_mx(self, x, codes, scales, out, *, n, k, fmt, swizzled, global_scale=None):
@@ -321,7 +322,7 @@ class CpuBackend(ReferenceBackend):
             return super().linear_mx(x, codes, scales, out, n=n, k=k, fmt=fmt, swizzled=swizzled,
                                      global_scale=global_scale)
         g = _f32_scalar(global_scale)
-        lib.qc_linear_mx(_ptr(xd), _dtype_code(xd), _ptr(codes), _ptr(scales), _ptr(g) if g is not None else None,
+        lib.qc_linear_mx(_ptr(xd), _dtype_code(xd), _ptr(codes), _ptr(scales), _ptr(g),
                          _ptr(od), batch, n, k, mx.MX_FORMAT_CODE[fmt], int(bool(swizzled)), self._threads)
 
     def mx_dequantize(self, codes, scales, out, *, rows, cols, fmt, swizzled, global_scale=None):
@@ -337,7 +338,7 @@ class CpuBackend(ReferenceBackend):
             return super().mx_dequantize(codes, scales, out, rows=rows, cols=cols, fmt=fmt,
                                          swizzled=swizzled, global_scale=global_scale)
         lib.qc_mx_dequantize(_ptr(codes), _ptr(scales), _ptr(od), _dtype_code(od), rows, cols,
-                             mx.MX_FORMAT_CODE[fmt], int(bool(swizzled)), _ptr(g) if g is not None else None,
+                             mx.MX_FORMAT_CODE[fmt], int(bool(swizzled)), _ptr(g),
                              self._threads)
 
     def swizzle_scales(self, scales, out, *, rows, cols):
