@@ -465,6 +465,19 @@ def gemm_w4a8(wq: Any, a: Any, M: int, N: int, K: int, *, backend=None) -> Any:
     return be.finish(out, wq)
 
 
+def bind_gemm_w4a8(wq: Any, a: Any, M: int, N: int, K: int, *, backend: str | Backend | None = None) -> Any:
+    """For a caller that repeats one ``gemm_w4a8`` call (a module's eager forward): a callable
+    ``f(a2)`` that gives ``gemm_w4a8(wq, a2, M, N, K)`` for an input of a's geometry while ``wq`` is
+    unchanged (same pointer, no in-place change), and None otherwise (then call :func:`gemm_w4a8`,
+    which validates everything). Returns None where the backend binds nothing or has kept no launch
+    for this call: make the call once through :func:`gemm_w4a8` first."""
+    be = _backend(backend)
+    binder = getattr(be, "bind_gemm_w4a8", None)
+    if not EAGER_PLANS or binder is None:
+        return None
+    return binder(wq, a, m=M, n=N, k=K)
+
+
 def same_kind(result: Any, like: Any) -> bool:
     """True when ``result`` is the same array kind as ``like`` (used by tests)."""
     return array_kind(result) == array_kind(like)

@@ -490,6 +490,40 @@ def test_cuda_eager_forward_binds_its_launch(gen):
     assert y.requires_grad
 
 
+@needs_cuda
+def test_cuda_eager_q4_0_forward_binds_its_launch(gen):
+    """LinearQ4_0 keeps the W4A8 stream kernel's launch bound to its weight after one eager call (on
+    sm_90, where that kernel runs up to 8 rows): later calls of the same geometry run it, bitwise the
+    op's result; another geometry and an in-place change of the weight fall back and rebind."""
+    from quantcore.backends.cuda import runtime as rt
+
+    mod = qnn.LinearQ4_0.from_linear(_linear(gen, 1024, 512, device="cuda"))
+    x = _randn(gen, 1, 1024, dtype=torch.bfloat16, device="cuda")
+    op = torch.ops.quantcore.linear_q4_0
+    with torch.no_grad():
+        first = mod(x)
+        assert torch.equal(first, op(x, mod.weight, mod.bias))
+        bound = mod._bound
+        if rt.device_arch(torch.cuda.current_device()) < 90:
+            assert bound is None  # the tensor-core kernel keeps no launch
+            return
+        assert bound is not None
+        for _ in range(3):
+            assert torch.equal(mod(x), first)
+        assert bound.gemm.hits == 3 and mod._bound is bound
+        x2 = _randn(gen, 2, 3, 1024, dtype=torch.bfloat16, device="cuda")  # 6 rows
+        y2 = mod(x2)
+        assert torch.equal(y2, op(x2, mod.weight, mod.bias)) and y2.shape == (2, 3, 512)
+        assert mod._bound is not bound
+        assert torch.equal(mod(x2), y2) and mod._bound.gemm.hits == 1
+        mod.weight[0, 0, 2:].copy_(mod.weight[1, 0, 2:])  # in place: the bound launch declines
+        want = op(x2, mod.weight, mod.bias)
+        assert not torch.equal(want, y2) and torch.equal(mod(x2), want)
+        xf = x2.float()
+        assert torch.equal(mod(xf), op(xf, mod.weight, mod.bias))
+        assert mod(xf).is_contiguous()
+
+
 # -- grouped gemv (quantcore.nn.group_linears) ---------------------------------------------------------
 def _tiny_llama():
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")

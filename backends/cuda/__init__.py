@@ -41,6 +41,7 @@ from .bnb import BnbOps
 from .common import _cupy_dtype, _torch, _torch_dtype, default_kind, empty
 from .ggml import GgmlOps
 from .plans import _plan_dequantize_4bit, _plan_gemv_4bit
+from .plans import bind_gemm_w4a8 as _bind_gemm_w4a8
 
 __all__ = ["CudaBackend", "create", "kernel_instances"]
 
@@ -157,6 +158,11 @@ class CudaBackend(BnbOps, GgmlOps, Backend):
         """A launch plan for repeated public ``dequantize_4bit`` calls (see
         ``quantcore.api.EAGER_PLANS``): torch CUDA tensors only; None where the call is not planned."""
         return _plan_dequantize_4bit(packed, state, out_dtype, previous, dtype)
+
+    def bind_gemm_w4a8(self, wq, a, *, m, n, k):
+        """A repeated ``gemm_w4a8(wq, a)`` call's launch bound to ``wq`` (see
+        ``quantcore.api.bind_gemm_w4a8``), or None."""
+        return _bind_gemm_w4a8(wq, a, m, n, k)
 
     def plan_gemv_4bit(self, A, packed, state, *, previous, n, k):
         """A launch plan for repeated public ``gemv_4bit`` calls (see ``quantcore.api.EAGER_PLANS``):

@@ -153,6 +153,11 @@ class GgmlOps:
         if not self._gemm_w4a8_small(wq, a, out, n, k):
             self._gemm(wq, a, out, True, _tag(a), n, False)
 
+    @staticmethod
+    def _w4_key(device: int, wq: Any, a: Any, n: int, k: int) -> tuple:
+        """The stream kernel's launch cache key of a call (device, geometry, input type and alignment, tuning)."""
+        return device, int(wq.shape[0]), n, k, _tag(a), aligned(a, 16), rt.tune_spec()
+
     def _gemm_w4a8_small(self, wq, a, out, n: int, k: int) -> bool:
         """N <= 8 on sm_90: the streaming kernel; False where it does not apply (then the tensor-core
         kernel runs). QUANTCORE_CUDA_TUNE: w4a8_small=0 sends these calls to the tensor-core kernel
@@ -167,7 +172,7 @@ class GgmlOps:
         # the stream kernel's launches, kept per geometry and tuning: a repeated call skips the
         # geometry search below and CuPy's argument conversion (its three pointers go into slots)
         stream = launch.raw_stream()
-        key = (launch.device, m, n, k, _tag(a), aligned(a, 16), rt.tune_spec())
+        key = self._w4_key(launch.device, wq, a, n, k)
         planned = _W4_LAUNCHES.get(key) if stream is not None else None
         if planned is not None:
             planned(stream, rt.pointer(wq), rt.pointer(a), rt.pointer(out))

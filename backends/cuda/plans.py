@@ -15,6 +15,7 @@ from quantcore.backend import Nested
 from . import runtime as rt
 from .bnb import _DEQUANT_SLOTS, _dequantize_launch, _gemv_launch
 from .common import _FV, TYPE_TAG, _torch_dtype
+from .ggml import _W4_LAUNCHES, GgmlOps
 
 # -- eager launch plans (quantcore.api keeps them on the QuantState) ---------------------------------
 _TENSOR: Any = None  # torch.Tensor, set when the first plan is made (torch is imported by then)
@@ -240,3 +241,60 @@ def _plan_dequantize_4bit(packed: Any, state: Any, out_dtype: Any, previous: Any
     plan.add(out_dtype, (tuple(state.shape), _torch_dtype(as_dtype(dtype)), launch))
     return plan
 
+
+
+# -- gemm_w4a8 bound to a module's Q4_0 weight ----------------------------------------------------------
+class _BoundW4a8:
+    """The W4A8 stream kernel's planned launch for one call geometry (backends/cuda/ggml.py keeps one
+    per geometry and tuning) bound to one Q4_0 weight tensor as it is now, for a caller that repeats
+    the same call (``quantcore.nn.LinearQ4_0``'s eager forward). A call checks the input (exact
+    tensor type, shape, dtype, device, contiguity, 16-byte alignment), that the weight keeps its
+    pointer and version counter, the thread's context and the tuning, then launches into a new
+    fp32 ``[M, N]`` output; anything else returns None and the caller takes the public path (which
+    validates everything)."""
+
+    __slots__ = ("shape", "dtype", "align", "device", "ctx", "out_shape", "launch", "wq", "stamp", "tune",
+                 "hits", "_stream", "_ctx_now")
+
+    def __init__(self, a: Any, wq: Any, out_shape: tuple, launch: Any, tune: Any):
+        self.shape, self.dtype, self.align = a.shape, a.dtype, not a.data_ptr() & 15
+        self.device, self.ctx = a.get_device(), rt.device_context(a.get_device())
+        self.out_shape, self.launch, self.wq, self.tune = out_shape, launch, wq, tune
+        self.stamp = (wq.data_ptr(), wq._version)
+        self.hits = 0
+        self._stream, self._ctx_now = rt.raw_stream_getter(), rt.cupy().cuda.driver.ctxGetCurrent
+
+    def __call__(self, a: Any) -> Any:
+        if (type(a) is not _TENSOR or a.shape != self.shape or a.dtype != self.dtype
+                or (not a.data_ptr() & 15) != self.align or not a.is_contiguous() or a.get_device() != self.device):
+            return None
+        wq = self.wq
+        if (wq.data_ptr(), wq._version) != self.stamp or rt.tune_spec() != self.tune or self._ctx_now() != self.ctx:
+            return None
+        out = a.new_empty(self.out_shape, dtype=_TENSOR_F32)
+        self.launch(self._stream(self.device), wq.data_ptr(), a.data_ptr(), out.data_ptr())
+        self.hits += 1
+        return out
+
+
+_TENSOR_F32: Any = None
+
+
+def bind_gemm_w4a8(wq: Any, a: Any, m: int, n: int, k: int) -> _BoundW4a8 | None:
+    """The stream kernel's launch of a ``gemm_w4a8(wq, a)`` call made before with this geometry,
+    bound to ``wq`` (see :class:`_BoundW4a8`), or None: not torch CUDA tensors, another path (the
+    tensor-core kernel above 8 rows), no launch kept for the geometry, an inference tensor."""
+    global _TENSOR, _TENSOR_F32
+    torch = rt.torch_module()
+    if (torch is None or type(a) is not torch.Tensor or type(wq) is not torch.Tensor or not a.is_cuda
+            or not a.is_contiguous() or not wq.is_contiguous() or a.get_device() != wq.get_device()):
+        return None
+    _TENSOR, _TENSOR_F32 = torch.Tensor, torch.float32
+    tune = rt.tune_spec()
+    launch = _W4_LAUNCHES.get(GgmlOps._w4_key(a.get_device(), wq, a, n, k))
+    if launch is None:
+        return None
+    try:
+        return _BoundW4a8(a, wq, (m, n), launch, tune)
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return None

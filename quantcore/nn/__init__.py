@@ -254,9 +254,17 @@ class LinearQ4_0(nn.Module):
         return torch.ops.quantcore.dequantize_q4_0(self.weight, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _eager(x, self.bias):
-            return qct.linear_q4_0_eager(x, self.weight, self.bias)
-        return torch.ops.quantcore.linear_q4_0(x, self.weight, self.bias)
+        bias = self._parameters.get("bias")
+        if _eager(x, bias):
+            bound = self.__dict__.get("_bound")  # the last eager W4A8 launch, bound to this weight
+            y = bound(x) if bound is not None else None
+            if y is not None:
+                return qct.add_bias(y, bias)
+            weight = self._parameters["weight"]
+            y = qct.linear_q4_0_eager(x, weight, bias)
+            self.__dict__["_bound"] = qct.bind_linear_q4_0(x, weight)
+            return y
+        return torch.ops.quantcore.linear_q4_0(x, self.weight, bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

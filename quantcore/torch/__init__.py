@@ -430,6 +430,34 @@ def linear_q4_0_eager(x, wq, bias=None):
     return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
 
 
+def bind_linear_q4_0(x: torch.Tensor, wq: torch.Tensor) -> Any:
+    """linear_q4_0's W4A8 launch bound to ``wq`` for x's geometry (``quantcore.api.bind_gemm_w4a8``):
+    a callable ``f(x2)`` giving ``x2 @ W.T`` (no bias) like :func:`linear_q4_0_eager`, or None where
+    nothing binds (the dequantize path, a host route, a backend or kernel that keeps no launch).
+    ``f`` returns None for an input it was not bound for."""
+    m, k = _check_q4_0(wq)
+    be = backend_for(wq.device)
+    rows = _rows(x)
+    if (linear_path(rows, "linear_q4_0", be.name) != "gemv" or _host_route(be, x.device) or not x.is_contiguous()
+            or x.shape[-1] != k):
+        return None
+    from ..api import bind_gemm_w4a8
+
+    gemm = bind_gemm_w4a8(wq, x.view(rows, k), m, rows, k, backend=be)
+    if gemm is None:
+        return None
+    shape, out_shape = x.shape, tuple(x.shape[:-1]) + (m,)
+
+    def bound(x2: torch.Tensor) -> torch.Tensor | None:
+        if x2.shape != shape or not x2.is_contiguous():
+            return None
+        y = gemm(x2.view(rows, k))  # checks dtype, device, alignment, the weight and the tuning
+        return None if y is None else y.t().to(x2.dtype).contiguous().view(out_shape)
+
+    bound.gemm = gemm  # the backend's bound launch (tests read its hits)
+    return bound
+
+
 def _linear_q4_0_fake(x, wq, bias=None):
     m, k = _check_q4_0(wq)
     _check_linear(x, k, bias, m)
@@ -557,5 +585,5 @@ OPS = ("quantize_4bit", "dequantize_4bit", "gemv_4bit", "gemv_4bit_grouped", "li
        "dequantize_q4_0", "linear_q4_0", "quantize_mx", "dequantize_mx", "scaled_fp4_mm", "linear_mx",
        "linear_fp4")
 
-__all__ = ["FUSED_4BIT_MAX_ROWS_K", "GEMV_MAX_ROWS", "OPS", "W4A8_MAX_ROWS", "W4A8_MAX_ROWS_CUDA", "backend_for", "bind_linear_4bit", "linear_4bit_eager", "linear_fp4_eager",
-           "linear_path", "linear_q4_0_eager", "quantize_4bit", "set_backend_for", "state_of"]
+__all__ = ["FUSED_4BIT_MAX_ROWS_K", "GEMV_MAX_ROWS", "OPS", "W4A8_MAX_ROWS", "W4A8_MAX_ROWS_CUDA", "backend_for", "bind_linear_4bit",
+           "bind_linear_q4_0", "linear_4bit_eager", "linear_fp4_eager", "linear_path", "linear_q4_0_eager", "quantize_4bit", "set_backend_for", "state_of"]
