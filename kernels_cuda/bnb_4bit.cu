@@ -296,6 +296,7 @@ __global__ void __launch_bounds__(kQuantThreads, kQuantCtasPerSm) quantize_4bit_
     constexpr int kCPT = kQuantElems * T::kBytes / 16;  // 16-byte chunks per thread: 2 or 4
     constexpr int kSh = kCPT == 2 ? 2 : 1;
     extern __shared__ __align__(128) u8 q4v3_smem[];
+    require_dynamic_smem(S * kTB);  // S tiles in the ring
     __shared__ Round4Cells tab;
     build_cells<QT>(tab);
     const u32 steps = tab.steps;

@@ -65,11 +65,7 @@ __global__ void __launch_bounds__(kGmThreads, 2) gemm_4bit_kernel(
     static_assert(MT >= 1 && NT >= 1 && (NT == 1 || NT % 2 == 0) && EPT % 8 == 0 && EPT <= 32,
                   "BM in {32, 64, 128}, BN in {32, 64, 128}");
     extern __shared__ __align__(128) u8 gm_smem[];
-    {
-        u32 dyn;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if (dyn < (u32)G::kBytes) __trap();  // launcher bug
-    }
+    require_dynamic_smem(G::kBytes);
     const u32 sbase = smem_addr(gm_smem);
     const u32 wbase = sbase + S * G::kSlot;
     float* lut = reinterpret_cast<float*>(gm_smem + S * G::kSlot + 2 * G::kW);

@@ -117,11 +117,7 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
     u8* ring_front = small_front ? gt_smem + G::kSmall : gt_smem;
     const int nfront = min((int)((small_front ? front - G::kSmall : front) / kGtRing), kGtWarps);
     u8* ring_back = lut + 65536 + (small_front ? 0 : G::kSmall);
-    {
-        u32 dyn;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if ((u32)(ring_back + (kGtWarps - nfront) * kGtRing - gt_smem) > dyn) __trap();  // launcher bug
-    }
+    require_dynamic_smem((u32)(ring_back + (kGtWarps - nfront) * kGtRing - gt_smem));
     float* c2s = reinterpret_cast<float*>(small);                            // [kGtGroups][kDynCodes]
     i64* ptile = reinterpret_cast<i64*>(c2s + kGtGroups * kDynCodes);      // [kGtWarps][2]
 

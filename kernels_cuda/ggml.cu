@@ -448,7 +448,7 @@ __device__ __forceinline__ void ws_block(float (&acc)[4], u32 qg, u32 qg8, float
 }
 
 // out [M, N] fp32; N <= NB; nbk % 8 == 0, kbs and kc multiples of 8, wq 16-byte aligned; nstage >= 2.
-// Shared memory (the launcher computes the same sum): nstage x 16 x ws_stride(kc) ring,
+// Shared memory (the launcher computes the same sum; the kernel traps on less): nstage x 16 x ws_stride(kc) ring,
 // kbs x NB x 32 quants, kbs x NB x 8 (d8, 8 s8), 2 x kWsWarps x 16 x NB + tpc x 16 x NB floats,
 // 2 x nstage mbarriers. Threads: (kWsWarps + 1) x 32 for LD = 0, kWsWarps x 32 for LD = 1.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -479,6 +479,7 @@ __global__ void QC_WS_CLUSTER(CL) __launch_bounds__((kWsWarps + (LD == 0 ? 1 : 0
     float* part = red + 2 * kWsWarps * kWsRows * NB;         // [tpc][16][NB]
     u64* full = reinterpret_cast<u64*>(part + tpc * kWsRows * NB);
     u64* empty = full + nstage;
+    require_dynamic_smem((u32)(reinterpret_cast<u8*>(empty + nstage) - smem));
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < nstage; ++s) {
@@ -753,7 +754,7 @@ struct TcTile {
 
 // out [M, N] fp32 = Q4_0 wq [M, nb] x the workspace's activation; grid (cdiv(M, BM), cdiv(N, BN)).
 // wfast: nb % 8 == 0 and wq 16-byte aligned (weights by cp.async), else byte loads. ovec: N even
-// and out 8-byte aligned (float2 stores). Shared memory: max(ST * kStage, kRedBytes).
+// and out 8-byte aligned (float2 stores). Shared memory: max(ST * kStage, kRedBytes) (the kernel traps on less).
 //
 // out[m, n] = sum_b d4 (d8 sumi - 8 s8), accumulated in fp32 as
 //   sum_b d4 * round(d8 * sumi): per Q4_0 block one mma.m16n8k32.s8 per (16-row, 8-column)
@@ -773,6 +774,7 @@ __global__ void __launch_bounds__(WGM * WGN * WGK * 32, 1) gemm_w4a8_tc_kernel(
     i64 nbp, int wfast, int ovec) {
     using G = TcTile<MT, WGM, WGN, WGK, ST>;
     extern __shared__ __attribute__((aligned(16))) u8 smem[];
+    require_dynamic_smem(max(ST * G::kStage, G::kRedBytes));
     const int tid = threadIdx.x, warp = tid >> 5, lane = lane_id(), g = lane >> 2, c = lane & 3;
     const int wk = warp % WGK, wm = (warp / WGK) % WGM, wn = warp / (WGK * WGM);
     const i64 m0 = (i64)blockIdx.x * G::kBM;

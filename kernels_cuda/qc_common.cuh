@@ -273,6 +273,15 @@ __device__ __forceinline__ float pos_inf() { return __uint_as_float(0x7f800000u)
 // -- asynchronous copies (sm_80+) --------------------------------------------------------------------
 // the shared-window address of a pointer into shared memory
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// A kernel whose launcher sizes its dynamic shared memory states the bytes its own layout needs: a
+// launch given fewer stops the kernel (a launcher bug; the launch reports an illegal instruction)
+// instead of letting it write past the allocation.
+__device__ __forceinline__ void require_dynamic_smem(u32 bytes) {
+    u32 dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    if (dyn < bytes) __trap();
+}
 // 16 bytes global -> shared (dst a shared address), L2 only; with src_size, the bytes past it are
 // zero-filled (0: nothing is read)
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {

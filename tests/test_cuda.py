@@ -357,6 +357,71 @@ def test_gemm_w4a8_small_n_streaming_kernel(be, rng, dtype):
         assert np.array_equal(bits(_n(out)), bits(got)), (m, n, k)
 
 
+# -- shared memory sized by the launcher, checked by the kernel ----------------------------------------
+_SMEM_SHORT = r"""
+import sys, numpy as np, torch, quantcore as qc
+from quantcore.backends.cuda import runtime as rt
+case, short = sys.argv[1], int(sys.argv[2])
+seen = []
+run, init = rt.Launcher.run, rt.PlannedLaunch.__init__
+def short_run(self, fn, what, grid, block, args, shared_mem=0):
+    if shared_mem:
+        seen.append(what.split("<")[0])
+        shared_mem -= short
+    run(self, fn, what, grid, block, args, shared_mem)
+def short_init(self, *a, **kw):
+    init(self, *a, **kw)
+    if self.shared_mem:
+        seen.append(self.expr.split("<")[0])
+        self.shared_mem -= short
+rt.Launcher.run, rt.PlannedLaunch.__init__ = short_run, short_init
+g = torch.Generator().manual_seed(0)
+dev = lambda *s, dt=torch.float16: torch.randn(*s, generator=g).to(dt).cuda()
+try:
+    if case == "gemm_w4a8_tc":      # N > 8: the tensor-core GEMM
+        wq = qc.quantize_q4_0(dev(256, 1024, dt=torch.float32), backend="cuda")
+        qc.gemm_w4a8(wq, dev(64, 1024, dt=torch.float32), 256, 64, 1024, backend="cuda")
+    elif case == "gemm_w4a8_stream":  # N <= 8 on sm_90: the streaming kernel
+        wq = qc.quantize_q4_0(dev(256, 1024, dt=torch.float32), backend="cuda")
+        qc.gemm_w4a8(wq, dev(4, 1024, dt=torch.float32), 256, 4, 1024, backend="cuda")
+    elif case == "gemm_4bit":       # more than 16 rows: the many-row GEMM
+        w = dev(256, 1024)
+        packed, state = qc.quantize_4bit(w, quant_type="nf4", backend="cuda")
+        qc.gemv_4bit(dev(32, 1024), packed, state, backend="cuda")
+    elif case == "quantize_4bit":   # the shared-memory ring
+        qc.quantize_4bit(dev(1 << 16), blocksize=64, quant_type="nf4", backend="cuda")
+    torch.cuda.synchronize()
+    print("RAN", *sorted(set(seen)))
+except Exception as exc:
+    print("FAILED", *sorted(set(seen)), "|", type(exc).__name__, exc)
+"""
+
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("case, kernel", [("gemm_w4a8_tc", "qc::gemm_w4a8_tc_kernel"),
+                                          ("gemm_w4a8_stream", "qc::gemm_w4a8_stream_kernel"),
+                                          ("gemm_4bit", "qc::gemm_4bit_kernel"),
+                                          ("quantize_4bit", "qc::quantize_4bit_v3_kernel")])
+def test_kernels_refuse_less_shared_memory_than_their_layout(case, kernel):
+    """Each kernel whose launcher computes its dynamic shared memory checks the size against its own
+    layout (require_dynamic_smem): given the launcher's bytes the call runs; given 16 bytes fewer the
+    kernel stops the launch instead of writing past the allocation. One process per run (a trap
+    ends the CUDA context)."""
+    if kernel == "qc::gemm_w4a8_stream_kernel" and rt.device_arch(0) < 90:
+        pytest.skip("the streaming W4A8 kernel runs on sm_90 and later")
+
+    def child(short: int) -> str:
+        res = subprocess.run([sys.executable, "-c", _SMEM_SHORT, case, str(short)], capture_output=True,
+                             text=True, timeout=300)
+        return res.stdout + res.stderr
+
+    ok, short = child(0), child(16)
+    assert "RAN " in ok and kernel in ok.split("RAN", 1)[1], ok[-3000:]
+    assert "FAILED" in short and kernel in short.split("FAILED", 1)[1].split("|")[0], short[-3000:]
+    assert "illegal instruction" in short.lower() or "launch failure" in short.lower(), short[-3000:]
+
+
 # -- array kinds, streams, graphs -------------------------------------------------------------------
 @gpu
 @needs_torch
