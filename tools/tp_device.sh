@@ -43,11 +43,14 @@ for path in sorted(glob.glob(os.path.join(out, "tp2*.json"))):
     print(json.dumps({"run": key, "all_reduce": t2.get("all_reduce", "group"),
                       "tp1_tokens_per_s": round(t1["tokens_per_s"], 1), "tp2_tokens_per_s": round(t2["tokens_per_s"], 1),
                       "speedup": round(t2["tokens_per_s"] / t1["tokens_per_s"], 3), "tp1_graph": t1["graph"],
-                      "tp2_graph": t2["graph"], "vs_tp1": t2.get("vs_tp1"), "out_digest": t2.get("out_digest"),
+                      "tp2_graph": t2["graph"], "eager_repeat": [t1.get("eager_repeat_rel_l2"), t2.get("eager_repeat_rel_l2")],
+                      "vs_tp1": t2.get("vs_tp1"), "out_digest": t2.get("out_digest"),
                       "gpu_bytes_tp1": [r.get("peak_allocated", r["weights_bytes"]) for r in t1["per_rank"]],
                       "gpu_bytes_tp2": [r.get("peak_allocated", r["weights_bytes"]) for r in t2["per_rank"]]}, indent=1))
-    # bf16 partial sums: a few bf16 roundings per layer apart; a wrong shard or reduce is O(1) off
-    if not t2.get("vs_tp1") or t2["vs_tp1"]["rel_l2"] > 0.05:
+    # One layer (attention and MLP, both all-reduces) against TP=1's: bf16 partial sums are a few bf16
+    # roundings apart (~1e-3); a wrong shard or reduce is O(1) off. The whole step's distance is
+    # reported, not judged: a random-weight stack amplifies rounding differences with depth.
+    if not t2.get("vs_tp1") or t2["vs_tp1"]["layer0_rel_l2"] > 1e-2:
         bad.append(key)
 json.dump(res, open(os.path.join(out, "tp_decode.json"), "w"), indent=1)
 if bad:

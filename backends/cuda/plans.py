@@ -286,7 +286,8 @@ def bind_gemm_w4a8(wq: Any, a: Any, m: int, n: int, k: int) -> _BoundW4a8 | None
     tensor-core kernel above 8 rows), no launch kept for the geometry, an inference tensor."""
     global _TENSOR, _TENSOR_F32
     torch = rt.torch_module()
-    if (torch is None or type(a) is not torch.Tensor or type(wq) is not torch.Tensor or not a.is_cuda
+    # the weight is a module's nn.Parameter (a Tensor subclass); the input a plain tensor
+    if (torch is None or type(a) is not torch.Tensor or not isinstance(wq, torch.Tensor) or not a.is_cuda
             or not a.is_contiguous() or not wq.is_contiguous() or a.get_device() != wq.get_device()):
         return None
     _TENSOR, _TENSOR_F32 = torch.Tensor, torch.float32
