@@ -88,6 +88,13 @@ class Backend:
     def devices(self) -> list[str]:
         return []
 
+    def use_device(self, index: int) -> None:
+        """Make device ``index`` (of :meth:`devices`) the one the calling thread's new arrays and
+        launches go to (``quantcore quantize --devices``: one thread per GPU). A backend with one
+        device takes index 0 only."""
+        if index != 0:
+            raise UnsupportedError(f"backend {self.name!r} has no device {index} to select per thread")
+
     def capabilities(self) -> frozenset[Capability]:
         return frozenset()
 

@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -167,47 +168,61 @@ def _quantize_tensor(name: str, a: np.ndarray, fmt: str, blocksize: int, mv: _Mo
     return _quantize_mxfp4(name, a, mv, experts)
 
 
-# -- conversion spread over processes (--workers N, --devices cuda:0,cuda:1) ---------------------------
-_WORKER: dict[str, Any] = {}
+# -- conversion spread over workers (--workers N: processes; --devices cuda:0,cuda:1: threads) ------------
+#: the calling worker's state: its backend mover and open files (one per process, or per thread)
+_WORKER = threading.local()
 
 
-def _worker_init(backend: Any, devices: Any) -> None:
-    """A worker process: its device (one of ``devices``, taken in turn through a shared queue, set
-    as the only visible GPU before any CUDA work) and its backend."""
-    if devices is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(devices.get())
-    _WORKER["mover"] = _Mover(backend)
-    _WORKER["files"] = {}
+def _worker_init(backend: Any, devices: Any, in_thread: bool = False) -> None:
+    """A worker: its device (one of ``devices``, taken in turn through a shared queue) and its
+    backend. A thread selects its GPU as the backend's current device for itself; a process sees
+    only that GPU (set before any CUDA work)."""
+    dev = None if devices is None else int(devices.get())
+    if dev is not None and not in_thread:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(dev)
+    _WORKER.mover = _Mover(backend)
+    if dev is not None and in_thread:
+        _WORKER.mover.be.use_device(dev)
+    _WORKER.files = {}
 
 
 def _worker_quantize(task: tuple) -> dict[str, np.ndarray]:
     path, name, fmt, blocksize, experts = task
     from .io import SafetensorsFile
 
-    files = _WORKER["files"]
+    files = _WORKER.files
     f = files.get(path)
     if f is None:
         f = files[path] = SafetensorsFile(path)
-    return _quantize_tensor(name, f.get(name), fmt, blocksize, _WORKER["mover"], experts)
+    return _quantize_tensor(name, f.get(name), fmt, blocksize, _WORKER.mover, experts)
 
 
 class _Pool:
-    """Tensors quantized in ``workers`` processes, results taken back in the plan's order (so the
-    output is the one a single process writes, byte for byte); at most 2 x workers in flight."""
+    """Tensors quantized by ``workers`` workers, results taken back in the plan's order (so the
+    output is the one a single worker writes, byte for byte); at most 2 x workers in flight.
+    With ``devices`` the workers are threads of this process, each on its GPU (taken in turn):
+    no start-up and no copies between processes (the copies to and from the GPUs and the
+    kernels run outside the interpreter's lock); else processes (the cpu backend)."""
 
     def __init__(self, workers: int, backend: Any, devices: list[str] | None):
         import concurrent.futures
-        import multiprocessing
 
-        ctx = multiprocessing.get_context("spawn")  # no CUDA context or threads inherited
-        queue = None
-        if devices:
-            queue = ctx.Manager().Queue()
-            for i in range(workers):
-                queue.put(devices[i % len(devices)].split(":")[-1])
         backend_name = backend if isinstance(backend, str) or backend is None else backend.name
-        self.ex = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
-                                                         initargs=(backend_name, queue))
+        if devices:
+            import queue
+
+            ids: Any = queue.SimpleQueue()
+            for i in range(workers):
+                ids.put(devices[i % len(devices)].split(":")[-1])
+            self.ex = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="quantcore-convert",
+                                                            initializer=_worker_init,
+                                                            initargs=(backend_name, ids, True))
+        else:
+            import multiprocessing
+
+            ctx = multiprocessing.get_context("spawn")  # no CUDA context or threads inherited
+            self.ex = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
+                                                             initargs=(backend_name, None))
         self.depth = 2 * workers
         self.pending: list[Any] = []
 

@@ -444,6 +444,21 @@ def test_workers_write_the_bytes_of_one_process(model_file, tmp_path, fmt):
     assert (tmp_path / "two.safetensors").read_bytes() == (tmp_path / "one.safetensors").read_bytes()
 
 
+@pytest.mark.parametrize("fmt", ["nf4", "nvfp4"])
+def test_devices_threads_write_the_bytes_of_one_worker(model_file, tmp_path, fmt):
+    """--devices: one worker thread per GPU in this process (the first GPU twice where there is
+    only one), results written in the plan's order: the bytes of a single worker."""
+    if not _DEVICES["cuda"]:
+        pytest.skip(f"cuda backend unavailable: {_DEVICES['cuda'].reason}")
+    devs = "cuda:0,cuda:1" if len(qc.get_backend("cuda").devices()) > 1 else "cuda:0,cuda:0"
+    for name, d in (("one", "cuda:0"), ("two", devs)):
+        assert main(["quantize", str(model_file), "-o", str(tmp_path / f"{name}.safetensors"), "--format", fmt, "-q",
+                     "--devices", d]) == 0
+    quantize_checkpoint(model_file, tmp_path / "cpu.safetensors", fmt, backend="cpu", progress=False)
+    ref = (tmp_path / "cpu.safetensors").read_bytes()
+    assert (tmp_path / "one.safetensors").read_bytes() == ref and (tmp_path / "two.safetensors").read_bytes() == ref
+
+
 def test_workers_and_devices_are_checked(model_file, tmp_path, capsys):
     assert main(["quantize", str(model_file), "-o", str(tmp_path / "x.safetensors"), "--format", "nf4",
                  "--workers", "0"]) == 2

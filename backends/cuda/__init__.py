@@ -38,7 +38,7 @@ from . import ggml as _ggml
 from . import mx as _mx
 from . import runtime as rt
 from .bnb import BnbOps
-from .common import _cupy_dtype, _torch, _torch_dtype, default_kind, empty
+from .common import _cupy_dtype, _torch, _torch_cuda, _torch_dtype, default_kind, empty
 from .ggml import GgmlOps
 from .plans import _plan_dequantize_4bit, _plan_gemv_4bit
 from .plans import bind_gemm_w4a8 as _bind_gemm_w4a8
@@ -88,6 +88,13 @@ class CudaBackend(BnbOps, GgmlOps, Backend):
         if not self.availability():
             return []
         return [f"cuda:{i}" for i in range(rt.cupy().cuda.runtime.getDeviceCount())]
+
+    def use_device(self, index: int) -> None:
+        """The calling thread's current GPU, for CuPy and, where it has CUDA, torch (both keep it
+        per thread): new arrays (``from_numpy``, ``empty``) and launches go there."""
+        rt.cupy().cuda.Device(int(index)).use()
+        if _torch_cuda():
+            _torch().cuda.set_device(int(index))
 
     _CAPS: frozenset | None = None
 
