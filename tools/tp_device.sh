@@ -24,11 +24,12 @@ if [ "$DEVICE" = cuda ]; then
   "$PY" -c "import torch, sys; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"
 fi
 t0=$(date +%s)
-CUDA_VISIBLE_DEVICES=${TP1_GPU:-0} "$PY" tools/tp_decode.py "${ARGS[@]}" --out "$OUT/tp1.json" --save-ref "$OUT/tp1_ref.pt"
+# each run under a time limit (TP_LIMIT s), so one that hangs leaves the others their time
+CUDA_VISIBLE_DEVICES=${TP1_GPU:-0} timeout "${TP_LIMIT:-300}" "$PY" tools/tp_decode.py "${ARGS[@]}" --out "$OUT/tp1.json" --save-ref "$OUT/tp1_ref.pt"
 for ar in ${ALL_REDUCE:-group}; do  # the rowwise all-reduce: group (NCCL) and/or symm_mem
   f=tp2.json; [ "$ar" = group ] || f=tp2_$ar.json
-  "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 tools/tp_decode.py "${ARGS[@]}" \
-    --all-reduce "$ar" --out "$OUT/$f" --ref "$OUT/tp1_ref.pt"
+  timeout "${TP_LIMIT:-300}" "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 tools/tp_decode.py "${ARGS[@]}" \
+    --all-reduce "$ar" --out "$OUT/$f" --ref "$OUT/tp1_ref.pt" || echo "tp_device.sh: TP=2 with $ar failed or ran out of time (rc $?)" >&2
 done
 "$PY" - "$OUT" <<'PY'
 import glob, json, os, sys
