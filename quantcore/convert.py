@@ -171,6 +171,9 @@ def _quantize_tensor(name: str, a: np.ndarray, fmt: str, blocksize: int, mv: _Mo
 # -- conversion spread over workers (--workers N: processes; --devices cuda:0,cuda:1: threads) ------------
 #: the calling worker's state: its backend mover and open files (one per process, or per thread)
 _WORKER = threading.local()
+#: worker threads set themselves up one at a time: the first import of a GPU package (torch) by two
+#: threads at once let one of them see it partly initialized (seen on the 2-GPU machine)
+_INIT_LOCK = threading.Lock()
 
 
 def _worker_init(backend: Any, devices: Any, in_thread: bool = False) -> None:
@@ -180,9 +183,10 @@ def _worker_init(backend: Any, devices: Any, in_thread: bool = False) -> None:
     dev = None if devices is None else int(devices.get())
     if dev is not None and not in_thread:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(dev)
-    _WORKER.mover = _Mover(backend)
-    if dev is not None and in_thread:
-        _WORKER.mover.be.use_device(dev)
+    with _INIT_LOCK:
+        _WORKER.mover = _Mover(backend)
+        if dev is not None and in_thread:
+            _WORKER.mover.be.use_device(dev)
     _WORKER.files = {}
 
 
