@@ -5,6 +5,7 @@
 #   OUT=/some/dir tools/tp_device.sh    # LAYERS=32 by default (80 layers of nf4: ~35 GB by arithmetic)
 #   LAYERS=80 CTX=1024 STEPS=200 FMT=nf4 REDUCE=float32 OUT=... tools/tp_device.sh
 #   ALL_REDUCE="group symm_mem" OUT=... tools/tp_device.sh   # TP=2 with each all-reduce (tp2.json, tp2_symm_mem.json)
+#   COMPILE_GLUE=1 TP_LIMIT=150 OUT=... tools/tp_device.sh     # the elementwise parts torch.compile'd
 #   DEVICE=cpu LAYERS=2 HIDDEN=256 INTERMEDIATE=512 HEADS=4 KV_HEADS=2 OUT=... tools/tp_device.sh  # gloo twin
 set -euo pipefail
 : "${OUT:?set OUT to the folder for the JSON}"
@@ -17,6 +18,7 @@ PY=${PYTHON:-python}
 ARGS=(--device "$DEVICE" --layers "${LAYERS:-32}" --hidden "${HIDDEN:-8192}" --intermediate "${INTERMEDIATE:-28672}"
       --heads "${HEADS:-64}" --kv-heads "${KV_HEADS:-8}" --ctx "${CTX:-1024}" --steps "${STEPS:-200}"
       --fmt "${FMT:-nf4}" --reduce-dtype "${REDUCE:-activation}")
+[ "${COMPILE_GLUE:-0}" = 1 ] && ARGS+=(--compile-glue)  # torch.compile the norms, rope and silu * up
 if [ "$DEVICE" = cuda ]; then
   nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
   n=$(nvidia-smi -L | wc -l)
@@ -44,7 +46,8 @@ for path in sorted(glob.glob(os.path.join(out, "tp2*.json"))):
     print(json.dumps({"run": key, "all_reduce": t2.get("all_reduce", "group"),
                       "tp1_tokens_per_s": round(t1["tokens_per_s"], 1), "tp2_tokens_per_s": round(t2["tokens_per_s"], 1),
                       "speedup": round(t2["tokens_per_s"] / t1["tokens_per_s"], 3), "tp1_graph": t1["graph"],
-                      "tp2_graph": t2["graph"], "eager_repeat": [t1.get("eager_repeat_rel_l2"), t2.get("eager_repeat_rel_l2")],
+                      "tp2_graph": t2["graph"],
+                      "ms_per_step_eager": [t1.get("ms_per_step_eager"), t2.get("ms_per_step_eager")], "eager_repeat": [t1.get("eager_repeat_rel_l2"), t2.get("eager_repeat_rel_l2")],
                       "vs_tp1": t2.get("vs_tp1"), "out_digest": t2.get("out_digest"),
                       "gpu_bytes_tp1": [r.get("peak_allocated", r["weights_bytes"]) for r in t1["per_rank"]],
                       "gpu_bytes_tp2": [r.get("peak_allocated", r["weights_bytes"]) for r in t2["per_rank"]]}, indent=1))
