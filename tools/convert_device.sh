@@ -6,6 +6,7 @@
 # outputs compared byte for byte. Summary in $OUT/convert.json.
 #   OUT=/some/dir tools/convert_device.sh     # LAYERS=8 FMT=nf4 REPS=2
 #   ONE="--workers 1" TWO="--workers 2" LAYERS=1 OUT=... tools/convert_device.sh   # CPU processes instead
+#   PROFILE=1 OUT=... tools/convert_device.sh   # also a cProfile of each setting (every thread) in $OUT/profile*.txt
 set -euo pipefail
 : "${OUT:?set OUT to the folder for the JSON}"
 mkdir -p "$OUT"
@@ -57,3 +58,50 @@ json.dump(res, open(out, "w"), indent=1)
 print(json.dumps(res))
 sys.exit(0 if same else "convert_device.sh: the outputs differ")
 PY
+if [ "${PROFILE:-0}" = 1 ]; then  # where one conversion's time goes: cProfile of each setting, every thread
+  for devs in "${ONE:---devices cuda:0}" "${TWO:---devices cuda:0,cuda:1}"; do
+    tag=$(echo "$devs" | tr -c 'a-z0-9' '_')
+    rm -rf "$W/out_prof"
+    # (a file, not stdin: --workers spawns processes, which import the main script)
+    cat > "$W/prof.py" <<'PY'
+import cProfile, io, pstats, sys, threading, time
+
+
+def main():
+    src, dst, fmt, report, *devs = sys.argv[1:]
+    profiles = []
+
+    def trace(*_):  # a profiler in every worker thread too (replaces this hook in that thread)
+        sys.setprofile(None)
+        p = cProfile.Profile()
+        profiles.append(p)
+        p.enable()
+
+    first = cProfile.Profile()
+    profiles.append(first)
+    t0 = time.perf_counter()
+    first.enable()
+    threading.setprofile(trace)
+    from quantcore.cli import main as cli
+    rc = cli(["quantize", src, "-o", dst, "--format", fmt, *devs, "-q"])
+    threading.setprofile(None)
+    wall = time.perf_counter() - t0
+    for p in profiles:
+        p.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiles[0], stream=out)
+    for p in profiles[1:]:
+        stats.add(p)
+    stats.sort_stats("tottime").print_stats(30)
+    open(report, "w").write(f"{' '.join(devs)}: rc {rc}, {wall:.2f} s wall (imports included), "
+                            f"{len(profiles)} profiles (threads of this process; not --workers processes)\n"
+                            + out.getvalue())
+    print(f"profile of {' '.join(devs)}: {wall:.2f} s -> {report}")
+
+
+if __name__ == "__main__":  # (--workers processes import this file)
+    main()
+PY
+    "$PY" "$W/prof.py" "$W/model.safetensors" "$W/out_prof" "${FMT:-nf4}" "$OUT/profile$tag.txt" $devs
+  done
+fi
