@@ -51,6 +51,9 @@ def parse(argv=None):
     p.add_argument("--steps", type=int, default=200, help="timed steps")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--eager", action="store_true", help="no CUDA graph")
+    p.add_argument("--trace-layers", action="store_true",
+                   help="keep every layer's output of the step (eager and graph) and report the first layer "
+                        "where the graph's differs from the eager step's")
     p.add_argument("--compile-glue", action="store_true",
                    help="torch.compile the elementwise parts between the linears (norms, rope, silu * up), as "
                         "serving stacks fuse them; the linears and the all-reduces stay as they are")
@@ -196,12 +199,16 @@ def main(a):
     mask = torch.ones(1, 1, 1, a.ctx + 1, dtype=torch.bool, device=device)
     out = torch.empty_like(x)
 
+    trace = torch.empty(a.layers, a.hidden, dtype=dtype, device=device) if a.trace_layers else None
+
     def step():
         ang = pos.float()[:, None] * inv[None, :]  # [1, hd/2]: rope rotates the two halves
         cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
         h = x
-        for layer, c in zip(layers, caches):
+        for i, (layer, c) in enumerate(zip(layers, caches)):
             h = layer(h, pos, cos, sin, c[0], c[1], mask)
+            if trace is not None:
+                trace[i].copy_(h.reshape(-1))
         out.copy_(h)
 
     def layer0():  # layer 0 on the input (replicated: the rowwise layers all-reduce)
@@ -228,10 +235,12 @@ def main(a):
             step()
         sync()
         ref_out = out.clone()
+        ref_trace = trace.clone() if trace is not None else None
         step()  # is the eager step repeatable, bit for bit?
         sync()
         eager_repeat = _rel_l2(out, ref_out)
         graph, graph_note, graph_vs_eager = None, "eager (--eager)" if a.eager else "eager (cpu)", None
+        layer_trace = None
         if device.type == "cuda" and not a.eager:
             try:
                 side = torch.cuda.Stream()
@@ -247,6 +256,11 @@ def main(a):
                 graph.replay()
                 sync()
                 graph_vs_eager = _rel_l2(out, ref_out)
+                if trace is not None:
+                    per_layer = [_rel_l2(trace[i], ref_trace[i]) for i in range(a.layers)]
+                    first = next((i for i, d in enumerate(per_layer) if d), None)
+                    layer_trace = {"first_layer_differing": first,
+                                   "rel_l2_per_layer": [float(f"{d:.3g}") for d in per_layer]}
                 graph_note = (f"captured ({'NCCL' if a.all_reduce == 'group' else 'symmetric-memory'} "
                               "all-reduces inside the graph)") if world > 1 else "captured"
                 if graph_vs_eager:  # timed all the same; the eager step is timed too (ms_per_step_eager)
@@ -296,7 +310,7 @@ def main(a):
            "dtype": str(dtype).removeprefix("torch."), "reduce_dtype": a.reduce_dtype,
            "all_reduce": a.all_reduce, "steps": a.steps, "compile_glue": a.compile_glue,
            "graph": graph_note, "eager_repeat_rel_l2": eager_repeat,
-           "graph_vs_eager_rel_l2": graph_vs_eager, "ms_per_step_eager": None if dt_eager is None else dt_eager * 1e3, "weights": "sliced" if a.slice else "quantized per shard",
+           "graph_vs_eager_rel_l2": graph_vs_eager, "graph_vs_eager_layers": layer_trace, "ms_per_step_eager": None if dt_eager is None else dt_eager * 1e3, "weights": "sliced" if a.slice else "quantized per shard",
            "build_s": round(build_s, 2), "ms_per_step": max(r["ms_per_step"] for r in per_rank),
            "tokens_per_s": 1.0 / max(r["ms_per_step"] for r in per_rank) * 1e3, "per_rank": per_rank}
     # a digest of the step's output: two TP=2 runs (say, the two all-reduces) compare by it
