@@ -143,6 +143,21 @@ def test_device_script_cpu_twin(tmp_path):
     assert all(abs(r["weights_bytes"] - half) / half < 0.05 for r in t2["per_rank"])
 
 
+def test_device_script_cpu_twin_grouped(tmp_path):
+    """GROUP=1: q / k / v and gate / up of every layer as grouped launches (quantcore.nn.group_linears
+    on the colwise shards), TP=2 against TP=1 as above."""
+    env = _env()
+    env.update(DEVICE="cpu", GROUP="1", LAYERS="2", HIDDEN="256", INTERMEDIATE="512", HEADS="4", KV_HEADS="2",
+               CTX="16", STEPS="3", OUT=str(tmp_path), PYTHON=sys.executable)
+    proc = subprocess.run(["bash", os.path.join(REPO, "tools", "tp_device.sh")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "tp_decode.json").read_text())
+    t1, t2 = res["tp1"], res["tp2"]
+    assert t1["grouped_linears"] == t2["grouped_linears"] == 4  # 2 layers x (q/k/v, gate/up)
+    assert t2["vs_tp1"]["layer0_rel_l2"] < RTOL and t2["vs_tp1"]["rel_l2"] < RTOL
+
+
 def test_torch_compile_traces_the_collectives(ranks):
     # torch.compile(fullgraph=True) through a sharded nf4 MLP (inductor fuses: tolerance, not bitwise)
     for res in _case(ranks, "compile"):

@@ -51,6 +51,9 @@ def parse(argv=None):
     p.add_argument("--steps", type=int, default=200, help="timed steps")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--eager", action="store_true", help="no CUDA graph")
+    p.add_argument("--group-linears", action="store_true",
+                   help="quantcore.nn.group_linears on every layer: q / k / v and gate / up each one grouped gemv "
+                        "launch (nf4 / fp4 only)")
     p.add_argument("--trace-layers", action="store_true",
                    help="keep every layer's output of the step (eager and graph) and report the first layer "
                         "where the graph's differs from the eager step's")
@@ -182,6 +185,7 @@ def main(a):
     t0 = time.perf_counter()
     layers = build(a, rank, world, dtype, device)
     build_s = time.perf_counter() - t0
+    grouped = qnn.group_linears(layers) if a.group_linears else 0
     weights_bytes = module_bytes(layers)
 
     # static inputs: the token's hidden state, its position, the caches (random past positions)
@@ -308,7 +312,7 @@ def main(a):
            "torch": torch.__version__, "fmt": a.fmt, "layers": a.layers, "hidden": a.hidden,
            "intermediate": a.intermediate, "heads": a.heads, "kv_heads": a.kv_heads, "ctx": a.ctx,
            "dtype": str(dtype).removeprefix("torch."), "reduce_dtype": a.reduce_dtype,
-           "all_reduce": a.all_reduce, "steps": a.steps, "compile_glue": a.compile_glue,
+           "all_reduce": a.all_reduce, "steps": a.steps, "compile_glue": a.compile_glue, "grouped_linears": grouped,
            "graph": graph_note, "eager_repeat_rel_l2": eager_repeat,
            "graph_vs_eager_rel_l2": graph_vs_eager, "graph_vs_eager_layers": layer_trace, "ms_per_step_eager": None if dt_eager is None else dt_eager * 1e3, "weights": "sliced" if a.slice else "quantized per shard",
            "build_s": round(build_s, 2), "ms_per_step": max(r["ms_per_step"] for r in per_rank),

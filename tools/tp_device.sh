@@ -7,6 +7,7 @@
 #   ALL_REDUCE="group symm_mem" OUT=... tools/tp_device.sh   # TP=2 with each all-reduce (tp2.json, tp2_symm_mem.json)
 #   COMPILE_GLUE=1 TP_LIMIT=150 OUT=... tools/tp_device.sh     # the elementwise parts torch.compile'd
 #   TRACE_LAYERS=1 LAYERS=80 OUT=... tools/tp_device.sh         # + the first layer where graph and eager part
+#   GROUP=1 OUT=... tools/tp_device.sh                          # q/k/v and gate/up as grouped gemv launches
 #   DEVICE=cpu LAYERS=2 HIDDEN=256 INTERMEDIATE=512 HEADS=4 KV_HEADS=2 OUT=... tools/tp_device.sh  # gloo twin
 set -euo pipefail
 : "${OUT:?set OUT to the folder for the JSON}"
@@ -21,6 +22,7 @@ ARGS=(--device "$DEVICE" --layers "${LAYERS:-32}" --hidden "${HIDDEN:-8192}" --i
       --fmt "${FMT:-nf4}" --reduce-dtype "${REDUCE:-activation}")
 [ "${COMPILE_GLUE:-0}" = 1 ] && ARGS+=(--compile-glue)  # torch.compile the norms, rope and silu * up
 [ "${TRACE_LAYERS:-0}" = 1 ] && ARGS+=(--trace-layers)  # per-layer graph-against-eager comparison
+[ "${GROUP:-0}" = 1 ] && ARGS+=(--group-linears)  # q/k/v and gate/up as grouped gemv launches
 if [ "$DEVICE" = cuda ]; then
   nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
   n=$(nvidia-smi -L | wc -l)
