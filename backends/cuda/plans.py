@@ -242,7 +242,6 @@ def _plan_dequantize_4bit(packed: Any, state: Any, out_dtype: Any, previous: Any
     return plan
 
 
-
 # -- gemm_w4a8 bound to a module's Q4_0 weight ----------------------------------------------------------
 class _BoundW4a8:
     """The W4A8 stream kernel's planned launch for one call geometry (backends/cuda/ggml.py keeps one
