@@ -198,7 +198,7 @@ def _worker_quantize(task: tuple) -> dict[str, np.ndarray]:
     f = files.get(path)
     if f is None:
         f = files[path] = SafetensorsFile(path)
-    return _quantize_tensor(name, f.get(name), fmt, blocksize, _WORKER.mover, experts)
+    return _quantize_tensor(name, f.get(name, whole=True), fmt, blocksize, _WORKER.mover, experts)
 
 
 class _Pool:
@@ -487,7 +487,7 @@ def _convert(ckpt: Checkpoint, sel: Selection, items: list[Item], tmp: str, dst:
                 if done is not None:
                     out = next(done)
                 else:
-                    a = t.file.get(it.name)
+                    a = t.file.get(it.name, whole=True)
                     out = _quantize_tensor(it.name, a, fmt, blocksize, mover, it.experts)
                     del a
                 for k, v in out.items():

@@ -434,6 +434,20 @@ def test_device_backend_gives_the_cpu_bytes(model_file, tmp_path, monkeypatch, f
     assert (tmp_path / "dev.safetensors").read_bytes() == ref and (tmp_path / "env.safetensors").read_bytes() == ref
 
 
+def test_get_whole_maps_the_same_bytes(model_file, monkeypatch):
+    """get(name, whole=True) asks the kernel to map the tensor's pages up front (MADV_POPULATE_READ);
+    the array is the same, and an OS that declines the advice (here: an unknown advice number)
+    changes nothing."""
+    import quantcore.io as qio
+
+    f = SafetensorsFile(model_file)
+    for name in f.names:
+        assert np.array_equal(f.get(name, whole=True).view(np.uint8), f.get(name).view(np.uint8))
+    monkeypatch.setattr(qio, "_POPULATE_READ", 12345)
+    name = next(iter(f.names))
+    assert np.array_equal(f.get(name, whole=True).view(np.uint8), f.get(name).view(np.uint8))
+
+
 @pytest.mark.parametrize("fmt", ["nf4", "nvfp4"])
 def test_workers_write_the_bytes_of_one_process(model_file, tmp_path, fmt):
     """--workers N quantizes tensors in N processes and writes them in the plan's order: the output

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
+import sys
 from collections.abc import Iterable
 from typing import Any, BinaryIO
 
@@ -132,12 +134,18 @@ class SafetensorsFile:
     def info(self, name: str) -> TensorInfo:
         return self._infos[name]
 
-    def get(self, name: str) -> np.ndarray:
-        """Read-only memory map of one tensor (a zero-size tensor: an empty array)."""
+    def get(self, name: str, *, whole: bool = False) -> np.ndarray:
+        """Read-only memory map of one tensor (a zero-size tensor: an empty array). ``whole``: the
+        caller reads all of it (a conversion), so its pages are mapped in one request up front
+        (``MADV_POPULATE_READ``) instead of one page fault each: on the 2-core VM a first read of a
+        mapped tensor ran 2.0-3.3 GB/s so against 0.5-0.8 GB/s. Leave it off where a caller reads a
+        slice (``load_sharded``)."""
         i = self._infos[name]
         if i.nbytes == 0:
             return np.zeros(i.shape, i.dtype)
         m = np.memmap(self.path, dtype=np.uint8, mode="r", offset=i.start, shape=(i.nbytes,))
+        if whole:
+            _populate(m)
         return m.view(i.dtype).reshape(i.shape)
 
     def copy_to(self, name: str, out: BinaryIO) -> int:
@@ -153,6 +161,23 @@ class SafetensorsFile:
                 out.write(chunk)
                 left -= len(chunk)
         return i.nbytes
+
+
+#: madvise(MADV_POPULATE_READ) (Linux 5.14+; Python's mmap module names it from 3.13): map a file
+#: range's pages ahead of reading them
+_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform.startswith("linux") else None)
+
+
+def _populate(m: np.memmap) -> None:
+    """Ask the kernel to map all of ``m``'s pages now (best effort: an older kernel or another OS
+    declines, and the pages fault in as they are read)."""
+    mm = getattr(m, "_mmap", None)
+    if mm is None or _POPULATE_READ is None or not hasattr(mm, "madvise"):
+        return
+    try:
+        mm.madvise(_POPULATE_READ)
+    except (OSError, ValueError):
+        pass
 
 
 def load_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
