@@ -271,3 +271,12 @@ def test_cli_quantize_mx_dequantizes_back(tmp_path, rng, fmt):
     assert np.array_equal(codes, ref_codes) and np.array_equal(scales, ref_scales)
     assert back.shape == w.shape
     assert np.abs(back - w).max() <= 0.25 * np.abs(w).max()
+
+
+def test_use_device_of_a_one_device_backend():
+    """Backend.use_device (what `quantize --devices` threads call): a backend with one device takes
+    index 0 and refuses any other with an UnsupportedError naming it."""
+    be = qc.get_backend("cpu")
+    be.use_device(0)
+    with pytest.raises(qc.UnsupportedError, match="'cpu' has no device 1"):
+        be.use_device(1)
