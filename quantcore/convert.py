@@ -176,17 +176,13 @@ _WORKER = threading.local()
 _INIT_LOCK = threading.Lock()
 
 
-def _worker_init(backend: Any, devices: Any, in_thread: bool = False) -> None:
-    """A worker: its device (one of ``devices``, taken in turn through a shared queue) and its
-    backend. A thread selects its GPU as the backend's current device for itself; a process sees
-    only that GPU (set before any CUDA work)."""
-    dev = None if devices is None else int(devices.get())
-    if dev is not None and not in_thread:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(dev)
+def _worker_init(backend: Any, devices: Any = None) -> None:
+    """A worker: its backend and, for a thread of ``--devices``, its GPU (one of ``devices``, taken
+    in turn through a queue), made the backend's current device for that thread."""
     with _INIT_LOCK:
         _WORKER.mover = _Mover(backend)
-        if dev is not None and in_thread:
-            _WORKER.mover.be.use_device(dev)
+        if devices is not None:
+            _WORKER.mover.be.use_device(int(devices.get()))
     _WORKER.files = {}
 
 
@@ -220,13 +216,13 @@ class _Pool:
                 ids.put(devices[i % len(devices)].split(":")[-1])
             self.ex = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="quantcore-convert",
                                                             initializer=_worker_init,
-                                                            initargs=(backend_name, ids, True))
+                                                            initargs=(backend_name, ids))
         else:
             import multiprocessing
 
             ctx = multiprocessing.get_context("spawn")  # no CUDA context or threads inherited
             self.ex = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
-                                                             initargs=(backend_name, None))
+                                                             initargs=(backend_name,))
         self.depth = 2 * workers
         self.pending: list[Any] = []
 

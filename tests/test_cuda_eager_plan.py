@@ -360,7 +360,7 @@ def test_planned_launch_buffer_and_slots(monkeypatch):
     fake_cp = types.SimpleNamespace(cuda=types.SimpleNamespace(driver=types.SimpleNamespace(launchKernel=launch_kernel)))
     monkeypatch.setattr(rt.KERNELS, "function", lambda device, filename, expr: fake_fn)
     monkeypatch.setattr(rt, "cupy", lambda: fake_cp)
-    args = (rt.NULL, np.uint64(0x1000), np.uint64(0x2000), rt.NULL, rt.i32(-3), rt.i64(1 << 40))
+    args = (rt.NULL, np.uint64(0x1000), np.uint64(0x2000), rt.NULL, np.int32(-3), np.int64(1 << 40))
     pl = rt.PlannedLaunch(0, "bnb_gemv.cu", "qc::k", (7, 2), 512, args, shared_mem=0, slots=(0, 3))
     assert pl.args() == (0, 0x1000, 0x2000, 0, (1 << 32) - 3, 1 << 40)
     pl(0xABC, 0x5000, 0x6000)

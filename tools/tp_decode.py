@@ -205,9 +205,12 @@ def main(a):
 
     trace = torch.empty(a.layers, a.hidden, dtype=dtype, device=device) if a.trace_layers else None
 
-    def step():
+    def rope_cos_sin():
         ang = pos.float()[:, None] * inv[None, :]  # [1, hd/2]: rope rotates the two halves
-        cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+        return ang.cos().to(dtype), ang.sin().to(dtype)
+
+    def step():
+        cos, sin = rope_cos_sin()
         h = x
         for i, (layer, c) in enumerate(zip(layers, caches)):
             h = layer(h, pos, cos, sin, c[0], c[1], mask)
@@ -216,8 +219,7 @@ def main(a):
         out.copy_(h)
 
     def layer0():  # layer 0 on the input (replicated: the rowwise layers all-reduce)
-        ang = pos.float()[:, None] * inv[None, :]
-        return layers[0](x, pos, ang.cos().to(dtype), ang.sin().to(dtype), caches[0][0], caches[0][1], mask)
+        return layers[0](x, pos, *rope_cos_sin(), caches[0][0], caches[0][1], mask)
 
     def q0():  # layer 0's q_proj on the input, all-gathered
         y = layers[0].self_attn.q_proj(rms_norm(x, layers[0].ln1))

@@ -312,7 +312,7 @@ def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, 
              "ngroups": len(weights)}
     for i, names in enumerate(GEMV_TC_WEIGHT_NAMES):  # packed, absmax, absmax2, code2, offset, n
         p, am, nst, n = weights[i] if i < len(weights) else (None, None, None, 0)
-        named.update(zip(names, (p, am, *((nst.absmax2, nst.code2, nst.offset) if nst else (None,) * 3), n)))
+        named.update(zip(names, (p, am, *_nested_named(nst).values(), n)))
     ntiles = sum(_cdiv(w[3], 16) for w in weights)
     nb = 1 if rows <= 8 else 2
     # a CTA's input rows (8 nb at most) in its decode table's free halves when they fit there

@@ -121,32 +121,45 @@ class _GemvPlan(_StatePlan):
             return None
 
 
-class _BoundGemv:
-    """One gemv plan entry bound to one input geometry and to the weight's and the state's tensors
-    as they are now, for a caller that repeats the same call (a module's eager forward). A call
-    checks the input (exact tensor type, shape, dtype, device, contiguity, 16-byte alignment), that
-    the bound tensors keep their pointers and version counters (every in-place change, set_ /
-    resize_ included, bumps a version; ``.data =`` gives another pointer), the thread's context and
-    the tuning, then launches; anything else returns None and the caller takes the public path."""
+class _Bound:
+    """A launch bound to one input geometry and to tensors as they are now, for a caller that
+    repeats the same call (a module's eager forward). :meth:`_holds` checks the input (exact tensor
+    type, shape, dtype, device, contiguity, 16-byte alignment), that the bound tensors keep their
+    pointers and version counters (every in-place change, set_ / resize_ included, bumps a version;
+    ``.data =`` gives another pointer) and the tuning; a call that fails them returns None and the
+    caller takes the public path."""
 
-    __slots__ = ("shape", "dtype", "align", "device", "out_shape", "launch", "tensors", "stamps", "plan")
+    __slots__ = ("shape", "dtype", "align", "device", "out_shape", "launch", "tensors", "stamps")
 
-    def __init__(self, plan: Any, key: tuple, entry: tuple, tensors: tuple):
-        self.plan = plan
+    def __init__(self, key: tuple, device: int, out_shape: tuple, launch: Any, tensors: tuple):
         self.shape, self.dtype, self.align = key
-        self.device, self.out_shape, self.launch = plan.device, entry[0], entry[1]
+        self.device, self.out_shape, self.launch = device, out_shape, launch
         self.tensors = tensors
-        self.stamps = tuple((t.data_ptr(), t._version) for t in tensors)
+        self.stamps = tuple((t.data_ptr(), t._version) for t in tensors)  # RuntimeError on inference tensors
 
-    def __call__(self, A: Any) -> Any:
+    def _holds(self, A: Any, tune: Any) -> bool:
         if (type(A) is not _TENSOR or A.shape != self.shape or A.dtype != self.dtype
                 or (not A.data_ptr() & 15) != self.align or not A.is_contiguous()
                 or A.get_device() != self.device):
-            return None
+            return False
         for t, (ptr, version) in zip(self.tensors, self.stamps):
             if t.data_ptr() != ptr or t._version != version:
-                return None
-        if rt.tune_spec() != self.plan.tune:
+                return False
+        return rt.tune_spec() == tune
+
+
+class _BoundGemv(_Bound):
+    """One gemv plan entry bound to the weight's and the state's tensors (see :class:`_Bound`); the
+    plan's launch checks the thread's context."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self, plan: Any, key: tuple, entry: tuple, tensors: tuple):
+        super().__init__(key, plan.device, entry[0], entry[1], tensors)
+        self.plan = plan
+
+    def __call__(self, A: Any) -> Any:
+        if not self._holds(A, self.plan.tune):
             return None
         return self.plan._launch(self.launch, A, A.new_empty(self.out_shape))
 
@@ -243,35 +256,24 @@ def _plan_dequantize_4bit(packed: Any, state: Any, out_dtype: Any, previous: Any
 
 
 # -- gemm_w4a8 bound to a module's Q4_0 weight ----------------------------------------------------------
-class _BoundW4a8:
+class _BoundW4a8(_Bound):
     """The W4A8 stream kernel's planned launch for one call geometry (backends/cuda/ggml.py keeps one
-    per geometry and tuning) bound to one Q4_0 weight tensor as it is now, for a caller that repeats
-    the same call (``quantcore.nn.LinearQ4_0``'s eager forward). A call checks the input (exact
-    tensor type, shape, dtype, device, contiguity, 16-byte alignment), that the weight keeps its
-    pointer and version counter, the thread's context and the tuning, then launches into a new
-    fp32 ``[M, N]`` output; anything else returns None and the caller takes the public path (which
-    validates everything)."""
+    per geometry and tuning) bound to one Q4_0 weight tensor (see :class:`_Bound`), for
+    ``quantcore.nn.LinearQ4_0``'s eager forward: a call that also finds the thread's context the
+    launch's launches into a new fp32 ``[M, N]`` output."""
 
-    __slots__ = ("shape", "dtype", "align", "device", "ctx", "out_shape", "launch", "wq", "stamp", "tune",
-                 "hits", "_stream", "_ctx_now")
+    __slots__ = ("ctx", "tune", "hits", "_stream", "_ctx_now")
 
     def __init__(self, a: Any, wq: Any, out_shape: tuple, launch: Any, tune: Any):
-        self.shape, self.dtype, self.align = a.shape, a.dtype, not a.data_ptr() & 15
-        self.device, self.ctx = a.get_device(), rt.device_context(a.get_device())
-        self.out_shape, self.launch, self.wq, self.tune = out_shape, launch, wq, tune
-        self.stamp = (wq.data_ptr(), wq._version)
-        self.hits = 0
+        super().__init__(_GemvPlan.key(a), a.get_device(), out_shape, launch, (wq,))
+        self.ctx, self.tune, self.hits = rt.device_context(self.device), tune, 0
         self._stream, self._ctx_now = rt.raw_stream_getter(), rt.cupy().cuda.driver.ctxGetCurrent
 
     def __call__(self, a: Any) -> Any:
-        if (type(a) is not _TENSOR or a.shape != self.shape or a.dtype != self.dtype
-                or (not a.data_ptr() & 15) != self.align or not a.is_contiguous() or a.get_device() != self.device):
-            return None
-        wq = self.wq
-        if (wq.data_ptr(), wq._version) != self.stamp or rt.tune_spec() != self.tune or self._ctx_now() != self.ctx:
+        if not self._holds(a, self.tune) or self._ctx_now() != self.ctx:
             return None
         out = a.new_empty(self.out_shape, dtype=_TENSOR_F32)
-        self.launch(self._stream(self.device), wq.data_ptr(), a.data_ptr(), out.data_ptr())
+        self.launch(self._stream(self.device), self.tensors[0].data_ptr(), a.data_ptr(), out.data_ptr())
         self.hits += 1
         return out
 

@@ -443,22 +443,8 @@ def _raise_smem_limit(fn: Any, device: int, nbytes: int) -> None:
     _smem_limit[id(fn)] = int(nbytes)
 
 
-# -- kernel argument helpers ------------------------------------------------------------------------
-def ptr_arg(x: Any) -> np.uint64:
-    return np.uint64(pointer(x))
-
-
+# -- kernel arguments (runtime.kernel_args builds every launch's tuple) -----------------------------
 NULL = np.uint64(0)
-
-
-def i64(v: int) -> np.int64:
-    return np.int64(v)
-
-
-def i32(v: int) -> np.int32:
-    return np.int32(v)
-
-
 _TO_NUMPY = {"i32": np.int32, "i64": np.int64, "u32": np.uint32, "u64": np.uint64, "f32": np.float32}
 _INTS = (int, np.integer)
 

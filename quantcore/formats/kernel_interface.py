@@ -142,7 +142,7 @@ MACA = Dialect(
 #: the SYCL free-function kernels (kernels_sycl/entry_points.cpp): one per element type, so no
 #: dtype argument; int64_t is their i64
 SYCL = Dialect(
-    "sycl", tuple(op for op in ENTRY_POINTS), "qc_{op}", "void", (),
+    "sycl", tuple(ENTRY_POINTS), "qc_{op}", "void", (),
     {**_HOST_TYPES, "bf16": "qc::bf16", "i64": "int64_t"},
     # the blockwise quantizers spread a block over values_per_item work-items (the launcher's split)
     {op: args("i64 values_per_item") for op in ("quantize_4bit", "quantize_blockwise", "double_quantize")},
@@ -257,7 +257,6 @@ _GEMV_TC_WEIGHT = ("const u8* packed{i}, const void* absmax{i}, const f32* absma
                    "const f32* offset{i}, i64 n{i}")
 #: their names per weight (the launcher passes weight i's arrays by these)
 GEMV_TC_WEIGHT_NAMES = tuple(tuple(a.name for a in args(_GEMV_TC_WEIGHT.format(i=i))) for i in range(GEMV_TC_GROUPS))
-_CUDA_NESTED = "const void* absmax, const f32* absmax2, const f32* code2, const f32* offset"
 _MX_GEMM = ("const u8* a, const u8* b, const u8* scale_a, const u8* scale_b, const f32* alpha, const u16* bias, "
             "u16* out, i32 m, i32 n, i32 k, i32 flags")
 _MX_QUANTIZE2 = ("const elem* x, u8* codes, u8* scales, const f32* gscale, u32 nunits, u32 rows, u32 ncols, "
@@ -269,10 +268,10 @@ CUDA_KERNELS: dict[str, tuple[Arg, ...]] = {name: args(spec) for name, spec in {
     # bnb_4bit.cu
     "quantize_4bit_kernel": "const elem* x, u8* packed, f32* absmax, i64 n, i32 log2bs, i32 vec",
     "quantize_4bit_v3_kernel": "const elem* x, u8* packed, f32* absmax, i64 n, i32 vec",
-    "dequantize_4bit_kernel": f"const u8* packed, {_CUDA_NESTED}, elem* out, i64 n, i32 log2bs, i32 vec",
-    "gemv_4bit_mma_kernel": f"const u16* a, const u8* packed, {_CUDA_NESTED}, u16* out, i32 rows, i64 n, i64 k, "
+    "dequantize_4bit_kernel": f"const u8* packed, {_NESTED}, elem* out, i64 n, i32 log2bs, i32 vec",
+    "gemv_4bit_mma_kernel": f"const u16* a, const u8* packed, {_NESTED}, u16* out, i32 rows, i64 n, i64 k, "
                             "i32 log2bs, i32 ksplit",
-    "gemv_4bit_simple_kernel": f"const elem* a, const u8* packed, {_CUDA_NESTED}, elem* out, i32 rows, i64 n, i64 k, "
+    "gemv_4bit_simple_kernel": f"const elem* a, const u8* packed, {_NESTED}, elem* out, i32 rows, i64 n, i64 k, "
                                "i32 log2bs",
     # bnb_8bit.cu
     "quantize_blockwise_kernel": "const elem* x, const f32* thresholds, u8* codes, f32* absmax, const f32* center, "
@@ -285,7 +284,7 @@ CUDA_KERNELS: dict[str, tuple[Arg, ...]] = {name: args(spec) for name, spec in {
                                     "i64 nb, i32 ndefer",
     "absmax_chunk_sum_v3_kernel": "const f32* src, i64 nb, i32 vec, f64* partials, u32* counter",
     # bnb_gemm.cu
-    "gemm_4bit_kernel": f"const u16* a, const u8* packed, {_CUDA_NESTED}, u16* out, i64 ldo, i32 rows, i64 n, "
+    "gemm_4bit_kernel": f"const u16* a, const u8* packed, {_NESTED}, u16* out, i64 ldo, i32 rows, i64 n, "
                         "i64 k, i32 log2bs",
     # bnb_gemv.cu: the input, GEMV_TC_GROUPS weights, the output
     "gemv_4bit_tc_kernel": "const u16* a, " + ", ".join(_GEMV_TC_WEIGHT.format(i=i) for i in range(GEMV_TC_GROUPS))

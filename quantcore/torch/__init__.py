@@ -414,6 +414,12 @@ def _check_q4_0(wq: torch.Tensor) -> tuple[int, int]:
     return int(wq.shape[0]), int(wq.shape[1]) * ggml.QK
 
 
+def _from_w4a8(y: torch.Tensor, x: torch.Tensor, m: int) -> torch.Tensor:
+    """gemm_w4a8's fp32 [M, rows] result as linear's output: x's leading shape + (M,), x's dtype,
+    contiguous (.to(memory_format=...) would keep the transposed strides for fp32)."""
+    return y.t().to(x.dtype).contiguous().view(tuple(x.shape[:-1]) + (m,))
+
+
 def linear_q4_0_eager(x, wq, bias=None):
     """``x @ W.T + bias`` for a ggml Q4_0 weight ``wq [M, K/32, 18]``: W4A8 (the activation quantized
     to Q8_1 inside the kernel) up to :data:`W4A8_MAX_ROWS` rows (:data:`W4A8_MAX_ROWS_CUDA` on the cuda
@@ -424,8 +430,7 @@ def linear_q4_0_eager(x, wq, bias=None):
     if linear_path(rows, "linear_q4_0", backend_for(wq.device).name) == "gemv":
         x2 = x.reshape(rows, k)
         y = _run(wq.device, api.gemm_w4a8, (wq, x2 if x2.is_contiguous() else x2.contiguous(), m, rows, k))
-        y = y.t().to(x.dtype).contiguous()  # .to(memory_format=...) keeps the transposed strides for fp32
-        return add_bias(y.reshape(tuple(x.shape[:-1]) + (m,)), bias)
+        return add_bias(_from_w4a8(y, x, m), bias)
     w = _dequantize_q4_0(wq, x.dtype)
     return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
 
@@ -446,13 +451,13 @@ def bind_linear_q4_0(x: torch.Tensor, wq: torch.Tensor) -> Any:
     gemm = bind_gemm_w4a8(wq, x.view(rows, k), m, rows, k, backend=be)
     if gemm is None:
         return None
-    shape, out_shape = x.shape, tuple(x.shape[:-1]) + (m,)
+    shape = x.shape
 
     def bound(x2: torch.Tensor) -> torch.Tensor | None:
         if x2.shape != shape or not x2.is_contiguous():
             return None
         y = gemm(x2.view(rows, k))  # checks dtype, device, alignment, the weight and the tuning
-        return None if y is None else y.t().to(x2.dtype).contiguous().view(out_shape)
+        return None if y is None else _from_w4a8(y, x2, m)
 
     bound.gemm = gemm  # the backend's bound launch (tests read its hits)
     return bound
