@@ -289,17 +289,9 @@ def main(a):
             return (time.perf_counter() - t0) / steps
 
         dt_eager = timed(step, max(1, a.steps // 4)) if graph is not None else None
-        run = graph.replay if graph is not None else step
-        for _ in range(3):
-            run()
-        sync()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        for _ in range(a.steps):
-            run()
-        sync()
-        dt = (time.perf_counter() - t0) / a.steps
+        dt = timed(graph.replay if graph is not None else step, a.steps)
 
     mem = {"weights_bytes": weights_bytes}
     if device.type == "cuda":
