@@ -441,7 +441,8 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, *, blocksize: int = 64, ba
         sel = select_by_name(ckpt, skip, min_numel)
     items = _plan(ckpt, sel, fmt)
     with sigterm_raises(), AtomicOutput(dst, folder=ckpt.is_folder) as tmp:
-        pool = _Pool(nworkers, backend, devs) if nworkers > 1 else None
+        # --devices: worker threads even for one GPU (its tensors' reads and uploads overlap the writing here)
+        pool = _Pool(nworkers, backend, devs) if nworkers > 1 or devs else None
         summary = _convert(ckpt, sel, items, tmp, dst, fmt, blocksize, mover, shard_limit, skip, progress, pool)
     for line in summary.lines():
         print(line, file=sys.stderr)

@@ -667,3 +667,26 @@ def test_gemv_4bit_more_than_2_31_elements(be, rng, bs, nested):
         assert (err <= bound.max_abs).all(), (bs, nested, int(r0[0]), float((err / bound.max_abs).max()))
     del packed, absmax, out
     torch.cuda.empty_cache()
+
+
+@gpu
+@needs_torch
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "uint8"])
+def test_from_numpy_uploads_large_arrays_through_pinned_pieces(be, dtype, tmp_path):
+    """from_numpy of an array of STAGE_BYTES or more goes through the thread's two pinned buffers
+    piece by piece (a conversion's upload of a memory-mapped tensor): the device copy equals the
+    source for a read-only memory map, sizes below, at and across piece boundaries, and the buffers
+    are reused by the next call while a copy may still be in flight."""
+    stage = cuda_common.STAGE_BYTES
+    item = np.dtype(np.uint16 if dtype == "bfloat16" else dtype).itemsize
+    rng = np.random.default_rng(7)
+    for nbytes in (stage // 2, stage, 2 * stage + 4 * item, 5 * stage - 2 * item):
+        raw = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        path = tmp_path / f"a{nbytes}.bin"
+        raw.tofile(path)
+        src = np.memmap(path, dtype=np.uint8, mode="r").view(BF16 if dtype == "bfloat16" else dtype)
+        src = src.reshape(-1, 4) if src.size % 4 == 0 else src
+        dev = be.from_numpy(src)
+        assert tuple(dev.shape) == src.shape and str(dev.dtype) == f"torch.{dtype}"
+        back = be.to_numpy(dev)
+        assert np.array_equal(back.view(np.uint8).reshape(-1), raw), nbytes

@@ -11,7 +11,8 @@ heads and 8 key/value heads of 128). Weights are random (seeded, the same on eve
 each linear is quantized whole (nf4 by default, double quantization on), at TP>1 each rank
 quantizes only its float shard (quantcore.nn.parallel.quantize_shard; ``--slice``: quantize whole,
 then slice): q / k / v / gate / up colwise, o / down rowwise; either way the shards are bitwise the
-TP=1 weights. The KV cache holds ``--ctx`` random positions; a step attends over them.
+TP=1 weights. The KV cache holds ``--ctx`` random positions; a step attends over them and its own (no mask:
+every position is valid), with ``--attention``'s kernels.
 
 The step is captured in a CUDA graph (NCCL all-reduces included) unless ``--eager``; if capture
 fails, it runs eagerly and the JSON says why. Rank 0 writes: tokens/s at batch 1 (one token per
@@ -33,9 +34,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import quantcore.nn as qnn
 from quantcore.nn.parallel import LLAMA_PLAN, quantize_shard, shard_linear
+
+#: --attention: the SDPA backends a step may use
+ATTENTION = {"flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+             "cudnn": [SDPBackend.CUDNN_ATTENTION], "math": [SDPBackend.MATH]}
 
 
 def parse(argv=None):
@@ -58,8 +64,15 @@ def parse(argv=None):
                    help="keep every layer's output of the step (eager and graph) and report the first layer "
                         "where the graph's differs from the eager step's")
     p.add_argument("--compile-glue", action="store_true",
-                   help="torch.compile the elementwise parts between the linears (norms, rope, silu * up), as "
+                   help="torch.compile the elementwise parts between the linears (residual add + norm, rope, silu * up), as "
                         "serving stacks fuse them; the linears and the all-reduces stay as they are")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="also profile STEPS graph replays and STEPS eager steps (torch.profiler): GPU time per "
+                        "kernel name and step, in the JSON's kernel_profile")
+    p.add_argument("--attention", choices=tuple(ATTENTION), default="flash",
+                   help="torch's attention kernels: flash (flash or memory-efficient attention, else math), cudnn "
+                        "or math. cuDNN's, torch's first choice on an H100 when given a mask, gave other bits for the "
+                        "same inputs from one call to the next (measured), so the default leaves it out")
     p.add_argument("--reduce-dtype", choices=("activation", "float32"), default="activation",
                    help="rowwise layers: product and all-reduce in the activation's dtype (Megatron's) or float32")
     p.add_argument("--all-reduce", choices=("group", "symm_mem"), default="group",
@@ -95,27 +108,34 @@ class Layer(nn.Module):
         self.ln2 = nn.Parameter(torch.ones(a.hidden, dtype=dtype, device=device), requires_grad=False)
         self.self_attn, self.mlp = nn.Module(), nn.Module()
 
-    def forward(self, x, pos, cos, sin, kc, vc, mask):
+    def forward(self, x, res, pos, cos, sin, kc, vc):
+        """The layer on x + res (res: the previous layer's MLP output, None for the first), returning
+        (the residual stream after attention, the MLP output): each residual add is fused with the
+        norm after it, as serving stacks fuse them."""
         at, mlp = self.self_attn, self.mlp
-        h = GLUE["rms_norm"](x, self.ln1)
+        x, h = (x, GLUE["rms_norm"](x, self.ln1)) if res is None else GLUE["add_rms_norm"](x, res, self.ln1)
         q = at.q_proj(h).view(1, -1, 1, self.hd)  # [1, local heads, 1, hd]
         k = at.k_proj(h).view(1, -1, 1, self.hd)
         v = at.v_proj(h).view(1, -1, 1, self.hd)
         q, k = GLUE["rope"](q, cos, sin), GLUE["rope"](k, cos, sin)
         kc.index_copy_(2, pos, k)
         vc.index_copy_(2, pos, v)
-        o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True)
-        x = x + at.o_proj(o.reshape(1, 1, -1))
-        h = GLUE["rms_norm"](x, self.ln2)
-        return x + mlp.down_proj(GLUE["silu_mul"](mlp.gate_proj(h), mlp.up_proj(h)))
+        o = F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True)  # every cached position is valid
+        x, h = GLUE["add_rms_norm"](x, at.o_proj(o.reshape(1, 1, -1)), self.ln2)
+        return x, mlp.down_proj(GLUE["silu_mul"](mlp.gate_proj(h), mlp.up_proj(h)))
 
 
 def silu_mul(g, u):
     return F.silu(g) * u
 
 
+def add_rms_norm(x, r, w):
+    s = x + r
+    return s, rms_norm(s, w)
+
+
 #: the elementwise parts between the linears; --compile-glue replaces them with compiled versions
-GLUE = {"rms_norm": rms_norm, "rope": rope, "silu_mul": silu_mul}
+GLUE = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope": rope, "silu_mul": silu_mul}
 
 
 def _weight(n, k, seed, dtype, device):
@@ -200,7 +220,6 @@ def main(a):
         del full
     pos = torch.tensor([a.ctx], device=device)
     inv = 1.0 / (500000.0 ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
-    mask = torch.ones(1, 1, 1, a.ctx + 1, dtype=torch.bool, device=device)
     out = torch.empty_like(x)
 
     trace = torch.empty(a.layers, a.hidden, dtype=dtype, device=device) if a.trace_layers else None
@@ -211,15 +230,16 @@ def main(a):
 
     def step():
         cos, sin = rope_cos_sin()
-        h = x
+        h, r = x, None
         for i, (layer, c) in enumerate(zip(layers, caches)):
-            h = layer(h, pos, cos, sin, c[0], c[1], mask)
+            h, r = layer(h, r, pos, cos, sin, c[0], c[1])
             if trace is not None:
-                trace[i].copy_(h.reshape(-1))
-        out.copy_(h)
+                trace[i].copy_((h + r).reshape(-1))
+        torch.add(h, r, out=out)
 
     def layer0():  # layer 0 on the input (replicated: the rowwise layers all-reduce)
-        return layers[0](x, pos, *rope_cos_sin(), caches[0][0], caches[0][1], mask)
+        h, r = layers[0](x, None, pos, *rope_cos_sin(), caches[0][0], caches[0][1])
+        return h + r
 
     def q0():  # layer 0's q_proj on the input, all-gathered
         y = layers[0].self_attn.q_proj(rms_norm(x, layers[0].ln1))
@@ -235,7 +255,7 @@ def main(a):
         if world > 1:
             dist.barrier()
 
-    with torch.inference_mode():
+    with torch.inference_mode(), sdpa_kernel(ATTENTION[a.attention]):
         q0_out, l0_out = q0(), layer0()
         for _ in range(a.warmup):
             step()
@@ -292,6 +312,11 @@ def main(a):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         dt = timed(graph.replay if graph is not None else step, a.steps)
+        kernel_profile = None
+        if a.profile and device.type == "cuda":
+            kernel_profile = {"eager": _kernel_profile(step, a.profile, sync)}
+            if graph is not None:
+                kernel_profile["graph"] = _kernel_profile(graph.replay, a.profile, sync)
 
     mem = {"weights_bytes": weights_bytes}
     if device.type == "cuda":
@@ -306,9 +331,10 @@ def main(a):
            "torch": torch.__version__, "fmt": a.fmt, "layers": a.layers, "hidden": a.hidden,
            "intermediate": a.intermediate, "heads": a.heads, "kv_heads": a.kv_heads, "ctx": a.ctx,
            "dtype": str(dtype).removeprefix("torch."), "reduce_dtype": a.reduce_dtype,
-           "all_reduce": a.all_reduce, "steps": a.steps, "compile_glue": a.compile_glue, "grouped_linears": grouped,
+           "all_reduce": a.all_reduce, "attention": a.attention, "steps": a.steps, "compile_glue": a.compile_glue, "grouped_linears": grouped,
            "graph": graph_note, "eager_repeat_rel_l2": eager_repeat,
-           "graph_vs_eager_rel_l2": graph_vs_eager, "graph_vs_eager_layers": layer_trace, "ms_per_step_eager": None if dt_eager is None else dt_eager * 1e3, "weights": "sliced" if a.slice else "quantized per shard",
+           "graph_vs_eager_rel_l2": graph_vs_eager, "graph_vs_eager_layers": layer_trace, "ms_per_step_eager": None if dt_eager is None else dt_eager * 1e3,
+           "kernel_profile": kernel_profile, "weights": "sliced" if a.slice else "quantized per shard",
            "build_s": round(build_s, 2), "ms_per_step": max(r["ms_per_step"] for r in per_rank),
            "tokens_per_s": 1.0 / max(r["ms_per_step"] for r in per_rank) * 1e3, "per_rank": per_rank}
     # a digest of the step's output: two TP=2 runs (say, the two all-reduces) compare by it
@@ -332,6 +358,33 @@ def main(a):
         graph = None
         dist.barrier()
     return res
+
+
+def _kernel_profile(run, steps, sync, top=40):
+    """GPU time per kernel name over ``steps`` runs of ``run`` (torch.profiler / CUPTI): per step, the
+    busiest first, with the wall time per step beside the kernels' sum (the rest: gaps and launches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            run()
+        sync()
+        wall = (time.perf_counter() - t0) / steps
+    rows = {}
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        r = rows.setdefault(ev.name[:120], [0.0, 0])
+        r[0] += ev.time_range.elapsed_us()
+        r[1] += 1
+    ranked = sorted(rows.items(), key=lambda kv: -kv[1][0])
+    return {"steps": steps, "wall_us_per_step": round(wall * 1e6, 1),
+            "kernel_us_per_step": round(sum(v[0] for v in rows.values()) / steps, 1),
+            "kernels": [{"name": k, "us_per_step": round(v[0] / steps, 1), "calls_per_step": v[1] / steps}
+                        for k, v in ranked[:top]]}
 
 
 def _rel_l2(a, b) -> float:

@@ -8,6 +8,7 @@
 #   COMPILE_GLUE=1 TP_LIMIT=150 OUT=... tools/tp_device.sh     # the elementwise parts torch.compile'd
 #   TRACE_LAYERS=1 LAYERS=80 OUT=... tools/tp_device.sh         # + the first layer where graph and eager part
 #   GROUP=1 OUT=... tools/tp_device.sh                          # q/k/v and gate/up as grouped gemv launches
+#   PROFILE_STEPS=20 OUT=... tools/tp_device.sh                 # + GPU time per kernel name (kernel_profile)
 #   DEVICE=cpu LAYERS=2 HIDDEN=256 INTERMEDIATE=512 HEADS=4 KV_HEADS=2 OUT=... tools/tp_device.sh  # gloo twin
 set -euo pipefail
 : "${OUT:?set OUT to the folder for the JSON}"
@@ -23,6 +24,7 @@ ARGS=(--device "$DEVICE" --layers "${LAYERS:-32}" --hidden "${HIDDEN:-8192}" --i
 [ "${COMPILE_GLUE:-0}" = 1 ] && ARGS+=(--compile-glue)  # torch.compile the norms, rope and silu * up
 [ "${TRACE_LAYERS:-0}" = 1 ] && ARGS+=(--trace-layers)  # per-layer graph-against-eager comparison
 [ "${GROUP:-0}" = 1 ] && ARGS+=(--group-linears)  # q/k/v and gate/up as grouped gemv launches
+[ -n "${PROFILE_STEPS:-}" ] && ARGS+=(--profile "$PROFILE_STEPS")  # GPU time per kernel name (kernel_profile in the JSON)
 if [ "$DEVICE" = cuda ]; then
   nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
   n=$(nvidia-smi -L | wc -l)

@@ -38,7 +38,7 @@ from . import ggml as _ggml
 from . import mx as _mx
 from . import runtime as rt
 from .bnb import BnbOps
-from .common import _cupy_dtype, _torch, _torch_cuda, _torch_dtype, default_kind, empty
+from .common import _cupy_dtype, _torch, _torch_cuda, _torch_dtype, default_kind, empty, upload_torch
 from .ggml import GgmlOps
 from .plans import _plan_dequantize_4bit, _plan_gemv_4bit
 from .plans import bind_gemm_w4a8 as _bind_gemm_w4a8
@@ -130,9 +130,7 @@ class CudaBackend(BnbOps, GgmlOps, Backend):
         if self._default_kind(like) == "torch":
             torch = _torch()
             device = like.device if rt.kind(like) == "torch" else torch.device("cuda", torch.cuda.current_device())
-            if a.dtype == as_dtype("bfloat16"):
-                return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16).to(device)
-            return torch.from_numpy(a.copy()).to(device)
+            return upload_torch(a, device)
         cp = rt.cupy()
         dev = like.device if rt.kind(like) == "cupy" else cp.cuda.Device()
         with dev:

@@ -3,6 +3,7 @@ launch geometry the kernels compile with, small integer helpers."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -89,6 +90,43 @@ def default_kind(like: Any) -> str:
     if k in ("torch", "cupy"):
         return k
     return "torch" if _torch_cuda() else "cupy"
+
+
+#: host arrays from this size up go to the GPU through two pinned staging buffers of this size per
+#: thread (:func:`upload_torch`)
+STAGE_BYTES = 32 << 20
+_stage = threading.local()
+
+
+def upload_torch(a: np.ndarray, device: Any) -> Any:
+    """A torch CUDA tensor on ``device`` with the contents of the contiguous host array ``a``.
+    Large arrays (a memory-mapped checkpoint tensor in a conversion) are read once, piece by piece,
+    into two pinned buffers kept per thread, each piece's DMA running while the next is copied on
+    the host (the interpreter's lock released in both); small ones take torch's pageable copy."""
+    torch = _torch()
+    tdt = _torch_dtype(a.dtype)
+    if a.nbytes < STAGE_BYTES:
+        host = a.view(np.int16) if dtype_name(a.dtype) == "bfloat16" else a
+        return torch.from_numpy(host.copy()).view(tdt).to(device)
+    with torch.cuda.device(device):
+        out = torch.empty(a.nbytes, dtype=torch.uint8, device=device)
+        bufs = getattr(_stage, "bufs", None)
+        if bufs is None:  # [pinned buffer, its numpy view, event of its last DMA]
+            bufs = _stage.bufs = []
+            for _ in range(2):
+                b = torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True)
+                bufs.append([b, b.numpy(), None])
+        src = a.reshape(-1).view(np.uint8)
+        for i, off in enumerate(range(0, a.nbytes, STAGE_BYTES)):
+            slot = bufs[i % 2]
+            if slot[2] is not None:
+                slot[2].synchronize()  # its previous piece has reached the GPU
+            n = min(STAGE_BYTES, a.nbytes - off)
+            np.copyto(slot[1][:n], src[off:off + n])
+            out[off:off + n].copy_(slot[0][:n], non_blocking=True)
+            slot[2] = torch.cuda.Event()
+            slot[2].record()
+    return out.view(tdt).view(a.shape)
 
 
 def empty(shape, dtype, like: Any = None) -> Any:
