@@ -264,6 +264,14 @@ def _out_bytes(fmt: str, shape: tuple[int, ...], blocksize: int) -> int:
     return n // 2 + n // mx.block_size(fmt) + 4
 
 
+def _header_room(items: list, meta: dict[str, str]) -> int:
+    """Bytes of safetensors header that a shard of (at most) these items needs, generously: up to 9
+    entries per quantized tensor (bitsandbytes' weight, absmax, quant_map, nested statistics, quant
+    state; fewer for MX), each its name, a suffix and the dtype, shape and offsets."""
+    per = sum((9 if it.action == "quantize" else 1) * (len(it.name) + 192) for it in items)
+    return 256 + len(json.dumps(meta)) + per
+
+
 # -- the plan ------------------------------------------------------------------------------------------------------
 @dataclass
 class Item:
@@ -458,12 +466,12 @@ def _convert(ckpt: Checkpoint, sel: Selection, items: list[Item], tmp: str, dst:
     if not ckpt.is_folder:
         meta["quantcore.blocksize"] = str(blocksize if fmt in bnb.QUANT_TYPES else mx.block_size(fmt))
 
-    def shard_for(nbytes: int) -> ShardWriter:
+    def shard_for(nbytes: int, i: int) -> ShardWriter:  # i: the item to write (a new shard has room for the rest)
         if not shards or (ckpt.is_folder and shards[-1].size and shards[-1].size + nbytes > shard_limit):
             if shards:
                 shards[-1].close()
             path = os.path.join(tmp, f"shard-{len(shards):05d}") if ckpt.is_folder else tmp
-            shards.append(ShardWriter(path, meta))
+            shards.append(ShardWriter(path, meta, reserve=_header_room(items[i:], meta)))
         return shards[-1]
 
     bar = Progress(ckpt.nbytes, f"quantize {os.path.basename(os.path.normpath(ckpt.path))} -> {fmt}", progress,
@@ -472,15 +480,15 @@ def _convert(ckpt: Checkpoint, sel: Selection, items: list[Item], tmp: str, dst:
              for it in items if it.action != "copy"]
     done = pool.results(tasks) if pool is not None else None
     try:
-        for it in items:
+        for i, it in enumerate(items):
             t = ckpt.tensors[it.name]
             if it.action == "copy":
-                w = shard_for(t.info.nbytes)
+                w = shard_for(t.info.nbytes, i)
                 w.add_raw(it.name, t.info.dtype_name, t.info.shape, t.file, it.name)
                 weight_map[it.name] = len(shards) - 1
                 summary.kept[it.name] = it.reason
             else:
-                w = shard_for(_out_bytes(fmt, t.info.shape, blocksize))
+                w = shard_for(_out_bytes(fmt, t.info.shape, blocksize), i)
                 if done is not None:
                     out = next(done)
                 else:
@@ -494,7 +502,7 @@ def _convert(ckpt: Checkpoint, sel: Selection, items: list[Item], tmp: str, dst:
                 summary.quantized.append(it.name)
             bar.step(t.info.nbytes, it.name)
         if not shards:
-            shard_for(0)
+            shard_for(0, len(items))
         shards[-1].close()
     except BaseException:
         for s in shards:

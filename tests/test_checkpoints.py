@@ -481,3 +481,41 @@ def test_workers_and_devices_are_checked(model_file, tmp_path, capsys):
                  "--devices", "cuda:x"]) == 2
     assert "--devices" in _one_line_error(capsys)
     assert not (tmp_path / "x.safetensors").exists()
+
+
+@pytest.mark.parametrize("reserve", [0, 4096, 40])
+def test_shard_writer_header_room_and_background_flushes(tmp_path, monkeypatch, reserve):
+    """ShardWriter with header room writes the data once, straight into the file, and puts a
+    space-padded header in the room; a header that outgrows it (40 bytes) or no room falls back to
+    the data file and a copy. Flushes to the disk run in the background while it writes (here every
+    KiB). Every way, safetensors' own reader and ours give the tensors back."""
+    from safetensors.numpy import load_file
+
+    monkeypatch.setattr(ShardWriter, "SYNC_BYTES", 1024)
+    rng = np.random.default_rng(3)
+    tensors = {f"t{i}": rng.standard_normal((17, 33 + i)).astype(np.float32) for i in range(6)}
+    tensors["codes"] = rng.integers(0, 256, 1000, dtype=np.uint8)
+    path = str(tmp_path / "s.safetensors")
+    w = ShardWriter(path, {"format": "pt"}, reserve=reserve)
+    for name, a in tensors.items():
+        w.add(name, a)
+    assert os.path.exists(path + ".data") == (reserve == 0)  # with room the data goes straight into the file
+    w.close()
+    assert not os.path.exists(path + ".data")
+    header_len = int(np.frombuffer(open(path, "rb").read(8), "<u8")[0])
+    assert header_len == (4096 if reserve == 4096 else header_len) and header_len % 8 == 0
+    if reserve != 4096:
+        assert header_len < 4096 // 4  # compact: no room was kept
+    back = load_file(path)
+    assert back.keys() == tensors.keys() and all(np.array_equal(back[k], v) for k, v in tensors.items())
+    f = SafetensorsFile(path)
+    assert all(np.array_equal(f.get(k), v) for k, v in tensors.items()) and f.metadata == {"format": "pt"}
+
+
+def test_shard_writer_abort_removes_its_files(tmp_path):
+    for reserve in (0, 1024):
+        path = str(tmp_path / f"a{reserve}.safetensors")
+        w = ShardWriter(path, reserve=reserve)
+        w.add("x", np.ones(1000, np.float32))
+        w.abort()
+        assert not os.path.exists(path) and not os.path.exists(path + ".data")

@@ -21,6 +21,7 @@ import mmap
 import os
 import struct
 import sys
+import threading
 from collections.abc import Iterable
 from typing import Any, BinaryIO
 
@@ -205,17 +206,30 @@ def _write_array(f: BinaryIO, a: np.ndarray) -> None:
 class ShardWriter:
     """Write one safetensors file tensor by tensor without knowing the tensors up front.
 
-    The data goes to ``<path>.data`` as it comes; :meth:`close` writes the header into ``path`` and
-    appends the data (so memory holds one tensor at a time). Both files are the caller's to remove
-    on failure (the convert module writes into a temporary folder).
+    With ``reserve`` (bytes for the JSON header, e.g. an estimate from the tensors' names) the data
+    goes straight into ``path`` after that much room, and :meth:`close` writes the header into it,
+    padded with spaces (which the format allows): the data is written once. Without it, or when the
+    header outgrows the room, the data goes to ``<path>.data`` (or is moved there) and :meth:`close`
+    writes the header into ``path`` and appends the data. While it writes, the data written so far
+    is flushed to the disk in the background (``fdatasync`` in a thread, every ``SYNC_BYTES``), so
+    that :meth:`close`'s final ``fsync`` has only the tail left. The files are the caller's to
+    remove on failure (:meth:`abort`; the convert module writes into a temporary folder).
     """
 
-    def __init__(self, path: str, metadata: dict[str, str] | None = None):
+    #: bytes written between two background flushes to the disk
+    SYNC_BYTES = 256 << 20
+
+    def __init__(self, path: str, metadata: dict[str, str] | None = None, reserve: int = 0):
         self.path, self.metadata = path, dict(metadata or {})
         self._data_path = path + ".data"
-        self._f = open(self._data_path, "wb")
+        self.reserve = -(-max(0, int(reserve)) // 8) * 8  # the data 8-byte aligned, as safetensors writes it
+        self._f = open(path if self.reserve else self._data_path, "wb")
+        if self.reserve:
+            self._f.seek(8 + self.reserve)
         self.entries: dict[str, dict[str, Any]] = {}
         self.size = 0
+        self._unsynced = 0
+        self._sync: threading.Thread | None = None
 
     def add(self, name: str, a: Any) -> None:
         from ..arrays import host_numpy
@@ -226,7 +240,7 @@ class ShardWriter:
         self.entries[name] = {"dtype": st_dtype_name(a.dtype), "shape": list(a.shape),
                               "data_offsets": [self.size, self.size + a.nbytes]}
         _write_array(self._f, a)
-        self.size += a.nbytes
+        self._wrote(a.nbytes)
 
     def add_raw(self, name: str, dtype_name: str, shape: Iterable[int], src: SafetensorsFile, src_name: str) -> None:
         """Copy a tensor's bytes from another safetensors file as they are."""
@@ -234,17 +248,50 @@ class ShardWriter:
             raise CheckpointError(f"tensor {name!r} written twice")
         n = src.copy_to(src_name, self._f)
         self.entries[name] = {"dtype": dtype_name, "shape": list(shape), "data_offsets": [self.size, self.size + n]}
-        self.size += n
+        self._wrote(n)
 
-    def close(self) -> None:
-        self._f.close()
+    def _wrote(self, n: int) -> None:
+        self.size += n
+        self._unsynced += n
+        if self._unsynced >= self.SYNC_BYTES:  # flush what is written so far while the caller goes on
+            self._unsynced = 0
+            self._f.flush()
+            self._join()
+            self._sync = threading.Thread(target=os.fdatasync, args=(self._f.fileno(),), daemon=True,
+                                          name="quantcore-fdatasync")
+            self._sync.start()
+
+    def _join(self) -> None:
+        if self._sync is not None:
+            self._sync.join()
+            self._sync = None
+
+    def _header(self) -> bytes:
         header: dict[str, Any] = {}
         if self.metadata:
             header["__metadata__"] = {str(k): str(v) for k, v in self.metadata.items()}
         header.update(self.entries)
-        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        return json.dumps(header, separators=(",", ":")).encode("utf-8")
+
+    def close(self) -> None:
+        raw = self._header()
+        if self.reserve and len(raw) <= self.reserve:  # the header in its room: the data stays where it is
+            self._f.seek(0)
+            self._f.write(struct.pack("<Q", self.reserve))
+            self._f.write(raw + b" " * (self.reserve - len(raw)))
+            self._f.flush()
+            self._join()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            return
+        self._f.flush()
+        self._join()
+        self._f.close()
+        if self.reserve:  # the header outgrew its room: the data moves behind a header of its own size
+            os.replace(self.path, self._data_path)
         raw += b" " * (-len(raw) % 8)
         with open(self.path, "wb") as out, open(self._data_path, "rb") as data:
+            data.seek(8 + self.reserve if self.reserve else 0)
             out.write(struct.pack("<Q", len(raw)))
             out.write(raw)
             while chunk := data.read(_COPY_CHUNK):
@@ -254,6 +301,7 @@ class ShardWriter:
         os.remove(self._data_path)
 
     def abort(self) -> None:
+        self._join()
         self._f.close()
         for p in (self._data_path, self.path):
             if os.path.exists(p):
