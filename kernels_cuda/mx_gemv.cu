@@ -411,6 +411,44 @@ __device__ __forceinline__ void tc_decode4(u32 q, u32& r01, u32& r23) {
     }
 }
 
+// codes 0..7 of w (an MXFP4 row's word) -> (e0, e1), (e2, e3), (e4, e5), (e6, e7): tc_decode4 of
+// both halves, the masks and the shifted copy computed once
+template <bool BF>
+__device__ __forceinline__ void tc_decode8(u32 w, u32& r01, u32& r23, u32& r45, u32& r67) {
+    const u32 sel = w & 0x77777777u, w4 = w << 4;
+    const u32 neg_lo = tc_prmt(w, w4, 0x9D8Cu), neg_hi = tc_prmt(w, w4, 0xBFAEu);
+    const u32 sel_hi = sel >> 16;
+    if (BF) {
+        const u32 hl = tc_prmt(QC_E2M1_BF16_HI0, QC_E2M1_BF16_HI1, sel) | (neg_lo & 0x80808080u);
+        const u32 hh = tc_prmt(QC_E2M1_BF16_HI0, QC_E2M1_BF16_HI1, sel_hi) | (neg_hi & 0x80808080u);
+        const u32 ll = tc_prmt(QC_E2M1_BF16_LO0, QC_E2M1_BF16_LO1, sel);
+        const u32 lh = tc_prmt(QC_E2M1_BF16_LO0, QC_E2M1_BF16_LO1, sel_hi);
+        r01 = tc_prmt(ll, hl, 0x5140u);
+        r23 = tc_prmt(ll, hl, 0x7362u);
+        r45 = tc_prmt(lh, hh, 0x5140u);
+        r67 = tc_prmt(lh, hh, 0x7362u);
+    } else {
+        const u32 hl = tc_prmt(QC_E2M1_F16_HI0, QC_E2M1_F16_HI1, sel) | (neg_lo & 0x80808080u);
+        const u32 hh = tc_prmt(QC_E2M1_F16_HI0, QC_E2M1_F16_HI1, sel_hi) | (neg_hi & 0x80808080u);
+        r01 = tc_prmt(hl, 0u, 0x1404u);
+        r23 = tc_prmt(hl, 0u, 0x3424u);
+        r45 = tc_prmt(hh, 0u, 0x1404u);
+        r67 = tc_prmt(hh, 0u, 0x3424u);
+    }
+}
+
+// a scale byte -> fp32, exact (as e4m3_value / e8m0_value, without their branches): E4M3's 7 magnitude
+// bits placed at fp32 bits 20..26 read as e4m3 * 2^-120 (its subnormals as fp32 subnormals), times
+// 2^120; 0x7F / 0xFF and the E8M0 byte 0xFF -> NaN, E8M0 0 -> 2^-127 (an fp32 subnormal)
+template <bool NV>
+__device__ __forceinline__ float tc_scale(u32 b) {
+    if (NV) {
+        const float v = __fmul_rn(__uint_as_float((b & 0x7fu) << 20 | (b & 0x80u) << 24), 0x1p120f);
+        return (b & 0x7fu) == 0x7fu ? f_nan() : v;
+    }
+    return b == 255u ? f_nan() : __uint_as_float(b == 0u ? 0x00400000u : b << 23);
+}
+
 template <typename T>
 struct TcMma;
 template <>
@@ -569,6 +607,25 @@ __device__ __forceinline__ void mx_gemv_tc_impl(const u16* __restrict__ x, const
 #pragma unroll
     for (int h = 0; h < H; ++h) xr[h] = x + (i64)min(8 * h + g, nrows - 1) * k + (NV ? 4 : 8) * c;
 
+    // the activations of a chunk (MXFP4: 8 per block and input row, NVFP4: 4 per block), loaded a
+    // chunk ahead (the next chunk of the stage, else the next stage's first)
+    u32 xn[H][8];
+    auto load_x = [&](int jc) {
+        const i64 e = (i64)jc * 64;
+#pragma unroll
+        for (int h = 0; h < H; ++h) {
+            if (NV) {
+#pragma unroll
+                for (int m = 0; m < 4; ++m) tc_ldg_v2(xr[h] + e + 16 * m, xn[h][2 * m], xn[h][2 * m + 1]);
+            } else {
+#pragma unroll
+                for (int p = 0; p < 2; ++p)
+                    ldg_v4(xr[h] + e + 32 * p, xn[h][4 * p], xn[h][4 * p + 1], xn[h][4 * p + 2], xn[h][4 * p + 3]);
+            }
+        }
+    };
+    if (cq.left > 0) load_x(cq.j);
+
     auto store = [&](int col, int row, float v) {
         if (col < nrows && row < n) {
             if (NV) v = __fdiv_rn(v, gs);
@@ -589,8 +646,7 @@ __device__ __forceinline__ void mx_gemv_tc_impl(const u16* __restrict__ x, const
 #pragma unroll
             for (int b = 0; b < NBLK; ++b) {
                 const u32 ba = (sr0 >> (8 * b)) & 0xffu, bb = (sr1 >> (8 * b)) & 0xffu;
-                const float va = NV ? e4m3_value(ba) : e8m0_value(ba);
-                const float vb = NV ? e4m3_value(bb) : e8m0_value(bb);
+                const float va = tc_scale<NV>(ba), vb = tc_scale<NV>(bb);
                 tc_sts_f2(wsc + ((c * NBLK + b) * 8 + g) * 8, va, vb);
             }
         }
@@ -604,7 +660,13 @@ __device__ __forceinline__ void mx_gemv_tc_impl(const u16* __restrict__ x, const
         const u32 slot = wring + s * kTcSlot + g * kTcPitch + (NV ? 2 : 4) * c;
 #pragma unroll 1
         for (int u = 0; u < nch; ++u) {
-            const i64 e0 = (i64)(j + u) * 64;
+            u32 xc[H][8];
+#pragma unroll
+            for (int h = 0; h < H; ++h)
+#pragma unroll
+                for (int i = 0; i < 8; ++i) xc[h][i] = xn[h][i];
+            const int nj = u + 1 < nch ? j + u + 1 : (cq.left > 0 ? cq.j : -1);
+            if (nj >= 0) load_x(nj);
             if (NV) {
 #pragma unroll
                 for (int m = 0; m < 4; ++m) {
@@ -617,10 +679,8 @@ __device__ __forceinline__ void mx_gemv_tc_impl(const u16* __restrict__ x, const
                     tc_lds_f2(wsc + ((u * NBLK + m) * 8 + g) * 8, sa, sb);
 #pragma unroll
                     for (int h = 0; h < H; ++h) {
-                        u32 b0, b1;
-                        tc_ldg_v2(xr[h] + e0 + 16 * m, b0, b1);
                         float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                        qc::mma_16816<M>(d, af, b0, b1);
+                        qc::mma_16816<M>(d, af, xc[h][2 * m], xc[h][2 * m + 1]);
                         acc[h][0] = fmaf(d[0], sa, acc[h][0]);
                         acc[h][1] = fmaf(d[1], sa, acc[h][1]);
                         acc[h][2] = fmaf(d[2], sb, acc[h][2]);
@@ -633,19 +693,15 @@ __device__ __forceinline__ void mx_gemv_tc_impl(const u16* __restrict__ x, const
                     const u32 wa = tc_lds32(slot + 32 * u + 16 * p);
                     const u32 wb = tc_lds32(slot + 8 * kTcPitch + 32 * u + 16 * p);
                     u32 a0[4], a1[4];
-                    tc_decode4<BF>(wa, a0[0], a0[2]);
-                    tc_decode4<BF>(wb, a0[1], a0[3]);
-                    tc_decode4<BF>(wa >> 16, a1[0], a1[2]);
-                    tc_decode4<BF>(wb >> 16, a1[1], a1[3]);
+                    tc_decode8<BF>(wa, a0[0], a0[2], a1[0], a1[2]);
+                    tc_decode8<BF>(wb, a0[1], a0[3], a1[1], a1[3]);
                     float sa, sb;
                     tc_lds_f2(wsc + ((u * NBLK + p) * 8 + g) * 8, sa, sb);
 #pragma unroll
                     for (int h = 0; h < H; ++h) {
-                        u32 xv[4];
-                        ldg_v4(xr[h] + e0 + 32 * p, xv[0], xv[1], xv[2], xv[3]);
                         float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                        qc::mma_16816<M>(d, a0, xv[0], xv[1]);
-                        qc::mma_16816<M>(d, a1, xv[2], xv[3]);
+                        qc::mma_16816<M>(d, a0, xc[h][4 * p], xc[h][4 * p + 1]);
+                        qc::mma_16816<M>(d, a1, xc[h][4 * p + 2], xc[h][4 * p + 3]);
                         acc[h][0] = fmaf(d[0], sa, acc[h][0]);
                         acc[h][1] = fmaf(d[1], sa, acc[h][1]);
                         acc[h][2] = fmaf(d[2], sb, acc[h][2]);
