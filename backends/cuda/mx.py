@@ -550,10 +550,12 @@ GEMV_MAX_BATCH = kernel_defines.MX_GEMV_GEOMETRY["QC_MXGV_MAX_BATCH"]
 #: fp16 / bf16 inputs where :func:`gemv_tc_takes` holds; a persistent grid of one CTA per
 #: multiprocessor (QC_MXTC_WARPS warps, QC_MXTC_SMEM bytes of shared memory) launched as a
 #: programmatic dependent on compute capability 9.0. ``QUANTCORE_CUDA_TUNE=mx_gemv_tc=0`` runs the
-#: CUDA-core kernel instead (timing comparisons, tests of the fallback).
+#: CUDA-core kernel instead (timing comparisons, tests of the fallback); ``mx_gemv_l2=N`` sets the L2
+#: burst (N 128-byte lines of each tile row prefetched together; 0 none; GEMV_TC_L2_LINES by default).
 GEMV_TC_THREADS = 32 * kernel_defines.MX_GEMV_GEOMETRY["QC_MXTC_WARPS"]
 GEMV_TC_SMEM = kernel_defines.MX_GEMV_GEOMETRY["QC_MXTC_SMEM"]
 GEMV_TC_DTYPES = ("float16", "bfloat16")
+GEMV_TC_L2_LINES = 4
 
 
 def gemv_kernel_name(fmt: str, dtype: str, nb: int) -> str:
@@ -591,13 +593,14 @@ def linear_mx(be, x, codes, scales, out, *, n: int, k: int, fmt: str, swizzled: 
     if gemv_tc_takes(dev, dt, fmt, n, k, ptr(x), ptr(codes), ptr(scales)):
         grid = max(1, min(rt.sm_count(dev), -(-n // 16)))
         pdl = compute_capability(dev) >= (9, 0)
+        l2 = max(0, min(15, rt.tune("mx_gemv_l2", GEMV_TC_L2_LINES)))
         for b0 in range(0, rows, GEMV_MAX_BATCH):
             nrows = min(GEMV_MAX_BATCH, rows - b0)
             name = gemv_tc_kernel_name(fmt, dt, 1 if nrows <= 8 else 2)
             fn = function(dev, GEMV_SOURCE, arch, name, GEMV_TC_SMEM)
             args = kernel_args(name, x=ptr(x) + b0 * k * xsize, codes=ptr(codes), scales=ptr(scales),
                                gscale=ptr(global_scale), out=ptr(out) + b0 * n * osize, nrows=nrows, n=n, k=k,
-                               pcols=pcols, flags=int(bool(swizzled)))
+                               pcols=pcols, flags=int(bool(swizzled)) | l2 << 8)
             run = launcher.run_pdl if pdl else launcher.run
             run(fn, name, (grid, 1, 1), GEMV_TC_THREADS, args, GEMV_TC_SMEM)
         return

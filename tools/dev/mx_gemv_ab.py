@@ -25,7 +25,7 @@ from quantcore.bench import Bench
 from quantcore.formats import mx
 
 DEFAULT_SHAPES = ("4096x14336:1,8", "14336x4096:1,8", "8192x8192:1,4,8,16", "28672x8192:1,4,8,16")
-VARIANTS = {"old": "mx_gemv_tc=0", "new": ""}
+VARIANTS = {"old": "mx_gemv_tc=0", "new": "", "l2off": "mx_gemv_l2=0", "l2x8": "mx_gemv_l2=8"}
 
 
 def weights(fmt: str, n: int, k: int, sets: int):

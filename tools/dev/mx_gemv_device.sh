@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 for step in ${*:-tests ab conf}; do
   case $step in
     tests)
-      timeout ${PYTEST_LIMIT:-200} python3 -m pytest tests/test_cuda_mx.py -k "linear_mx or gemv" -q -rs -x \
+      timeout ${PYTEST_LIMIT:-200} python3 -m pytest tests/test_cuda_mx.py -k "${PYTEST_K:-linear_mx or gemv}" -q -rs -x \
         -p no:cacheprovider > "$OUT/pytest_mx.log" 2>&1
       say "pytest linear_mx: rc=$? $(tail -1 "$OUT/pytest_mx.log") [+$(( $(date +%s) - t0 ))s]"
       grep -E "^(FAILED|E  )" "$OUT/pytest_mx.log" | head -20 | tee -a "$S";;
@@ -22,7 +22,7 @@ for step in ${*:-tests ab conf}; do
       timeout ${AB_LIMIT:-200} python3 tools/dev/mx_gemv_ab.py ${AB_ARGS:-} > "$OUT/ab.log" 2>&1
       say "ab: rc=$? [+$(( $(date +%s) - t0 ))s]"; grep -v AB_JSON "$OUT/ab.log" | tee -a "$S" > /dev/null;;
     conf)
-      for be in cuda maca; do
+      for be in ${CONF_BACKENDS:-cuda maca}; do
         timeout ${CONF_LIMIT:-150} python3 -m quantcore.conformance --backend $be --full -k linear_mx \
           --json "$OUT/conformance_$be.json" > "$OUT/conformance_$be.log" 2>&1
         say "conformance $be -k linear_mx: rc=$? $(grep -E '^(PASS|FAIL)' "$OUT/conformance_$be.log" | tail -1) [+$(( $(date +%s) - t0 ))s]"
