@@ -351,8 +351,7 @@ QCMX_GV_DTYPES(nvfp4, QC_FMT_NVFP4)
 // prefetch of them goes out with the stage's copies), decodes them at the stage's start into the
 // warp's scale buffer, where the quad reads each block's pair with one 8-byte load.
 // Launched as a programmatic dependent (runtime.launch_pdl): arguments are read after
-// griddepcontrol.wait, dependents are released after the main loop. flags: bit 0 swizzled scales,
-// bits 8..11 the L2 burst (128-byte lines per row and run; see producer_tile).
+// griddepcontrol.wait, dependents are released after the main loop.
 namespace qcmx {
 
 constexpr int kTcWarps = QC_MXTC_WARPS;
@@ -538,14 +537,8 @@ __device__ __forceinline__ void mx_gemv_tc_impl(const u16* __restrict__ x, const
     bool pfull = false;
     u32 pok = 0;
     int psa = 0, psb = 0;  // scale row bases of rows g, g + 8 of the producer's tile (L2 prefetch)
-    const u8* pl2 = nullptr;  // row r0 + lane / 2 of the producer's tile (the L2 bursts), or null
-    // L2 bursts: where a stage starts a run of pf_chunks chunks, the run's bytes of the tile's 16
-    // rows are prefetched into L2 at once (2 lanes per row), so that DRAM sees each row's run as one
-    // burst, not one 128-byte line per stage (flags >> 8: lines of 128 bytes per run, 0: none)
-    const int pf_chunks = 4 * ((flags >> 8) & 15);
     auto producer_tile = [&](int tile) {
         const int r = tile * 16;
-        pl2 = r + (lane >> 1) < n ? codes + (i64)(r + (lane >> 1)) * row_bytes : nullptr;
         const int rows = min(16, n - r);
         pfull = rows == 16;
         pok = 0;
@@ -569,11 +562,6 @@ __device__ __forceinline__ void mx_gemv_tc_impl(const u16* __restrict__ x, const
                     const bool ok = (pc >> 1) < q.nch && (pok >> h & 1u);
                     qc::cp_async16(dst + 4 * h * kTcPitch, ok ? src + h * prow4 : psrc, ok ? 16u : 0u);
                 }
-            }
-            if (pf_chunks > 0 && q.j % pf_chunks == 0 && pl2 != nullptr) {
-                const int nb = 32 * min(pf_chunks, C - q.j);
-                for (int off = 128 * (lane & 1); off < nb; off += 256)
-                    asm volatile("prefetch.global.L2 [%0];" ::"l"(pl2 + 32 * q.j + off));
             }
             if (c < q.nch) {
                 const int o = scol((NV ? 4 : 2) * (q.j + c));

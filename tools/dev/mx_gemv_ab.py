@@ -1,6 +1,6 @@
 """A/B timing of linear_mx's gemv (kernels_cuda/mx_gemv.cu) for docs/performance.md: the CUDA-core
-kernel (``QUANTCORE_CUDA_TUNE=mx_gemv_tc=0``) against the tensor-core default, in one process on one
-device. Per (format, input dtype, N x K, B): the bench's single-launch kernel time (CUDA events, one
+kernel (``QUANTCORE_CUDA_TUNE=mx_gemv_tc=0``) against the tensor-core one (``mx_gemv_tc_rows=1``: at
+B 1 too), in one process on one device (VARIANTS). Per (format, input dtype, N x K, B): the bench's single-launch kernel time (CUDA events, one
 call behind a sleep kernel, weights rotated through 256 MiB) and the graph-timed time per launch (20
 launches over the rotated weights in one CUDA graph; the tensor-core kernel launches as a
 programmatic dependent, so launches overlap there), the bytes (codes + scale bytes + input + output)
@@ -25,7 +25,9 @@ from quantcore.bench import Bench
 from quantcore.formats import mx
 
 DEFAULT_SHAPES = ("4096x14336:1,8", "14336x4096:1,8", "8192x8192:1,4,8,16", "28672x8192:1,4,8,16")
-VARIANTS = {"old": "mx_gemv_tc=0", "new": "", "l2off": "mx_gemv_l2=0", "l2x8": "mx_gemv_l2=8"}
+#: old: the CUDA-core kernel at every B; new: the tensor-core kernel at every B (B 1 included);
+#: default: what the launcher picks (the CUDA-core kernel at B 1, GEMV_TC_MIN_ROWS)
+VARIANTS = {"old": "mx_gemv_tc=0", "new": "mx_gemv_tc_rows=1", "default": ""}
 
 
 def weights(fmt: str, n: int, k: int, sets: int):
