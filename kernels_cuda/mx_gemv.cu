@@ -2,9 +2,11 @@
 // elements; NVFP4: E4M3 scales per 16 and a global scale), activations x [B, K] in fp32 / fp16 /
 // bf16 with B = 1..16 per launch (the launcher splits larger B), fp32 accumulation, one rounding
 // into x's dtype. Semantics: quantcore/formats/mx.py (linear_mx); tolerance tier
-// (quantcore/conformance/bounds.py, linear_mx).
+// (quantcore/conformance/bounds.py, linear_mx). Two kernels (backends/cuda/mx.py, linear_mx and
+// gemv_tc_takes pick): the CUDA-core gemv below for one input row, fp32 inputs and operands the
+// other cannot take; the tensor-core gemv further down for fp16 / bf16 from 2 input rows.
 //
-// Memory-bound design for decode: the codes are read exactly once for all B input rows.
+// CUDA-core gemv. Memory-bound design for decode: the codes are read exactly once for all B input rows.
 // A CTA of QC_MXGV_WARPS warps owns RW consecutive weight rows (RW: 4 for 1..2 input rows, 2 for
 // 3..8, 1 for 9..16: the accumulators take RW x B registers; GvRows) and all of K.
 // K is cut into units of 32 elements (16 code bytes per row: one MXFP4 block, two NVFP4
@@ -317,9 +319,9 @@ __device__ __forceinline__ void mx_gemv_impl(const typename T::S* __restrict__ x
 QCMX_GV_DTYPES(mxfp4, QC_FMT_MXFP4)
 QCMX_GV_DTYPES(nvfp4, QC_FMT_NVFP4)
 
-// == The tensor-core gemv (qc_mx_gemv_tc_<fmt>_<dtype>_h<H>): the default for fp16 / bf16 inputs ==
+// == The tensor-core gemv (qc_mx_gemv_tc_<fmt>_<dtype>_h<H>): fp16 / bf16 inputs, 2..16 rows ==
 // (the launcher's conditions: K % 64 == 0, codes and x 16-byte aligned, scales 2-byte (MXFP4) /
-// 4-byte (NVFP4) aligned; everything else, and fp32 inputs, runs the kernel above.)
+// 4-byte (NVFP4) aligned; one input row, fp32 inputs and everything else run the kernel above.)
 //
 // Work: the weight's 16-row tiles are split evenly over a persistent grid (CTA b takes tiles
 // [T b / G, T (b + 1) / G)); the CTA's 16 warps split that range's (tile, 64-element chunk) list
