@@ -75,17 +75,6 @@ __device__ __forceinline__ void gt_lds_f2(u32 addr, float& a, float& b) {
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(a), "=f"(b) : "r"(addr));
 }
 
-__device__ __forceinline__ void grid_dep_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void grid_dep_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 #define QC_GT_GROUP_PARAMS(i)                                                                          \
     const u8 *__restrict__ packed##i, const void *__restrict__ absmax##i, const float *__restrict__ absmax2_##i, \
         const float *__restrict__ code2_##i, const float *__restrict__ offset##i, i64 n##i

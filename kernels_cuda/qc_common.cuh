@@ -299,6 +299,21 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
+// -- programmatic dependent launch (sm_90; runtime.launch_pdl) ---------------------------------------
+// A kernel launched as a programmatic dependent waits here before it reads any argument array (the
+// previous kernel in the stream may still be writing them), and lets its own dependents start once
+// its main work is issued. No-ops below sm_90 (never launched that way there).
+__device__ __forceinline__ void grid_dep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dep_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // -- tensor cores ------------------------------------------------------------------------------------
 // D += A (16 x 16, row) x B (16 x 8, col), fp16 or bf16 operands, fp32 accumulators d[0..3]
 // (sm_80+). One asm text, the operand type spliced in.

@@ -192,8 +192,10 @@ HOST_SIZES.update({"mx_quantize": [(1024, 1024)], "mx_dequantize": [(1024, 1024)
                    "scaled_fp4_mm": [(128, 128, 256)]})
 QUICK_HOST_SIZES.update({"mx_quantize": [(256, 256)], "mx_dequantize": [(256, 256)],
                          "scaled_fp4_mm": [(64, 64, 128)]})
-# weight-only MX (linear_mx, decode): MXFP4 / NVFP4 weights, bf16 activations, batch 1 and 8
-CUDA_SIZES["linear_mx"] = [(b, n, k) for b in (1, 8) for n, k in ((4096, 14336), (14336, 4096))]
+# weight-only MX (linear_mx, decode): MXFP4 / NVFP4 weights, bf16 activations, batch 1 and 8; the
+# larger layers at batch 1 and 16 (one launch of the tensor-core gemv either way)
+CUDA_SIZES["linear_mx"] = [(b, n, k) for b in (1, 8) for n, k in ((4096, 14336), (14336, 4096))] + [
+    (b, n, k) for n, k in ((8192, 8192), (28672, 8192)) for b in (1, 16)]
 QUICK_CUDA_SIZES["linear_mx"] = [(1, 4096, 14336), (1, 14336, 4096)]
 HOST_SIZES["linear_mx"] = [(1, 1024, 1024)]
 QUICK_HOST_SIZES["linear_mx"] = [(1, 256, 256)]

@@ -451,6 +451,9 @@ def test_gemv_source_compiles(tmp_path, arch):
         for dt in DTYPES:
             for nb in cmx.GEMV_BATCHES:
                 assert cmx.gemv_kernel_name(fmt, dt, nb) in ents
+        for dt in cmx.GEMV_TC_DTYPES:
+            for h in (1, 2):
+                assert cmx.gemv_tc_kernel_name(fmt, dt, h) in ents
     for name, text in ents.items():
         assert "0 bytes spill stores" in text, (name, text)
 
@@ -498,6 +501,118 @@ def test_linear_mx_within_bound(fmt, dtype, rows, rng):
             assert (err <= bound.max_abs).all(), f"{what}: worst {float(np.max(err / bound.max_abs)):.3g} of the bound"
             nmse = float(np.sum(err**2) / max(np.sum(ref**2), 1e-300))
             assert nmse <= bound.nmse, f"{what}: NMSE {nmse:.3g} > {bound.nmse:.3g}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("fmt", mx.FP4_FORMATS)
+@pytest.mark.parametrize("dtype", cmx.GEMV_TC_DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 20])
+def test_linear_mx_tensor_core_within_bound(fmt, dtype, rows, rng, monkeypatch):
+    """The tensor-core gemv (asserted to be the kernel the launcher picks; B 1 too, which by default
+    runs the CUDA-core kernel): B 1..16 per launch (20: two launches), partial tiles (N % 16 != 0), K not a multiple of the ring stage (5 and 37
+    chunks), more tiles than multiprocessors (CTAs with several tiles, tiles split between warps)
+    and a single chunk (most warps idle), plain and swizzled scales with garbage padding, NVFP4's
+    global scale as a device array; against the fp64 bound, and the same bits on a second run."""
+    from quantcore.conformance import bounds
+
+    monkeypatch.setenv(TUNE, "mx_gemv_tc_rows=1")
+    T = as_dtype(dtype)
+    shapes = ((300, 1024), (40, 320), (1000, 64 * 37), (16, 64), (4100, 512)) if rows in (1, 9, 16) else \
+        ((300, 1024), (40, 320), (4100, 512))
+    for n, k in shapes:
+        codes, scales, g, wv = _linear_case(fmt, rng, n, k, dtype)
+        x = (rng.standard_normal((rows, k)) / 4).astype(T)
+        ref, bound = bounds.linear_mx(x.astype(np.float64), wv, dtype)
+        nbk = k // mx.block_size(fmt)
+        swz = mx.swizzle(scales).reshape(-1)
+        pad = np.ones(swz.size, bool)
+        pad[mx.swizzle_offsets(n, nbk).reshape(-1)] = False
+        swz[pad] = rng.integers(0, 256, int(pad.sum())).astype(np.uint8)
+        cd, xd = to_dev(codes), to_dev(x)
+        gd = to_dev(np.array([g], np.float32)) if g is not None else None
+        for swizzled, s in ((False, scales), (True, swz.reshape(mx.swizzled_shape(n, nbk)))):
+            sd = to_dev(s)
+            assert cmx.gemv_tc_takes(0, dtype, fmt, n, k, cmx.ptr(xd), cmx.ptr(cd), cmx.ptr(sd), min(rows, 16))
+            outs = []
+            for _ in range(2):
+                out = empty_dev((rows, n), T)
+                cmx.linear_mx(None, xd, cd, sd, out, n=n, k=k, fmt=fmt, swizzled=swizzled, global_scale=gd)
+                outs.append(to_host(out))
+            what = f"{fmt} {dtype} rows={rows} n={n} k={k} swizzled={swizzled}"
+            assert np.array_equal(bits(outs[0]), bits(outs[1])), f"{what}: not the same bits run to run"
+            got = outs[0].astype(np.float64)
+            assert np.isfinite(got).all(), what
+            err = np.abs(got - ref)
+            assert (err <= bound.max_abs).all(), f"{what}: worst {float(np.max(err / bound.max_abs)):.3g} of the bound"
+            nmse = float(np.sum(err**2) / max(np.sum(ref**2), 1e-300))
+            assert nmse <= bound.nmse, f"{what}: NMSE {nmse:.3g} > {bound.nmse:.3g}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("fmt", mx.FP4_FORMATS)
+def test_linear_mx_tensor_core_scale_extremes(fmt, rng, monkeypatch):
+    """Every E2M1 code and scale bytes over their whole range (E8M0 0..254 and the NaN byte 255;
+    E4M3 subnormals, 448, the NaN byte) through the tensor-core gemv: NaN exactly where the
+    reference has one, the rest within the bound (fp16 and bf16 inputs)."""
+    from quantcore.conformance import bounds
+    from quantcore.conformance.families.mx import _linear_values
+
+    n, k = 48, 512
+    nbk = k // mx.block_size(fmt)
+    codes = rng.integers(0, 256, (n, k // 2)).astype(np.uint8)
+    if fmt == "mxfp4":
+        scales = rng.integers(100, 150, (n, nbk)).astype(np.uint8)
+        scales[0, :] = np.arange(nbk) % 255  # 0 .. 254 in row 0 (tiny and huge scales)
+        scales[1, 3] = 255
+    else:
+        scales = rng.integers(0x08, 0x7E, (n, nbk)).astype(np.uint8)
+        scales[0, :] = np.arange(nbk) % 0x7F  # subnormals .. 448
+        scales[1, 3] = 0x7F
+    g = np.float32(3.5) if fmt == "nvfp4" else None
+    wv = _linear_values(codes, scales, fmt, g)
+    for dtype in cmx.GEMV_TC_DTYPES:
+        T = as_dtype(dtype)
+        x = (rng.standard_normal((3, k)) / 4).astype(T)
+        xr = x.astype(np.float64)
+        with np.errstate(invalid="ignore"):
+            ref, bound = bounds.linear_mx(xr, np.nan_to_num(wv, nan=0.0), dtype)
+        nan_rows = np.isnan(wv).any(axis=1)
+        xd, cd, sd = to_dev(x), to_dev(codes), to_dev(scales)
+        gd = to_dev(np.array([g], np.float32)) if g is not None else None
+        assert cmx.gemv_tc_takes(0, dtype, fmt, n, k, cmx.ptr(xd), cmx.ptr(cd), cmx.ptr(sd), 3)
+        out = empty_dev((3, n), T)
+        cmx.linear_mx(None, xd, cd, sd, out, n=n, k=k, fmt=fmt, swizzled=False, global_scale=gd)
+        got = to_host(out).astype(np.float64)
+        assert np.isnan(got[:, nan_rows]).all(), f"{fmt} {dtype}: NaN scale lost"
+        ok = ~nan_rows
+        tmax = 65504.0 if dtype == "float16" else 3.3895313892515355e38
+        big = np.abs(ref[:, ok]) > tmax  # the reference overflows T: inf expected
+        err = np.abs(got[:, ok] - ref[:, ok])
+        assert ((err <= bound.max_abs[:, ok]) | big).all(), f"{fmt} {dtype}: outside the bound"
+
+
+def test_linear_mx_kernel_choice(monkeypatch):
+    """Which gemv runs (no GPU: the launcher's rule, on a device reported as compute capability 9.0):
+    the tensor-core kernel for fp16 / bf16 from GEMV_TC_MIN_ROWS rows, K % 64 == 0 and aligned
+    operands; the CUDA-core kernel for one row, fp32, K % 64 != 0, misaligned pointers, or with
+    QUANTCORE_CUDA_TUNE=mx_gemv_tc=0."""
+    monkeypatch.setattr(cmx, "compute_capability", lambda dev: (9, 0))
+    monkeypatch.delenv(TUNE, raising=False)
+    take = cmx.gemv_tc_takes
+    assert cmx.GEMV_TC_MIN_ROWS == 2
+    for fmt in mx.FP4_FORMATS:
+        for dt in cmx.GEMV_TC_DTYPES:
+            assert take(0, dt, fmt, 4096, 14336, 0, 0, 0, 2) and take(0, dt, fmt, 4096, 14336, 0, 0, 0, 16)
+            assert not take(0, dt, fmt, 4096, 14336, 0, 0, 0, 1)
+            assert not take(0, dt, fmt, 4096, 14336 + 32, 0, 0, 0, 8)  # K % 64 != 0
+            assert not take(0, dt, fmt, 4096, 14336, 8, 0, 0, 8)  # x not 16-byte aligned
+            assert not take(0, dt, fmt, 4096, 14336, 0, 4, 0, 8)  # codes not 16-byte aligned
+        assert not take(0, "float32", fmt, 4096, 14336, 0, 0, 0, 8)
+    assert take(0, "bfloat16", "mxfp4", 64, 64, 0, 0, 2, 8) and not take(0, "bfloat16", "nvfp4", 64, 64, 0, 0, 2, 8)
+    monkeypatch.setenv(TUNE, "mx_gemv_tc=0")
+    assert not take(0, "bfloat16", "mxfp4", 4096, 14336, 0, 0, 0, 8)
+    monkeypatch.setenv(TUNE, "mx_gemv_tc_rows=1")
+    assert take(0, "bfloat16", "mxfp4", 4096, 14336, 0, 0, 0, 1)
 
 
 @needs_gpu

@@ -247,6 +247,9 @@ def test_every_cuda_launch_path_builds_its_arguments(monkeypatch):
         def run(self, fn, what, grid, block, args, shared_mem=0):
             launches.append((what, args))
 
+        def run_pdl(self, fn, what, grid, block, args, shared_mem=0):
+            launches.append((what, args))
+
     fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
         driver=types.SimpleNamespace(occupancyMaxActiveBlocksPerMultiprocessor=lambda *a: 4),
         Device=lambda d: types.SimpleNamespace(__enter__=lambda s: s, __exit__=lambda *a: None)))
@@ -303,8 +306,9 @@ def test_every_cuda_launch_path_builds_its_arguments(monkeypatch):
             cmx.mx_dequantize(be, codes, A((128, 256 // blk), np.uint8), A((128, 256), dt), rows=128, cols=256,
                               fmt=fmt, swizzled=False, global_scale=gs)
         if fmt != "mxfp8":
-            cmx.linear_mx(be, A((4, 512), "bfloat16"), A((256, 256), np.uint8), A((256, 512 // blk), np.uint8),
-                          A((4, 256), "bfloat16"), n=256, k=512, fmt=fmt, swizzled=True, global_scale=gs)
+            for rows in (4, 1):  # the tensor-core gemv, the CUDA-core one (one input row)
+                cmx.linear_mx(be, A((rows, 512), "bfloat16"), A((256, 256), np.uint8), A((256, 512 // blk), np.uint8),
+                              A((rows, 256), "bfloat16"), n=256, k=512, fmt=fmt, swizzled=True, global_scale=gs)
             cmx.scaled_fp4_mm(be, A((256, 256), np.uint8), A((256, 256), np.uint8), A((256 * 32,), np.uint8),
                               A((256 * 32,), np.uint8), A((1,), np.float32), A((256,), "bfloat16"),
                               A((256, 256), "bfloat16"), m=256, n=256, k=512, fmt=fmt)

@@ -540,25 +540,62 @@ def capabilities(device: int | None = None) -> list:
 
 # -- linear_mx: the weight-only gemv (kernels_cuda/mx_gemv.cu) ----------------------------------------
 GEMV_SOURCE = "mx_gemv.cu"
-#: Input-row counts with a kernel instance (qc_mx_gemv_<fmt>_<dtype>_b<NB>); a launch takes at most
-#: QC_MXGV_MAX_BATCH input rows, larger B is launched in slices of that many.
+#: Input-row counts with a kernel instance of the CUDA-core gemv (qc_mx_gemv_<fmt>_<dtype>_b<NB>: the
+#: kernel for fp32 inputs and the fallback); a launch takes at most QC_MXGV_MAX_BATCH input rows, larger
+#: B is launched in slices of that many.
 GEMV_BATCHES = (1, 2, 4, 8, 16)
 GEMV_THREADS = 32 * kernel_defines.MX_GEMV_GEOMETRY["QC_MXGV_WARPS"]
 GEMV_MAX_BATCH = kernel_defines.MX_GEMV_GEOMETRY["QC_MXGV_MAX_BATCH"]
+#: The tensor-core gemv (qc_mx_gemv_tc_<fmt>_<dtype>_h<H>, H blocks of 8 input rows): the default for
+#: fp16 / bf16 inputs from GEMV_TC_MIN_ROWS input rows per launch on, where :func:`gemv_tc_takes`
+#: holds; a persistent grid of one CTA per multiprocessor (QC_MXTC_WARPS warps, QC_MXTC_SMEM bytes of
+#: shared memory) launched as a programmatic dependent on compute capability 9.0. One input row stays
+#: on the CUDA-core kernel, faster there (H100, docs/performance.md "Weight-only MX (decode)": 25.1
+#: against 29.6 us at 4096x14336 MXFP4, 74.4 against 77.6 at 28672x8192); from 2 rows the tensor-core
+#: kernel (B 4: 32 against 80 us at 8192^2). ``QUANTCORE_CUDA_TUNE=mx_gemv_tc=0`` runs the CUDA-core
+#: kernel for every B, ``mx_gemv_tc_rows=N`` moves the threshold (tests run the tensor-core kernel at
+#: B 1 with N = 1).
+GEMV_TC_THREADS = 32 * kernel_defines.MX_GEMV_GEOMETRY["QC_MXTC_WARPS"]
+GEMV_TC_SMEM = kernel_defines.MX_GEMV_GEOMETRY["QC_MXTC_SMEM"]
+GEMV_TC_DTYPES = ("float16", "bfloat16")
+GEMV_TC_MIN_ROWS = 2
 
 
 def gemv_kernel_name(fmt: str, dtype: str, nb: int) -> str:
     return f"qc_mx_gemv_{fmt}_{dtype}_b{nb}"
 
 
+def gemv_tc_kernel_name(fmt: str, dtype: str, h: int) -> str:
+    return f"qc_mx_gemv_tc_{fmt}_{dtype}_h{h}"
+
+
+def gemv_tc_takes(dev: int, dtype: str, fmt: str, n: int, k: int, px: int, pc: int, ps: int, rows: int) -> bool:
+    """Does the tensor-core gemv run a launch of ``rows`` input rows (x, codes, scales at addresses px,
+    pc, ps)? fp16 / bf16 inputs on compute capability 8.0+, at least GEMV_TC_MIN_ROWS rows, K a multiple
+    of 64 (whole chunks), x and codes 16-byte aligned, the scale loads aligned (2 bytes MXFP4, 4 NVFP4),
+    chunk counts in 32 bits."""
+    if dtype not in GEMV_TC_DTYPES or not rt.tune("mx_gemv_tc", 1) or compute_capability(dev)[0] < 8:
+        return False
+    if rows < rt.tune("mx_gemv_tc_rows", GEMV_TC_MIN_ROWS):
+        return False
+    return (k % 64 == 0 and px % 16 == 0 and pc % 16 == 0 and ps % (4 if fmt == "nvfp4" else 2) == 0
+            and -(-n // 16) * (k // 64) < 2**31)
+
+
 def linear_mx(be, x, codes, scales, out, *, n: int, k: int, fmt: str, swizzled: bool, global_scale=None) -> None:
     """out [B, n] (x's dtype) = x [B, K] @ W^T, W the fp4 weight given by codes [n, k/2] and its
-    scales (row-major or swizzled; NVFP4 with its global scale): one launch per 16 input rows."""
+    scales (row-major or swizzled; NVFP4 with its global scale): one launch per 16 input rows, of the
+    tensor-core gemv where :func:`gemv_tc_takes`, else of the CUDA-core one."""
     dev = _check(x, codes, scales, out, global_scale)
     rows = int(out.shape[0])
     dt = _dtype(x)
     ncols = k // mx.block_size(fmt)
     pcols = mx.swizzled_shape(n, ncols)[1] if swizzled else ncols
+    if (mx.swizzled_shape(n, ncols)[0] * pcols if swizzled else n * ncols) >= 2**31:
+        raise KernelError(f"linear_mx: the scales of a [{n}, {k}] weight exceed the kernel's 32-bit offsets")
+    xsize, osize = as_dtype(x.dtype).itemsize, as_dtype(out.dtype).itemsize
+    launcher = rt.Launcher(out)
+    arch = quant_arch(dev)
     flags = int(bool(swizzled))
     if ptr(codes) % 16 == 0 and (k // 2) % 16 == 0:
         flags |= 2
@@ -568,19 +605,25 @@ def linear_mx(be, x, codes, scales, out, *, n: int, k: int, fmt: str, swizzled: 
         flags |= 8
     if fmt == "nvfp4" and ptr(scales) % 2 == 0 and (swizzled or ncols % 2 == 0):
         flags |= 16  # a unit's two scale bytes in one 16-bit load
-    if (mx.swizzled_shape(n, ncols)[0] * pcols if swizzled else n * ncols) >= 2**31:
-        raise KernelError(f"linear_mx: the scales of a [{n}, {k}] weight exceed the kernel's 32-bit offsets")
-    xsize, osize = as_dtype(x.dtype).itemsize, as_dtype(out.dtype).itemsize
     for b0 in range(0, rows, GEMV_MAX_BATCH):
         nrows = min(GEMV_MAX_BATCH, rows - b0)
+        px, po = ptr(x) + b0 * k * xsize, ptr(out) + b0 * n * osize
+        if gemv_tc_takes(dev, dt, fmt, n, k, px, ptr(codes), ptr(scales), nrows):
+            name = gemv_tc_kernel_name(fmt, dt, 1 if nrows <= 8 else 2)
+            fn = function(dev, GEMV_SOURCE, arch, name, GEMV_TC_SMEM)
+            args = kernel_args(name, x=px, codes=ptr(codes), scales=ptr(scales), gscale=ptr(global_scale), out=po,
+                               nrows=nrows, n=n, k=k, pcols=pcols, flags=int(bool(swizzled)))
+            grid = max(1, min(rt.sm_count(dev), -(-n // 16)))
+            run = launcher.run_pdl if compute_capability(dev) >= (9, 0) else launcher.run
+            run(fn, name, (grid, 1, 1), GEMV_TC_THREADS, args, GEMV_TC_SMEM)
+            continue
         nb = next(b for b in GEMV_BATCHES if b >= nrows)
         name = gemv_kernel_name(fmt, dt, nb)
-        fn = function(dev, GEMV_SOURCE, quant_arch(dev), name)
+        fn = function(dev, GEMV_SOURCE, arch, name)
         grid = -(-n // kernel_defines.mx_gemv_rows(nb))
-        args = kernel_args(name, x=ptr(x) + b0 * k * xsize, codes=ptr(codes), scales=ptr(scales),
-                           gscale=ptr(global_scale), out=ptr(out) + b0 * n * osize, nrows=nrows, n=n, k=k, pcols=pcols,
-                           flags=flags)
-        rt.Launcher(out).run(fn, name, (grid, 1, 1), (GEMV_THREADS, 1, 1), args)
+        args = kernel_args(name, x=px, codes=ptr(codes), scales=ptr(scales), gscale=ptr(global_scale), out=po,
+                           nrows=nrows, n=n, k=k, pcols=pcols, flags=flags)
+        launcher.run(fn, name, (grid, 1, 1), (GEMV_THREADS, 1, 1), args)
 
 
 __all__ = [

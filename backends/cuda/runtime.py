@@ -398,6 +398,17 @@ class Launcher:
             return
         self.run(kernel_function(self.device, filename, expr, shared_mem), expr, grid, block, args, shared_mem)
 
+    def run_pdl(self, fn: Any, what: str, grid: tuple[int, ...], block: int, args: tuple,
+                shared_mem: int = 0) -> None:
+        """Launch the loaded kernel ``fn`` as a programmatic dependent (:func:`launch_pdl`) where
+        that is possible, else as :meth:`run` does; the kernel must wait (griddepcontrol.wait)
+        before it reads its arguments."""
+        stream = self.raw_stream() if pdl_available() else None
+        if stream is not None:
+            PlannedLaunch(self.device, "", what, grid, block, args, shared_mem, pdl=True, function=fn)(stream)
+            return
+        self.run(fn, what, grid, block, args, shared_mem)
+
     def run(self, fn: Any, what: str, grid: tuple[int, ...], block: int | tuple[int, ...], args: tuple,
             shared_mem: int = 0) -> None:
         """Launch the loaded kernel ``fn`` (``what`` names it in errors); ``block`` an int (x) or
@@ -569,8 +580,11 @@ class PlannedLaunch:
                  "_slots", "_lock", "_launch", "pdl")
 
     def __init__(self, device: int, filename: str, expr: str, grid: tuple[int, ...], block: int,
-                 args: tuple, shared_mem: int = 0, slots: tuple[int, ...] = (), pdl: bool = False):
-        fn = kernel_function(device, filename, expr, shared_mem)
+                 args: tuple, shared_mem: int = 0, slots: tuple[int, ...] = (), pdl: bool = False,
+                 function: Any = None):
+        # ``function``: a kernel already loaded (a module of several entry points, such as the MX
+        # family's), allowed ``shared_mem``; else ``filename`` / ``expr`` name it
+        fn = function if function is not None else kernel_function(device, filename, expr, shared_mem)
         self.expr = expr
         self.grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         self.block = int(block)

@@ -67,6 +67,20 @@ MX_GEMV_GEOMETRY = {"QC_MXGV_WARPS": 4, "QC_MXGV_MAX_BATCH": 16, "QC_MXGV_ROWS":
                     "QC_MXGV_ROWS_B16": 1}
 
 
+def _mx_gemv_tc_geometry(warps: int, chunks: int, stages: int) -> dict[str, int]:
+    pitch = 32 * chunks + 16  # bytes per row of a ring slot: 64-element chunks of 32 bytes; rows on distinct banks
+    ring = stages * 16 * pitch
+    scales = chunks * 4 * 16 * 4  # a stage's decoded scales: chunks x (at most 4 blocks) x 16 rows, fp32
+    return {"QC_MXTC_WARPS": warps, "QC_MXTC_CHUNKS": chunks, "QC_MXTC_STAGES": stages, "QC_MXTC_PITCH": pitch,
+            "QC_MXTC_RING": ring, "QC_MXTC_SCALES": scales, "QC_MXTC_SMEM": warps * (ring + scales)}
+
+
+#: linear_mx's tensor-core gemv (kernels_cuda/mx_gemv.cu, mx_gemv_tc): warps per CTA (one CTA per
+#: multiprocessor), 64-element chunks per ring stage, stages per warp ring, the slot row pitch, one
+#: warp's ring and decoded-scale bytes, and the CTA's dynamic shared memory (the launcher's size).
+MX_GEMV_GEOMETRY.update(_mx_gemv_tc_geometry(warps=16, chunks=4, stages=4))
+
+
 def mx_gemv_rows(nb: int) -> int:
     """Weight rows per CTA of the linear_mx gemv instance for ``nb`` input rows (its template NB)."""
     g = MX_GEMV_GEOMETRY

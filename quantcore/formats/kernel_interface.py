@@ -303,6 +303,8 @@ CUDA_KERNELS: dict[str, tuple[Arg, ...]] = {name: args(spec) for name, spec in {
     "qc_mx_gemm_smem_bytes": "i32* out",
     "qc_mx_gemv": "const elem* x, const u8* codes, const u8* scales, const f32* gscale, elem* out, i32 nrows, "
                   "i32 n, i32 k, i32 pcols, i32 flags",
+    "qc_mx_gemv_tc": "const u16* x, const u8* codes, const u8* scales, const f32* gscale, u16* out, i32 nrows, "
+                     "i32 n, i32 k, i32 pcols, i32 flags",
     "qc_mx_quantize": "const elem* x, u8* codes, u8* scales, const f32* gscale, i64 rows, i32 ncols, i64 prow, "
                       "i32 pcols, i32 swizzled, i32 rceil, i32 vec",
     "qc_mx_quantize2": _MX_QUANTIZE2,

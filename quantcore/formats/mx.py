@@ -516,6 +516,16 @@ def kernel_constants() -> list[tuple[str, str]]:
     ]
     for fmt, code in MX_FORMAT_CODE.items():
         e.append((f"QC_FMT_{fmt.upper()}", str(code)))
+    # byte tables of the E2M1 magnitudes (codes 0..7) in fp16 / bf16, four bytes per word (a prmt
+    # table: word 0 holds codes 0..3, word 1 codes 4..7): the fp16 values' high bytes (their low
+    # bytes are zero), the bf16 values' high and low bytes
+    mags = E2M1_VALUES[:8]
+    f16 = mags.astype(np.float16).view(np.uint16).astype(np.uint32)
+    bf16 = mags.astype(np.float32).view(np.uint32) >> 16
+    for name, b in (("F16_HI", f16 >> 8), ("BF16_HI", bf16 >> 8), ("BF16_LO", bf16 & 0xFF)):
+        for w in range(2):
+            word = sum(int(b[4 * w + i]) << (8 * i) for i in range(4))
+            e.append((f"QC_E2M1_{name}{w}", f"0x{word:08X}u"))
     for elem in ("e2m1", "e4m3"):
         e.append((f"QC_EMAX_{elem.upper()}", str(EMAX_ELEM[elem])))
         e.append((f"QC_MAX_MANTISSA_BITS_{elem.upper()}", hex(MAX_MANTISSA_BITS[elem])))
