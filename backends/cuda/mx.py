@@ -550,9 +550,8 @@ GEMV_MAX_BATCH = kernel_defines.MX_GEMV_GEOMETRY["QC_MXGV_MAX_BATCH"]
 #: fp16 / bf16 inputs from GEMV_TC_MIN_ROWS input rows per launch on, where :func:`gemv_tc_takes`
 #: holds; a persistent grid of one CTA per multiprocessor (QC_MXTC_WARPS warps, QC_MXTC_SMEM bytes of
 #: shared memory) launched as a programmatic dependent on compute capability 9.0. One input row stays
-#: on the CUDA-core kernel, faster there (H100, docs/performance.md "Weight-only MX (decode)": 25.1
-#: against 29.6 us at 4096x14336 MXFP4, 74.4 against 77.6 at 28672x8192); from 2 rows the tensor-core
-#: kernel (B 4: 32 against 80 us at 8192^2). ``QUANTCORE_CUDA_TUNE=mx_gemv_tc=0`` runs the CUDA-core
+#: on the CUDA-core kernel, which is faster there; from 2 rows the tensor-core kernel is (the figures:
+#: docs/performance.md, "Weight-only MX (decode)"). ``QUANTCORE_CUDA_TUNE=mx_gemv_tc=0`` runs the CUDA-core
 #: kernel for every B, ``mx_gemv_tc_rows=N`` moves the threshold (tests run the tensor-core kernel at
 #: B 1 with N = 1).
 GEMV_TC_THREADS = 32 * kernel_defines.MX_GEMV_GEOMETRY["QC_MXTC_WARPS"]
