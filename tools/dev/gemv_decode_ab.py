@@ -8,7 +8,12 @@ copy ceiling of the bench. For each shape also the output's bit checksum on seed
 between two versions whose arithmetic is the same) and its error against dequantize + fp32 matmul.
 Prints a table and one JSON line (prefix AB_JSON).
 
+With ``--fit`` it also fits the graph-timed times of batch 1 to ``fixed + bytes / rate`` (least
+squares over the shapes): the launch's fixed cost and its streaming rate, the two numbers that decide
+how well small shapes (tensor-parallel shards) do.
+
 Usage: python3 tools/dev/gemv_decode_ab.py LABEL [--batches 1 8] [--step-batches 1 8]
+       python3 tools/dev/gemv_decode_ab.py LABEL --shapes 5120x8192 28672x8192 8192x4096 8192x14336 --fit
 """
 
 from __future__ import annotations
@@ -40,7 +45,10 @@ def main() -> None:
     p.add_argument("--batches", nargs="+", type=int, default=[1])
     p.add_argument("--step-batches", nargs="*", type=int, default=[1, 8])
     p.add_argument("--big-batches", nargs="*", type=int, default=[8], help="extra batches for the >= 30 MB shapes")
+    p.add_argument("--shapes", nargs="+", metavar="NxK", help="these weight shapes instead of Llama-3's")
+    p.add_argument("--fit", action="store_true", help="fit batch 1's graph times to fixed + bytes / rate")
     args = p.parse_args()
+    shapes = SHAPES if not args.shapes else tuple(tuple(int(v) for v in t.lower().split("x")) for t in args.shapes)
     b = Bench("cuda", quick=False, reps=60, verbose=False)
     b.bnb = None
     t0 = time.time()
@@ -48,8 +56,8 @@ def main() -> None:
     copy = b.copy_gbps
     res = {"label": args.label, "device": torch.cuda.get_device_name(), "copy_gbps": copy, "shapes": [], "step": []}
     be, qt, bs = b.be, "nf4", 64
-    cases = [(bt, n, k) for n, k in SHAPES for bt in args.batches]
-    cases += [(bt, n, k) for n, k in SHAPES if n * k // 2 >= 30e6 for bt in args.big_batches if bt not in args.batches]
+    cases = [(bt, n, k) for n, k in shapes for bt in args.batches]
+    cases += [(bt, n, k) for n, k in shapes if n * k // 2 >= 30e6 for bt in args.big_batches if bt not in args.batches]
     for bt, n, k in cases:
         torch.manual_seed(n * 7 + k * 3 + bt)
         nbytes, ws, qs, a = b._nf4_case(bt, n, k, qt, bs)
@@ -108,7 +116,27 @@ def main() -> None:
               f"err {r['err']:.2e} sum {r['checksum']}")
     for r in res["step"]:
         print(f"{args.label} step B{r['b']:<2d} {r['us'] / 1e3:.3f} ms ({r['pct']:4.1f}% of copy)")
+    if args.fit:
+        res["fit"] = fit_fixed_rate([(r["bytes"], r["graph_us"]) for r in res["shapes"] if r["b"] == 1])
+        if res["fit"]:
+            f = res["fit"]
+            print(f"{args.label} fit (B1, graph): {f['fixed_us']:.2f} us + bytes / {f['rate_gbps']:.0f} GB/s "
+                  f"({100 * f['rate_gbps'] / copy:.0f}% of copy), worst residual {f['worst_residual_us']:.2f} us")
     print("AB_JSON " + json.dumps(res))
+
+
+def fit_fixed_rate(points: list[tuple[float, float]]) -> dict | None:
+    """Least-squares ``us = fixed + bytes / rate`` over (bytes, us) points (None under two sizes)."""
+    if len({b for b, _ in points}) < 2:
+        return None
+    n = len(points)
+    mx = sum(b for b, _ in points) / n
+    my = sum(t for _, t in points) / n
+    slope = sum((b - mx) * (t - my) for b, t in points) / sum((b - mx) ** 2 for b, _ in points)
+    fixed = my - slope * mx
+    worst = max(abs(t - (fixed + slope * b)) for b, t in points)
+    return {"fixed_us": fixed, "rate_gbps": 1e-3 / slope if slope > 0 else float("inf"),
+            "worst_residual_us": worst, "points": n}
 
 
 if __name__ == "__main__":
