@@ -243,13 +243,7 @@ def test_dequantize_bit_exact(fmt, dtype, rng):
         for g in ((np.float32(1.0), np.float32(2688.0 / 3.0), np.float32(1e-30)) if fmt == "nvfp4" else (None,)):
             ref = mx.dequantize(codes, scales, fmt, global_scale=g, out_dtype=T)
             for swz in (False, True):
-                s_in = mx.swizzle(scales) if swz else scales
-                if swz:  # garbage in the padding: the op must read only real scales
-                    pad = np.ones(s_in.size, bool)
-                    pad[mx.swizzle_offsets(rows, nbk).reshape(-1)] = False
-                    s_in = s_in.copy().reshape(-1)
-                    s_in[pad] = rng.integers(0, 256, int(pad.sum())).astype(np.uint8)
-                    s_in = s_in.reshape(mx.swizzled_shape(rows, nbk))
+                s_in = _swizzled_with_garbage(scales, rng) if swz else scales  # garbage in the padding
                 out = empty_dev((rows, k), T)
                 gd = to_dev(np.array([g], np.float32)) if g is not None else None
                 cmx.mx_dequantize(None, to_dev(codes), to_dev(s_in), out, rows=rows, cols=k, fmt=fmt,
@@ -306,6 +300,17 @@ def _assert_within_bound(got, ref, bound, what):
     worst = float(np.max(err / np.maximum(bound.max_abs, 1e-300)))
     assert worst <= 1.0, f"{what}: error {worst:.3g} x the bound"
     return err
+
+
+def _swizzled_with_garbage(scales, rng):
+    """Row-major scales [rows, cols] in the swizzled layout, random bytes in its padding (an op must
+    read only the real scales)."""
+    rows, cols = scales.shape
+    swz = mx.swizzle(scales).reshape(-1)
+    pad = np.ones(swz.size, bool)
+    pad[mx.swizzle_offsets(rows, cols).reshape(-1)] = False
+    swz[pad] = rng.integers(0, 256, int(pad.sum())).astype(np.uint8)
+    return swz.reshape(mx.swizzled_shape(rows, cols))
 
 
 def _run_mm(fmt, a, b, sa, sb, alpha, bias, mode):
@@ -482,23 +487,18 @@ def test_linear_mx_within_bound(fmt, dtype, rows, rng):
         codes, scales, g, wv = _linear_case(fmt, rng, n, k, dtype)
         x = (rng.standard_normal((rows, k)) / 4).astype(T)
         ref, bound = bounds.linear_mx(x.astype(np.float64), wv, dtype)
-        nbk = k // mx.block_size(fmt)
-        swz = mx.swizzle(scales).reshape(-1)
-        pad = np.ones(swz.size, bool)
-        pad[mx.swizzle_offsets(n, nbk).reshape(-1)] = False
-        swz[pad] = rng.integers(0, 256, int(pad.sum())).astype(np.uint8)
+        swz = _swizzled_with_garbage(scales, rng)
         buf = to_dev(np.concatenate([np.zeros(offset, np.uint8), codes.reshape(-1)]))
         cd = buf[offset:].view(n, k // 2)
         gd = to_dev(np.array([g], np.float32)) if g is not None else None
-        for swizzled, s in ((False, scales), (True, swz.reshape(mx.swizzled_shape(n, nbk)))):
+        for swizzled, s in ((False, scales), (True, swz)):
             out = empty_dev((rows, n), T)
             cmx.linear_mx(None, to_dev(x), cd, to_dev(s), out, n=n, k=k, fmt=fmt, swizzled=swizzled,
                           global_scale=gd)
             got = to_host(out).astype(np.float64)
             what = f"{fmt} {dtype} rows={rows} n={n} k={k} offset={offset} swizzled={swizzled}"
             assert np.isfinite(got).all(), what
-            err = np.abs(got - ref)
-            assert (err <= bound.max_abs).all(), f"{what}: worst {float(np.max(err / bound.max_abs)):.3g} of the bound"
+            err = _assert_within_bound(got, ref, bound, what)
             nmse = float(np.sum(err**2) / max(np.sum(ref**2), 1e-300))
             assert nmse <= bound.nmse, f"{what}: NMSE {nmse:.3g} > {bound.nmse:.3g}"
 
@@ -523,14 +523,10 @@ def test_linear_mx_tensor_core_within_bound(fmt, dtype, rows, rng, monkeypatch):
         codes, scales, g, wv = _linear_case(fmt, rng, n, k, dtype)
         x = (rng.standard_normal((rows, k)) / 4).astype(T)
         ref, bound = bounds.linear_mx(x.astype(np.float64), wv, dtype)
-        nbk = k // mx.block_size(fmt)
-        swz = mx.swizzle(scales).reshape(-1)
-        pad = np.ones(swz.size, bool)
-        pad[mx.swizzle_offsets(n, nbk).reshape(-1)] = False
-        swz[pad] = rng.integers(0, 256, int(pad.sum())).astype(np.uint8)
+        swz = _swizzled_with_garbage(scales, rng)
         cd, xd = to_dev(codes), to_dev(x)
         gd = to_dev(np.array([g], np.float32)) if g is not None else None
-        for swizzled, s in ((False, scales), (True, swz.reshape(mx.swizzled_shape(n, nbk)))):
+        for swizzled, s in ((False, scales), (True, swz)):
             sd = to_dev(s)
             assert cmx.gemv_tc_takes(0, dtype, fmt, n, k, cmx.ptr(xd), cmx.ptr(cd), cmx.ptr(sd), min(rows, 16))
             outs = []
@@ -542,8 +538,7 @@ def test_linear_mx_tensor_core_within_bound(fmt, dtype, rows, rng, monkeypatch):
             assert np.array_equal(bits(outs[0]), bits(outs[1])), f"{what}: not the same bits run to run"
             got = outs[0].astype(np.float64)
             assert np.isfinite(got).all(), what
-            err = np.abs(got - ref)
-            assert (err <= bound.max_abs).all(), f"{what}: worst {float(np.max(err / bound.max_abs)):.3g} of the bound"
+            err = _assert_within_bound(got, ref, bound, what)
             nmse = float(np.sum(err**2) / max(np.sum(ref**2), 1e-300))
             assert nmse <= bound.nmse, f"{what}: NMSE {nmse:.3g} > {bound.nmse:.3g}"
 
