@@ -18,6 +18,7 @@ import json
 import os
 
 import torch
+from gemv_decode_ab import graph_per_launch  # this folder: the same graph timing as the NF4 gemv's A/B
 from quantcore.backends.cuda import mx as cmx
 from quantcore.backends.cuda.runtime import ENV_TUNE
 
@@ -42,14 +43,6 @@ def weights(fmt: str, n: int, k: int, sets: int):
         scales = torch.randint(lo, hi, (prow, pcols), dtype=torch.uint8, device="cuda")
         out.append((codes, scales))
     return out
-
-
-def graph_per_launch(b: Bench, fns, launches: int = 20) -> float:
-    def seq():
-        for i in range(launches):
-            fns[i % len(fns)]()
-
-    return b.graph_us(seq, reps=7) / launches
 
 
 def main() -> None:
