@@ -173,6 +173,41 @@ def build(a, rank, world, dtype, device):
     return layers
 
 
+def inputs(a, rank, world, dtype, device):
+    """The step's static inputs: the token's hidden state x, each layer's KV cache (this rank's heads
+    of ``--ctx`` + 1 random positions), the position (a device tensor: capturable) and rope's inverse
+    frequencies."""
+    hd = a.hidden // a.heads
+    g = torch.Generator(device=device).manual_seed(a.seed)
+    x = (torch.randn(1, 1, a.hidden, generator=g, device=device, dtype=torch.float32) * 0.5).to(dtype)
+    kvl = a.kv_heads // world
+    caches = []
+    for i in range(a.layers):
+        gk = torch.Generator(device=device).manual_seed(a.seed + 7 * i + 1)
+        full = torch.randn(2, 1, a.kv_heads, a.ctx + 1, hd, generator=gk, device=device, dtype=torch.float32).to(dtype)
+        caches.append(full[:, :, rank * kvl:(rank + 1) * kvl].clone())
+        del full
+    pos = torch.tensor([a.ctx], device=device)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
+    return x, caches, pos, inv
+
+
+def rope_cos_sin(pos, inv, dtype):
+    ang = pos.float()[:, None] * inv[None, :]  # [1, hd/2]: rope rotates the two halves
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def forward(layers, caches, x, pos, inv, dtype, trace=None):
+    """The stack on x: ``(h, r)``, whose sum is the output (``trace[i]``: layer i's output)."""
+    cos, sin = rope_cos_sin(pos, inv, dtype)
+    h, r = x, None
+    for i, (layer, c) in enumerate(zip(layers, caches)):
+        h, r = layer(h, r, pos, cos, sin, c[0], c[1])
+        if trace is not None:
+            trace[i].copy_((h + r).reshape(-1))
+    return h, r
+
+
 def module_bytes(m):
     seen, total = set(), 0
     for t in list(m.parameters()) + list(m.buffers()):
@@ -196,7 +231,6 @@ def main(a):
         torch.set_num_threads(max(1, min(4, (os.cpu_count() or 2) // max(world, 1))))
     if world > 1:
         dist.init_process_group(backend, device_id=device if a.device == "cuda" else None)
-    hd = a.hidden // a.heads
     if a.heads % world or a.kv_heads % world:
         raise SystemExit(f"tp_decode: {a.heads} / {a.kv_heads} heads do not divide over {world} ranks")
     if a.compile_glue:
@@ -208,37 +242,16 @@ def main(a):
     grouped = qnn.group_linears(layers) if a.group_linears else 0
     weights_bytes = module_bytes(layers)
 
-    # static inputs: the token's hidden state, its position, the caches (random past positions)
-    g = torch.Generator(device=device).manual_seed(a.seed)
-    x = (torch.randn(1, 1, a.hidden, generator=g, device=device, dtype=torch.float32) * 0.5).to(dtype)
-    kvl = a.kv_heads // world
-    caches = []
-    for i in range(a.layers):
-        gk = torch.Generator(device=device).manual_seed(a.seed + 7 * i + 1)
-        full = torch.randn(2, 1, a.kv_heads, a.ctx + 1, hd, generator=gk, device=device, dtype=torch.float32).to(dtype)
-        caches.append(full[:, :, rank * kvl:(rank + 1) * kvl].clone())
-        del full
-    pos = torch.tensor([a.ctx], device=device)
-    inv = 1.0 / (500000.0 ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
+    x, caches, pos, inv = inputs(a, rank, world, dtype, device)
     out = torch.empty_like(x)
-
     trace = torch.empty(a.layers, a.hidden, dtype=dtype, device=device) if a.trace_layers else None
 
-    def rope_cos_sin():
-        ang = pos.float()[:, None] * inv[None, :]  # [1, hd/2]: rope rotates the two halves
-        return ang.cos().to(dtype), ang.sin().to(dtype)
-
     def step():
-        cos, sin = rope_cos_sin()
-        h, r = x, None
-        for i, (layer, c) in enumerate(zip(layers, caches)):
-            h, r = layer(h, r, pos, cos, sin, c[0], c[1])
-            if trace is not None:
-                trace[i].copy_((h + r).reshape(-1))
+        h, r = forward(layers, caches, x, pos, inv, dtype, trace)
         torch.add(h, r, out=out)
 
     def layer0():  # layer 0 on the input (replicated: the rowwise layers all-reduce)
-        h, r = layers[0](x, None, pos, *rope_cos_sin(), caches[0][0], caches[0][1])
+        h, r = layers[0](x, None, pos, *rope_cos_sin(pos, inv, dtype), caches[0][0], caches[0][1])
         return h + r
 
     def q0():  # layer 0's q_proj on the input, all-gathered

@@ -48,16 +48,7 @@ if os.environ.get("COMPILE_GLUE") == "1":
 t0 = time.time()
 layers = T.build(a, 0, 1, dt, dev)
 print(f"built {L} layers in {time.time() - t0:.0f} s", flush=True)
-hd = a.hidden // a.heads
-g = torch.Generator(device=dev).manual_seed(a.seed)
-x = (torch.randn(1, 1, a.hidden, generator=g, device=dev, dtype=torch.float32) * 0.5).to(dt)
-caches = []
-for i in range(L):
-    gk = torch.Generator(device=dev).manual_seed(a.seed + 7 * i + 1)
-    caches.append(torch.randn(2, 1, a.kv_heads, a.ctx + 1, hd, generator=gk, device=dev,
-                              dtype=torch.float32).to(dt))
-pos = torch.tensor([a.ctx], device=dev)
-inv = 1.0 / (500000.0 ** (torch.arange(0, hd, 2, device=dev, dtype=torch.float32) / hd))
+x, caches, pos, inv = T.inputs(a, 0, 1, dt, dev)
 
 REC = None  # while recording: [(op name, input copies, output copy)]
 
@@ -92,11 +83,7 @@ for name in list(T.GLUE):
 
 
 def step():
-    ang = pos.float()[:, None] * inv[None, :]
-    cos, sin = ang.cos().to(dt), ang.sin().to(dt)
-    h, r = x, None
-    for layer, c in zip(layers, caches):
-        h, r = layer(h, r, pos, cos, sin, c[0], c[1])
+    h, r = T.forward(layers, caches, x, pos, inv, dt)
     return h + r
 
 
