@@ -8,7 +8,7 @@
 namespace qc {
 
 // Design (docs/performance.md, GV-30): a warp owns 16 rows (a tile) and a contiguous range of
-// 64-element chunks of K. Its ring of kGtStages shared-memory slots (16 rows x kGtChunks chunks)
+// 64-element chunks of K. Its ring of S shared-memory slots (16 rows x CH chunks)
 // is filled by 16-byte cp.async copies (each copy instruction: 4 rows x 128 contiguous bytes), so
 // many bytes stay in flight without registers. For a chunk, lane (g, c) (g = lane / 4, c = lane %
 // 4) reads 8 bytes of rows g and g + 8 at byte 8 c of the chunk's 32 (the codes of elements 16 c ..
@@ -35,26 +35,31 @@ namespace qc {
 // which the launcher reads too.
 constexpr int kGtWarps = QC_GV_WARPS;
 constexpr int kGtGroups = QC_GV_GROUPS;  // weights per launch at most
-constexpr int kGtChunks = QC_GV_CHUNKS;  // chunks per stage
-constexpr int kGtStages = QC_GV_STAGES;  // stages per warp ring
-constexpr int kGtPitch = QC_GV_PITCH;    // bytes per row in a slot: 32 per chunk + 32 (rows g = 0..3 on distinct banks)
-static_assert(kGtPitch == 32 * kGtChunks + 32, "the slot layout the kernel reads");
-constexpr int kGtSc = kGtChunks / 4;  // chunks whose scales one lane decodes per stage
-static_assert(2 * kGtChunks <= 16, "a stage's scales fit in its slot's row padding");
-constexpr int kGtSlot = 16 * kGtPitch;
-constexpr int kGtRing = QC_GV_RING;
-static_assert(kGtRing == kGtStages * kGtSlot, "the ring the launcher sizes");
+// A warp's ring: S slots of 16 rows x CH chunks; two geometries (QC_GV_CHUNKS x QC_GV_STAGES, and
+// the short one for warps with little work); the launcher sizes shared memory for the larger ring
+constexpr int kGtRingMax = QC_GV_RING;
+template <int CH, int S>
+struct GtRing {
+    static_assert((CH == QC_GV_CHUNKS && S == QC_GV_STAGES) || (CH == QC_GV_CHUNKS_SHORT && S == QC_GV_STAGES_SHORT),
+                  "one of the generated ring geometries");
+    static constexpr int kPitch = 32 * CH + 32;  // bytes per row in a slot: 32 per chunk + 32 (rows g = 0..3 on distinct banks)
+    static constexpr int kSc = CH / 4;           // chunks whose scales one lane decodes per stage
+    static_assert(2 * CH <= 16, "a stage's scales fit in its slot's row padding");
+    static constexpr int kSlot = 16 * kPitch;
+    static constexpr int kBytes = S * kSlot;
+    static_assert(kBytes <= kGtRingMax, "the ring the launcher sizes");
+};
 // XS: the input rows of a CTA's block, when they fit, live in the decode table's free halves
 // (bytes 128 .. 255 of each of its 256 rows: the lanes' entries take bytes 0 .. 127)
 constexpr int kGtXs = QC_GV_XS_BYTES;
 static_assert(kGtXs == 256 * 128, "the table's free halves");
 
-template <int NB>
+template <int NB, int RING>
 struct GtGeo {
     static constexpr int kPart = NB * 128;  // floats of one warp's partial tile
     // code2 tables, the partial tiles' ids and links (the partial tiles themselves go in the warp's ring)
     static constexpr int kSmall = 4 * kGtGroups * kDynCodes + 8 * kGtWarps * 2 + 4 * kGtWarps * 2;
-    static_assert(2 * kPart * 4 <= kGtRing, "a warp's partial tiles fit in its ring");
+    static_assert(2 * kPart * 4 <= RING, "a warp's partial tiles fit in its ring");
 };
 
 template <int J>
@@ -89,13 +94,14 @@ struct GtW {
     int gi;
 };
 
-template <typename T, int QT, bool NESTED, int NB, bool XS>
+template <typename T, int QT, bool NESTED, int NB, bool XS, int CH, int S>
 __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
     const u16* __restrict__ a, QC_GT_GROUP_PARAMS(0), QC_GT_GROUP_PARAMS(1), QC_GT_GROUP_PARAMS(2),
     QC_GT_GROUP_PARAMS(3), u16* __restrict__ out, i64 ldo, int batch, i64 K, int log2bs, int ngroups) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    using G = GtGeo<NB>;
-    constexpr int S = kGtStages, CH = kGtChunks;
+    using R = GtRing<CH, S>;
+    constexpr int kGtRing = R::kBytes, kGtPitch = R::kPitch, kGtSlot = R::kSlot, kGtSc = R::kSc;
+    using G = GtGeo<NB, kGtRing>;
     extern __shared__ __align__(16) u8 gt_smem[];
     // the table on the first 64 KiB boundary; the small arrays and as many rings as fit before it,
     // the rest after it
@@ -118,7 +124,7 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
     {
         u32* lw = reinterpret_cast<u32*>(lut);
         const int q4 = lane & 7;
-        const float code = code_4bit<QT>(lane & 15);  // one load per lane; the table by shuffles
+        const float code = code_4bit_imm<QT>(lane & 15);  // one value per lane; the table by shuffles
         const float hi = __shfl_sync(kFullMask, code, warp);  // byte 16 w + ...: high nibble w
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -163,10 +169,10 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
         const i64 tile = t0 + w0 / C, j = w0 % C;
         const GtW wt = weight_of(tile);
         const i64 r = (tile - wt.tile0) * 16 + (lane >> 1);
-        const i64 nb = 32 * min(min((i64)(kGtStages * kGtChunks), C - j), w1 - w0);
+        const i64 nb = 32 * min(min((i64)(S * CH), C - j), w1 - w0);
         const u8* base = wt.packed + r * row_bytes + 32 * j;
 #pragma unroll
-        for (int m = 0; m < 2 * kGtStages * kGtChunks / 8; m += 2) {
+        for (int m = 0; m < 2 * S * CH / 8; m += 2) {
             const i64 off = 128 * (m + (lane & 1));
             if (r < wt.n && off < nb) asm volatile("prefetch.global.L2 [%0];" ::"l"(base + off));
         }
@@ -174,16 +180,21 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
     // Launched as a programmatic dependent (PDL), the kernel may start while the previous one in the
     // stream drains: everything above reads only this kernel's own constants; every argument array
     // (the input, the weights and their statistics, which a previous kernel may have just written)
-    // is read below this wait.
+    // is read below this wait. After it, one round trip: the code2 copies, the block's input rows
+    // (XS) and the ring's first stages go out as cp.async and the first stage's scale data as
+    // loads, all before one wait and one barrier.
     grid_dep_wait();
+    // The next kernel may launch now: its CTAs take each multiprocessor as this kernel's CTA there
+    // leaves (the shared memory holds one), so their set-up overlaps this kernel's tail; they read
+    // this kernel's output only after their own wait, which waits for the whole grid.
+    grid_dep_launch();
     if (NESTED) {
         for (int i = threadIdx.x; i < ngroups * kDynCodes; i += blockDim.x) {
             const int q = i / kDynCodes;
             const float* c2p = q == 0 ? code2_0 : q == 1 ? code2_1 : q == 2 ? code2_2 : code2_3;
-            c2s[i] = ldg_f32(c2p + i % kDynCodes);
+            cp_async4(smem_addr(c2s + i), c2p + i % kDynCodes);
         }
     }
-    __syncthreads();  // the table and the code2 copies are read by every warp
     const u32 lutx = smem_addr(lut) | (4u * (u32)lane);
 
     const int bsh = log2bs - 6;  // chunks per block, log2
@@ -208,8 +219,8 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
             const int b = p / rowp, e = (p - b * rowp) * 8;
             cp_async16(xbase + (u32)(b * Ci + (e >> 6)) * 256 + 2 * (e & 63), a + ((i64)b * K + e));
         }
-        cp_async_commit();  // the oldest group: the stages' waits below cover it
     }
+    cp_async_commit();  // the oldest group (code2, XS): the stages' waits below cover it
 
     // A stage: chunks [j, j + nch) of one tile (never crossing a tile). Producer and consumer walk
     // the warp's range with the same steps; 32-bit counts (the launcher keeps N K / 64 < 2^31).
@@ -284,10 +295,6 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
         issue(pq, s);
         if (pq.left > 0 && advance(pq) && pq.left > 0) producer_tile(pq.tile);
     }
-    if constexpr (XS) {
-        cp_async_wait<S>();  // this thread's input copies (its stage groups may be in flight)
-        __syncthreads();     // everyone's
-    }
 
     // consumer's tile: its weight, rows and the blocks of its two rows
     const u8* cabs = nullptr;  // the consumer's tile: its weight's absmax and absmax2
@@ -330,6 +337,8 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
         consumer_tile(cq.tile);
         load_scales(cq);
     }
+    cp_async_wait<S>();  // this thread's code2 and input copies (its stage groups may be in flight)
+    __syncthreads();     // everyone's, and the table
 
     float acc[NB][4];
 #pragma unroll
@@ -351,10 +360,10 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
         if (new_tile && cq.left > 0) consumer_tile(cq.tile);
         load_scales(cq);
 
-        // the scales go to the slot's row padding (bytes 256 .. 287 of each row, which the copies never
-        // write): chunk u's pair (row g, row g + 8) at row 2 u + g / 4, byte 256 + 8 (g % 4), so a
+        // the scales go to the slot's row padding (bytes 32 CH .. 32 CH + 31 of each row, which the copies
+        // never write): chunk u's pair (row g, row g + 8) at row 2 u + g / 4, byte 32 CH + 8 (g % 4), so a
         // chunk's eight pairs lie on distinct banks and a quad reads its pair by one broadcast load
-        const u32 sbuf = wring + s * kGtSlot + (g >> 2) * kGtPitch + 256 + 8 * (g & 3);
+        const u32 sbuf = wring + s * kGtSlot + (g >> 2) * kGtPitch + 32 * CH + 8 * (g & 3);
 #pragma unroll
         for (int i = 0; i < kGtSc; ++i) gt_sts_f2(sbuf + (c + 4 * i) * 2 * kGtPitch, sc[i][0], sc[i][1]);
         // this lane's inputs at the current chunk (advanced by the chunk loops): in device memory,
@@ -498,7 +507,6 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
                 if (last_slot >= 0) part[last_slot * G::kPart + h * 128 + 4 * lane + r] = acc[h][r];
             }
     }
-    grid_dep_launch();
     __syncthreads();
     // tiles shared by warps: the pieces added in warp order. A tile's pieces are the entries of
     // consecutive warps (unused entries hold -1); entry k links to the tile's next piece.

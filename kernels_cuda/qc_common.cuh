@@ -258,6 +258,19 @@ template <int QT>
 __device__ __forceinline__ float code_4bit(int q) {
     return QT == QC_QUANT_NF4 ? kNf4Code[q] : kFp4Code[q];
 }
+// The same from immediates (q in 0..15): no memory round trip, for a kernel's first instructions
+// (a select chain in asm, which the compiler cannot turn back into an indexed local-memory table)
+template <int QT>
+__device__ __forceinline__ float code_4bit_imm(int q) {
+    constexpr float kNf4[16] = QC_NF4_CODE_INIT, kFp4[16] = QC_FP4_CODE_INIT;
+    float v = QT == QC_QUANT_NF4 ? kNf4[0] : kFp4[0];
+#pragma unroll
+    for (int i = 1; i < 16; ++i)
+        asm("{\n\t.reg .pred p;\n\tsetp.eq.s32 p, %1, %2;\n\tselp.f32 %0, %3, %0, p;\n\t}"
+            : "+f"(v)
+            : "r"(q), "r"(i), "f"(QT == QC_QUANT_NF4 ? kNf4[i] : kFp4[i]));
+    return v;
+}
 
 // -- exact arithmetic of the formats ---------------------------------------------------------------
 // Correctly rounded 1/x (the formats' reciprocal; never the approximate rcp of fast math).
@@ -289,6 +302,10 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
 }
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_size) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_size) : "memory");
+}
+// 4 bytes global -> shared, through L1 (src and dst 4-byte aligned)
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
 }
 // 16 bytes from shared memory (a shared-window address)
 __device__ __forceinline__ void lds_v4(u32 addr, u32& a, u32& b, u32& c, u32& d) {

@@ -193,6 +193,17 @@ def _gemv_case(rng, n, k, bs, qt, dtype, batch, nested):
     return packed, st, a, w_eff
 
 
+def _gemv_state(st, n, k, bs, qt, dtype, nested):
+    """The QuantState (torch arrays) of a _gemv_case's statistics."""
+    code = _t(bnb.NF4_CODE if qt == "nf4" else bnb.FP4_CODE)
+    if nested:
+        return qc.QuantState(absmax=_t(st["q"]), shape=(n, k), code=code, blocksize=bs, quant_type=qt, dtype=dtype,
+                             offset=_t(np.array([st["off"]], np.float32)),
+                             state2=qc.QuantState(absmax=_t(st["a2"]), code=_t(bnb.DYNAMIC_MAP), blocksize=256,
+                                                  dtype="float32"))
+    return qc.QuantState(absmax=_t(st["absmax"]), shape=(n, k), code=code, blocksize=bs, quant_type=qt, dtype=dtype)
+
+
 @gpu
 @needs_torch
 @pytest.mark.parametrize("dtype", list(FLOAT_DTYPES))
@@ -202,14 +213,7 @@ def test_gemv_4bit_within_bounds(be, rng, dtype, nested):
               (5, 17, 2 * 64 + 7, 64), (17, 64, 640, 64), (2, 3000, 96, 32)]
     for batch, n, k, bs in shapes:
         packed, st, a, w_eff = _gemv_case(rng, n, k, bs, "nf4", dtype, batch, nested)
-        if nested:
-            state = qc.QuantState(absmax=_t(st["q"]), shape=(n, k), code=_t(bnb.NF4_CODE), blocksize=bs,
-                                  quant_type="nf4", dtype=dtype, offset=_t(np.array([st["off"]], np.float32)),
-                                  state2=qc.QuantState(absmax=_t(st["a2"]), code=_t(bnb.DYNAMIC_MAP),
-                                                       blocksize=256, dtype="float32"))
-        else:
-            state = qc.QuantState(absmax=_t(st["absmax"]), shape=(n, k), code=_t(bnb.NF4_CODE), blocksize=bs,
-                                  quant_type="nf4", dtype=dtype)
+        state = _gemv_state(st, n, k, bs, "nf4", dtype, nested)
         out = _n(qc.gemv_4bit(_t(a), _t(packed), state, backend="cuda"))
         ref, bound = bounds.gemv_4bit(a.astype(np.float64), w_eff, dtype)
         got = out.astype(np.float64).reshape(ref.shape)
@@ -222,13 +226,13 @@ def test_gemv_4bit_within_bounds(be, rng, dtype, nested):
 
 @gpu
 @needs_torch
-@pytest.mark.parametrize("kernel_tune", ["", "pdl=0", "gemv_kernel=1", "gemv_kernel=1,gemv_ksplit=2",
-                                         "gemv_kernel=1,gemv_ksplit=8"])
+@pytest.mark.parametrize("kernel_tune", ["", "pdl=0", "gemv_short=0", "gemv_short=1", "gemv_kernel=1",
+                                         "gemv_kernel=1,gemv_ksplit=2", "gemv_kernel=1,gemv_ksplit=8"])
 def test_gemv_4bit_kernels_and_k_splits(be, rng, monkeypatch, kernel_tune):
-    """The decode kernel (sm_90; launched as a programmatic dependent or not) and the register-fed
-    mma kernel (gemv_kernel=1) at several K splits: uneven slices (37 chunks), partial stages, rows
-    off the 16-row tiles, batches over 8 and 16 (more input row blocks), 4-byte lanes (blocksize
-    32, the mma kernel)."""
+    """The decode kernel (sm_90; launched as a programmatic dependent or not; each of its two ring
+    geometries forced) and the register-fed mma kernel (gemv_kernel=1) at several K splits: uneven
+    slices (37 chunks), partial stages, rows off the 16-row tiles, batches over 8 and 16 (more input
+    row blocks), 4-byte lanes (blocksize 32, the mma kernel)."""
     monkeypatch.setenv(rt.ENV_TUNE, kernel_tune)
     for batch, n, k, bs, dtype in [(1, 1000, 64 * 37, 64, "bfloat16"), (3, 257, 4096 + 64, 32, "float16"),
                                    (11, 70, 512 * 3 + 128, 128, "bfloat16"), (8, 16, 64 * 9, 64, "float16"),
@@ -244,6 +248,22 @@ def test_gemv_4bit_kernels_and_k_splits(be, rng, monkeypatch, kernel_tune):
 
 @gpu
 @needs_torch
+def test_gemv_4bit_rings_sum_alike(be, rng, monkeypatch):
+    """The decode kernel's two ring geometries (4-chunk and 8-chunk stages) add the same products in
+    the same order: bitwise equal outputs (nested and not, the input in shared memory (XS) or not)."""
+    cases = [(1, 4096, 4096, False), (5, 1000, 64 * 37, True), (16, 300, 8192 * 3, True), (2, 48, 64 * 300, False)]
+    for batch, n, k, nested in cases:
+        packed, st, a, _ = _gemv_case(rng, n, k, 64, "nf4", "bfloat16", batch, nested)
+        state = _gemv_state(st, n, k, 64, "nf4", "bfloat16", nested)
+        outs = []
+        for short in (0, 1):
+            monkeypatch.setenv(rt.ENV_TUNE, f"gemv_short={short}")
+            outs.append(_n(qc.gemv_4bit(_t(a), _t(packed), state, backend="cuda")).view(np.uint16))
+        assert np.array_equal(outs[0], outs[1]), (batch, n, k, nested)
+
+
+@gpu
+@needs_torch
 @pytest.mark.parametrize("tile", [f"gm_bm={bm},gm_bn={bn}" for bm in (32, 64, 128) for bn in (32, 64, 128)])
 def test_gemv_4bit_many_rows_every_tile(be, rng, monkeypatch, tile):
     """The many-row GEMM (bnb_gemm.cu) at each tile size: rows and N off the tiles, one and several
@@ -255,15 +275,7 @@ def test_gemv_4bit_many_rows_every_tile(be, rng, monkeypatch, tile):
                                                (150, 45, 64, 128, "nf4", "float16", True),
                                                (33, 300, 1024, 64, "fp4", "bfloat16", True)]:
         packed, st, a, w_eff = _gemv_case(rng, n, k, bs, qt, dtype, batch, nested)
-        code = bnb.NF4_CODE if qt == "nf4" else bnb.FP4_CODE
-        if nested:
-            state = qc.QuantState(absmax=_t(st["q"]), shape=(n, k), code=_t(code), blocksize=bs, quant_type=qt,
-                                  dtype=dtype, offset=_t(np.array([st["off"]], np.float32)),
-                                  state2=qc.QuantState(absmax=_t(st["a2"]), code=_t(bnb.DYNAMIC_MAP),
-                                                       blocksize=256, dtype="float32"))
-        else:
-            state = qc.QuantState(absmax=_t(st["absmax"]), shape=(n, k), code=_t(code), blocksize=bs,
-                                  quant_type=qt, dtype=dtype)
+        state = _gemv_state(st, n, k, bs, qt, dtype, nested)
         out = _n(qc.gemv_4bit(_t(a), _t(packed), state, backend="cuda"))
         ref, bound = bounds.gemv_4bit(a.astype(np.float64), w_eff, dtype)
         got = out.astype(np.float64).reshape(ref.shape)

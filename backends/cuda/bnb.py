@@ -55,8 +55,9 @@ def _gemv_mma(tag: str, qt: str, nested: bool, v: int) -> str:
     return f"qc::gemv_4bit_mma_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {v}>"
 
 
-def _gemv_tc(tag: str, qt: str, nested: bool, nb: int, xs: bool) -> str:
-    return f"qc::gemv_4bit_tc_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}, {_b(xs)}>"
+def _gemv_tc(tag: str, qt: str, nested: bool, nb: int, xs: bool, short: bool) -> str:
+    ch, st = _GT_SHORT_RING if short else _GT_LONG_RING
+    return f"qc::gemv_4bit_tc_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}, {_b(xs)}, {ch}, {st}>"
 
 
 def _gemm4(tag: str, qt: str, nested: bool, bm: int, bn: int) -> str:
@@ -92,7 +93,8 @@ def instances() -> list[tuple[str, str]]:
                 out.append((_F4, _gemv(tag, qt, nested)))
                 if tag != TYPE_TAG["float32"]:
                     out += [(_F4, _gemv_mma(tag, qt, nested, v)) for v in _GEMV_V]
-                    out += [(_FV, _gemv_tc(tag, qt, nested, nb, xs)) for nb in (1, 2) for xs in (False, True)]
+                    out += [(_FV, _gemv_tc(tag, qt, nested, nb, xs, short)) for nb in (1, 2) for xs in (False, True)
+                            for short in (False, True)]
                     out += [(_FM, _gemm4(tag, qt, nested, bm, bn)) for bm in _GM_TILES for bn in _GM_TILES]
     for tag in tags:
         out += [(_F8, _qbw(tag)), (_F8, _qbw(tag, cells=False)), (_F8, _dqbw(tag))]
@@ -277,8 +279,11 @@ assert all(tuple(arg_index(k, a) for a in ("a", "out")) == _GEMV_SLOTS
            for k in ("gemv_4bit_mma_kernel", "gemm_4bit_kernel"))
 # bnb_gemv.cu: warps per CTA, weights per launch, the bytes of a warp's ring (the generated header's
 # QC_GV_*, which the kernel compiles with; QC_GV_XS_BYTES: the input bytes its decode table's free halves hold)
-_GT_WARPS, _GT_GROUPS, _GT_RING, _GT_XS = (LAUNCH_GEOMETRY[k] for k in ("QC_GV_WARPS", "QC_GV_GROUPS", "QC_GV_RING",
-                                                                       "QC_GV_XS_BYTES"))
+_GT_WARPS, _GT_GROUPS, _GT_RING, _GT_XS, _GT_SHORT_MAX = (
+    LAUNCH_GEOMETRY[k] for k in ("QC_GV_WARPS", "QC_GV_GROUPS", "QC_GV_RING", "QC_GV_XS_BYTES", "QC_GV_SHORT_MAX"))
+# (chunks per stage, stages) of a warp's ring: the long one, and the short one for little work per warp
+_GT_LONG_RING = (LAUNCH_GEOMETRY["QC_GV_CHUNKS"], LAUNCH_GEOMETRY["QC_GV_STAGES"])
+_GT_SHORT_RING = (LAUNCH_GEOMETRY["QC_GV_CHUNKS_SHORT"], LAUNCH_GEOMETRY["QC_GV_STAGES_SHORT"])
 _GT_SLOTS = tuple(arg_index("gemv_4bit_tc_kernel", a) for a in ("a", "out"))
 
 
@@ -318,7 +323,10 @@ def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, 
     # a CTA's input rows (8 nb at most) in its decode table's free halves when they fit there
     xs = min(rows, 8 * nb) * k * 2 <= _GT_XS
     grid = (max(1, min(ntiles, rt.sm_count(device))), _cdiv(rows, 8 * nb))
-    expr = _gemv_tc(_tag(a), quant_type, nested, nb, xs)
+    # the short ring (4-chunk stages) when the busiest warp's range is short: it starts computing
+    # after half the bytes of a long stage; long ranges keep the long ring (fewer stage turns)
+    short = _cdiv(ntiles, grid[0]) * (k // 64) < _GT_SHORT_MAX * _GT_WARPS
+    expr = _gemv_tc(_tag(a), quant_type, nested, nb, xs, rt.tune("gemv_short", int(short)) == 1)
     return (_FV, expr, grid, 32 * _GT_WARPS, kernel_args(expr, **named), _gt_smem(nb, device), _GT_SLOTS)
 
 

@@ -23,16 +23,26 @@ QUANT_TYPE_CODE = {"nf4": 0, "fp4": 1}
 GGML_FORMAT_CODE = {"q4_0": 0, "q8_0": 1, "q8_1": 2}
 
 
-def _gemv_geometry(warps: int, groups: int, chunks: int, stages: int) -> dict[str, int]:
-    pitch = 32 * chunks + 32  # bytes per row of a ring slot: 64-element chunks of 32 bytes, rows on distinct banks
-    return {"QC_GV_WARPS": warps, "QC_GV_GROUPS": groups, "QC_GV_CHUNKS": chunks, "QC_GV_STAGES": stages,
-            "QC_GV_PITCH": pitch, "QC_GV_RING": stages * 16 * pitch, "QC_GV_XS_BYTES": 256 * 128}
+def gemv_ring_bytes(chunks: int, stages: int) -> int:
+    """Bytes of one warp's ring in the decode gemv: ``stages`` slots of 16 rows, each row 32 bytes per
+    64-element chunk plus 32 bytes of padding (rows on distinct banks; the stage's scales)."""
+    return stages * 16 * (32 * chunks + 32)
+
+
+def _gemv_geometry(warps: int, groups: int, ring: tuple[int, int], short_ring: tuple[int, int],
+                   short_max: int) -> dict[str, int]:
+    return {"QC_GV_WARPS": warps, "QC_GV_GROUPS": groups, "QC_GV_CHUNKS": ring[0], "QC_GV_STAGES": ring[1],
+            "QC_GV_CHUNKS_SHORT": short_ring[0], "QC_GV_STAGES_SHORT": short_ring[1],
+            "QC_GV_SHORT_MAX": short_max,
+            "QC_GV_RING": max(gemv_ring_bytes(*ring), gemv_ring_bytes(*short_ring)), "QC_GV_XS_BYTES": 256 * 128}
 
 
 #: Launch geometry that a kernel and its launcher share, generated into the header like the format
 #: constants. The decode gemv (kernels_cuda/bnb_gemv.cu): warps per CTA, weights per launch, chunks
-#: per ring stage, stages per warp ring, the ring's row pitch and size in bytes, the input bytes a
-#: CTA keeps in its decode table's free halves (256 rows of which the lanes' entries use 128 bytes).
+#: per ring stage and stages per warp ring (8 x 2), the same for short work (4 x 3: when a warp's range
+#: holds fewer than QC_GV_SHORT_MAX chunks, it starts computing after 4 chunks instead of 8), the
+#: larger ring's bytes (the launcher sizes shared memory for it), the input bytes a CTA keeps in its
+#: decode table's free halves (256 rows of which the lanes' entries use 128 bytes).
 #: The bitsandbytes kernels' launch geometry (kernels_cuda/bnb_4bit.cu, bnb_8bit.cu): quantize_4bit's
 #: threads, elements per thread, CTAs per multiprocessor and ring stages; dequantize_4bit's threads and
 #: packed words per thread; the fallback gemv's warps, pieces per iteration and shared memory (its
@@ -52,7 +62,8 @@ BNB_GEOMETRY = {
     # double_quantize's tree level (8 warps: the reference's pairwise order over their sums)
     "QC_GEMV_SIMPLE_THREADS": 256, "QC_DQBW_THREADS": 256, "QC_DQBW_WORDS": 2, "QC_DQ_TREE_THREADS": 256,
 }
-LAUNCH_GEOMETRY = {**_gemv_geometry(warps=16, groups=kernel_interface.GEMV_TC_GROUPS, chunks=8, stages=2),
+LAUNCH_GEOMETRY = {**_gemv_geometry(warps=16, groups=kernel_interface.GEMV_TC_GROUPS, ring=(8, 2), short_ring=(4, 3),
+                                    short_max=80),
                    **BNB_GEOMETRY}
 #: kernels_cuda/bnb_gemm.cu, gemv_4bit for many rows: threads per CTA, the byte pitch of a
 #: 64-element fp16 / bf16 tile row (128 + 16: ldmatrix rows on distinct banks)
