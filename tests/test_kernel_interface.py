@@ -217,13 +217,13 @@ _FakeArray.__module__ = "cupy._fake"  # runtime.kind() takes it for a CuPy array
 def test_every_cuda_launch_path_builds_its_arguments(monkeypatch):
     """Drive the cuda backend's launchers on an sm_90 stand-in (every family, the decode and
     fallback gemv, the grouped gemv, both W4A8 paths, double_quantize's two paths, the MX codecs,
-    gemv and GEMM) and check each launch's tuple against its kernel's declaration: a launcher that
+    gemv and GEMM, the one-shot all-reduce) and check each launch's tuple against its kernel's declaration: a launcher that
     passes a wrong or missing name raises in kernel_args, one whose values have the wrong width
     fails here."""
     import types
 
     import numpy as np
-    from quantcore.backends.cuda import bnb, ggml
+    from quantcore.backends.cuda import bnb, common, ggml
     from quantcore.backends.cuda import mx as cmx
     from quantcore.backends.cuda import runtime as rt
 
@@ -313,6 +313,8 @@ def test_every_cuda_launch_path_builds_its_arguments(monkeypatch):
                               A((256 * 32,), np.uint8), A((1,), np.float32), A((256,), "bfloat16"),
                               A((256, 256), "bfloat16"), m=256, n=256, k=512, fmt=fmt)
     cmx.swizzle_scales(be, A((200, 8), np.uint8), A((256, 8), np.uint8), rows=200, cols=8)
+    for dt in ("float32", "bfloat16"):  # the one-shot all-reduce of tensor-parallel decode, 2 ranks
+        common.all_reduce_oneshot(A((8192,), dt), A((8192,), dt), [1 << 20, 2 << 20], A((1,), np.int32), rank=1)
     cmx.unswizzle_scales(be, A((256, 8), np.uint8), A((200, 8), np.uint8), rows=200, cols=8)
 
     width = {"ptr": np.uint64, "i32": np.int32, "i64": np.int64, "u32": np.uint32, "u64": np.uint64,

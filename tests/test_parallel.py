@@ -83,7 +83,8 @@ def test_shards_inside_a_block_are_refused(ranks):
         assert res["conv"].startswith("UnsupportedError")
         assert res["quantize_shard_of_quantized"].startswith("UnsupportedError")
         assert res["bad_all_reduce"].startswith("ParameterError") and "symm_mem" in res["bad_all_reduce"]
-        assert res["symm_mem_on_cpu"].startswith("UnsupportedError") and "CUDA" in res["symm_mem_on_cpu"]
+        for ar in ("symm_mem", "oneshot"):
+            assert res[f"{ar}_on_cpu"].startswith("UnsupportedError") and "CUDA" in res[f"{ar}_on_cpu"]
 
 
 @pytest.mark.parametrize("fmt", ["nf4", "q4_0", "nvfp4"])

@@ -112,12 +112,12 @@ def case_errors(rank):
         out["bad_all_reduce"] = "no error"
     except ParameterError as exc:
         out["bad_all_reduce"] = f"{type(exc).__name__}: {exc}"
-    try:  # symmetric memory is CUDA's: on CPU tensors the forward says so
-        shard_linear(qnn.LinearQ4_0.from_linear(_linear(8, 128, 1)), "rowwise", all_reduce="symm_mem")(
-            torch.ones(1, 64))
-        out["symm_mem_on_cpu"] = "no error"
-    except UnsupportedError as exc:
-        out["symm_mem_on_cpu"] = f"{type(exc).__name__}: {exc}"
+    for ar in ("symm_mem", "oneshot"):  # symmetric memory is CUDA's: on CPU tensors the forward says so
+        try:
+            shard_linear(qnn.LinearQ4_0.from_linear(_linear(8, 128, 1)), "rowwise", all_reduce=ar)(torch.ones(1, 64))
+            out[f"{ar}_on_cpu"] = "no error"
+        except UnsupportedError as exc:
+            out[f"{ar}_on_cpu"] = f"{type(exc).__name__}: {exc}"
     return out
 
 

@@ -75,8 +75,9 @@ def parse(argv=None):
                         "same inputs from one call to the next (measured), so the default leaves it out")
     p.add_argument("--reduce-dtype", choices=("activation", "float32"), default="activation",
                    help="rowwise layers: product and all-reduce in the activation's dtype (Megatron's) or float32")
-    p.add_argument("--all-reduce", choices=("group", "symm_mem"), default="group",
-                   help="rowwise layers: NCCL's all-reduce (group) or torch's one-shot on symmetric memory")
+    p.add_argument("--all-reduce", choices=("group", "symm_mem", "oneshot"), default="group",
+                   help="rowwise layers: NCCL's all-reduce (group), torch's one-shot on symmetric memory "
+                        "(symm_mem) or quantcore's (oneshot): quantcore.nn.parallel.ALL_REDUCE")
     p.add_argument("--slice", action="store_true",
                    help="TP>1: quantize each whole weight, then slice (default: each rank quantizes its float shard)")
     p.add_argument("--out", required=True, help="rank 0's JSON")

@@ -34,6 +34,7 @@ from quantcore.backend import Availability, Backend
 from quantcore.errors import DeviceError
 
 from . import bnb as _bnb
+from . import common as _common
 from . import ggml as _ggml
 from . import mx as _mx
 from . import runtime as rt
@@ -48,7 +49,7 @@ __all__ = ["CudaBackend", "create", "kernel_instances"]
 
 def kernel_instances() -> list[tuple[str, str]]:
     """Every (source file, name expression) the backend can launch."""
-    return _bnb.instances() + _ggml.instances()
+    return _bnb.instances() + _ggml.instances() + _common.ar_instances()
 
 
 class CudaBackend(BnbOps, GgmlOps, Backend):

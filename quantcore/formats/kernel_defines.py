@@ -68,6 +68,11 @@ LAUNCH_GEOMETRY = {**_gemv_geometry(warps=16, groups=kernel_interface.GEMV_TC_GR
 #: kernels_cuda/bnb_gemm.cu, gemv_4bit for many rows: threads per CTA, the byte pitch of a
 #: 64-element fp16 / bf16 tile row (128 + 16: ldmatrix rows on distinct banks)
 LAUNCH_GEOMETRY.update({"QC_GM_THREADS": 256, "QC_GM_PITCH": 144})
+#: kernels_cuda/allreduce.cu, the one-shot all-reduce of tensor-parallel decode (quantcore.nn.parallel):
+#: threads of its one CTA, ranks at most (its buffer parameters), the flag words' bytes at the start of
+#: each rank's symmetric buffer (the two slots follow), polls of a peer's flag before the kernel traps
+LAUNCH_GEOMETRY.update({"QC_AR_THREADS": 512, "QC_AR_MAX_RANKS": kernel_interface.AR_MAX_RANKS, "QC_AR_FLAG_BYTES": 128,
+                        "QC_AR_SPIN_LIMIT": 1 << 26})
 #: the cpu backend's linear_mx (kernels_cpu/qc_cpu.cpp): input rows per call at most (its
 #: accumulators; the glue splits larger batches)
 LAUNCH_GEOMETRY["QC_CPU_MX_BATCH"] = 16

@@ -252,6 +252,8 @@ def sycl_kernels() -> dict[str, tuple[Arg, ...]]:
 # -- CUDA: the __global__ kernels' parameter lists ------------------------------------------------------------
 #: weights one decode-gemv launch takes (kernels_cuda/bnb_gemv.cu QC_GT_GROUP_PARAMS x QC_GV_GROUPS)
 GEMV_TC_GROUPS = 4
+#: ranks the one-shot all-reduce takes at most (kernels_cuda/allreduce.cu: one buffer parameter each)
+AR_MAX_RANKS = 8
 #: the parameters of weight i of that kernel
 _GEMV_TC_WEIGHT = ("const u8* packed{i}, const void* absmax{i}, const f32* absmax2_{i}, const f32* code2_{i}, "
                    "const f32* offset{i}, i64 n{i}")
@@ -289,6 +291,9 @@ CUDA_KERNELS: dict[str, tuple[Arg, ...]] = {name: args(spec) for name, spec in {
     # bnb_gemv.cu: the input, GEMV_TC_GROUPS weights, the output
     "gemv_4bit_tc_kernel": "const u16* a, " + ", ".join(_GEMV_TC_WEIGHT.format(i=i) for i in range(GEMV_TC_GROUPS))
         + ", u16* out, i64 ldo, i32 rows, i64 k, i32 log2bs, i32 ngroups",
+    # allreduce.cu: the rank's partial sums, the output, the ranks' symmetric buffers (QC_AR_MAX_RANKS)
+    "all_reduce_oneshot_kernel": "const elem* x, elem* out, " + ", ".join(f"u8* buf{i}" for i in range(AR_MAX_RANKS))
+        + ", u32* round, i32 rank, i32 world, i64 units, i64 slot_bytes",
     # ggml.cu
     "quantize_ggml_kernel": "const elem* x, u8* out, i64 nblocks, i32 vec, i32 aligned2",
     "dequantize_ggml_kernel": "const u8* q, elem* out, i64 nblocks, i32 vec",

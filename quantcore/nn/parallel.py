@@ -67,9 +67,14 @@ from . import FORMATS, FORMATS_4BIT, Linear4bit, LinearFP4, LinearQ4_0, _frozen
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 #: how a rowwise layer sums its partial products: "group" (``dist.all_reduce`` on the process group:
-#: NCCL, gloo) or "symm_mem" (a one-shot all-reduce through torch's symmetric memory: each GPU reads
-#: its peers' partial sums over NVLink in one kernel; CUDA only, for the small outputs of decode)
-ALL_REDUCE = ("group", "symm_mem")
+#: NCCL, gloo), "symm_mem" (torch's one-shot all-reduce on its symmetric memory: each GPU reads its
+#: peers' partial sums over NVLink in one kernel) or "oneshot" (quantcore's one-shot kernel on symmetric
+#: memory: one CTA, one flag per peer and round, no second barrier; kernels_cuda/allreduce.cu). The last
+#: two are CUDA only, for the small outputs of decode; "oneshot" sends outputs over ONESHOT_MAX_BYTES
+#: (prefill) to the group's all-reduce.
+ALL_REDUCE = ("group", "symm_mem", "oneshot")
+#: the largest rowwise output (bytes) that all_reduce="oneshot" reduces with its one-CTA kernel
+ONESHOT_MAX_BYTES = 1 << 20
 _NB = bnb.NESTED_BLOCKSIZE  # 256 absmax per second-level block
 
 #: Megatron's plan for a Llama decoder layer (module names relative to a layer)
@@ -372,6 +377,50 @@ def _symm_mem_all_reduce(y: torch.Tensor, group: Any) -> torch.Tensor:
     return out
 
 
+#: (group name, bytes, device) -> (the symmetric buffer, every rank's buffer address here, round counter, rank)
+_ONESHOT: dict[tuple, tuple] = {}
+
+
+def _oneshot_all_reduce(y: torch.Tensor, group: Any) -> torch.Tensor:
+    """``y`` summed over ``group`` by quantcore's one-shot kernel (kernels_cuda/allreduce.cu): each rank
+    copies its partial sums into its slot of a symmetric buffer, announces the round to every peer by a
+    flag and adds all slots in rank order once the peers' flags arrive (the same bits on every rank; for
+    two ranks the bits of NCCL's sum). One buffer per group and size, made by a collective rendezvous on
+    the first call (run one step eagerly before capturing a CUDA graph); tensors over ONESHOT_MAX_BYTES,
+    of another dtype or not a multiple of 16 bytes take ``dist.all_reduce``."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from ..backends.cuda import common as cuda_common
+    from ..formats.kernel_interface import AR_MAX_RANKS
+
+    if y.device.type != "cuda":
+        raise UnsupportedError(f"all_reduce='oneshot' needs CUDA tensors (got {y.device}); use 'group'")
+    nbytes = y.numel() * y.element_size()
+    if (nbytes % 16 or nbytes > ONESHOT_MAX_BYTES or y.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+            or dist.get_world_size(group) > AR_MAX_RANKS):
+        dist.all_reduce(y, group=group)
+        return y
+    key = (group.group_name, nbytes, y.device)
+    ent = _ONESHOT.get(key)
+    if ent is None:
+        buf = symm_mem.empty(cuda_common.AR_FLAG_BYTES + 2 * cuda_common.ar_slot_bytes(nbytes), dtype=torch.uint8,
+                             device=y.device)
+        buf.zero_()  # the flags: no round announced
+        hdl = symm_mem.rendezvous(buf, group.group_name)
+        torch.cuda.synchronize(y.device)
+        dist.barrier(group=group)  # every rank's flags are zero before any rank announces a round
+        ent = _ONESHOT[key] = (buf, [int(p) for p in hdl.buffer_ptrs],
+                               torch.zeros(1, dtype=torch.int32, device=y.device), int(hdl.rank))
+    _, ptrs, rnd, rank = ent
+    x = y.contiguous()
+    if x.data_ptr() % 16:  # a view at an odd offset: the kernel reads 16-byte units
+        x = x.clone()
+    out = torch.empty_like(x)
+    cuda_common.all_reduce_oneshot(x, out, ptrs, rnd, rank)
+    return out
+
+
 def _rowwise_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
 
@@ -387,6 +436,8 @@ def _rowwise_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if spec.world > 1:
         if spec.all_reduce == "symm_mem":
             y = _symm_mem_all_reduce(y, group)
+        elif spec.all_reduce == "oneshot":
+            y = _oneshot_all_reduce(y, group)
         else:
             dist.all_reduce(y, group=group)
     if y.dtype != x.dtype:
@@ -420,8 +471,8 @@ class QuantRowwiseParallel(_parallel_style_base()):
     """``parallelize_module`` style: shard a quantcore linear (or ``nn.Linear``) by input columns over
     a 1-D DeviceMesh; the partial outputs are all-reduced. ``input``: "shard" (the previous colwise
     layer's features) or "replicate" (the layer slices the full input); ``reduce_dtype``: the dtype
-    of the product and the all-reduce (None: the activation's); ``all_reduce``: "group" or "symm_mem"
-    (:data:`ALL_REDUCE`)."""
+    of the product and the all-reduce (None: the activation's); ``all_reduce``: one of
+    :data:`ALL_REDUCE`."""
 
     def __init__(self, *, input: str = "shard", reduce_dtype: torch.dtype | None = None, all_reduce: str = "group"):
         super().__init__()

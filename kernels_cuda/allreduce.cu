@@ -1,0 +1,108 @@
+// One-shot all-reduce of a small tensor over the GPUs of one node, for the rowwise layers of tensor-
+// parallel decode (quantcore.nn.parallel, all_reduce="oneshot"). Each rank's buffer is one allocation
+// of torch's symmetric memory, mapped on every peer: QC_AR_FLAG_BYTES of flags (word r: the last round
+// rank r announced), then two slots of the tensor's bytes, used in turn by rounds e (slot e % 2).
+// A round, in one CTA:
+//   1. the rank's partial sums are copied into its slot of round e;
+//   2. a barrier of the CTA, then thread p (each peer p) fences at system scope and writes e into flag
+//      word `rank` of peer p's buffer (a release store over NVLink), then waits until flag word p of
+//      its own buffer reaches e (acquire loads): peer p's slot of round e is written;
+//   3. every element is the sum of the ranks' slots in rank order (fp32, starting from rank 0's value),
+//      rounded once: the same bits on every rank, and for two ranks the bits of NCCL's sum.
+// Two slots and the flags' round numbers make a second barrier needless: a rank writes a slot again two
+// rounds later, after the next round's barrier, which every peer passes only when it has read it.
+// The round counter lives in device memory (`round`), so a CUDA graph replays rounds in order; every
+// rank must run the same sequence of all-reduces on a buffer. A peer that never comes makes the waiting
+// thread trap after about QC_AR_SPIN_LIMIT polls instead of hanging the stream.
+#include "qc_common.cuh"
+
+namespace qc {
+
+constexpr int kArThreads = QC_AR_THREADS;
+constexpr int kArMaxRanks = QC_AR_MAX_RANKS;
+constexpr int kArFlagBytes = QC_AR_FLAG_BYTES;
+static_assert(4 * kArMaxRanks <= kArFlagBytes && kArFlagBytes % 16 == 0, "one flag word per rank, slots 16-byte aligned");
+
+__device__ __forceinline__ void ar_st_release_sys(u8* p, u32 v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ u32 ar_ld_acquire_sys(const u8* p) {
+    u32 v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+// a peer's slot: never through L1 (a line of the same slot two rounds ago may still be there)
+__device__ __forceinline__ void ar_ld_v4(const u8* p, u32 (&w)[4]) {
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p) : "memory");
+}
+
+// elements of a 16-byte unit as fp32, and back (T's rounding)
+template <typename T>
+__device__ __forceinline__ void ar_unpack(const u32 (&w)[4], float (&v)[16 / T::kBytes]) {
+    if constexpr (T::kBytes == 4) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = __uint_as_float(w[i]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            v[2 * i] = T::to_f((u16)(w[i] & 0xffffu));
+            v[2 * i + 1] = T::to_f((u16)(w[i] >> 16));
+        }
+    }
+}
+template <typename T>
+__device__ __forceinline__ void ar_pack(const float (&v)[16 / T::kBytes], u32 (&w)[4]) {
+    if constexpr (T::kBytes == 4) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w[i] = __float_as_uint(v[i]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w[i] = (u32)T::from_f(v[2 * i]) | ((u32)T::from_f(v[2 * i + 1]) << 16);
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kArThreads, 1) all_reduce_oneshot_kernel(
+    const typename T::S* __restrict__ x, typename T::S* __restrict__ out, u8* buf0, u8* buf1, u8* buf2, u8* buf3,
+    u8* buf4, u8* buf5, u8* buf6, u8* buf7, u32* round, int rank, int world, i64 units, i64 slot_bytes) {
+    u8* const bufs[kArMaxRanks] = {buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7};
+    constexpr int E = 16 / T::kBytes;  // elements of a 16-byte unit
+    const u32 e = *reinterpret_cast<volatile u32*>(round) + 1;  // this round: one after the last one
+    const i64 off = kArFlagBytes + (i64)(e & 1u) * slot_bytes;
+    u8* const mine = bufs[rank] + off;
+    const u8* const xs = reinterpret_cast<const u8*>(x);
+    for (i64 i = threadIdx.x; i < units; i += kArThreads) {
+        u32 w[4];
+        ldg_v4(xs + 16 * i, w[0], w[1], w[2], w[3]);
+        stg_v4(mine + 16 * i, w[0], w[1], w[2], w[3]);
+    }
+    __syncthreads();
+    const int p = threadIdx.x;
+    if (p < world && p != rank) {
+        __threadfence_system();  // the CTA's slot writes (ordered before this thread by the barrier)
+        ar_st_release_sys(bufs[p] + 4 * rank, e);
+        const u8* flag = bufs[rank] + 4 * p;
+        for (u32 n = 0; (int)(ar_ld_acquire_sys(flag) - e) < 0; ++n)
+            if (n > (u32)QC_AR_SPIN_LIMIT) __trap();  // a peer that never announced this round
+    }
+    __syncthreads();
+    u8* const o = reinterpret_cast<u8*>(out);
+    for (i64 i = threadIdx.x; i < units; i += kArThreads) {
+        u32 w[4];
+        float s[E], v[E];
+        ar_ld_v4(bufs[0] + off + 16 * i, w);
+        ar_unpack<T>(w, s);
+        for (int q = 1; q < world; ++q) {
+            ar_ld_v4(bufs[q] + off + 16 * i, w);
+            ar_unpack<T>(w, v);
+#pragma unroll
+            for (int j = 0; j < E; ++j) s[j] = s[j] + v[j];
+        }
+        ar_pack<T>(s, w);
+        stg_v4(o + 16 * i, w[0], w[1], w[2], w[3]);
+    }
+    if (threadIdx.x == 0) *round = e;
+}
+
+}  // namespace qc

@@ -1,0 +1,118 @@
+"""One rank of the one-shot all-reduce check (tests/test_parallel_cuda.py; started by torchrun on 2+ GPUs).
+
+quantcore.nn.parallel's ``all_reduce="oneshot"`` path against NCCL's all-reduce on the same partial sums:
+bf16, fp16 and fp32 tensors of several sizes (one over ONESHOT_MAX_BYTES, which takes NCCL's path),
+several rounds in a row (both slots of the buffer), then the same calls captured in a CUDA graph and
+replayed with new inputs. With 2 ranks the sums must be bitwise NCCL's (one fp32 addition, rounded
+once); with more, within one rounding of the fp32 sum. With ``--time`` it also times, inside CUDA
+graphs of 100 calls each, the three rowwise all-reduces of a decode step's size (8192 bf16 per row).
+Writes OUT/ar_rank<r>.json.
+
+    torchrun --standalone --nproc_per_node 2 tests/ar_worker.py OUT [--time]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from quantcore.nn import parallel
+
+SIZES = (8, 8192, 4 * 8192, 28672, parallel.ONESHOT_MAX_BYTES // 2 + 8)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _partial(rank: int, i: int, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    g = torch.Generator(device="cpu").manual_seed(1000 * i + rank)
+    return (torch.randn(n, generator=g) * (1 + rank)).to(dtype).to(device)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, world: int) -> bool:
+    if world == 2:
+        return torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a.view(torch.int32),
+                           b.view(torch.uint8) if b.dtype != torch.float32 else b.view(torch.int32))
+    return bool(torch.allclose(a.float(), b.float(), rtol=2 ** -7, atol=0))
+
+
+def main() -> None:
+    out_dir, timing = sys.argv[1], "--time" in sys.argv
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    group = dist.group.WORLD
+    res: dict = {"rank": rank, "world": world, "eager": [], "graph": []}
+    i = 0
+    for dtype in DTYPES:
+        for n in SIZES:
+            for _ in range(3):  # rounds in a row: both slots, the flags' round numbers
+                i += 1
+                x = _partial(rank, i, n, dtype, device)
+                ref = x.clone()
+                dist.all_reduce(ref, group=group)
+                got = parallel._oneshot_all_reduce(x.clone(), group)
+                res["eager"].append({"dtype": str(dtype), "n": n, "same": _same(got, ref, world)})
+    # a CUDA graph of three calls on static inputs, replayed with new values
+    n, dtype = 8192, torch.bfloat16
+    static = [torch.empty(n, dtype=dtype, device=device) for _ in range(3)]
+    for s in static:
+        s.copy_(_partial(rank, 0, n, dtype, device))
+        parallel._oneshot_all_reduce(s, group)  # the buffer's rendezvous, before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [parallel._oneshot_all_reduce(s, group) for s in static]
+    for rep in range(4):
+        refs = []
+        for j, s in enumerate(static):
+            s.copy_(_partial(rank, 10_000 + 10 * rep + j, n, dtype, device))
+            r = s.clone()
+            dist.all_reduce(r, group=group)
+            refs.append(r)
+        graph.replay()
+        torch.cuda.synchronize()
+        res["graph"].append(all(_same(o, r, world) for o, r in zip(outs, refs)))
+    if timing:
+        res["time_us"] = _time(group, device)
+    with open(os.path.join(out_dir, f"ar_rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    dist.barrier()
+
+
+def _time(group, device) -> dict:
+    """us per all-reduce of one decode row (8192 bf16), each way, inside a CUDA graph of 100 calls."""
+    import torch.distributed._symmetric_memory as symm_mem  # noqa: F401 - symm_mem's ops
+
+    x = torch.randn(8192, device=device).to(torch.bfloat16)
+    ways = {"nccl": lambda: dist.all_reduce(x, group=group),
+            "symm_mem": lambda: parallel._symm_mem_all_reduce(x, group),
+            "oneshot": lambda: parallel._oneshot_all_reduce(x, group)}
+    out = {}
+    for name, fn in ways.items():
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(100):
+                fn()
+        g.replay()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(5):
+            dist.barrier()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            best = min(best, a.elapsed_time(b) * 1e3 / 100)
+        out[name] = best
+    return out
+
+
+if __name__ == "__main__":
+    main()
