@@ -163,7 +163,8 @@ def test_repeated_calls_launch_from_the_cache(be, rng, monkeypatch):
 @gpu
 @pytest.mark.parametrize("dtype", list(FLOAT_DTYPES))
 def test_linear_launch_writes_y_bitwise_as_the_fp32_launch(be, rng, dtype, monkeypatch):
-    """The kept launch's linear form (the kernel's yt = 1, what LinearQ4_0's bound forward runs)
+    """The kept launch's linear form (the kernel's yt = 1, what LinearQ4_0's bound forward runs with
+    the weight's pointer written into its buffer)
     writes y [N, M] in the activation's dtype: the bits of the fp32 [M, N] launch transposed and
     converted by torch (one rounding of the same sums; overflow to inf in fp16 included), every
     element written (y starts as NaN), for both ring fillers and every geometry of _CASES."""
@@ -181,7 +182,7 @@ def test_linear_launch_writes_y_bitwise_as_the_fp32_launch(be, rng, dtype, monke
             entry = cuda_ggml.w4_launch(0, wq_t, a_t, n, k)  # kept by that call
             assert entry is not None, (ld, m, n, k, tune)
             y = torch.full((n, m), float("nan"), dtype=a_t.dtype, device="cuda")
-            entry.linear(0)(stream(0), wq_t.data_ptr(), a_t.data_ptr(), y.data_ptr())
+            entry.planned(0, 1)(stream(0), wq_t.data_ptr(), a_t.data_ptr(), y.data_ptr())
             want = old.cuda().t().to(a_t.dtype).contiguous()
             iv = torch.int16 if a_t.dtype.itemsize == 2 else torch.int32
             assert torch.equal(y.view(iv), want.view(iv)), (ld, m, n, k, tune)

@@ -549,7 +549,7 @@ def test_cuda_q4_0_bound_launch_writes_y_bitwise_as_the_fp32_path(gen, dtype):
                 assert bound is not None, (k, m, lead)
                 ys = [mod(x), mod(x)]
                 assert bound.hits == 2 and mod._bound is bound
-                fp32 = qc.gemm_w4a8(mod.weight, x.reshape(rows, k), m, rows, k)  # [m, rows]
+                fp32 = qc.gemm_w4a8(mod.weight, x.reshape(rows, k), m, rows, k, backend="cuda")  # [m, rows]
                 want = fp32.t().to(dtype).reshape(*lead, m)
                 if bias:
                     want = want + mod.bias.to(dtype)

@@ -69,30 +69,27 @@ def _gemm_small(tag: str, key: tuple[int, int, int]) -> str:
     return f"qc::gemm_w4a8_stream_kernel<{tag}, {nb}, {cl}, {ld}>"
 
 
-_W4_SLOTS = tuple(arg_index("gemm_w4a8_stream_kernel", p) for p in ("wq", "act", "out"))
+_W4_ARGS = ("wq", "act", "out")  # the stream kernel's per-call pointers
 
 
 class _W4Launch:
-    """The stream kernel's launch of one call geometry, planned (pointers wq, act, out in slots):
-    ``gemm`` writes gemm_w4a8's fp32 ``[M, N]``; :meth:`linear` (made on first use) a linear
+    """The stream kernel's launch of one call geometry: ``gemm`` (planned, pointers wq, act, out in
+    slots) writes gemm_w4a8's fp32 ``[M, N]``; :meth:`planned` makes others, such as a linear
     layer's ``y [N, M]`` in the activation's dtype from the same sums (the kernel's yt = 1)."""
 
-    __slots__ = ("spec", "geometry", "smem", "gemm", "_linear")
+    __slots__ = ("spec", "geometry", "smem", "gemm")
 
     def __init__(self, device: int, spec: tuple, geometry: dict, smem: int):
         self.spec, self.geometry, self.smem = spec, geometry, smem
-        self.gemm = self._planned(device, 0)
-        self._linear: Any = None
+        self.gemm = self.planned(device, 0)
 
-    def _planned(self, device: int, yt: int) -> Any:
-        return rt.PlannedLaunch(device, *self.spec, kernel_args(self.spec[1], wq=None, act=None, out=None, yt=yt,
+    def planned(self, device: int, yt: int, wq: int | None = None) -> Any:
+        """A PlannedLaunch of this geometry with its own argument buffer writing the output form
+        ``yt``; ``wq`` (a pointer): written into the buffer, the slots then take act and out only."""
+        names = _W4_ARGS if wq is None else _W4_ARGS[1:]
+        return rt.PlannedLaunch(device, *self.spec, kernel_args(self.spec[1], wq=wq, act=None, out=None, yt=yt,
                                                                 **self.geometry),
-                                shared_mem=self.smem, slots=_W4_SLOTS)
-
-    def linear(self, device: int) -> Any:
-        if self._linear is None:
-            self._linear = self._planned(device, 1)
-        return self._linear
+                                shared_mem=self.smem, slots=tuple(arg_index(self.spec[1], p) for p in names))
 
 
 def w4_launch(device: int, wq: Any, a: Any, n: int, k: int) -> _W4Launch | None:

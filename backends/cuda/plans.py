@@ -11,6 +11,7 @@ import numpy as np
 
 from quantcore.arrays import as_dtype
 from quantcore.backend import Nested
+from quantcore.errors import KernelError
 
 from . import runtime as rt
 from .bnb import _DEQUANT_SLOTS, _dequantize_launch, _gemv_launch
@@ -257,25 +258,32 @@ def _plan_dequantize_4bit(packed: Any, state: Any, out_dtype: Any, previous: Any
 
 # -- gemm_w4a8 bound to a module's Q4_0 weight ----------------------------------------------------------
 class _BoundW4a8:
-    """The W4A8 stream kernel's planned launch for one call geometry (backends/cuda/ggml.py keeps one
-    per geometry and tuning) bound to one Q4_0 weight tensor as it is now, for
-    ``quantcore.nn.LinearQ4_0``'s eager forward. A call checks what :class:`_Bound` checks (the
-    input's exact type, shape, dtype, 16-byte alignment, contiguity and device; the weight's pointer
-    and version counter; the tuning) and the thread's context, allocates the output and launches;
-    None where a check fails. The output: ``linear`` a linear layer's ``y`` (the input's leading
-    shape + ``(M,)``, the input's dtype (``out_dtype`` None: new_empty without a dtype is the cheaper
-    call), written by the kernel), else gemm_w4a8's fp32 ``[M, N]``.
-    The checks are written out here (not :meth:`_Bound._holds`): this is the module's whole hot path."""
+    """The W4A8 stream kernel's launch for one call geometry (backends/cuda/ggml.py keeps one per
+    geometry and tuning) bound to one Q4_0 weight tensor as it is now, for ``quantcore.nn.LinearQ4_0``'s
+    eager forward: its own argument buffer with the weight's pointer written in. A call checks what
+    :class:`_Bound` checks (the input's exact type, shape, dtype, 16-byte alignment, contiguity and
+    device; the weight's pointer and version counter; the tuning) and the thread's context,
+    allocates the output and launches; None where a check fails. The output: ``linear`` a linear
+    layer's ``y`` (the input's leading shape + ``(M,)``, the input's dtype (``out_dtype`` None:
+    new_empty without a dtype is the cheaper call), written by the kernel), else gemm_w4a8's fp32
+    ``[M, N]``. The module's whole hot path, so the checks are written out here (not
+    :meth:`_Bound._holds`) and the launch goes to the driver from the PlannedLaunch's parts (two
+    slot writes, no argument loop; the stream kernel is never a PDL launch)."""
 
     __slots__ = ("shape", "dtype", "align", "device", "out_shape", "out_dtype", "launch", "weight", "wptr",
-                 "wversion", "ctx", "tune", "hits", "_stream", "_ctx_now")
+                 "wversion", "ctx", "tune", "hits", "_stream", "_ctx_now", "_lock", "_act", "_out", "_head",
+                 "_params", "_driver")
 
-    def __init__(self, a: Any, wq: Any, out_shape: tuple, out_dtype: Any, launch: Any, tune: Any):
+    def __init__(self, a: Any, wq: Any, out_shape: tuple, out_dtype: Any, entry: Any, yt: int, tune: Any):
         self.shape, self.dtype, self.align = _GemvPlan.key(a)
-        self.device, self.out_shape, self.out_dtype, self.launch = a.get_device(), out_shape, out_dtype, launch
+        self.device, self.out_shape, self.out_dtype = a.get_device(), out_shape, out_dtype
         self.weight, self.wptr, self.wversion = wq, wq.data_ptr(), wq._version  # RuntimeError on inference tensors
         self.ctx, self.tune, self.hits = rt.device_context(self.device), tune, 0
         self._stream, self._ctx_now = rt.raw_stream_getter(), rt.cupy().cuda.driver.ctxGetCurrent
+        launch = self.launch = entry.planned(self.device, yt, self.wptr)  # kept: it owns the buffers
+        self._lock, (self._act, self._out) = launch._lock, launch._slots
+        self._head = (launch._fn, *launch.grid, launch.block, 1, 1, launch.shared_mem)
+        self._params, self._driver = launch._params_ptr, launch._launch
 
     def __call__(self, a: Any) -> Any:
         if type(a) is not _TENSOR or a.shape != self.shape or a.dtype != self.dtype:
@@ -288,7 +296,13 @@ class _BoundW4a8:
             return None
         out = a.new_empty(self.out_shape) if self.out_dtype is None else a.new_empty(self.out_shape,
                                                                                     dtype=self.out_dtype)
-        self.launch(self._stream(self.device), self.wptr, p, out.data_ptr())
+        with self._lock:
+            self._act.value = p
+            self._out.value = out.data_ptr()
+            try:
+                self._driver(*self._head, self._stream(self.device), self._params, 0)
+            except Exception as exc:  # noqa: BLE001 - PlannedLaunch's report
+                raise KernelError(f"launch of {self.launch.expr} failed: {type(exc).__name__}: {exc}") from exc
         self.hits += 1
         return out
 
@@ -308,11 +322,8 @@ def bind_gemm_w4a8(wq: Any, a: Any, m: int, n: int, k: int, linear: bool = False
     entry = w4_launch(a.get_device(), wq, a, n, k)
     if entry is None:
         return None
-    if linear:
-        out_shape, out_dtype, launch = tuple(a.shape[:-1]) + (m,), None, entry.linear(a.get_device())
-    else:
-        out_shape, out_dtype, launch = (m, n), torch.float32, entry.gemm
+    out_shape, out_dtype = (tuple(a.shape[:-1]) + (m,), None) if linear else ((m, n), torch.float32)
     try:
-        return _BoundW4a8(a, wq, out_shape, out_dtype, launch, tune)
+        return _BoundW4a8(a, wq, out_shape, out_dtype, entry, int(linear), tune)
     except RuntimeError:  # "Inference tensors do not track version counter"
         return None

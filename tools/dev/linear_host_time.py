@@ -8,12 +8,13 @@ too, and a cProfile of each module's call goes to $OUT/linear_host_profile.txt (
 $OUT/linear_q4_0_host_profile.txt (LinearQ4_0).
 
     python3 tools/dev/linear_host_time.py [--shapes 4096x4096,14336x4096] [--breakdown] [--breakdown-q4]
-        [--gpu-time]
+        [--gpu-time] [--q4-only]
 
 --breakdown first times each layer of the eager Linear4bit path, the launch alone (CuPy's driver
 binding, ctypes) and torch's own launch of an empty kernel, at the first shape; --breakdown-q4 the
 same for LinearQ4_0's bound forward; --gpu-time the GPU time per call of LinearQ4_0's forward
-(CUDA events around 200 calls queued behind a sleep kernel: every kernel the call launches).
+(CUDA events around 200 calls queued behind a sleep kernel: every kernel the call launches);
+--q4-only times F.linear and LinearQ4_0 alone.
 """
 
 from __future__ import annotations
@@ -54,30 +55,34 @@ def interleaved(fns: dict, calls: int = 200, rounds: int = 9) -> dict[str, float
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def measure_shape(shape: str, bnb, profile: bool) -> dict[str, float]:
-    """Host us per call of each implementation at ``shape`` ("NxK"), batch 1, bf16."""
+def measure_shape(shape: str, bnb, profile: bool, q4_only: bool = False) -> dict[str, float]:
+    """Host us per call of each implementation at ``shape`` ("NxK"), batch 1, bf16 (``q4_only``:
+    F.linear and LinearQ4_0 alone)."""
     n, k = (int(s) for s in shape.split("x"))
     lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     w = lin.weight.detach()
-    fns = {}
+    fns, mods = {}, []
     with torch.no_grad():
         fns["torch F.linear bf16"] = lambda: torch.nn.functional.linear(x, w)
-        m = qnn.Linear4bit.from_linear(lin)
-        fns["quantcore Linear4bit nf4"] = lambda: m(x)
-        sa = m._state_args()
-        op = torch.ops.quantcore.linear_4bit.default
-        fns["torch.ops.quantcore.linear_4bit"] = lambda: op(x, *sa, n, k, m.blocksize, m.quant_type, None)
+        if not q4_only:
+            m = qnn.Linear4bit.from_linear(lin)
+            fns["quantcore Linear4bit nf4"] = lambda: m(x)
+            sa = m._state_args()
+            op = torch.ops.quantcore.linear_4bit.default
+            fns["torch.ops.quantcore.linear_4bit"] = lambda: op(x, *sa, n, k, m.blocksize, m.quant_type, None)
+            mods.append(("linear_host_profile.txt", m))
         q = qnn.LinearQ4_0.from_linear(lin)
         fns["quantcore LinearQ4_0"] = lambda: q(x)
-        if bnb is not None:
+        mods.append(("linear_q4_0_host_profile.txt", q))
+        if bnb is not None and not q4_only:
             b = bnb.nn.Linear4bit(k, n, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
             b.load_state_dict(lin.state_dict())
             b = b.cuda()
             fns["bnb Linear4bit nf4"] = lambda: b(x)
         res = interleaved(fns)
         if profile:
-            for name, mod in (("linear_host_profile.txt", m), ("linear_q4_0_host_profile.txt", q)):
+            for name, mod in mods:
                 prof = cProfile.Profile()
                 prof.enable()
                 for _ in range(2000):
@@ -207,17 +212,10 @@ def breakdown_q4_0(shape: str) -> dict[str, float]:
         stream = rt.raw_stream_getter()
         res["stream getter"] = per_call_us(lambda: stream(0))
         res["x.new_empty((1, n))"] = per_call_us(lambda: x.new_empty((1, n)))
-        res["x.new_empty((1, n), dtype=)"] = per_call_us(lambda: x.new_empty((1, n), dtype=torch.bfloat16))
-        res["torch.empty((1, n), dtype=, device=)"] = per_call_us(
-            lambda: torch.empty((1, n), dtype=torch.bfloat16, device=x.device))
-        out = x.new_empty((1, n))
-        launch = bound.launch
-        wp, xp, op = w.data_ptr(), x.data_ptr(), out.data_ptr()
-        res["launch only (PlannedLaunch)"] = per_call_us(lambda: launch(stream(0), wp, xp, op))
-        gx, gy, gz = launch.grid
-        raw = (launch._fn, gx, gy, gz, launch.block, 1, 1, launch.shared_mem, stream(0), launch._params_ptr, 0)
-        res["cupy driver.launchKernel alone"] = per_call_us(lambda: launch._launch(*raw))
-        res["F.linear bf16"] = per_call_us(lambda: torch.nn.functional.linear(x, lin.weight))
+        res["launch as the bound call makes it (driver call from its parts)"] = per_call_us(
+            lambda: bound._driver(*bound._head, stream(0), bound._params, 0))
+        raw = (*bound._head, stream(0), bound._params, 0)
+        res["cupy driver.launchKernel alone (arguments prebuilt)"] = per_call_us(lambda: bound._driver(*raw))
     return res
 
 
@@ -227,6 +225,7 @@ def main() -> None:
     p.add_argument("--breakdown", action="store_true", help="also time each layer of the eager path")
     p.add_argument("--breakdown-q4", action="store_true", help="also time each layer of LinearQ4_0's bound path")
     p.add_argument("--gpu-time", action="store_true", help="also the GPU time per call of LinearQ4_0's forward")
+    p.add_argument("--q4-only", action="store_true", help="time F.linear and LinearQ4_0 only")
     args = p.parse_args()
     if args.breakdown:
         for name, us in breakdown(args.shapes.split(",")[0]).items():
@@ -243,7 +242,7 @@ def main() -> None:
         bnb = None
     rows = []
     for i, shape in enumerate(args.shapes.split(",")):
-        res = measure_shape(shape, bnb, profile=(i == 0 and bool(os.environ.get("OUT"))))
+        res = measure_shape(shape, bnb, profile=(i == 0 and bool(os.environ.get("OUT"))), q4_only=args.q4_only)
         base = res["torch F.linear bf16"]
         rows += [(shape, name, us, us / base) for name, us in res.items()]
     print(f"{'shape':>12}  {'call':34}  {'us/call':>8}  {'x F.linear':>10}")
