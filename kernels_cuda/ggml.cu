@@ -447,7 +447,8 @@ __device__ __forceinline__ void ws_block(float (&acc)[4], u32 qg, u32 qg8, float
     }
 }
 
-// out [M, N] fp32; N <= NB; nbk % 8 == 0, kbs and kc multiples of 8, wq 16-byte aligned; nstage >= 2.
+// out: [M, N] fp32 (yt = 0) or [N, M] of T (yt = 1); N <= NB; nbk % 8 == 0, kbs and kc multiples of 8,
+// wq 16-byte aligned; nstage >= 2.
 // Shared memory (the launcher computes the same sum; the kernel traps on less): nstage x 16 x ws_stride(kc) ring,
 // kbs x NB x 32 quants, kbs x NB x 8 (d8, 8 s8), 2 x kWsWarps x 16 x NB + tpc x 16 x NB floats,
 // 2 x nstage mbarriers. Threads: (kWsWarps + 1) x 32 for LD = 0, kWsWarps x 32 for LD = 1.
@@ -458,8 +459,8 @@ __device__ __forceinline__ void ws_block(float (&acc)[4], u32 qg, u32 qg8, float
 #endif
 template <typename T, int NB, int CL, int LD>
 __global__ void QC_WS_CLUSTER(CL) __launch_bounds__((kWsWarps + (LD == 0 ? 1 : 0)) * 32, 1) gemm_w4a8_stream_kernel(
-    const u8* __restrict__ wq, const void* __restrict__ act, float* __restrict__ out, i64 M, int N, i64 K,
-    int kbs, int kc, int nstage, int tpc, int vec) {
+    const u8* __restrict__ wq, const void* __restrict__ act, void* __restrict__ out, i64 M, int N, i64 K,
+    int kbs, int kc, int nstage, int tpc, int vec, int yt) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __attribute__((aligned(16))) u8 smem[];
     const int warp = threadIdx.x >> 5, lane = lane_id();
@@ -630,11 +631,13 @@ __global__ void QC_WS_CLUSTER(CL) __launch_bounds__((kWsWarps + (LD == 0 ? 1 : 0
         }
     }
 
-    // the partial sums of the cluster, added in rank order; CTA `rank` writes its share of rows
+    // the partial sums of the cluster, added in rank order; CTA `rank` writes its share of rows:
+    // yt = 0 as fp32 out[m * N + n], yt = 1 as a linear layer's y[n * M + m] in T (one rounding of
+    // the same fp32 sum; consecutive threads take consecutive m of one y row)
     if (CL > 1) cluster_sync(); else __syncthreads();
     const int per = tpc * kWsRows / CL;
     for (int idx = threadIdx.x; idx < per * NB; idx += blockDim.x) {
-        const int rr = (int)rank * per + idx / NB, n = idx % NB;
+        const int rr = (int)rank * per + (yt ? idx % per : idx / NB), n = yt ? idx / per : idx % NB;
         const i64 m = tile0 * kWsRows + rr;
         if (m < M && n < N) {
             float sum = 0.0f;
@@ -644,7 +647,10 @@ __global__ void QC_WS_CLUSTER(CL) __launch_bounds__((kWsWarps + (LD == 0 ? 1 : 0
             } else {
                 sum = part[rr * NB + n];
             }
-            out[m * N + n] = sum;
+            if (yt)
+                reinterpret_cast<typename T::S*>(out)[n * M + m] = T::from_f(sum);
+            else
+                reinterpret_cast<float*>(out)[m * N + n] = sum;
         }
     }
     if (CL > 1) cluster_sync();  // no CTA leaves while another reads its shared memory

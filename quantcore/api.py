@@ -465,17 +465,20 @@ def gemm_w4a8(wq: Any, a: Any, M: int, N: int, K: int, *, backend=None) -> Any:
     return be.finish(out, wq)
 
 
-def bind_gemm_w4a8(wq: Any, a: Any, M: int, N: int, K: int, *, backend: str | Backend | None = None) -> Any:
+def bind_gemm_w4a8(wq: Any, a: Any, M: int, N: int, K: int, *, linear: bool = False,
+                   backend: str | Backend | None = None) -> Any:
     """For a caller that repeats one ``gemm_w4a8`` call (a module's eager forward): a callable
     ``f(a2)`` that gives ``gemm_w4a8(wq, a2, M, N, K)`` for an input of a's geometry while ``wq`` is
     unchanged (same pointer, no in-place change), and None otherwise (then call :func:`gemm_w4a8`,
-    which validates everything). Returns None where the backend binds nothing or has kept no launch
-    for this call: make the call once through :func:`gemm_w4a8` first."""
+    which validates everything). ``linear=True``: ``f`` gives a linear layer's ``a2 @ W.T`` instead,
+    a's leading shape + ``(M,)`` in a's dtype, each value rounded once from the same fp32 sum (the
+    bits of ``gemm_w4a8(...).T`` converted to a's dtype). Returns None where the backend binds
+    nothing or has kept no launch for this call: make the call once through :func:`gemm_w4a8` first."""
     be = _backend(backend)
     binder = getattr(be, "bind_gemm_w4a8", None)
     if not EAGER_PLANS or binder is None:
         return None
-    return binder(wq, a, m=M, n=N, k=K)
+    return binder(wq, a, m=M, n=N, k=K, linear=linear)
 
 
 def same_kind(result: Any, like: Any) -> bool:

@@ -149,7 +149,8 @@ def test_repeated_calls_launch_from_the_cache(be, rng, monkeypatch):
         assert len(new) == 1, (n, tune, unaligned)  # the full launch kept one entry
         key = new.pop()
         seen.add(key)
-        cuda_ggml._W4_LAUNCHES[key] = Counting(cuda_ggml._W4_LAUNCHES[key])
+        entry = cuda_ggml._W4_LAUNCHES[key]
+        entry.gemm = Counting(entry.gemm)
         before = len(calls)
         wq2, a2 = _t(wq), place(a, unaligned)  # other buffers, same geometry and alignment
         again = _run(be, wq2, a2, m, n, tune, monkeypatch)
@@ -157,3 +158,31 @@ def test_repeated_calls_launch_from_the_cache(be, rng, monkeypatch):
         _gemm_check(wq, ggml.quantize_q8_1(a), again)
         assert np.array_equal(bits(again), bits(first)), (n, tune, unaligned)
     assert len(cuda_ggml._W4_LAUNCHES) == 4
+
+
+@gpu
+@pytest.mark.parametrize("dtype", list(FLOAT_DTYPES))
+def test_linear_launch_writes_y_bitwise_as_the_fp32_launch(be, rng, dtype, monkeypatch):
+    """The kept launch's linear form (the kernel's yt = 1, what LinearQ4_0's bound forward runs with
+    the weight's pointer written into its buffer)
+    writes y [N, M] in the activation's dtype: the bits of the fp32 [M, N] launch transposed and
+    converted by torch (one rounding of the same sums; overflow to inf in fp16 included), every
+    element written (y starts as NaN), for both ring fillers and every geometry of _CASES."""
+    monkeypatch.setattr(cuda_ggml, "_W4_LAUNCHES", {})
+    import quantcore.backends.cuda.runtime as rt  # noqa: PLC0415
+
+    stream = rt.raw_stream_getter()
+    for ld in (0, 1):
+        for m, n, k, tune in _CASES:
+            w = _randn(rng, (m, k), "float32", scale_groups=32)
+            a = _randn(rng, (n, k), dtype, scale_groups=32)
+            wq_t, a_t = _t(ggml.quantize_q4_0(w)), _t(a)
+            sep = "," if tune else ""
+            old = torch.from_numpy(_run(be, wq_t, a_t, m, n, f"w4s_load={ld}{sep}{tune}", monkeypatch))
+            entry = cuda_ggml.w4_launch(0, wq_t, a_t, n, k)  # kept by that call
+            assert entry is not None, (ld, m, n, k, tune)
+            y = torch.full((n, m), float("nan"), dtype=a_t.dtype, device="cuda")
+            entry.planned(0, 1)(stream(0), wq_t.data_ptr(), a_t.data_ptr(), y.data_ptr())
+            want = old.cuda().t().to(a_t.dtype).contiguous()
+            iv = torch.int16 if a_t.dtype.itemsize == 2 else torch.int32
+            assert torch.equal(y.view(iv), want.view(iv)), (ld, m, n, k, tune)

@@ -510,18 +510,58 @@ def test_cuda_eager_q4_0_forward_binds_its_launch(gen):
         assert bound is not None
         for _ in range(3):
             assert torch.equal(mod(x), first)
-        assert bound.gemm.hits == 3 and mod._bound is bound
+        assert bound.hits == 3 and mod._bound is bound
         x2 = _randn(gen, 2, 3, 1024, dtype=torch.bfloat16, device="cuda")  # 6 rows
         y2 = mod(x2)
         assert torch.equal(y2, op(x2, mod.weight, mod.bias)) and y2.shape == (2, 3, 512)
         assert mod._bound is not bound
-        assert torch.equal(mod(x2), y2) and mod._bound.gemm.hits == 1
+        assert torch.equal(mod(x2), y2) and mod._bound.hits == 1
         mod.weight[0, 0, 2:].copy_(mod.weight[1, 0, 2:])  # in place: the bound launch declines
         want = op(x2, mod.weight, mod.bias)
         assert not torch.equal(want, y2) and torch.equal(mod(x2), want)
         xf = x2.float()
         assert torch.equal(mod(xf), op(xf, mod.weight, mod.bias))
         assert mod(xf).is_contiguous()
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_q4_0_bound_launch_writes_y_bitwise_as_the_fp32_path(gen, dtype):
+    """The bound launch's kernel writes y [rows, M] in x's dtype itself: bit for bit what the public
+    gemm_w4a8's fp32 [M, rows] gives transposed and converted (the op's path), for 1-8 rows, M not a
+    multiple of the kernel's 16-row tile, cluster sizes 1 / 2 / 4 (K up to 20480), 1-D to 3-D
+    inputs, with and without a bias; each call's output a new contiguous tensor."""
+    from quantcore.backends.cuda import runtime as rt
+
+    if rt.device_arch(torch.cuda.current_device()) < 90:
+        pytest.skip("the W4A8 stream kernel (the bound launch) is sm_90 only")
+    op = torch.ops.quantcore.linear_q4_0
+    cases = [(1024, 512, ()), (1024, 512, (1,)), (1024, 512, (1, 1)), (4096, 1000, (1, 3)), (2048, 77, (8,)),
+             (14336, 300, (2, 2, 2)), (20480, 40, (5,)), (256, 4099, (1, 2))]
+    with torch.no_grad():
+        for k, m, lead in cases:
+            for bias in (False, True):
+                mod = qnn.LinearQ4_0.from_linear(_linear(gen, k, m, dtype=dtype, bias=bias, device="cuda"))
+                x = _randn(gen, *lead, k, dtype=dtype, device="cuda")
+                rows = x.numel() // k
+                mod(x)  # the public path, which binds
+                bound = mod._bound
+                assert bound is not None, (k, m, lead)
+                ys = [mod(x), mod(x)]
+                assert bound.hits == 2 and mod._bound is bound
+                fp32 = qc.gemm_w4a8(mod.weight, x.reshape(rows, k), m, rows, k, backend="cuda")  # [m, rows]
+                want = fp32.t().to(dtype).reshape(*lead, m)
+                if bias:
+                    want = want + mod.bias.to(dtype)
+                for y in ys:
+                    assert y.dtype == dtype and y.shape == (*lead, m) and y.is_contiguous()
+                    assert torch.equal(y.view(_int_view(dtype)), want.view(_int_view(dtype))), (k, m, lead, bias)
+                assert ys[0].data_ptr() != ys[1].data_ptr()
+                assert torch.equal(ys[0].view(_int_view(dtype)), op(x, mod.weight, mod.bias).view(_int_view(dtype)))
+
+
+def _int_view(dtype):
+    return torch.int16 if dtype.itemsize == 2 else torch.int32
 
 
 # -- grouped gemv (quantcore.nn.group_linears) ---------------------------------------------------------

@@ -165,10 +165,10 @@ class CudaBackend(BnbOps, GgmlOps, Backend):
         ``quantcore.api.EAGER_PLANS``): torch CUDA tensors only; None where the call is not planned."""
         return _plan_dequantize_4bit(packed, state, out_dtype, previous, dtype)
 
-    def bind_gemm_w4a8(self, wq, a, *, m, n, k):
+    def bind_gemm_w4a8(self, wq, a, *, m, n, k, linear=False):
         """A repeated ``gemm_w4a8(wq, a)`` call's launch bound to ``wq`` (see
         ``quantcore.api.bind_gemm_w4a8``), or None."""
-        return _bind_gemm_w4a8(wq, a, m, n, k)
+        return _bind_gemm_w4a8(wq, a, m, n, k, linear)
 
     def plan_gemv_4bit(self, A, packed, state, *, previous, n, k):
         """A launch plan for repeated public ``gemv_4bit`` calls (see ``quantcore.api.EAGER_PLANS``):

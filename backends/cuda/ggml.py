@@ -29,8 +29,8 @@ _W4_STREAM_WARPS, _W4_STREAM_ROWS = W4A8_TC_GEOMETRY["QC_WS_WARPS"], W4A8_TC_GEO
 _THREADS = W4A8_TC_GEOMETRY["QC_GGML_THREADS"]
 _W4_SMEM_MAX = 227 * 1024  # dynamic shared memory per CTA on sm_90
 #: gemm_w4a8_stream_kernel launches kept per (device, M, N, K, activation dtype, its 16-byte alignment,
-#: QUANTCORE_CUDA_TUNE): everything of the launch but the three array pointers
-_W4_LAUNCHES: dict[tuple, Any] = {}
+#: QUANTCORE_CUDA_TUNE) as _W4Launch: everything of the launch but the three array pointers
+_W4_LAUNCHES: dict[tuple, _W4Launch] = {}
 _W4_MAX_LAUNCHES = 64  # kept at most (the cache starts over when full)
 _W4_FLY = 64 * 1024  # LD 1: weight bytes in flight per CTA the ring should allow (~4.3 TB/s x ~2 us / 132 SMs)
 #: the N <= 8 stream kernel's instances as (NB, CL, LD) keys: CL its cluster, LD its ring filler (0
@@ -67,6 +67,35 @@ def _w4t_geometry(tile: tuple[int, ...]) -> tuple[int, int, int, int]:
 def _gemm_small(tag: str, key: tuple[int, int, int]) -> str:
     nb, cl, ld = key
     return f"qc::gemm_w4a8_stream_kernel<{tag}, {nb}, {cl}, {ld}>"
+
+
+_W4_ARGS = ("wq", "act", "out")  # the stream kernel's per-call pointers
+
+
+class _W4Launch:
+    """The stream kernel's launch of one call geometry: ``gemm`` (planned, pointers wq, act, out in
+    slots) writes gemm_w4a8's fp32 ``[M, N]``; :meth:`planned` makes others, such as a linear
+    layer's ``y [N, M]`` in the activation's dtype from the same sums (the kernel's yt = 1)."""
+
+    __slots__ = ("spec", "geometry", "smem", "gemm")
+
+    def __init__(self, device: int, spec: tuple, geometry: dict, smem: int):
+        self.spec, self.geometry, self.smem = spec, geometry, smem
+        self.gemm = self.planned(device, 0)
+
+    def planned(self, device: int, yt: int, wq: int | None = None) -> Any:
+        """A PlannedLaunch of this geometry with its own argument buffer writing the output form
+        ``yt``; ``wq`` (a pointer): written into the buffer, the slots then take act and out only."""
+        names = _W4_ARGS if wq is None else _W4_ARGS[1:]
+        return rt.PlannedLaunch(device, *self.spec, kernel_args(self.spec[1], wq=wq, act=None, out=None, yt=yt,
+                                                                **self.geometry),
+                                shared_mem=self.smem, slots=tuple(arg_index(self.spec[1], p) for p in names))
+
+
+def w4_launch(device: int, wq: Any, a: Any, n: int, k: int) -> _W4Launch | None:
+    """The stream kernel's launch kept for a ``gemm_w4a8(wq, a)`` call of this geometry on ``device``
+    under the current tuning (one made before), or None."""
+    return _W4_LAUNCHES.get(GgmlOps._w4_key(device, wq, a, n, k))
 
 
 def instances() -> list[tuple[str, str]]:
@@ -175,7 +204,7 @@ class GgmlOps:
         key = self._w4_key(launch.device, wq, a, n, k)
         planned = _W4_LAUNCHES.get(key) if stream is not None else None
         if planned is not None:
-            planned(stream, rt.pointer(wq), rt.pointer(a), rt.pointer(out))
+            planned.gemm(stream, rt.pointer(wq), rt.pointer(a), rt.pointer(out))
             return True
         if rt.tune("w4a8_small", 1) == 0 or rt.device_arch(launch.device) < 90:
             return False
@@ -213,13 +242,11 @@ class GgmlOps:
             geometry = {"m": m, "n": n, "k": k, "kbs": kbs, "kc": kc, "nstage": nstage, "tpc": tpc,
                         "vec": aligned(a, 16)}
             smem = fixed + nstage * stage
-            launch(*spec, kernel_args(spec[1], wq=wq, act=a, out=out, **geometry), shared_mem=smem)
+            launch(*spec, kernel_args(spec[1], wq=wq, act=a, out=out, yt=0, **geometry), shared_mem=smem)
             if stream is not None:
                 if len(_W4_LAUNCHES) >= _W4_MAX_LAUNCHES:
                     _W4_LAUNCHES.clear()
-                _W4_LAUNCHES[key] = rt.PlannedLaunch(
-                    launch.device, *spec, kernel_args(spec[1], wq=None, act=None, out=None, **geometry),
-                    shared_mem=smem, slots=tuple(arg_index(spec[1], p) for p in ("wq", "act", "out")))
+                _W4_LAUNCHES[key] = _W4Launch(launch.device, spec, geometry, smem)
             return True
         return False
 

@@ -11,11 +11,12 @@ import numpy as np
 
 from quantcore.arrays import as_dtype
 from quantcore.backend import Nested
+from quantcore.errors import KernelError
 
 from . import runtime as rt
 from .bnb import _DEQUANT_SLOTS, _dequantize_launch, _gemv_launch
 from .common import _FV, TYPE_TAG, _torch_dtype
-from .ggml import _W4_LAUNCHES, GgmlOps
+from .ggml import w4_launch
 
 # -- eager launch plans (quantcore.api keeps them on the QuantState) ---------------------------------
 _TENSOR: Any = None  # torch.Tensor, set when the first plan is made (torch is imported by then)
@@ -256,47 +257,73 @@ def _plan_dequantize_4bit(packed: Any, state: Any, out_dtype: Any, previous: Any
 
 
 # -- gemm_w4a8 bound to a module's Q4_0 weight ----------------------------------------------------------
-class _BoundW4a8(_Bound):
-    """The W4A8 stream kernel's planned launch for one call geometry (backends/cuda/ggml.py keeps one
-    per geometry and tuning) bound to one Q4_0 weight tensor (see :class:`_Bound`), for
-    ``quantcore.nn.LinearQ4_0``'s eager forward: a call that also finds the thread's context the
-    launch's launches into a new fp32 ``[M, N]`` output."""
+class _BoundW4a8:
+    """The W4A8 stream kernel's launch for one call geometry (backends/cuda/ggml.py keeps one per
+    geometry and tuning) bound to one Q4_0 weight tensor as it is now, for ``quantcore.nn.LinearQ4_0``'s
+    eager forward: its own argument buffer with the weight's pointer written in. A call checks what
+    :class:`_Bound` checks (the input's exact type, shape, dtype, 16-byte alignment, contiguity and
+    device; the weight's pointer and version counter; the tuning) and the thread's context,
+    allocates the output and launches; None where a check fails. The output: ``linear`` a linear
+    layer's ``y`` (the input's leading shape + ``(M,)``, the input's dtype (``out_dtype`` None:
+    new_empty without a dtype is the cheaper call), written by the kernel), else gemm_w4a8's fp32
+    ``[M, N]``. The module's whole hot path, so the checks are written out here (not
+    :meth:`_Bound._holds`) and the launch goes to the driver from the PlannedLaunch's parts (two
+    slot writes, no argument loop; the stream kernel is never a PDL launch)."""
 
-    __slots__ = ("ctx", "tune", "hits", "_stream", "_ctx_now")
+    __slots__ = ("shape", "dtype", "align", "device", "out_shape", "out_dtype", "launch", "weight", "wptr",
+                 "wversion", "ctx", "tune", "hits", "_stream", "_ctx_now", "_lock", "_act", "_out", "_head",
+                 "_params", "_driver")
 
-    def __init__(self, a: Any, wq: Any, out_shape: tuple, launch: Any, tune: Any):
-        super().__init__(_GemvPlan.key(a), a.get_device(), out_shape, launch, (wq,))
+    def __init__(self, a: Any, wq: Any, out_shape: tuple, out_dtype: Any, entry: Any, yt: int, tune: Any):
+        self.shape, self.dtype, self.align = _GemvPlan.key(a)
+        self.device, self.out_shape, self.out_dtype = a.get_device(), out_shape, out_dtype
+        self.weight, self.wptr, self.wversion = wq, wq.data_ptr(), wq._version  # RuntimeError on inference tensors
         self.ctx, self.tune, self.hits = rt.device_context(self.device), tune, 0
         self._stream, self._ctx_now = rt.raw_stream_getter(), rt.cupy().cuda.driver.ctxGetCurrent
+        launch = self.launch = entry.planned(self.device, yt, self.wptr)  # kept: it owns the buffers
+        self._lock, (self._act, self._out) = launch._lock, launch._slots
+        self._head = (launch._fn, *launch.grid, launch.block, 1, 1, launch.shared_mem)
+        self._params, self._driver = launch._params_ptr, launch._launch
 
     def __call__(self, a: Any) -> Any:
-        if not self._holds(a, self.tune) or self._ctx_now() != self.ctx:
+        if type(a) is not _TENSOR or a.shape != self.shape or a.dtype != self.dtype:
             return None
-        out = a.new_empty(self.out_shape, dtype=_TENSOR_F32)
-        self.launch(self._stream(self.device), self.tensors[0].data_ptr(), a.data_ptr(), out.data_ptr())
+        p = a.data_ptr()
+        w = self.weight
+        if ((not p & 15) != self.align or not a.is_contiguous() or a.get_device() != self.device
+                or w.data_ptr() != self.wptr or w._version != self.wversion or rt.tune_spec() != self.tune
+                or self._ctx_now() != self.ctx):
+            return None
+        out = a.new_empty(self.out_shape) if self.out_dtype is None else a.new_empty(self.out_shape,
+                                                                                    dtype=self.out_dtype)
+        with self._lock:
+            self._act.value = p
+            self._out.value = out.data_ptr()
+            try:
+                self._driver(*self._head, self._stream(self.device), self._params, 0)
+            except Exception as exc:  # noqa: BLE001 - PlannedLaunch's report
+                raise KernelError(f"launch of {self.launch.expr} failed: {type(exc).__name__}: {exc}") from exc
         self.hits += 1
         return out
 
 
-_TENSOR_F32: Any = None
-
-
-def bind_gemm_w4a8(wq: Any, a: Any, m: int, n: int, k: int) -> _BoundW4a8 | None:
+def bind_gemm_w4a8(wq: Any, a: Any, m: int, n: int, k: int, linear: bool = False) -> _BoundW4a8 | None:
     """The stream kernel's launch of a ``gemm_w4a8(wq, a)`` call made before with this geometry,
     bound to ``wq`` (see :class:`_BoundW4a8`), or None: not torch CUDA tensors, another path (the
     tensor-core kernel above 8 rows), no launch kept for the geometry, an inference tensor."""
-    global _TENSOR, _TENSOR_F32
+    global _TENSOR
     torch = rt.torch_module()
     # the weight is a module's nn.Parameter (a Tensor subclass); the input a plain tensor
     if (torch is None or type(a) is not torch.Tensor or not isinstance(wq, torch.Tensor) or not a.is_cuda
             or not a.is_contiguous() or not wq.is_contiguous() or a.get_device() != wq.get_device()):
         return None
-    _TENSOR, _TENSOR_F32 = torch.Tensor, torch.float32
+    _TENSOR = torch.Tensor
     tune = rt.tune_spec()
-    launch = _W4_LAUNCHES.get(GgmlOps._w4_key(a.get_device(), wq, a, n, k))
-    if launch is None:
+    entry = w4_launch(a.get_device(), wq, a, n, k)
+    if entry is None:
         return None
+    out_shape, out_dtype = (tuple(a.shape[:-1]) + (m,), None) if linear else ((m, n), torch.float32)
     try:
-        return _BoundW4a8(a, wq, (m, n), launch, tune)
+        return _BoundW4a8(a, wq, out_shape, out_dtype, entry, int(linear), tune)
     except RuntimeError:  # "Inference tensors do not track version counter"
         return None

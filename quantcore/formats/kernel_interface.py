@@ -297,8 +297,8 @@ CUDA_KERNELS: dict[str, tuple[Arg, ...]] = {name: args(spec) for name, spec in {
     # ggml.cu
     "quantize_ggml_kernel": "const elem* x, u8* out, i64 nblocks, i32 vec, i32 aligned2",
     "dequantize_ggml_kernel": "const u8* q, elem* out, i64 nblocks, i32 vec",
-    "gemm_w4a8_stream_kernel": "const u8* wq, const void* act, f32* out, i64 m, i32 n, i64 k, i32 kbs, i32 kc, "
-                               "i32 nstage, i32 tpc, i32 vec",
+    "gemm_w4a8_stream_kernel": "const u8* wq, const void* act, void* out, i64 m, i32 n, i64 k, i32 kbs, i32 kc, "
+                               "i32 nstage, i32 tpc, i32 vec, i32 yt",
     "w4a8_tc_act_kernel": "const void* x, u8* ws, i32 n, i64 nb, i32 npad, i64 nbp, i32 vec, i32 aligned4",
     "gemm_w4a8_tc_kernel": "const u8* wq, const u8* ws, f32* out, i64 m, i32 n, i64 nb, i32 npad, i64 nbp, "
                            "i32 wfast, i32 ovec",

@@ -259,7 +259,7 @@ class LinearQ4_0(nn.Module):
             bound = self.__dict__.get("_bound")  # the last eager W4A8 launch, bound to this weight
             y = bound(x) if bound is not None else None
             if y is not None:
-                return qct.add_bias(y, bias)
+                return y if bias is None else qct.add_bias(y, bias)
             weight = self._parameters["weight"]
             y = qct.linear_q4_0_eager(x, weight, bias)
             self.__dict__["_bound"] = qct.bind_linear_q4_0(x, weight)

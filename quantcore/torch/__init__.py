@@ -436,10 +436,11 @@ def linear_q4_0_eager(x, wq, bias=None):
 
 
 def bind_linear_q4_0(x: torch.Tensor, wq: torch.Tensor) -> Any:
-    """linear_q4_0's W4A8 launch bound to ``wq`` for x's geometry (``quantcore.api.bind_gemm_w4a8``):
-    a callable ``f(x2)`` giving ``x2 @ W.T`` (no bias) like :func:`linear_q4_0_eager`, or None where
-    nothing binds (the dequantize path, a host route, a backend or kernel that keeps no launch).
-    ``f`` returns None for an input it was not bound for."""
+    """linear_q4_0's W4A8 launch bound to ``wq`` for x's geometry (``quantcore.api.bind_gemm_w4a8``
+    with ``linear=True``): a callable ``f(x2)`` giving ``x2 @ W.T`` (no bias) like
+    :func:`linear_q4_0_eager`, bitwise, from one launch that writes x2's leading shape + ``(M,)`` in
+    x2's dtype; or None where nothing binds (the dequantize path, a host route, a backend or kernel
+    that keeps no launch). ``f`` returns None for an input it was not bound for."""
     m, k = _check_q4_0(wq)
     be = backend_for(wq.device)
     rows = _rows(x)
@@ -448,19 +449,7 @@ def bind_linear_q4_0(x: torch.Tensor, wq: torch.Tensor) -> Any:
         return None
     from ..api import bind_gemm_w4a8
 
-    gemm = bind_gemm_w4a8(wq, x.view(rows, k), m, rows, k, backend=be)
-    if gemm is None:
-        return None
-    shape = x.shape
-
-    def bound(x2: torch.Tensor) -> torch.Tensor | None:
-        if x2.shape != shape or not x2.is_contiguous():
-            return None
-        y = gemm(x2.view(rows, k))  # checks dtype, device, alignment, the weight and the tuning
-        return None if y is None else _from_w4a8(y, x2, m)
-
-    bound.gemm = gemm  # the backend's bound launch (tests read its hits)
-    return bound
+    return bind_gemm_w4a8(wq, x, m, rows, k, linear=True, backend=be)
 
 
 def _linear_q4_0_fake(x, wq, bias=None):
