@@ -198,13 +198,6 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGmThreads, 1) gemm_4bit_ker
         cp_async_commit();  // one group per stage (empty past the end)
     };
 
-    // this lane's weight rows (ww 64 + 16 mt + g + 8 h), as chunk indices over the matrix (nested:
-    // which byte of the copied absmax word is the row's)
-    u32 erow[4][2];
-#pragma unroll
-    for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) erow[mt][h] = (u32)min(n0 + ww * 64 + 16 * mt + g + 8 * h, N - 1) * (u32)C;
     const u32 lutx = tab | (4u * (u32)lane);
 
     float acc[4][4][4];
@@ -214,10 +207,27 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGmThreads, 1) gemm_4bit_ker
         for (int j = 0; j < 4; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
 
     for (int s = 0; s < S - 1; ++s) issue(s);
+    __syncthreads();  // the tables
     int cur = 0;  // kt % S
     for (int kt = 0; kt < KT; ++kt) {
         cp_async_wait<S - 2>();  // this thread's copies of stages <= kt
-        __syncthreads();         // everyone's; stage kt - 1 fully consumed (its slot is refilled now)
+        if constexpr (NESTED) {  // the scale entries this thread copied for stage kt, decoded in place
+            if (cbeg + kt * WK + sj < cend) {
+                const u32 sbase = slot_addr(cur) + G::kC + G::kA;
+#pragma unroll
+                for (int i = 0; i < SP; ++i) {
+                    const int e = tid + kGmThreads * i;
+                    if (e < G::kRowsW * WK) {
+                        u32 raw, s2;
+                        gm_lds_v2(sbase + 8 * e, raw, s2);
+                        const u32 b = (sent[i] + (u32)(kt * WK)) >> bsh;
+                        const float c2v = gm_lds_f32(c2_addr((raw >> (8 * (b & 3u))) & 0xffu));
+                        gm_sts_f32(sbase + 8 * e, __fadd_rn(__fmul_rn(c2v, __uint_as_float(s2)), off));
+                    }
+                }
+            }
+        }
+        __syncthreads();  // everyone's copies (and scales); stage kt - 1 fully consumed (its slot is refilled now)
         issue(kt + S - 1);
         const int ch = cbeg + kt * WK + wk;
         if (ch < cend) {
@@ -236,19 +246,9 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGmThreads, 1) gemm_4bit_ker
                 u32 wq[4];
                 gm_lds_v2(slot + r * G::kCPitch + wk * 32 + 8 * c, wq[0], wq[1]);
                 gm_lds_v2(slot + (r + 8) * G::kCPitch + wk * 32 + 8 * c, wq[2], wq[3]);
-                float sc[2];
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    u32 raw, s2;
-                    gm_lds_v2(slot + G::kC + G::kA + 8 * ((r + 8 * h) * WK + wk), raw, s2);
-                    if constexpr (NESTED) {
-                        const u32 b = (erow[mt][h] + (u32)ch) >> bsh;
-                        const float c2v = gm_lds_f32(c2_addr((raw >> (8 * (b & 3u))) & 0xffu));
-                        sc[h] = __fadd_rn(__fmul_rn(c2v, __uint_as_float(s2)), off);
-                    } else {
-                        sc[h] = __uint_as_float(raw);
-                    }
-                }
+                // the rows' block scales (fp32: absmax, or decoded in place above)
+                const float sc[2] = {gm_lds_f32(slot + G::kC + G::kA + 8 * (r * WK + wk)),
+                                     gm_lds_f32(slot + G::kC + G::kA + 8 * ((r + 8) * WK + wk))};
                 float d[4][4];
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.0f;
