@@ -1,223 +1,343 @@
-// gemv_4bit for many input rows (prefill, batched serving): a tiled tensor-core GEMM that reads the
+// gemv_4bit for many input rows (prefill, batched serving): a tensor-core GEMM that reads the
 // bitsandbytes 4-bit layout directly (NF4 / FP4, with or without double quantization), fp16 / bf16
 // activations, K % 64 == 0, blocksize >= 64. Semantics: quantcore/formats/bnb.py (gemv_4bit).
 //
-// Numerics: each weight element is dequantized exactly as dequantize_4bit does it (the block scale
-// in fp32, code * scale in fp32, one rounding to T), then multiplied with mma.sync m16n8k16 (exact
-// products, fp32 accumulation) and rounded to T once: the result is dequantize_4bit + a matmul with
-// fp32 accumulation, up to the order of the fp32 additions.
+// Numerics (those of the decode gemv, bnb_gemv.cu): T(code) is the only rounding before the fp32
+// products (mma.sync m16n8k16, fp32 accumulators); each 64-element chunk's mma result is multiplied
+// by its block's scale (computed in fp32 as dequantize_4bit does) and added to the fp32 sum; the
+// K slices of a tile are added in a fixed order; one rounding to T at the end.
 //
-// Design (docs/performance.md, "NF4 prefill"): a CTA owns a BM (input rows) x BN (weight rows)
-// output tile and walks K in stages of 64 (one 64-element chunk of a weight row lies in one block).
-// A ring of S shared-memory slots (as many as two CTAs per SM allow) holds each stage's activation tile (BM x 64, 16-byte
-// cp.async, rows past the input zero-filled) and packed weight tile (BN x 32 bytes); one stage ahead
-// of the tensor cores, every thread decodes its share of the packed tile (BN / 4 elements of one
-// row, its block's scale data copied into the slot with the codes) into a bf16 / fp16 tile (two
-// buffers): no global load waits inside the loop. The weight is
-// read once per BM input rows; 8 warps (2 along M, 4 along N) take their fragments by ldmatrix.
+// Design (docs/performance.md, "NF4 prefill", Session 16): the weight is the mma's A operand (16
+// weight rows), the input its B operand (8 input rows), so a decoded weight fragment serves 4 input
+// tiles. A warp owns 64 weight rows x 32 input rows; a CTA's 8 warps are WW (weight rows) x WR (input
+// rows) x WK (K slices): stage s of the CTA's shared-memory ring holds chunks s WK .. s WK + WK - 1
+// (the packed codes of its 64 WW weight rows, the 32 WR input rows, each weight row's scale data),
+// filled by 16-byte cp.async S - 1 stages ahead, one barrier per stage; warp (ww, wr, wk) takes chunk
+// s WK + wk. Lane (g, c) reads 8 code bytes of rows g and g + 8 (elements 16 c .. 16 c + 15) and the
+// input's elements 16 c .. 16 c + 15 of its input rows: the mma's k slots are that permutation of the
+// chunk (as in the decode gemv), so 2 loads per input tile give the 4 k steps. Codes become mma
+// operands by a per-lane table of T(hi), T(lo) pairs in shared memory, one byte_perm + one load per
+// pair (the table's address a multiple of 64 KiB). The WK slices of a tile are added through shared
+// memory after the loop. Launch geometry from the generated header (QC_GM_*).
 #include "qc_common.cuh"
 
 namespace qc {
 
 constexpr int kGmThreads = QC_GM_THREADS;
-constexpr int kGmPitch = QC_GM_PITCH;  // bytes per row of a 64-element T tile: 128 + 16 (ldmatrix rows on distinct banks)
-static_assert(kGmThreads == 256 && kGmPitch == 144, "the warp layout and the fragment addressing below");
+constexpr int kGmTable = QC_GM_TABLE;  // the pair table: 256 code bytes x 256 bytes (32 lanes x 4 used)
+constexpr int kGmApad = QC_GM_APAD;    // bytes after an input row's chunks (its rows on distinct banks)
+constexpr int kGmCpad = QC_GM_CPAD;    // bytes after a weight row's code chunks when WK > 1 (likewise)
+constexpr u32 kGmSmem = QC_GM_SMEM;    // the dynamic shared memory the launcher gives (S is sized for it)
+static_assert(kGmThreads == 256 && kGmTable == 65536, "8 warps; the byte_perm table address");
 
-// shared memory of one (BM, BN, S): the ring, the two decoded weight tiles, the code tables
-template <int BM, int BN, int S>
+// one ring slot of a (WW, WR, WK) CTA: the codes, the input tile, the scale data (8 bytes per weight
+// row and chunk: the absmax word, absmax2); quantcore.formats.kernel_defines.gm_slot_bytes
+template <int WW, int WR, int WK>
 struct GmGeo {
-    static constexpr int kA = BM * kGmPitch;          // activation tile of a stage
-    static constexpr int kP = BN * 32;                // packed weight tile of a stage
-    static constexpr int kS = BN * 8;                 // its rows' scale data: the absmax word, absmax2
-    static constexpr int kSlot = kA + kP + kS;
-    static constexpr int kW = BN * kGmPitch;          // one decoded weight tile
-    static constexpr int kTables = 4 * (16 + kDynCodes);
-    static constexpr int kBytes = S * kSlot + 2 * kW + kTables;
+    static_assert(WW * WR * WK == 8 && WW * WK >= 2, "8 warps; whole code pieces per thread");
+    static constexpr int kRowsW = 64 * WW;
+    static constexpr int kRowsA = 32 * WR;
+    static constexpr int kCPitch = 32 * WK + (WK > 1 ? kGmCpad : 0);
+    static constexpr int kAPitch = 128 * WK + kGmApad;
+    static constexpr int kC = kRowsW * kCPitch;
+    static constexpr int kA = kRowsA * kAPitch;
+    static constexpr int kSc = kRowsW * WK * 8;
+    static constexpr int kSlot = kC + kA + kSc;
+    static constexpr int kPart = 64 * 32 * 4;  // one warp's accumulators
 };
 
-__device__ __forceinline__ void gm_ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
-}
-__device__ __forceinline__ void gm_ldsm_x2(u32 addr, u32& r0, u32& r1) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(addr));
-}
 // 4 bytes global -> shared through L1 (the scale data), src_size of them read, the rest zero-filled
 __device__ __forceinline__ void gm_cp_async4(u32 dst, const void* src, u32 src_size) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_size) : "memory");
 }
-__device__ __forceinline__ void gm_sts_v4(u32 addr, u32 a, u32 b, u32 c, u32 d) {
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+__device__ __forceinline__ void gm_lds_v2(u32 addr, u32& a, u32& b) {
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "r"(addr));
+}
+__device__ __forceinline__ float gm_lds_f32(u32 addr) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ void gm_sts_f32(u32 addr, float v) {
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
+}
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// clusters (sm_90): the K slices of a tile over CL CTAs, added through distributed shared memory
+__device__ __forceinline__ void gm_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ float gm_ld_cluster_f32(u32 addr, u32 rank) {
+    u32 remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+#define QC_GM_CLUSTER(CL) __cluster_dims__(1, 1, CL)
+#else
+#define QC_GM_CLUSTER(CL)  // CL > 1 only on sm_90 (the launcher's choice); the body traps below it
+#endif
+
+// the pair T(hi), T(lo) of byte J of w: the table entry of this lane (lutx: table | 4 lane)
+template <int J>
+__device__ __forceinline__ u32 gm_pair(u32 w, u32 lutx) {
+    u32 r;
+    asm("ld.shared.b32 %0, [%1];" : "=r"(r) : "r"(__byte_perm(w, lutx, 0x7604u | (J << 4))));
+    return r;
 }
 
 // out[r, n] = T(sum_k a[r, k] * w[n, k]) for r < rows, n < N; out rows ldo elements apart.
-template <typename T, int QT, bool NESTED, int BM, int BN, int S>
-__global__ void __launch_bounds__(kGmThreads, 2) gemm_4bit_kernel(
+// grid: x the blocks of 32 WR input rows (CTAs sharing a weight tile run together), y the blocks
+// of 64 WW weight rows, z the CL K slices of a cluster (CTA z takes chunks C z / CL .. C (z + 1) / CL).
+// N K / 64 < 2^31 (the launcher checks).
+template <typename T, int QT, bool NESTED, int WW, int WR, int WK, int S, int CL>
+__global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGmThreads, 1) gemm_4bit_kernel(
     const u16* __restrict__ a, const u8* __restrict__ packed, const void* __restrict__ absmax,
     const float* __restrict__ absmax2, const float* __restrict__ code2, const float* __restrict__ offset,
     u16* __restrict__ out, i64 ldo, int rows, i64 N, i64 K, int log2bs) {
-    using G = GmGeo<BM, BN, S>;
+    using G = GmGeo<WW, WR, WK>;
     static_assert(S >= 3, "stages kt + 1 .. kt + S - 2 are in flight while stage kt is multiplied");
-    constexpr int MT = BM / 32;  // m16 tiles per warp (2 warps along M)
-    constexpr int NT = BN / 32;  // n8 tiles per warp (4 warps along N)
-    constexpr int EPT = BN / 4;  // weight elements each thread decodes per stage (64 BN / 256)
-    constexpr int TPR = 64 / EPT;  // threads per weight row
-    static_assert(MT >= 1 && NT >= 1 && (NT == 1 || NT % 2 == 0) && EPT % 8 == 0 && EPT <= 32,
-                  "BM in {32, 64, 128}, BN in {32, 64, 128}");
-    extern __shared__ __align__(128) u8 gm_smem[];
-    require_dynamic_smem(G::kBytes);
-    const u32 sbase = smem_addr(gm_smem);
-    const u32 wbase = sbase + S * G::kSlot;
-    float* lut = reinterpret_cast<float*>(gm_smem + S * G::kSlot + 2 * G::kW);
-    float* c2 = lut + 16;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = lane_id();
-    if (tid < 16) lut[tid] = code_4bit<QT>(tid);
+    extern __shared__ __align__(16) u8 gm_smem[];
+    require_dynamic_smem(kGmSmem);
+    const u32 base = smem_addr(gm_smem);
+    const u32 end = base + kGmSmem;
+    // the table at the 64 KiB boundary of the window that leaves the most slots around it; nf slots
+    // before it, the rest after it (the launcher sizes S for the worst placement)
+    u32 tab = 0;
+    int nf = 0, most = -1;
+    for (u32 b = (base + 0xffffu) & ~0xffffu; b + kGmTable <= end; b += 0x10000u) {
+        const int f = (int)((b - base) / G::kSlot), r = (int)((end - b - kGmTable) / G::kSlot);
+        if (f + r > most) {
+            most = f + r;
+            tab = b;
+            nf = f;
+        }
+    }
+    if (most < S) __trap();  // launcher bug
+    nf = min(nf, S);
+    const u32 tab_end = tab + kGmTable;
+    auto slot_addr = [&](int s) -> u32 { return s < nf ? base + s * G::kSlot : tab_end + (s - nf) * G::kSlot; };
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = lane_id(), g = lane >> 2, c = lane & 3;
+    // the pair table: entry (byte, lane) at tab + 256 byte + 4 lane; the code2 copy in the rows'
+    // free halves (value i at row i / 32, byte 128 + 4 (i % 32))
+    for (int i = tid; i < 256 * 8; i += kGmThreads) {
+        const int byte = i >> 3;
+        const u32 v = T::pack2(code_4bit<QT>(byte >> 4), code_4bit<QT>(byte & 15));
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(tab + byte * 256 + (i & 7) * 16), "r"(v)
+                     : "memory");
+    }
+    auto c2_addr = [&](u32 i) { return tab + (i >> 5) * 256 + 128 + (i & 31) * 4; };
     if (NESTED)
-        for (int i = tid; i < kDynCodes; i += kGmThreads) c2[i] = ldg_f32(code2 + i);
+        for (int i = tid; i < kDynCodes; i += kGmThreads) gm_sts_f32(c2_addr(i), ldg_f32(code2 + i));
     const float off = NESTED ? ldg_f32(offset) : 0.0f;
 
-    const i64 m0 = (i64)blockIdx.y * BM, n0 = (i64)blockIdx.x * BN;
-    const int KT = (int)(K >> 6);
+    const int wk = warp % WK, wr = (warp / WK) % WR, ww = warp / (WK * WR);
+    const int m0 = blockIdx.x * G::kRowsA;
+    const i64 n0 = (i64)blockIdx.y * G::kRowsW;
+    const int C = (int)(K >> 6);
+    const int cbeg = (int)((i64)C * blockIdx.z / CL), cend = (int)((i64)C * (blockIdx.z + 1) / CL);
+    const int KT = (cend - cbeg + WK - 1) / WK;
     const i64 row_bytes = K >> 1;
-
-    // copies of a stage: activation pieces (16 bytes) tid + 256 i; packed pieces tid (2 per row)
-    constexpr int APT = BM * 8 / kGmThreads;
-    const int arow0 = tid >> 3;  // piece i: row arow0 + 32 i, bytes 16 (tid % 8) of the stage's 128
-    const u16* abase = a + m0 * K + 8 * (tid & 7);
-    const int avalid = (int)min((i64)BM, (i64)rows - m0);
-    // decode share: row dr of the tile, elements de .. de + EPT - 1 of the stage's 64; the row's
-    // first thread copies the row's scale data of each stage (the block's absmax word: for nested
-    // statistics the 4 aligned code bytes holding it, and its absmax2)
-    const int dr = tid / TPR, de = (tid % TPR) * EPT;
-    const i64 drow = min(n0 + dr, N - 1);
-    const bool scopy = tid % TPR == 0;
+    const int bsh = log2bs - 6;  // chunks per block, log2
     const i64 nblk = (N * K + (1LL << log2bs) - 1) >> log2bs;
-    auto block_of = [&](int kt) { return (drow * K + ((i64)kt << 6)) >> log2bs; };
-    const bool pcopy = tid < 2 * BN;
-    const i64 prow = n0 + (tid >> 1);
-    const u8* psrc = packed + (prow < N ? prow : 0) * row_bytes + 16 * (tid & 1);
-    const u32 pok = prow < N ? 16u : 0u;
+
+    // copies of a stage, per thread: code pieces tid + 256 i (i < CP) of the 16-byte pieces of the
+    // stage's WK chunks of its 64 WW weight rows (rows past N read row N - 1, never written out);
+    // input pieces tid + 256 i (i < AP) of its 32 WR rows (rows past the input zero-filled); scale
+    // entries tid + 256 i (i < SP) of (weight row, chunk). 256 is a multiple of the pieces per row,
+    // so a thread's piece column is the same for every i; the sources advance with the stage.
+    constexpr int CP = WW * WK / 2, AP = WR * WK, SP = (G::kRowsW * WK + kGmThreads - 1) / kGmThreads;
+    constexpr int CPR = 2 * WK, APR = 8 * WK;  // pieces per row
+    static_assert(kGmThreads % APR == 0 && kGmThreads % WK == 0, "piece columns per thread");
+    const int cq = tid % CPR, aq = tid % APR, sj = tid % WK;
+    const u32 cdst = (tid / CPR) * G::kCPitch + 16 * cq, adst = G::kC + (tid / APR) * G::kAPitch + 16 * aq;
+    const u8* csrc[CP];
+#pragma unroll
+    for (int i = 0; i < CP; ++i)
+        csrc[i] = packed + min(n0 + tid / CPR + i * (kGmThreads / CPR), N - 1) * row_bytes + 32 * cbeg + 16 * cq;
+    const u16* asrc = a + (i64)(m0 + tid / APR) * K + 64 * cbeg + 8 * aq;
+    u32 sent[SP];  // the entry's first chunk over the matrix (weight row clamped)
+#pragma unroll
+    for (int i = 0; i < SP; ++i)
+        sent[i] = (u32)min(n0 + (tid + kGmThreads * i) / WK, N - 1) * (u32)C + (u32)(cbeg + sj);
     auto issue = [&](int kt) {
         if (kt < KT) {
-            const u32 slot = sbase + (kt % S) * G::kSlot;
+            const u32 slot = slot_addr(kt % S);
+            const int ch0 = cbeg + kt * WK;
+            const bool cok = ch0 + cq / 2 < cend;
 #pragma unroll
-            for (int i = 0; i < APT; ++i) {
-                const int r = arow0 + 32 * i;
-                const bool ok = r < avalid;
-                cp_async16(slot + r * kGmPitch + 16 * (tid & 7), abase + (ok ? (i64)r * K : 0) + 64 * kt, ok ? 16u : 0u);
+            for (int i = 0; i < CP; ++i)
+                cp_async16(slot + cdst + i * (kGmThreads / CPR) * G::kCPitch, cok ? csrc[i] + 32 * kt * WK : packed,
+                           cok ? 16u : 0u);
+            const bool aok = ch0 + aq / 8 < cend;
+#pragma unroll
+            for (int i = 0; i < AP; ++i) {
+                const bool ok = aok && m0 + tid / APR + i * (kGmThreads / APR) < rows;
+                cp_async16(slot + adst + i * (kGmThreads / APR) * G::kAPitch,
+                           ok ? asrc + (i64)i * (kGmThreads / APR) * K + 64 * kt * WK : a, ok ? 16u : 0u);
             }
-            if (pcopy) cp_async16(slot + G::kA + 16 * tid, psrc + 32 * kt, pok);
-            if (scopy) {
-                const i64 b = block_of(kt);
-                const u32 sdst = slot + G::kA + G::kP + 8 * dr;
-                if constexpr (NESTED) {
-                    const i64 w0 = b & ~3LL;
-                    gm_cp_async4(sdst, reinterpret_cast<const u8*>(absmax) + w0, (u32)min((i64)4, nblk - w0));
-                    gm_cp_async4(sdst + 4, absmax2 + (b >> kNestLog2), 4u);
-                } else {
-                    gm_cp_async4(sdst, reinterpret_cast<const float*>(absmax) + b, 4u);
+            if (ch0 + sj < cend) {
+#pragma unroll
+                for (int i = 0; i < SP; ++i) {
+                    const int e = tid + kGmThreads * i;
+                    if (e < G::kRowsW * WK) {
+                        const u32 b = (sent[i] + (u32)(kt * WK)) >> bsh;
+                        const u32 dst = slot + G::kC + G::kA + 8 * e;
+                        if constexpr (NESTED) {
+                            const i64 w0 = b & ~3u;
+                            gm_cp_async4(dst, reinterpret_cast<const u8*>(absmax) + w0, (u32)min((i64)4, nblk - w0));
+                            gm_cp_async4(dst + 4, absmax2 + (b >> kNestLog2), 4u);
+                        } else {
+                            gm_cp_async4(dst, reinterpret_cast<const float*>(absmax) + b, 4u);
+                        }
+                    }
                 }
             }
         }
         cp_async_commit();  // one group per stage (empty past the end)
     };
 
-    auto decode = [&](int kt) {
-        const u32 slot = sbase + (kt % S) * G::kSlot;
-        const u32 src = slot + G::kA + dr * 32 + de / 2;
-        const u32 dst = wbase + (kt & 1) * G::kW + dr * kGmPitch + 2 * de;
-        u32 raw, s2;
-        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(raw), "=r"(s2) : "r"(slot + G::kA + G::kP + 8 * dr));
-        float sc;
-        if constexpr (NESTED) {
-            const u32 q = (raw >> (8 * (u32)(block_of(kt) & 3))) & 0xffu;
-            sc = __fadd_rn(__fmul_rn(c2[q], __uint_as_float(s2)), off);
-        } else {
-            sc = __uint_as_float(raw);
-        }
-        u32 w[EPT / 8];
-        if constexpr (EPT == 32) {
-            lds_v4(src, w[0], w[1], w[2], w[3]);
-        } else if constexpr (EPT == 16) {
-            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "r"(src));
-        } else {
-            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w[0]) : "r"(src));
-        }
-#pragma unroll
-        for (int j = 0; j < EPT / 8; ++j) {
-            u32 o[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                o[i] = T::pack2(__fmul_rn(lut[(w[j] >> (8 * i + 4)) & 15u], sc), __fmul_rn(lut[(w[j] >> (8 * i)) & 15u], sc));
-            gm_sts_v4(dst + 16 * j, o[0], o[1], o[2], o[3]);
-        }
-    };
+    const u32 lutx = tab | (4u * (u32)lane);
 
-    // fragments: warp (wm, wn) owns rows wm BM/2 .. and weight rows wn BN/4 ..
-    const int wm = warp >> 2, wn = warp & 3;
-    const u32 a_lane = (u32)((wm * (BM / 2) + (lane & 7) + ((lane >> 3) & 1) * 8) * kGmPitch + (lane >> 4) * 16);
-    const u32 b_lane = NT >= 2 ? (u32)((wn * (BN / 4) + (lane & 7) + ((lane >> 4) << 3)) * kGmPitch + ((lane >> 3) & 1) * 16)
-                               : (u32)((wn * (BN / 4) + (lane & 7)) * kGmPitch + ((lane >> 3) & 1) * 16);
-    float acc[MT][NT][4];
+    float acc[4][4][4];
 #pragma unroll
-    for (int i = 0; i < MT; ++i)
+    for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+        for (int j = 0; j < 4; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
 
     for (int s = 0; s < S - 1; ++s) issue(s);
-    cp_async_wait<S - 2>();
-    __syncthreads();  // stage 0 and the tables
-    decode(0);
-
+    __syncthreads();  // the tables
+    int cur = 0;  // kt % S
     for (int kt = 0; kt < KT; ++kt) {
-        cp_async_wait<S - 3>();  // this thread's copies of stages <= kt + 1
-        __syncthreads();  // everyone's copies and decode(kt) visible; stage kt - 1 fully consumed
-        issue(kt + S - 1);
-        if (kt + 1 < KT) decode(kt + 1);
-        const u32 as = sbase + (kt % S) * G::kSlot + a_lane;
-        const u32 bs = wbase + (kt & 1) * G::kW + b_lane;
+        cp_async_wait<S - 2>();  // this thread's copies of stages <= kt
+        if constexpr (NESTED) {  // the scale entries this thread copied for stage kt, decoded in place
+            if (cbeg + kt * WK + sj < cend) {
+                const u32 sbase = slot_addr(cur) + G::kC + G::kA;
 #pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
-            u32 af[MT][4], bf[NT][2];
-#pragma unroll
-            for (int i = 0; i < MT; ++i) gm_ldsm_x4(as + i * 16 * kGmPitch + 32 * ks, af[i][0], af[i][1], af[i][2], af[i][3]);
-            if constexpr (NT >= 2) {
-#pragma unroll
-                for (int j = 0; j < NT; j += 2)
-                    gm_ldsm_x4(bs + j * 8 * kGmPitch + 32 * ks, bf[j][0], bf[j][1], bf[j + 1][0], bf[j + 1][1]);
-            } else {
-                gm_ldsm_x2(bs + 32 * ks, bf[0][0], bf[0][1]);
-            }
-#pragma unroll
-            for (int i = 0; i < MT; ++i)
-#pragma unroll
-                for (int j = 0; j < NT; ++j) mma_16816<T>(acc[i][j], af[i], bf[j][0], bf[j][1]);
-        }
-    }
-    cp_async_wait<0>();
-
-    // C fragment of lane (g, c): rows g and g + 8 of an m16 tile, weight rows 2c, 2c + 1 of an n8 tile
-    const int g = lane >> 2, c = lane & 3;
-    const bool pairs = (ldo & 1) == 0 && (reinterpret_cast<u64>(out) & 3) == 0;  // 4-byte stores of two columns
-#pragma unroll
-    for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            const i64 n = n0 + wn * (BN / 4) + j * 8 + 2 * c;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const i64 r = m0 + wm * (BM / 2) + i * 16 + g + 8 * h;
-                if (r >= rows) continue;
-                u16* o = out + r * ldo + n;
-                const float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];
-                if (pairs && n + 1 < N) {
-                    *reinterpret_cast<u32*>(o) = T::pack2(v0, v1);
-                } else {
-                    if (n < N) o[0] = T::from_f(v0);
-                    if (n + 1 < N) o[1] = T::from_f(v1);
+                for (int i = 0; i < SP; ++i) {
+                    const int e = tid + kGmThreads * i;
+                    if (e < G::kRowsW * WK) {
+                        u32 raw, s2;
+                        gm_lds_v2(sbase + 8 * e, raw, s2);
+                        const u32 b = (sent[i] + (u32)(kt * WK)) >> bsh;
+                        const float c2v = gm_lds_f32(c2_addr((raw >> (8 * (b & 3u))) & 0xffu));
+                        gm_sts_f32(sbase + 8 * e, __fadd_rn(__fmul_rn(c2v, __uint_as_float(s2)), off));
+                    }
                 }
             }
         }
+        __syncthreads();  // everyone's copies (and scales); stage kt - 1 fully consumed (its slot is refilled now)
+        issue(kt + S - 1);
+        const int ch = cbeg + kt * WK + wk;
+        if (ch < cend) {
+            const u32 slot = slot_addr(cur);
+            // the input fragments of the chunk: tile nt, row 8 nt + g, elements 16 c .. 16 c + 15
+            u32 x[4][8];
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+                const u32 ad = slot + G::kC + (wr * 32 + nt * 8 + g) * G::kAPitch + wk * 128 + 32 * c;
+                lds_v4(ad, x[nt][0], x[nt][1], x[nt][2], x[nt][3]);
+                lds_v4(ad + 16, x[nt][4], x[nt][5], x[nt][6], x[nt][7]);
+            }
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) {
+                const int r = ww * 64 + mt * 16 + g;
+                u32 wq[4];
+                gm_lds_v2(slot + r * G::kCPitch + wk * 32 + 8 * c, wq[0], wq[1]);
+                gm_lds_v2(slot + (r + 8) * G::kCPitch + wk * 32 + 8 * c, wq[2], wq[3]);
+                // the rows' block scales (fp32: absmax, or decoded in place above)
+                const float sc[2] = {gm_lds_f32(slot + G::kC + G::kA + 8 * (r * WK + wk)),
+                                     gm_lds_f32(slot + G::kC + G::kA + 8 * ((r + 8) * WK + wk))};
+                float d[4][4];
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.0f;
+#pragma unroll
+                for (int m = 0; m < 4; ++m) {
+                    const u32 wa = wq[m >> 1], wb = wq[2 + (m >> 1)];
+                    u32 af[4];
+                    if (m & 1) {
+                        af[0] = gm_pair<2>(wa, lutx);
+                        af[1] = gm_pair<2>(wb, lutx);
+                        af[2] = gm_pair<3>(wa, lutx);
+                        af[3] = gm_pair<3>(wb, lutx);
+                    } else {
+                        af[0] = gm_pair<0>(wa, lutx);
+                        af[1] = gm_pair<0>(wb, lutx);
+                        af[2] = gm_pair<1>(wa, lutx);
+                        af[3] = gm_pair<1>(wb, lutx);
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt) mma_16816<T>(d[nt], af, x[nt][2 * m], x[nt][2 * m + 1]);
+                }
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    acc[mt][nt][0] = fmaf(d[nt][0], sc[0], acc[mt][nt][0]);
+                    acc[mt][nt][1] = fmaf(d[nt][1], sc[0], acc[mt][nt][1]);
+                    acc[mt][nt][2] = fmaf(d[nt][2], sc[1], acc[mt][nt][2]);
+                    acc[mt][nt][3] = fmaf(d[nt][3], sc[1], acc[mt][nt][3]);
+                }
+            }
+        }
+        cur = cur + 1 == S ? 0 : cur + 1;
+    }
+    cp_async_wait<0>();
+
+    // the K slices: warps wk > 0 leave their sums in shared memory (the larger region beside the
+    // table), warp wk = 0 of the tile adds them in slice order; then (CL > 1) the cluster's CTAs 1 ..
+    // CL - 1 leave theirs after those, and CTA 0 adds them in rank order
+    const u32 part = (tab - base >= end - tab_end) ? base : tab_end;
+    const u32 tile = (u32)(ww * WR + wr);
+    if constexpr (WK > 1 || CL > 1) {
+        if (max(tab - base, end - tab_end) < (u32)(8 * G::kPart)) __trap();  // launcher bug
+        __syncthreads();  // every warp is done with the ring
+    }
+    if constexpr (WK > 1) {
+        if (wk > 0) {
+            const u32 dst = part + (tile * (WK - 1) + wk - 1) * G::kPart + 4 * lane;
+#pragma unroll
+            for (int i = 0; i < 64; ++i) gm_sts_f32(dst + 128 * i, acc[i >> 4][(i >> 2) & 3][i & 3]);
+        }
+        __syncthreads();
+        if (wk == 0)
+            for (int q = 0; q < WK - 1; ++q) {
+                const u32 src = part + (tile * (WK - 1) + q) * G::kPart + 4 * lane;
+#pragma unroll
+                for (int i = 0; i < 64; ++i) acc[i >> 4][(i >> 2) & 3][i & 3] += gm_lds_f32(src + 128 * i);
+            }
+    }
+    if constexpr (CL > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        const u32 cpart = part + (8 - WW * WR + tile) * G::kPart + 4 * lane;
+        if (blockIdx.z > 0 && wk == 0) {
+#pragma unroll
+            for (int i = 0; i < 64; ++i) gm_sts_f32(cpart + 128 * i, acc[i >> 4][(i >> 2) & 3][i & 3]);
+        }
+        gm_cluster_sync();  // every CTA's sums are in place
+        if (blockIdx.z == 0 && wk == 0)
+            for (u32 q = 1; q < (u32)CL; ++q) {
+#pragma unroll
+                for (int i = 0; i < 64; ++i) acc[i >> 4][(i >> 2) & 3][i & 3] += gm_ld_cluster_f32(cpart + 128 * i, q);
+            }
+        gm_cluster_sync();  // no CTA leaves while CTA 0 reads its shared memory
+        if (blockIdx.z > 0) return;
+#else
+        __trap();  // launcher bug: clusters are sm_90
+#endif
+    }
+    if (wk > 0) return;
+
+    // C fragment of lane (g, c) for (mt, nt): weight rows 16 mt + g (+ 8), input rows 8 nt + 2 c (+ 1)
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = m0 + wr * 32 + nt * 8 + 2 * c + (e & 1);
+                const i64 n = n0 + ww * 64 + mt * 16 + g + 8 * (e >> 1);
+                if (r < rows && n < N) out[(i64)r * ldo + n] = T::from_f(acc[mt][nt][e]);
+            }
 }
 
 }  // namespace qc

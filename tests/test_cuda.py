@@ -264,16 +264,19 @@ def test_gemv_4bit_rings_sum_alike(be, rng, monkeypatch):
 
 @gpu
 @needs_torch
-@pytest.mark.parametrize("tile", [f"gm_bm={bm},gm_bn={bn}" for bm in (32, 64, 128) for bn in (32, 64, 128)])
+@pytest.mark.parametrize("tile", [f"gm_cfg={i}" for i in range(1, 6)] + ["gm_cfg=5,gm_cl=2", "gm_cfg=5,gm_cl=4"])
 def test_gemv_4bit_many_rows_every_tile(be, rng, monkeypatch, tile):
-    """The many-row GEMM (bnb_gemm.cu) at each tile size: rows and N off the tiles, one and several
-    64-element stages, blocks larger than a row (bs 256 at K 192), NF4 / FP4, nested or not, fp16 /
-    bf16; within the gemv_4bit bound."""
+    """The many-row GEMM (bnb_gemm.cu) with each CTA shape (warps along weight rows, input rows and
+    K) and the clusters of 2 and 4 CTAs splitting K further (sm_90): rows and N off the tiles, K of 1 and several chunks, K slices past the last chunk (7 and 5
+    chunks over 2 or 4 slices), blocks larger than a row (bs 256 at K 192), NF4 / FP4, nested or not,
+    fp16 / bf16, a large N with nested statistics over many absmax2 blocks; within the gemv_4bit
+    bound."""
     monkeypatch.setenv(rt.ENV_TUNE, tile)
     for batch, n, k, bs, qt, dtype, nested in [(100, 201, 192, 256, "nf4", "bfloat16", True),
                                                (17, 130, 64 * 7, 64, "fp4", "float16", False),
                                                (150, 45, 64, 128, "nf4", "float16", True),
-                                               (33, 300, 1024, 64, "fp4", "bfloat16", True)]:
+                                               (33, 300, 1024, 64, "fp4", "bfloat16", True),
+                                               (70, 1100, 64 * 5, 64, "nf4", "bfloat16", True)]:
         packed, st, a, w_eff = _gemv_case(rng, n, k, bs, qt, dtype, batch, nested)
         state = _gemv_state(st, n, k, bs, qt, dtype, nested)
         out = _n(qc.gemv_4bit(_t(a), _t(packed), state, backend="cuda"))

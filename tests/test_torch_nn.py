@@ -155,18 +155,20 @@ def test_linear_path_by_rows(monkeypatch, capsys):
     assert "linear_4bit rows=3 -> gemv" in capsys.readouterr().err
 
 
-def test_linear_path_fused_gemm_by_rows_times_k():
-    """A backend with the many-row 4-bit GEMM (FUSED_4BIT_MAX_ROWS_K) takes it while rows * K stays
-    within its limit; any other backend keeps the batch kernels' row limit."""
+def test_linear_path_fused_gemm_by_rows():
+    """A backend with the many-row 4-bit GEMM (FUSED_4BIT_MAX_ROWS) takes it up to its row limit at
+    any K; any other backend keeps the batch kernels' row limit."""
 
     class Named:
         def __init__(self, name):
             self.name = name
 
     cuda, cpu = Named("cuda"), Named("cpu")
-    limit = qct.FUSED_4BIT_MAX_ROWS_K["cuda"]
-    assert qct.linear_path(limit // 4096, backend=cuda, k=4096) == "gemv"
-    assert qct.linear_path(limit // 4096 + 1, backend=cuda, k=4096) == "dequantize+matmul"
+    limit = qct.FUSED_4BIT_MAX_ROWS["cuda"]
+    for k in (4096, 14336):
+        assert qct.linear_path(limit, backend=cuda, k=k) == "gemv"
+        assert qct.linear_path(limit + 1, backend=cuda, k=k) == "dequantize+matmul"
+        assert qct.linear_path(limit, backend=cpu, k=k) == "dequantize+matmul"
     assert qct.linear_path(qct.GEMV_MAX_ROWS, backend=cuda, k=1 << 30) == "gemv"  # the decode kernels' rows
     assert qct.linear_path(qct.GEMV_MAX_ROWS + 1, backend=cpu, k=64) == "dequantize+matmul"
     assert qct.linear_path(qct.W4A8_MAX_ROWS_CUDA + 1, "linear_q4_0", backend=cuda, k=64) == "dequantize+matmul"

@@ -4,6 +4,7 @@ the ops (a mixin of ``CudaBackend``); the launch choices below are shared with t
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from quantcore.arrays import as_dtype, dtype_name
@@ -12,6 +13,7 @@ from quantcore.formats import bnb
 from quantcore.formats.kernel_defines import (
     LAUNCH_GEOMETRY,
     QUANT_TYPE_CODE,
+    gm_slot_bytes,
 )
 from quantcore.formats.kernel_interface import GEMV_TC_WEIGHT_NAMES, arg_index
 
@@ -60,8 +62,10 @@ def _gemv_tc(tag: str, qt: str, nested: bool, nb: int, xs: bool, short: bool) ->
     return f"qc::gemv_4bit_tc_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}, {_b(xs)}, {ch}, {st}>"
 
 
-def _gemm4(tag: str, qt: str, nested: bool, bm: int, bn: int) -> str:
-    return f"qc::gemm_4bit_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {bm}, {bn}, {_gm_stages(bm, bn)}>"
+def _gemm4(tag: str, qt: str, nested: bool, cfg: tuple[int, int, int], cl: int = 1) -> str:
+    ww, wr, wk = cfg
+    return (f"qc::gemm_4bit_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {ww}, {wr}, {wk}, {_gm_stages(cfg)}, "
+            f"{cl}>")
 
 
 def _qbw(tag: str, cells: bool = True) -> str:
@@ -95,7 +99,8 @@ def instances() -> list[tuple[str, str]]:
                     out += [(_F4, _gemv_mma(tag, qt, nested, v)) for v in _GEMV_V]
                     out += [(_FV, _gemv_tc(tag, qt, nested, nb, xs, short)) for nb in (1, 2) for xs in (False, True)
                             for short in (False, True)]
-                    out += [(_FM, _gemm4(tag, qt, nested, bm, bn)) for bm in _GM_TILES for bn in _GM_TILES]
+                    out += [(_FM, _gemm4(tag, qt, nested, cfg)) for cfg in _GM_CONFIGS]
+                    out += [(_FM, _gemm4(tag, qt, nested, _GM_CONFIGS[-1], cl)) for cl in _GM_CLUSTERS[1:]]
     for tag in tags:
         out += [(_F8, _qbw(tag)), (_F8, _qbw(tag, cells=False)), (_F8, _dqbw(tag))]
     out += [(_F8, _tree(True)), (_F8, _tree(False)), (_F8, _tree(None))]
@@ -336,51 +341,94 @@ def _nested_named(nested: Nested | None) -> dict[str, Any]:
             "offset": nested.offset if nested else None}
 
 
-# bnb_gemm.cu (gemv_4bit for more than _GM_MIN_ROWS rows): threads, tile row pitch (the generated
-# header's QC_GM_*); the tile sizes instantiated along both M (input rows) and N
-_GM_THREADS, _GM_PITCH = (LAUNCH_GEOMETRY[k] for k in ("QC_GM_THREADS", "QC_GM_PITCH"))
-_GM_TILES = (32, 64, 128)
-_GM_SMEM_BUDGET = 113 * 1024  # two CTAs per SM (228 KiB, 1 KiB each reserved)
+# bnb_gemm.cu (gemv_4bit for more than _GM_MIN_ROWS rows): threads, the dynamic shared memory a CTA
+# takes (the generated header's QC_GM_*); the CTA shapes (WW, WR, WK): warps along the weight rows
+# (64 each), the input rows (32 each) and K, the least L2 traffic per mma first
+_GM_THREADS, _GM_SMEM, _GM_TABLE = (LAUNCH_GEOMETRY[k] for k in ("QC_GM_THREADS", "QC_GM_SMEM", "QC_GM_TABLE"))
+_GM_CONFIGS = ((4, 2, 1), (8, 1, 1), (2, 2, 2), (4, 1, 2), (2, 1, 4))
+#: the cluster sizes (sm_90) that split K further, for the last (most CTAs) shape when its grid is small
+_GM_CLUSTERS = (1, 2, 4)
+_GM_MAX_STAGES = 6
 #: the decode kernel (bnb_gemv.cu) reads the weight once per 16 input rows: above that, the GEMM
 _GM_MIN_ROWS = 16
 
 
-def _gm_smem(bm: int, bn: int, stages: int) -> int:
-    """The GEMM's shared memory (GmGeo::kBytes): the ring (a stage: activation tile, packed tile, 8
-    bytes of scale data per weight row), two decoded weight tiles, the tables."""
-    return stages * _gm_slot(bm, bn) + 2 * bn * _GM_PITCH + 4 * (16 + bnb.DYNAMIC_MAP.size)
+@functools.cache
+def _gm_stages(cfg: tuple[int, int, int]) -> int:
+    """Ring stages of a CTA shape: the slots that fit around the 64 KiB-aligned pair table in
+    _GM_SMEM bytes wherever the window starts (16-byte steps; the kernel places the table at the
+    boundary that leaves the most), at most _GM_MAX_STAGES."""
+    slot = gm_slot_bytes(*cfg)
+    worst = _GM_MAX_STAGES
+    for base in range(0, 65536, 16):
+        end, most = base + _GM_SMEM, 0
+        b = (base + 0xFFFF) & ~0xFFFF
+        while b + _GM_TABLE <= end:
+            most = max(most, (b - base) // slot + (end - b - _GM_TABLE) // slot)
+            b += 0x10000
+        worst = min(worst, most)
+    if worst < 3:
+        raise AssertionError(f"bnb_gemm.cu: {cfg} leaves {worst} ring stages")
+    return worst
 
 
-def _gm_slot(bm: int, bn: int) -> int:
-    return bm * _GM_PITCH + bn * 32 + bn * 8
-
-
-def _gm_stages(bm: int, bn: int) -> int:
-    """Ring stages of a (BM, BN) tile: as many as two CTAs per SM allow, 3 to 8."""
-    return max(3, min(8, (_GM_SMEM_BUDGET - _gm_smem(bm, bn, 0)) // _gm_slot(bm, bn)))
+def _gm_config(rows: int, n: int, sms: int) -> tuple[int, int, int]:
+    """The CTA shape for ``rows`` x ``n``: the first of _GM_CONFIGS (least traffic) whose grid fills
+    at least 3/4 of the multiprocessors' slots (one CTA each) in its last wave, with no input row
+    block more than half empty at 32 rows or fewer; else the one with the most CTAs (``gm_cfg=i``
+    forces _GM_CONFIGS[i - 1]: comparisons, tests)."""
+    forced = rt.tune("gm_cfg", 0)
+    if forced:
+        return _GM_CONFIGS[forced - 1]
+    best, best_ctas = _GM_CONFIGS[-1], 0
+    for ww, wr, wk in _GM_CONFIGS:
+        if wr > 1 and rows <= 32:
+            continue
+        ctas = _cdiv(n, 64 * ww) * _cdiv(rows, 32 * wr)
+        if ctas >= 0.75 * sms and ctas / (_cdiv(ctas, sms) * sms) >= 0.75:
+            return ww, wr, wk
+        if ctas > best_ctas:
+            best, best_ctas = (ww, wr, wk), ctas
+    return best
 
 
 def _gemm4_takes(device: int, dt: str, a: Any, packed: Any, absmax: Any, rows: int, k: int, blocksize: int) -> bool:
     """Does the many-row GEMM (bnb_gemm.cu) take this call? More than 16 fp16 / bf16 rows, 64-element
-    stages inside blocks, 16-byte aligned input and codes, 4-byte aligned absmax, sm_80+ (``gemm4=0``
-    or ``gemv_kernel=1`` turn it off: comparisons)."""
+    chunks inside blocks, 16-byte aligned input and codes, 4-byte aligned absmax, chunk counts in 31
+    bits, sm_80+ with 227 KiB of shared memory per CTA (``gemm4=0`` or ``gemv_kernel=1`` turn it
+    off: comparisons)."""
     return (rows > _GM_MIN_ROWS and dt != "float32" and k % 64 == 0 and blocksize >= 64 and aligned(a, 16)
-            and aligned(packed, 16) and aligned(absmax, 4) and rt.device_arch(device) >= 80
+            and aligned(packed, 16) and aligned(absmax, 4) and rt.numel(packed) * 2 // 64 < 1 << 31
+            and rt.device_arch(device) >= 80
+            and int(rt.device_props(device).get("sharedMemPerBlockOptin", 0)) >= _GM_SMEM
             and rt.tune("gemm4", 1) == 1 and rt.tune("gemv_kernel", 0) == 0)
+
+
+def _gm_cluster(device: int, cfg: tuple[int, int, int], ctas: int, k: int) -> int:
+    """CTAs per cluster splitting K (sm_90, the last shape of _GM_CONFIGS): the largest of
+    _GM_CLUSTERS whose grid still fits the multiprocessors once, each CTA keeping 4 stages or more
+    (``gm_cl`` forces it)."""
+    if cfg != _GM_CONFIGS[-1] or rt.device_arch(device) < 90:
+        return 1
+    forced = rt.tune("gm_cl", 0)
+    if forced:
+        return forced
+    sms, wk = rt.sm_count(device), cfg[2]
+    return max(c for c in _GM_CLUSTERS if c == 1 or (ctas * c <= sms and k // 64 >= 4 * wk * c))
 
 
 def _gemm4_launch(device, a, packed, absmax, nested, out, *, rows, n, k, blocksize, quant_type, ldo):
     """(file, kernel, grid, block, arguments, shared memory, slots) of the many-row GEMM into ``out``
-    [rows, ldo]. Tiles: BM input rows (the fewest of 32 / 64 / 128 that cover them, 128 above),
-    BN weight rows (the largest of 128 / 64 that still gives every SM a CTA, else 32)."""
-    bm = rt.tune("gm_bm", 0) or next((t for t in _GM_TILES if rows <= t), _GM_TILES[-1])
-    sms = rt.sm_count(device)
-    bn = rt.tune("gm_bn", 0) or next((t for t in (128, 64) if _cdiv(n, t) * _cdiv(rows, bm) >= sms), 32)
-    smem = _gm_smem(bm, bn, _gm_stages(bm, bn))
-    expr = _gemm4(_tag(a), quant_type, nested is not None, bm, bn)
+    [rows, ldo]: grid x the CTA's input row blocks (the CTAs of one weight tile run together), y its
+    weight row blocks, z the K slices of a cluster."""
+    cfg = _gm_config(rows, n, rt.sm_count(device))
+    ww, wr, _ = cfg
+    grid = (_cdiv(rows, 32 * wr), _cdiv(n, 64 * ww))
+    cl = _gm_cluster(device, cfg, grid[0] * grid[1], k)
+    expr = _gemm4(_tag(a), quant_type, nested is not None, cfg, cl)
     args = kernel_args(expr, a=a, packed=packed, absmax=absmax, **_nested_named(nested), out=out, ldo=ldo, rows=rows,
                        n=n, k=k, log2bs=_log2(blocksize))
-    return _FM, expr, (_cdiv(n, bn), _cdiv(rows, bm)), _GM_THREADS, args, smem, _GEMV_SLOTS
+    return _FM, expr, (*grid, cl), _GM_THREADS, args, _GM_SMEM, _GEMV_SLOTS
 
 
 def _gemv_launch(device, a, packed, absmax, out, *, rows, n, k, blocksize, quant_type, nested):

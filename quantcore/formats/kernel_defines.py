@@ -65,9 +65,24 @@ BNB_GEOMETRY = {
 LAUNCH_GEOMETRY = {**_gemv_geometry(warps=16, groups=kernel_interface.GEMV_TC_GROUPS, ring=(8, 2), short_ring=(4, 3),
                                     short_max=80),
                    **BNB_GEOMETRY}
-#: kernels_cuda/bnb_gemm.cu, gemv_4bit for many rows: threads per CTA, the byte pitch of a
-#: 64-element fp16 / bf16 tile row (128 + 16: ldmatrix rows on distinct banks)
-LAUNCH_GEOMETRY.update({"QC_GM_THREADS": 256, "QC_GM_PITCH": 144})
+#: kernels_cuda/bnb_gemm.cu, gemv_4bit for many rows: threads per CTA, the pair table's bytes (256
+#: code bytes x 256: the 64 KiB that one byte_perm addresses), the padding after an input row's
+#: chunks and after a weight row's code chunks of a ring slot (rows on distinct banks), and the
+#: dynamic shared memory a CTA takes (sm_90's 227 KiB: one CTA per multiprocessor)
+LAUNCH_GEOMETRY.update({"QC_GM_THREADS": 256, "QC_GM_TABLE": 65536, "QC_GM_APAD": 16, "QC_GM_CPAD": 32,
+                        "QC_GM_SMEM": 227 * 1024})
+
+
+def gm_slot_bytes(ww: int, wr: int, wk: int) -> int:
+    """One ring slot of bnb_gemm.cu's (WW, WR, WK) CTA (GmGeo::kSlot): the packed codes of 64 WW
+    weight rows, the input tile of 32 WR rows (WK chunks each, padded rows) and 8 bytes of scale data
+    per weight row and chunk."""
+    g = LAUNCH_GEOMETRY
+    cpitch = 32 * wk + (g["QC_GM_CPAD"] if wk > 1 else 0)
+    apitch = 128 * wk + g["QC_GM_APAD"]
+    return 64 * ww * cpitch + 32 * wr * apitch + 64 * ww * wk * 8
+
+
 #: kernels_cuda/allreduce.cu, the one-shot all-reduce of tensor-parallel decode (quantcore.nn.parallel):
 #: threads of its one CTA, ranks at most (its buffer parameters), the flag words' bytes at the start of
 #: each rank's symmetric buffer (the two slots follow), polls of a peer's flag before the kernel traps

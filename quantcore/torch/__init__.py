@@ -44,11 +44,11 @@ NAMESPACE = "quantcore"
 #: falls to 0.36x at 64, where dequantize + cuBLAS gives 0.50x)
 GEMV_MAX_ROWS = 16
 #: ... except on a backend with a many-row 4-bit GEMM (the cuda backend's bnb_gemm.cu, behind
-#: gemv_4bit): there linear_4bit takes gemv_4bit while rows * K is at most this many input elements,
-#: dequantize + matmul above (docs/performance.md, "NF4 prefill": on the H100 the fused GEMM wins
-#: through 128 rows at K = 4096 and through 32 rows at K = 14336; the GEMM's CTAs walk K, so its
-#: time grows with rows * K while dequantize + cuBLAS pays a fixed dequantization)
-FUSED_4BIT_MAX_ROWS_K = {"cuda": 128 * 4096}
+#: gemv_4bit): there linear_4bit takes gemv_4bit up to this many rows, dequantize + matmul above
+#: (docs/performance.md, "NF4 prefill", Session 16: on the H100 the fused GEMM wins through 128 rows
+#: at both K = 4096 and K = 14336 and loses from 256; both paths' times grow with N * K, so the
+#: crossover is a row count)
+FUSED_4BIT_MAX_ROWS = {"cuda": 128}
 #: gemm_w4a8's stream kernel reads the weight once for up to 8 activation rows
 W4A8_MAX_ROWS = 8
 #: on the cuda backend linear_q4_0 takes gemm_w4a8 (its int8 tensor-core GEMM above 8 rows) up to
@@ -289,8 +289,8 @@ def linear_path(rows: int, op: str = "linear_4bit", backend: Any = None, k: int 
         limit = W4A8_MAX_ROWS_CUDA if name == "cuda" else W4A8_MAX_ROWS
     else:
         limit = GEMV_MAX_ROWS
-        if op == "linear_4bit" and name is not None and k > 0:
-            limit = max(limit, FUSED_4BIT_MAX_ROWS_K.get(name, 0) // k)
+        if op == "linear_4bit" and name is not None:
+            limit = max(limit, FUSED_4BIT_MAX_ROWS.get(name, 0))
     path = "gemv" if 0 < rows <= limit else "dequantize+matmul"
     if DEBUG:
         print(f"quantcore.torch: {op} rows={rows} -> {path}", file=sys.stderr)
@@ -579,5 +579,5 @@ OPS = ("quantize_4bit", "dequantize_4bit", "gemv_4bit", "gemv_4bit_grouped", "li
        "dequantize_q4_0", "linear_q4_0", "quantize_mx", "dequantize_mx", "scaled_fp4_mm", "linear_mx",
        "linear_fp4")
 
-__all__ = ["FUSED_4BIT_MAX_ROWS_K", "GEMV_MAX_ROWS", "OPS", "W4A8_MAX_ROWS", "W4A8_MAX_ROWS_CUDA", "backend_for", "bind_linear_4bit",
+__all__ = ["FUSED_4BIT_MAX_ROWS", "GEMV_MAX_ROWS", "OPS", "W4A8_MAX_ROWS", "W4A8_MAX_ROWS_CUDA", "backend_for", "bind_linear_4bit",
            "bind_linear_q4_0", "linear_4bit_eager", "linear_fp4_eager", "linear_path", "linear_q4_0_eager", "quantize_4bit", "set_backend_for", "state_of"]

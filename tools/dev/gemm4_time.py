@@ -1,7 +1,10 @@
 """NF4 linear for many rows on the GPU machine (kernels_cuda/bnb_gemm.cu): the fused GEMM's error
-against dequantize_4bit + an fp32 matmul, and its time per tile choice (QUANTCORE_CUDA_TUNE gm_bm /
-gm_bn) beside dequantize + torch matmul, bitsandbytes' matmul_4bit and torch bf16 F.linear, in one
-process (CUDA events, median of reps, 3 rotating weights). Usage: python tools/dev/gemm4_time.py [--quick]
+against dequantize_4bit + an fp32 matmul, and its time per CTA shape (QUANTCORE_CUDA_TUNE gm_cfg)
+beside dequantize + torch matmul, bitsandbytes' matmul_4bit and torch bf16 F.linear, in one process
+(CUDA events, median of reps, 3 rotating weights).
+Usage: python tools/dev/gemm4_time.py [--quick] [--rows 32,64] [--fused-only]
+(--fused-only: the launcher's choice alone, no checks or baselines: run from an older tree's root
+with this file copied there to time its kernel in the same call)
 """
 
 from __future__ import annotations
@@ -20,10 +23,9 @@ from quantcore.bench import CudaTimer
 
 SHAPES = ((14336, 4096), (4096, 14336))
 ROWS = (16, 32, 64, 128, 256, 512, 2048, 4096)
-#: (gm_bm, gm_bn) per row count (0: the launcher's choice)
-VARIANTS = {16: [(0, 0)], 32: [(0, 0), (32, 64), (32, 128)], 64: [(0, 0), (64, 64), (64, 128), (32, 64)],
-            128: [(0, 0), (128, 128), (64, 128), (128, 64)], 256: [(0, 0), (128, 128), (64, 128)],
-            512: [(0, 0), (128, 128), (64, 128)], 2048: [(0, 0)], 4096: [(0, 0)]}
+#: gm_cfg per row count (0: the launcher's choice; i: backends/cuda/bnb.py _GM_CONFIGS[i - 1])
+VARIANTS = {16: [0], 32: [0, 3, 4, 5], 64: [0, 1, 3, 4, 5], 128: [0, 1, 2, 3, 5], 256: [0, 1, 2, 3],
+            512: [0, 1, 2], 2048: [0], 4096: [0]}
 
 
 def events_us(fns, reps: int = 20) -> float:
@@ -31,26 +33,31 @@ def events_us(fns, reps: int = 20) -> float:
     return CudaTimer(torch).kernel(fns, reps, warmup=3)
 
 
-def set_tune(bm: int, bn: int) -> None:
-    spec = ",".join(f"{k}={v}" for k, v in (("gm_bm", bm), ("gm_bn", bn)) if v)
-    if spec:
-        os.environ[rt.ENV_TUNE] = spec
+def set_tune(cfg: int) -> None:
+    if cfg:
+        os.environ[rt.ENV_TUNE] = f"gm_cfg={cfg}"
     else:
         os.environ.pop(rt.ENV_TUNE, None)
 
 
 def main() -> None:
     quick = "--quick" in sys.argv
+    fused_only = "--fused-only" in sys.argv
+    rows_list = ROWS
+    if "--rows" in sys.argv:
+        rows_list = tuple(int(r) for r in sys.argv[sys.argv.index("--rows") + 1].split(","))
     t0 = time.time()
-    inst = [fe for fe in cuda.kernel_instances() if fe[0] == "bnb_gemm.cu"]
-    print(f"precompiled {rt.precompile(inst, 0, workers=16)} bnb_gemm.cu kernels in {time.time() - t0:.1f} s", flush=True)
+    if not fused_only:
+        inst = [fe for fe in cuda.kernel_instances() if fe[0] == "bnb_gemm.cu"]
+        print(f"precompiled {rt.precompile(inst, 0, workers=16)} bnb_gemm.cu kernels in {time.time() - t0:.1f} s",
+              flush=True)
     be = qc.get_backend("cuda")
     import bitsandbytes as bnb
     import bitsandbytes.functional as F
 
     lin = torch.nn.functional.linear
     # correctness on the big shapes: fused vs dequantize_4bit + fp32 matmul (rel. Frobenius error)
-    for (n, k) in SHAPES:
+    for (n, k) in () if fused_only else SHAPES:
         for rows in (17, 100, 512) if quick else (17, 64, 100, 512, 2048):
             for qt, nested, dt in (("nf4", True, torch.bfloat16), ("fp4", False, torch.float16)):
                 w = torch.randn(n, k, device="cuda", dtype=dt) * 0.05
@@ -68,24 +75,28 @@ def main() -> None:
     for (n, k) in SHAPES:
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(3)]
         qs = [qc.quantize_4bit(w, 64, "nf4", True, backend=be) for w in ws]
-        bq = [F.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4") for w in ws]
-        for rows in ROWS:
+        bq = [] if fused_only else [F.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+                                    for w in ws]
+        for rows in rows_list:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
             flops = 2 * rows * n * k
-            t_torch = events_us([lambda w=w, x=x: lin(x, w) for w in ws])
-            t_dq = events_us([lambda p=p, s=s, x=x: lin(x, qc.dequantize_4bit(p, s, backend=be)) for p, s in qs])
-            t_bnb = events_us([lambda p=p, s=s, x=x: bnb.matmul_4bit(x, p.t(), quant_state=s) for p, s in bq])
+            if fused_only:
+                t_torch = t_dq = t_bnb = float("nan")
+            else:
+                t_torch = events_us([lambda w=w, x=x: lin(x, w) for w in ws])
+                t_dq = events_us([lambda p=p, s=s, x=x: lin(x, qc.dequantize_4bit(p, s, backend=be)) for p, s in qs])
+                t_bnb = events_us([lambda p=p, s=s, x=x: bnb.matmul_4bit(x, p.t(), quant_state=s) for p, s in bq])
             res = []
-            for bm, bn in VARIANTS[rows]:
-                set_tune(bm, bn)
+            for cfg in [0] if fused_only else VARIANTS[rows]:
+                set_tune(cfg)
                 t = events_us([lambda p=p, s=s, x=x, out=out, n=n, k=k: be.gemv_4bit(x, p, s.absmax, out, n=n, k=k, blocksize=64,
                                                              quant_type="nf4", nested=cuda_plans._state_nested(s))
                                for p, s in qs])
-                res.append((bm, bn, t))
-            set_tune(0, 0)
-            best = min(r[2] for r in res)
-            vs = " ".join(f"bm{bm}/bn{bn}:{t:.1f}" for bm, bn, t in res)
+                res.append((cfg, t))
+            set_tune(0)
+            best = min(r[1] for r in res)
+            vs = " ".join(f"cfg{cfg}:{t:.1f}" for cfg, t in res)
             line = (f"N{n} K{k} rows{rows:5d}: torch {t_torch:8.1f} us ({flops / t_torch / 1e6:4.0f} TF) | dq+mm "
                     f"{t_dq:8.1f} ({t_torch / t_dq:.2f}x) | bnb {t_bnb:8.1f} ({t_torch / t_bnb:.2f}x) | fused best "
                     f"{best:8.1f} ({flops / best / 1e6:4.0f} TF, {t_torch / best:.2f}x torch, {t_bnb / best:.2f}x bnb) | {vs}")
