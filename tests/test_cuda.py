@@ -47,6 +47,22 @@ def _instances_by_file() -> dict[str, list[str]]:
     return by
 
 
+def test_gemm_4bit_runs_where_its_shared_memory_fits(monkeypatch):
+    """The many-row GEMM is offered per device: sm_80+ with the shared memory per CTA it takes (an
+    H100's 227 KiB, not an A100's 163 KiB); asked once per device."""
+    import types
+
+    props = {0: {"sharedMemPerBlockOptin": 232448, "major": 9, "minor": 0},
+             1: {"sharedMemPerBlockOptin": 166912, "major": 8, "minor": 0}}
+    monkeypatch.setattr(rt, "device_props", lambda d: props[d])
+    monkeypatch.setattr(rt, "device_arch", lambda d: 10 * props[d]["major"] + props[d]["minor"])
+    monkeypatch.setattr(cuda.CudaBackend, "_GEMM4_RUNS", {})
+    be = cuda.CudaBackend()
+    assert be.gemm_4bit_runs(0) is True and be.gemm_4bit_runs(types.SimpleNamespace(type="cuda", index=1)) is False
+    props[1]["sharedMemPerBlockOptin"] = 232448  # cached: not asked again
+    assert be.gemm_4bit_runs(1) is False
+
+
 def test_every_launchable_kernel_has_its_source():
     files = {f for f in os.listdir(rt.kernel_dir()) if f.endswith(".cu")}
     assert {"bnb_4bit.cu", "bnb_8bit.cu", "ggml.cu"} <= set(_instances_by_file()) <= files

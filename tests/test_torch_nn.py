@@ -174,6 +174,28 @@ def test_linear_path_fused_gemm_by_rows():
     assert qct.linear_path(qct.W4A8_MAX_ROWS_CUDA + 1, "linear_q4_0", backend=cuda, k=64) == "dequantize+matmul"
 
 
+def test_linear_path_without_the_gemm_on_the_device():
+    """A device where the backend's many-row GEMM does not run (cuda: less shared memory per CTA than it
+    takes, e.g. an A100) keeps the batch kernels' rows and dequantizes above them."""
+
+    class Cuda:
+        name = "cuda"
+
+        def __init__(self, runs):
+            self.runs, self.asked = runs, []
+
+        def gemm_4bit_runs(self, device):
+            self.asked.append(device)
+            return self.runs
+
+    rows = qct.FUSED_4BIT_MAX_ROWS["cuda"]
+    with_gemm, without = Cuda(True), Cuda(False)
+    assert qct.linear_path(rows, backend=with_gemm, device="cuda:1") == "gemv" and with_gemm.asked == ["cuda:1"]
+    assert qct.linear_path(rows, backend=without, device="cuda:0") == "dequantize+matmul"
+    assert qct.linear_path(qct.GEMV_MAX_ROWS, backend=without, device="cuda:0") == "gemv"
+    assert qct.linear_path(rows, backend=without) == "gemv"  # no device given: the backend's rule
+
+
 # -- modules ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", qnn.FORMATS)
 @pytest.mark.parametrize("rows", [1, 5, 33])

@@ -97,6 +97,21 @@ class CudaBackend(BnbOps, GgmlOps, Backend):
         if _torch_cuda():
             _torch().cuda.set_device(int(index))
 
+    _GEMM4_RUNS: dict[int, bool] = {}
+
+    def gemm_4bit_runs(self, device: Any) -> bool:
+        """Does ``device`` (a torch device or an index; None: the current one) run gemv_4bit's many-row
+        GEMM (kernels_cuda/bnb_gemm.cu: sm_80+ with 227 KiB of shared memory per CTA)? Where it does
+        not, more than 16 rows take 16-row passes of the batch kernels, and ``quantcore.torch``'s
+        linear path dequantizes instead."""
+        index = device.index if hasattr(device, "type") else device  # a torch.device, else an index
+        if index is None:
+            index = rt.cupy().cuda.runtime.getDevice()
+        runs = self._GEMM4_RUNS.get(int(index))
+        if runs is None:
+            runs = self._GEMM4_RUNS[int(index)] = _bnb.gemm4_runs_on(int(index))
+        return runs
+
     _CAPS: frozenset | None = None
 
     def capabilities(self):

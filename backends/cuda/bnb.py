@@ -399,9 +399,12 @@ def _gemm4_takes(device: int, dt: str, a: Any, packed: Any, absmax: Any, rows: i
     off: comparisons)."""
     return (rows > _GM_MIN_ROWS and dt != "float32" and k % 64 == 0 and blocksize >= 64 and aligned(a, 16)
             and aligned(packed, 16) and aligned(absmax, 4) and rt.numel(packed) * 2 // 64 < 1 << 31
-            and rt.device_arch(device) >= 80
-            and int(rt.device_props(device).get("sharedMemPerBlockOptin", 0)) >= _GM_SMEM
-            and rt.tune("gemm4", 1) == 1 and rt.tune("gemv_kernel", 0) == 0)
+            and gemm4_runs_on(device) and rt.tune("gemm4", 1) == 1 and rt.tune("gemv_kernel", 0) == 0)
+
+
+def gemm4_runs_on(device: int) -> bool:
+    """Can the many-row GEMM run on ``device``: sm_80+ with the shared memory per CTA it takes."""
+    return rt.device_arch(device) >= 80 and int(rt.device_props(device).get("sharedMemPerBlockOptin", 0)) >= _GM_SMEM
 
 
 def _gm_cluster(device: int, cfg: tuple[int, int, int], ctas: int, k: int) -> int:

@@ -63,7 +63,7 @@ class LinearGroup:
     def forward(self, member: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """``member``'s output for ``x`` from a grouped call, or None where ``member`` should run alone."""
         if x.shape[-1] != self.members[0].in_features or qct.linear_path(
-                qct._rows(x), backend=qct.backend_for(x.device), k=x.shape[-1]) != "gemv":
+                qct._rows(x), backend=qct.backend_for(x.device), k=x.shape[-1], device=x.device) != "gemv":
             return None
         if torch.is_grad_enabled() and (x.requires_grad or any(
                 p is not None and p.requires_grad for m in self.members for p in (m._parameters.get("bias"),))):

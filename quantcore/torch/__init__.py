@@ -278,19 +278,24 @@ _define("gemv_4bit_grouped(Tensor A, Tensor[] packed, Tensor[] absmax, Tensor?[]
 
 
 # -- linear_4bit ----------------------------------------------------------------------------------------
-def linear_path(rows: int, op: str = "linear_4bit", backend: Any = None, k: int = 0) -> str:
+def linear_path(rows: int, op: str = "linear_4bit", backend: Any = None, k: int = 0, device: Any = None) -> str:
     """The path a linear op takes for ``rows`` input rows of ``k`` elements on ``backend`` (a backend
-    or its name; None: any backend): "gemv" (the batch kernels, or the fused many-row GEMM where the
-    backend has one, read the weight once for many rows; linear_q4_0: gemm_w4a8) or
-    "dequantize+matmul" (the weight dequantized into a temporary, then torch's matmul on tensor
-    cores)."""
+    or its name; None: any backend) and ``device`` (a torch device; None: any): "gemv" (the batch
+    kernels, or the fused many-row GEMM where the backend has one on that device, read the weight once
+    for many rows; linear_q4_0: gemm_w4a8) or "dequantize+matmul" (the weight dequantized into a
+    temporary, then torch's matmul on tensor cores). The rule depends on the rows only; ``k`` is
+    accepted for callers that pass the shape."""
     name = backend if backend is None or isinstance(backend, str) else getattr(backend, "name", None)
     if op == "linear_q4_0":
         limit = W4A8_MAX_ROWS_CUDA if name == "cuda" else W4A8_MAX_ROWS
     else:
         limit = GEMV_MAX_ROWS
         if op == "linear_4bit" and name is not None:
-            limit = max(limit, FUSED_4BIT_MAX_ROWS.get(name, 0))
+            fused = FUSED_4BIT_MAX_ROWS.get(name, 0)
+            runs = getattr(backend, "gemm_4bit_runs", None)
+            if fused and runs is not None and device is not None and not runs(device):
+                fused = 0  # no many-row GEMM on this device (less shared memory per CTA than it takes)
+            limit = max(limit, fused)
     path = "gemv" if 0 < rows <= limit else "dequantize+matmul"
     if DEBUG:
         print(f"quantcore.torch: {op} rows={rows} -> {path}", file=sys.stderr)
@@ -324,7 +329,7 @@ def linear_4bit_eager(x, packed, absmax, absmax2, code2, offset, n, k, blocksize
     if state is None:
         state = state_of(packed, absmax, absmax2, code2, offset, (n, k), blocksize, quant_type)
     rows = _rows(x)
-    if linear_path(rows, backend=backend_for(x.device), k=k) == "gemv":
+    if linear_path(rows, backend=backend_for(x.device), k=k, device=x.device) == "gemv":
         x2 = x if x.is_contiguous() else x.contiguous()
         return add_bias(_run(x.device, api.gemv_4bit, (x2, packed, state)), bias)
     w = _run(x.device, api.dequantize_4bit, (packed, state), out_dtype=x.dtype)
@@ -335,7 +340,7 @@ def bind_linear_4bit(x: torch.Tensor, packed: torch.Tensor, state: QuantState) -
     """The gemv path's launch bound to these tensors for x's geometry (``quantcore.bind_gemv_4bit``),
     or None (more rows than the gemv path takes, a host route, a backend that binds nothing)."""
     be = backend_for(x.device)
-    if linear_path(_rows(x), backend=be, k=x.shape[-1]) != "gemv":
+    if linear_path(_rows(x), backend=be, k=x.shape[-1], device=x.device) != "gemv":
         return None
     if _host_route(be, x.device):
         return None
