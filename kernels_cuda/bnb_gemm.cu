@@ -78,14 +78,6 @@ __device__ __forceinline__ float gm_ld_cluster_f32(u32 addr, u32 rank) {
 #define QC_GM_CLUSTER(CL)  // CL > 1 only on sm_90 (the launcher's choice); the body traps below it
 #endif
 
-// the pair T(hi), T(lo) of byte J of w: the table entry of this lane (lutx: table | 4 lane)
-template <int J>
-__device__ __forceinline__ u32 gm_pair(u32 w, u32 lutx) {
-    u32 r;
-    asm("ld.shared.b32 %0, [%1];" : "=r"(r) : "r"(__byte_perm(w, lutx, 0x7604u | (J << 4))));
-    return r;
-}
-
 // out[r, n] = T(sum_k a[r, k] * w[n, k]) for r < rows, n < N; out rows ldo elements apart.
 // grid: x the blocks of 32 WR input rows (CTAs sharing a weight tile run together), y the blocks
 // of 64 WW weight rows, z the CL K slices of a cluster (CTA z takes chunks C z / CL .. C (z + 1) / CL).
@@ -254,19 +246,8 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGmThreads, 1) gemm_4bit_ker
                 for (int nt = 0; nt < 4; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.0f;
 #pragma unroll
                 for (int m = 0; m < 4; ++m) {
-                    const u32 wa = wq[m >> 1], wb = wq[2 + (m >> 1)];
                     u32 af[4];
-                    if (m & 1) {
-                        af[0] = gm_pair<2>(wa, lutx);
-                        af[1] = gm_pair<2>(wb, lutx);
-                        af[2] = gm_pair<3>(wa, lutx);
-                        af[3] = gm_pair<3>(wb, lutx);
-                    } else {
-                        af[0] = gm_pair<0>(wa, lutx);
-                        af[1] = gm_pair<0>(wb, lutx);
-                        af[2] = gm_pair<1>(wa, lutx);
-                        af[3] = gm_pair<1>(wb, lutx);
-                    }
+                    pair_frag(m, wq, lutx, af);
 #pragma unroll
                     for (int nt = 0; nt < 4; ++nt) mma_16816<T>(d[nt], af, x[nt][2 * m], x[nt][2 * m + 1]);
                 }

@@ -62,13 +62,6 @@ struct GtGeo {
     static_assert(2 * kPart * 4 <= RING, "a warp's partial tiles fit in its ring");
 };
 
-template <int J>
-__device__ __forceinline__ u32 gt_pair(u32 w, u32 lutx) {
-    u32 r;
-    asm("ld.shared.b32 %0, [%1];" : "=r"(r) : "r"(__byte_perm(w, lutx, 0x7604u | (J << 4))));
-    return r;
-}
-
 __device__ __forceinline__ void gt_lds_v2(u32 addr, u32& a, u32& b) {
     asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "r"(addr));
 }
@@ -402,19 +395,8 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
             for (int h = 0; h < NB; ++h) d[h][0] = d[h][1] = d[h][2] = d[h][3] = 0.0f;
 #pragma unroll
             for (int m = 0; m < 4; ++m) {
-                const u32 wa = wq[m >> 1], wb = wq[2 + (m >> 1)];
                 u32 af[4];
-                if (m & 1) {
-                    af[0] = gt_pair<2>(wa, lutx);
-                    af[1] = gt_pair<2>(wb, lutx);
-                    af[2] = gt_pair<3>(wa, lutx);
-                    af[3] = gt_pair<3>(wb, lutx);
-                } else {
-                    af[0] = gt_pair<0>(wa, lutx);
-                    af[1] = gt_pair<0>(wb, lutx);
-                    af[2] = gt_pair<1>(wa, lutx);
-                    af[3] = gt_pair<1>(wb, lutx);
-                }
+                pair_frag(m, wq, lutx, af);
 #pragma unroll
                 for (int h = 0; h < NB; ++h) mma_16816<T>(d[h], af, x[h][2 * m], x[h][2 * m + 1]);
             }

@@ -272,6 +272,33 @@ __device__ __forceinline__ float code_4bit_imm(int q) {
     return v;
 }
 
+// -- the 4-bit pair table of the decode gemv and the many-row GEMM (bnb_gemv.cu, bnb_gemm.cu) ----------
+// A per-lane table of T(hi nibble), T(lo nibble) for each code byte, its shared address a multiple of
+// 64 KiB, so that one byte_perm forms an entry's address (lutx: the table's address | 4 lane).
+template <int J>
+__device__ __forceinline__ u32 pair_lut(u32 w, u32 lutx) {  // the pair of byte J of w
+    u32 r;
+    asm("ld.shared.b32 %0, [%1];" : "=r"(r) : "r"(__byte_perm(w, lutx, 0x7604u | (J << 4))));
+    return r;
+}
+// The m16n8k16 A fragment of mma step m (0..3) of a 64-element chunk: lane (g, c) holds 8 code bytes of
+// row g (wq[0..1]) and of row g + 8 (wq[2..3]); step m takes its bytes 2m and 2m + 1, so the dot
+// product runs over that permutation of the chunk's K order (the input fragment follows it).
+__device__ __forceinline__ void pair_frag(int m, const u32 (&wq)[4], u32 lutx, u32 (&af)[4]) {
+    const u32 wa = wq[m >> 1], wb = wq[2 + (m >> 1)];
+    if (m & 1) {
+        af[0] = pair_lut<2>(wa, lutx);
+        af[1] = pair_lut<2>(wb, lutx);
+        af[2] = pair_lut<3>(wa, lutx);
+        af[3] = pair_lut<3>(wb, lutx);
+    } else {
+        af[0] = pair_lut<0>(wa, lutx);
+        af[1] = pair_lut<0>(wb, lutx);
+        af[2] = pair_lut<1>(wa, lutx);
+        af[3] = pair_lut<1>(wb, lutx);
+    }
+}
+
 // -- exact arithmetic of the formats ---------------------------------------------------------------
 // Correctly rounded 1/x (the formats' reciprocal; never the approximate rcp of fast math).
 __device__ __forceinline__ float recip_rn(float x) { return __frcp_rn(x); }
