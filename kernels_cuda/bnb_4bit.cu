@@ -627,10 +627,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_4bit_mma_kernel(
                     const float s0 = __shfl_sync(kFullMask, sc[0], src);
                     const float s1 = __shfl_sync(kFullMask, sc[1], src);
                     if (u < valid) {  // warp-uniform
-                        acc[0] = fmaf(d[u][0], s0, acc[0]);
-                        acc[1] = fmaf(d[u][1], s0, acc[1]);
-                        acc[2] = fmaf(d[u][2], s1, acc[2]);
-                        acc[3] = fmaf(d[u][3], s1, acc[3]);
+                        fma_rows(acc, d[u], s0, s1);
                     }
                 }
                 cur = nxt;

@@ -253,10 +253,7 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGmThreads, 1) gemm_4bit_ker
                 }
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) {
-                    acc[mt][nt][0] = fmaf(d[nt][0], sc[0], acc[mt][nt][0]);
-                    acc[mt][nt][1] = fmaf(d[nt][1], sc[0], acc[mt][nt][1]);
-                    acc[mt][nt][2] = fmaf(d[nt][2], sc[1], acc[mt][nt][2]);
-                    acc[mt][nt][3] = fmaf(d[nt][3], sc[1], acc[mt][nt][3]);
+                    fma_rows(acc[mt][nt], d[nt], sc[0], sc[1]);
                 }
             }
         }

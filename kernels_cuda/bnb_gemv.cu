@@ -404,10 +404,7 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
             gt_lds_f2(sbuf + u * 2 * kGtPitch, sa, sb);
 #pragma unroll
             for (int h = 0; h < NB; ++h) {
-                acc[h][0] = fmaf(d[h][0], sa, acc[h][0]);
-                acc[h][1] = fmaf(d[h][1], sa, acc[h][1]);
-                acc[h][2] = fmaf(d[h][2], sb, acc[h][2]);
-                acc[h][3] = fmaf(d[h][3], sb, acc[h][3]);
+                fma_rows(acc[h], d[h], sa, sb);
             }
                 };
         if (nch == CH) {  // a whole stage: chunks in pairs (one input row block) with no branch between

@@ -683,10 +683,7 @@ __device__ __forceinline__ void mx_gemv_tc_impl(const u16* __restrict__ x, const
                     for (int h = 0; h < H; ++h) {
                         float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                         qc::mma_16816<M>(d, af, xc[h][2 * m], xc[h][2 * m + 1]);
-                        acc[h][0] = fmaf(d[0], sa, acc[h][0]);
-                        acc[h][1] = fmaf(d[1], sa, acc[h][1]);
-                        acc[h][2] = fmaf(d[2], sb, acc[h][2]);
-                        acc[h][3] = fmaf(d[3], sb, acc[h][3]);
+                        qc::fma_rows(acc[h], d, sa, sb);
                     }
                 }
             } else {
@@ -704,10 +701,7 @@ __device__ __forceinline__ void mx_gemv_tc_impl(const u16* __restrict__ x, const
                         float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                         qc::mma_16816<M>(d, a0, xc[h][4 * p], xc[h][4 * p + 1]);
                         qc::mma_16816<M>(d, a1, xc[h][4 * p + 2], xc[h][4 * p + 3]);
-                        acc[h][0] = fmaf(d[0], sa, acc[h][0]);
-                        acc[h][1] = fmaf(d[1], sa, acc[h][1]);
-                        acc[h][2] = fmaf(d[2], sb, acc[h][2]);
-                        acc[h][3] = fmaf(d[3], sb, acc[h][3]);
+                        qc::fma_rows(acc[h], d, sa, sb);
                     }
                 }
             }

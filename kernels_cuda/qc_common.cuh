@@ -272,6 +272,15 @@ __device__ __forceinline__ float code_4bit_imm(int q) {
     return v;
 }
 
+// acc += d times its rows' block scales: d an m16n8 fp32 C fragment of one scale block's product
+// (d[0], d[1] on row g, d[2], d[3] on row g + 8), sa row g's scale, sb row g + 8's; one fma each
+__device__ __forceinline__ void fma_rows(float* acc, const float* d, float sa, float sb) {
+    acc[0] = fmaf(d[0], sa, acc[0]);
+    acc[1] = fmaf(d[1], sa, acc[1]);
+    acc[2] = fmaf(d[2], sb, acc[2]);
+    acc[3] = fmaf(d[3], sb, acc[3]);
+}
+
 // -- the 4-bit pair table of the decode gemv and the many-row GEMM (bnb_gemv.cu, bnb_gemm.cu) ----------
 // A per-lane table of T(hi nibble), T(lo nibble) for each code byte, its shared address a multiple of
 // 64 KiB, so that one byte_perm forms an entry's address (lutx: the table's address | 4 lane).
