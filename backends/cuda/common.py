@@ -149,24 +149,19 @@ _FA = "allreduce.cu"
 AR_FLAG_BYTES = _G["QC_AR_FLAG_BYTES"]
 
 
-def ar_slot_bytes(nbytes: int) -> int:
-    """Bytes of one slot of the one-shot all-reduce's buffer for a tensor of ``nbytes`` (16-byte units)."""
-    return _cdiv(nbytes, 16) * 16
-
-
 def all_reduce_oneshot(x: Any, out: Any, buffers: list[int], round_: Any, rank: int) -> None:
     """``out`` = the sum over ranks of each rank's ``x`` (contiguous, the same shape and fp32 / fp16 /
     bf16 dtype on every rank, a multiple of 16 bytes), by the one-shot kernel on one CTA: ``buffers``
     the ranks' symmetric buffers as mapped on this device (AR_FLAG_BYTES of flags, then two slots of
-    :func:`ar_slot_bytes`), ``round_`` this buffer's round counter (one int32 on the device, zero at
-    first, as the buffers' flags)."""
+    ``x``'s bytes), ``round_`` this buffer's round counter (one int32 on the device, zero at first, as
+    the buffers' flags)."""
     world = len(buffers)
     expr = f"qc::all_reduce_oneshot_kernel<{_tag(x)}>"
     nbytes = rt.numel(x) * as_dtype(dtype_name(x.dtype)).itemsize
     bufs = {f"buf{i}": (buffers[i] if i < world else None) for i in range(_G["QC_AR_MAX_RANKS"])}
     rt.Launcher(x)(_FA, expr, (1,), _G["QC_AR_THREADS"],
                    rt.kernel_args(expr, x=x, out=out, **bufs, round=round_, rank=rank, world=world,
-                                  units=nbytes // 16, slot_bytes=ar_slot_bytes(nbytes)))
+                                  units=nbytes // 16, slot_bytes=nbytes))
 
 
 def ar_instances() -> list[tuple[str, str]]:

@@ -377,8 +377,9 @@ def _symm_mem_all_reduce(y: torch.Tensor, group: Any) -> torch.Tensor:
     return out
 
 
-#: (group name, bytes, device) -> (the symmetric buffer, every rank's buffer address here, round counter, rank)
-_ONESHOT: dict[tuple, tuple] = {}
+#: (group name, bytes, dtype, device) -> (the symmetric buffer, every rank's buffer address here, round
+#: counter, rank), or None where the one-shot kernel does not take the tensor (dist.all_reduce does)
+_ONESHOT: dict[tuple, tuple | None] = {}
 
 
 def _oneshot_all_reduce(y: torch.Tensor, group: Any) -> torch.Tensor:
@@ -389,29 +390,19 @@ def _oneshot_all_reduce(y: torch.Tensor, group: Any) -> torch.Tensor:
     the first call (run one step eagerly before capturing a CUDA graph); tensors over ONESHOT_MAX_BYTES,
     of another dtype or not a multiple of 16 bytes take ``dist.all_reduce``."""
     import torch.distributed as dist
-    import torch.distributed._symmetric_memory as symm_mem
 
     from ..backends.cuda import common as cuda_common
-    from ..formats.kernel_interface import AR_MAX_RANKS
 
     if y.device.type != "cuda":
         raise UnsupportedError(f"all_reduce='oneshot' needs CUDA tensors (got {y.device}); use 'group'")
     nbytes = y.numel() * y.element_size()
-    if (nbytes % 16 or nbytes > ONESHOT_MAX_BYTES or y.dtype not in (torch.float32, torch.float16, torch.bfloat16)
-            or dist.get_world_size(group) > AR_MAX_RANKS):
+    key = (group.group_name, nbytes, y.dtype, y.device)
+    ent = _ONESHOT.get(key, False)
+    if ent is False:
+        ent = _ONESHOT[key] = _oneshot_buffer(nbytes, y.dtype, y.device, group)
+    if ent is None:
         dist.all_reduce(y, group=group)
         return y
-    key = (group.group_name, nbytes, y.device)
-    ent = _ONESHOT.get(key)
-    if ent is None:
-        buf = symm_mem.empty(cuda_common.AR_FLAG_BYTES + 2 * cuda_common.ar_slot_bytes(nbytes), dtype=torch.uint8,
-                             device=y.device)
-        buf.zero_()  # the flags: no round announced
-        hdl = symm_mem.rendezvous(buf, group.group_name)
-        torch.cuda.synchronize(y.device)
-        dist.barrier(group=group)  # every rank's flags are zero before any rank announces a round
-        ent = _ONESHOT[key] = (buf, [int(p) for p in hdl.buffer_ptrs],
-                               torch.zeros(1, dtype=torch.int32, device=y.device), int(hdl.rank))
     _, ptrs, rnd, rank = ent
     x = y.contiguous()
     if x.data_ptr() % 16:  # a view at an odd offset: the kernel reads 16-byte units
@@ -419,6 +410,26 @@ def _oneshot_all_reduce(y: torch.Tensor, group: Any) -> torch.Tensor:
     out = torch.empty_like(x)
     cuda_common.all_reduce_oneshot(x, out, ptrs, rnd, rank)
     return out
+
+
+def _oneshot_buffer(nbytes: int, dtype: torch.dtype, device: torch.device, group: Any) -> tuple | None:
+    """The one-shot all-reduce's symmetric buffer for ``nbytes`` of ``dtype`` (a collective), or None where
+    its kernel does not take such a tensor."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from ..backends.cuda import common as cuda_common
+    from ..formats.kernel_interface import AR_MAX_RANKS
+
+    if (nbytes % 16 or nbytes > ONESHOT_MAX_BYTES or dtype not in (torch.float32, torch.float16, torch.bfloat16)
+            or dist.get_world_size(group) > AR_MAX_RANKS):
+        return None
+    buf = symm_mem.empty(cuda_common.AR_FLAG_BYTES + 2 * nbytes, dtype=torch.uint8, device=device)
+    buf.zero_()  # the flags: no round announced
+    hdl = symm_mem.rendezvous(buf, group.group_name)
+    torch.cuda.synchronize(device)
+    dist.barrier(group=group)  # every rank's flags are zero before any rank announces a round
+    return buf, [int(p) for p in hdl.buffer_ptrs], torch.zeros(1, dtype=torch.int32, device=device), int(hdl.rank)
 
 
 def _rowwise_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
