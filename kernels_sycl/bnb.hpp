@@ -169,16 +169,17 @@ inline void absmax_mean(const sycl::nd_item<1> &it, double *partial, const float
 // Unlike bitsandbytes, the weight is decoded in fp32 (code * absmax) and the products are fp32,
 // and up to QC_MAX_BATCH rows of A share one read of the weight. When K is not a multiple of 32
 // a row may start inside a byte or a block, so a per-value path handles it.
+// This sub-group's row `row` of the weight (nrows rows; none when row >= nrows): out[b * ldo + row]
+// for the input rows b (the grouped gemv writes each weight's block of columns of a wider output).
 template <typename T>
-void gemv_4bit(const sycl::nd_item<1> &it, const float *code, const T *a, const uint8_t *packed,
-               const Absmax &absmax, T *out, int64_t batch, int64_t nrows, int64_t k,
-               int64_t blocksize) {
+void gemv_4bit_row(const sycl::nd_item<1> &it, const float *code, const T *a, const uint8_t *packed,
+                   const Absmax &absmax, T *out, int64_t ldo, int64_t batch, int64_t row, int64_t nrows,
+                   int64_t k, int64_t blocksize) {
   constexpr int kLaneValues = QC_GEMV_VALUES_PER_LANE;
   constexpr int kLaneBytes = kLaneValues / 2;
   const sycl::sub_group sg = it.get_sub_group();
   const int lane = static_cast<int>(sg.get_local_linear_id());
   const int lanes = static_cast<int>(sg.get_local_linear_range());
-  const int64_t row = subgroup_row(it);
   const bool active = row < nrows; // uniform over the sub-group
   const int shift = log2_pow2(blocksize);
   const int64_t row_first = row * k; // index of W[row, 0] in the flattened weight
@@ -223,9 +224,41 @@ void gemv_4bit(const sycl::nd_item<1> &it, const float *code, const T *a, const 
     for (int b = 0; b < QC_MAX_BATCH; ++b) {
       if (b >= nb) break;
       const float total = sycl::reduce_over_group(sg, acc[b], sycl::plus<float>());
-      if (active && lane == 0) Elem<T>::store(out, (b0 + b) * nrows + row, total);
+      if (active && lane == 0) Elem<T>::store(out, (b0 + b) * ldo + row, total);
     }
   }
+}
+
+// gemv_4bit: the sub-group's row of the work-group's QC_GEMV_ROWS_PER_WG, out [batch, nrows].
+template <typename T>
+void gemv_4bit(const sycl::nd_item<1> &it, const float *code, const T *a, const uint8_t *packed,
+               const Absmax &absmax, T *out, int64_t batch, int64_t nrows, int64_t k,
+               int64_t blocksize) {
+  gemv_4bit_row<T>(it, code, a, packed, absmax, out, nrows, batch, subgroup_row(it), nrows, k, blocksize);
+}
+
+// The grouped gemv: up to QC_GV_GROUPS weights [n_i, K] that share the input, their rows one list
+// (weight i's after those of the weights before it), a sub-group per row as in gemv_4bit; weight
+// i's results go to columns n_0 + ... + n_{i-1} .. of out [batch, ldo]. `GroupW` holds one weight's
+// arrays and row count.
+struct GroupW {
+  const uint8_t *packed;
+  Absmax absmax;
+  int64_t n;
+};
+// The weight is picked by selects into values (not by indexing an array of them: the CPU device's
+// compiler then kept every field in memory and ran the grouped gemv ~10% slower than single ones).
+template <typename T>
+void gemv_4bit_grouped(const sycl::nd_item<1> &it, const float *code, const T *a, const GroupW &w0,
+                       const GroupW &w1, const GroupW &w2, const GroupW &w3, int ngroups, T *out, int64_t ldo,
+                       int64_t batch, int64_t k, int64_t blocksize) {
+  const int64_t row = subgroup_row(it);
+  // the weight holding this row (rows past the last weight's: none of the last)
+  const int64_t e1 = w0.n, e2 = e1 + (ngroups > 1 ? w1.n : 0), e3 = e2 + (ngroups > 2 ? w2.n : 0);
+  const int i = (ngroups > 1 && row >= e1) + (ngroups > 2 && row >= e2) + (ngroups > 3 && row >= e3);
+  const GroupW w = i == 0 ? w0 : i == 1 ? w1 : i == 2 ? w2 : w3;
+  const int64_t col = i == 0 ? 0 : i == 1 ? e1 : i == 2 ? e2 : e3;
+  gemv_4bit_row<T>(it, code, a, w.packed, w.absmax, out + col, ldo, batch, row - col, w.n, k, blocksize);
 }
 
 } // namespace qc

@@ -142,6 +142,36 @@ QC_KERNEL void qc_double_quantize(const float *absmax, uint8_t *qabsmax, float *
   }
 QC_FOR_EACH_DTYPE(QC_GEMV_4BIT)
 
+// the grouped gemv: QC_GV_GROUPS weights' parameters (ngroups used), one sub-group per row of all
+#define QC_GROUP_W(i)                                                                          \
+  const uint8_t *packed##i, const void *absmax##i, const float *absmax2_##i,                   \
+      const float *code2_##i, const float *offset##i, int64_t n##i
+#define QC_GROUP_MAKE(i) qc::GroupW{packed##i, make_absmax(absmax##i, absmax2_##i, code2_##i, offset##i), n##i}
+static_assert(QC_GV_GROUPS == 4, "the grouped gemv's parameter list");
+#define QC_GEMV_4BIT_GROUPED(NAME, T)                                                          \
+  QC_KERNEL_SUBGROUP void qc_gemv_4bit_grouped_##NAME(                                         \
+      const T *a, QC_GROUP_W(0), QC_GROUP_W(1), QC_GROUP_W(2), QC_GROUP_W(3), T *out,         \
+      int64_t ldo, int64_t batch, int ngroups, int64_t k, int blocksize, int quant_type) {                  \
+    static syclexp::work_group_static<float[qc::kCodes4Bit]> lut;                              \
+    const auto it = QC_ITEM;                                                                   \
+    qc::fill_local(it, QC_LOCAL(lut), code_4bit(quant_type), qc::kCodes4Bit);                  \
+    qc::gemv_4bit_grouped<T>(it, QC_LOCAL(lut), a, QC_GROUP_MAKE(0), QC_GROUP_MAKE(1),          \
+                             QC_GROUP_MAKE(2), QC_GROUP_MAKE(3), ngroups, out, ldo, batch, k,     \
+                             blocksize);                                                        \
+  }
+QC_FOR_EACH_DTYPE(QC_GEMV_4BIT_GROUPED)
+
+// the grouped gemv's many-row path: a weight's results [rows, row_bytes] into its columns of the
+// grouped output (rows dst_stride bytes apart), one work-item per 4 bytes (row_bytes % 4 == 0) or byte
+QC_KERNEL void qc_copy_rows(const uint8_t *src, uint8_t *dst, int64_t rows, int64_t row_bytes, int64_t dst_stride) {
+  const int64_t i = static_cast<int64_t>(QC_ITEM.get_global_id(0));
+  const bool words = row_bytes % 4 == 0 && dst_stride % 4 == 0;
+  const int64_t unit = words ? 4 : 1, per_row = row_bytes / unit;
+  if (i >= rows * per_row) return;
+  const int64_t r = i / per_row, c = (i - r * per_row) * unit;
+  for (int64_t b = 0; b < unit; ++b) dst[r * dst_stride + c + b] = src[r * row_bytes + c + b];
+}
+
 // ---- ggml -------------------------------------------------------------------------------------------
 #define QC_GGML_CODECS(NAME, T)                                                                 \
   QC_KERNEL void qc_quantize_q4_0_##NAME(const T *x, uint8_t *out, int64_t nblocks) {           \

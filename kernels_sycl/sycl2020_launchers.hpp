@@ -134,6 +134,26 @@ sycl::event gemv_4bit(sycl::queue &q, const T *a, const uint8_t *packed, Absmax 
 }
 
 // gemv_4bit for many rows (batch >= QC_TILED_MIN_ROWS, as the backend's glue chooses): tiled.hpp.
+// the grouped gemv (rows below QC_TILED_MIN_ROWS): w[0 .. ngroups) one quant type and blocksize,
+// out [batch, ldo] (weight i into columns n_0 + ... + n_{i-1} ..)
+template <typename T>
+sycl::event gemv_4bit_grouped(sycl::queue &q, const T *a, const GroupW *w, int ngroups, T *out, int64_t ldo,
+                              int64_t batch, int64_t k, int64_t blocksize, int quant_type) {
+  constexpr int64_t wg = QC_GEMV_ROWS_PER_WG * QC_SUBGROUP_SIZE;
+  GroupW ws[QC_GV_GROUPS] = {};
+  int64_t ntot = 0;
+  for (int i = 0; i < ngroups; ++i) ntot += (ws[i] = w[i]).n;
+  return q.submit([&](sycl::handler &h) {
+    sycl::local_accessor<float, 1> lut(sycl::range<1>(kCodes4Bit), h);
+    h.parallel_for(groups_of(cdiv(ntot, QC_GEMV_ROWS_PER_WG), wg),
+                   [=](sycl::nd_item<1> it) [[sycl::reqd_sub_group_size(QC_SUBGROUP_SIZE)]] {
+      fill_local(it, local_ptr(lut), quant_type == kQuantNF4 ? kNF4Code : kFP4Code, kCodes4Bit);
+      qc::gemv_4bit_grouped<T>(it, local_ptr(lut), a, ws[0], ws[1], ws[2], ws[3], ngroups, out, ldo, batch, k,
+                               blocksize);
+    });
+  });
+}
+
 template <typename T>
 sycl::event gemv_4bit_tiled(sycl::queue &q, const T *a, const uint8_t *packed, Absmax absmax, T *out,
                             int64_t batch, int64_t nrows, int64_t k, int64_t blocksize, int quant_type) {

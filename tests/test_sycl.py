@@ -200,6 +200,8 @@ template <typename T> void all(sycl::queue &q) {
   l::dequantize_ggml<T>(q, l::GgmlFormat::q8_1, u, t, 1);
   l::gemm_w4a8<true, T>(q, u, nullptr, t, f, 1, 1, 32);
   l::gemv_4bit_tiled<T>(q, t, u, am, t, 9, 1, 64, 64, 0);
+  const qc::GroupW w[2] = {{u, am, 1}, {u, am, 2}};
+  l::gemv_4bit_grouped<T>(q, t, w, 2, t, 3, 1, 64, 64, 0);
 }
 void instantiate(sycl::queue &q) {
   all<float>(q); all<sycl::half>(q); all<sycl::ext::oneapi::bfloat16>(q);

@@ -32,6 +32,7 @@ from quantcore.backend import Availability, Backend, Nested
 from quantcore.errors import BackendUnavailableError, DeviceError, ParameterError
 from quantcore.formats import bnb, ggml, kernel_interface
 from quantcore.formats.kernel_defines import GGML_FORMAT_CODE, QUANT_TYPE_CODE, TILED_GEOMETRY, TILED_MIN_ROWS
+from quantcore.formats.kernel_interface import GEMV_TC_GROUPS
 
 from . import runtime
 from .arrays import SyclArray
@@ -348,6 +349,46 @@ class SyclBackend(Backend):
             else:  # one sub-group per weight row
                 launch(f"qc_gemv_4bit_{_kdt(a)}", _cdiv(n, G["QC_GEMV_ROWS_PER_WG"]),
                        G["QC_GEMV_ROWS_PER_WG"] * self.program(out.queue).subgroup_size, *args)
+
+    def gemv_4bit_grouped(self, a, groups, out, *, k):
+        """Weights that share the input: below QC_TILED_MIN_ROWS rows, one launch per run of up to
+        GEMV_TC_GROUPS weights of one blocksize and quant type (a sub-group per row of all of them,
+        each weight's results into its columns of ``out``); with more rows each weight's tiled gemv
+        into a scratch array, its rows copied into its columns."""
+        batch = a.size // k
+        ntot = sum(g[3] for g in groups)
+        if batch * k != a.size or out.size != batch * ntot:
+            raise ParameterError(f"gemv_4bit_grouped: A holds {a.size} values and out {out.size} for "
+                                 f"N={ntot}, K={k}")
+        isz = out.dtype.itemsize
+        with self._launch(out, a, *(g[0] for g in groups)) as launch:
+            col, i = 0, 0
+            while i < len(groups):
+                p, am, nst, n, bs, qt = groups[i]
+                if batch >= TILED_MIN_ROWS:  # many rows: the tiled kernel's weight reuse, then a copy
+                    tmp = SyclArray.empty((batch, n), out.dtype, out.queue)
+                    launch(f"qc_gemv_4bit_tiled_{_kdt(a)}", _cdiv(n, T["QC_TILE_M"]) * _cdiv(batch, T["QC_TILE_N"]),
+                           T["QC_TILE_THREADS"], a, p, *self._absmax_args(am, nst), tmp, batch, n, k, bs,
+                           QUANT_TYPE_CODE[qt])
+                    dst = out.byte_view(col * isz, (out.nbytes - col * isz,), "uint8")
+                    units = batch * (n * isz // 4 if n * isz % 4 == 0 and ntot * isz % 4 == 0 else n * isz)
+                    launch("qc_copy_rows", _cdiv(units, G["QC_GGML_WG"]), G["QC_GGML_WG"], tmp, dst, batch,
+                           n * isz, ntot * isz)
+                    launch.finish()  # tmp is freed when this iteration ends
+                    col, i = col + n, i + 1
+                    continue
+                j = i + 1
+                while j < len(groups) and j - i < GEMV_TC_GROUPS and groups[j][4:] == (bs, qt):
+                    j += 1
+                weights = []
+                for g in groups[i:j] + [(None, None, None, 0, bs, qt)] * (GEMV_TC_GROUPS - (j - i)):
+                    weights += [g[0], *self._absmax_args(g[1], g[2]), g[3]]
+                nrows = sum(g[3] for g in groups[i:j])
+                dst = out.byte_view(col * isz, ((out.nbytes - col * isz) // isz,), out.dtype) if col else out
+                launch(f"qc_gemv_4bit_grouped_{_kdt(a)}", _cdiv(nrows, G["QC_GEMV_ROWS_PER_WG"]),
+                       G["QC_GEMV_ROWS_PER_WG"] * self.program(out.queue).subgroup_size, a, *weights, dst, ntot, batch,
+                       j - i, k, bs, QUANT_TYPE_CODE[qt])
+                col, i = col + nrows, j
 
     # -- ggml --------------------------------------------------------------------------------------------
     def _ggml_codec(self, name: str, src: SyclArray, dst: SyclArray, values: int, *fmt: int) -> None:

@@ -69,6 +69,14 @@ _NESTED = "const void* absmax, const f32* absmax2, const f32* code2, const f32* 
 _GEMV = (f"const elem* a, i32 dtype, const u8* packed, {_NESTED}, elem* out, i64 rows, i64 n, i64 k, "
          "i32 blocksize, i32 quant_type")
 _GGML_QUANTIZE = "const elem* x, i32 dtype, u8* out, i64 nblocks"
+#: weights one grouped-gemv launch takes (cuda: kernels_cuda/bnb_gemv.cu QC_GT_GROUP_PARAMS x
+#: QC_GV_GROUPS; sycl: qc_gemv_4bit_grouped), and the parameters of weight i of such a kernel
+GEMV_TC_GROUPS = 4
+_GEMV_TC_WEIGHT = ("const u8* packed{i}, const void* absmax{i}, const f32* absmax2_{i}, const f32* code2_{i}, "
+                   "const f32* offset{i}, i64 n{i}")
+#: their names per weight (the launchers pass weight i's arrays by these)
+GEMV_TC_WEIGHT_NAMES = tuple(tuple(a.name for a in args(_GEMV_TC_WEIGHT.format(i=i))) for i in range(GEMV_TC_GROUPS))
+_GEMV_WEIGHTS = ", ".join(_GEMV_TC_WEIGHT.format(i=i) for i in range(GEMV_TC_GROUPS))
 _GEMM = "const u8* wq, const u8* aq, f32* out, i64 m, i64 n, i64 k"
 
 #: op -> its arguments. Sizes are i64; dtype, format, mode and flag codes i32 (kernel_defines'
@@ -84,6 +92,11 @@ ENTRY_POINTS: dict[str, tuple[Arg, ...]] = {op: args(spec) for op, spec in {
                             "i32 blocksize",
     "gemv_4bit": _GEMV,
     "gemv_4bit_tiled": _GEMV,
+    # up to GEMV_TC_GROUPS weights [n_i, K] that share the input in one launch (one quant type and
+    # blocksize; nestedness per weight): weight i into columns n_0 + ... + n_{i-1} .. of out [rows, ldo]
+    # (sycl only)
+    "gemv_4bit_grouped": f"const elem* a, i32 dtype, {_GEMV_WEIGHTS}, elem* out, i64 ldo, i64 rows, i32 ngroups, "
+                         "i64 k, i32 blocksize, i32 quant_type",
     "quantize_q4_0": _GGML_QUANTIZE,
     "quantize_q8_0": _GGML_QUANTIZE,
     "quantize_q8_1": _GGML_QUANTIZE,
@@ -120,8 +133,10 @@ _HOST_TYPES = {"u8": "uint8_t", "u16": "uint16_t", "u32": "uint32_t", "f32": "fl
 
 #: the cpu library (kernels_cpu/qc_cpu.cpp): gemv_4bit's tiles and the GEMMs' composites are the glue's
 #: (the host runs them as one kernel), so it lacks the _tiled and gemm_w4a8 entry points
+#: (and the grouped gemv: the cpu backend runs gemv_4bit per weight)
 CPU = Dialect(
-    "cpu", tuple(op for op in ENTRY_POINTS if not op.endswith("_tiled") and op != "gemm_w4a8"), "qc_{op}", "void",
+    "cpu", tuple(op for op in ENTRY_POINTS if not op.endswith("_tiled") and op not in ("gemm_w4a8", "gemv_4bit_grouped")),
+    "qc_{op}", "void",
     args("i32 nt"),  # OpenMP threads (<= 0: the OpenMP default)
     {**_HOST_TYPES, "i64": "int64_t"}, {},
     {"qc_cpu_build_info": ("const char*", ()), "qc_cpu_max_threads": ("int", ()),
@@ -129,9 +144,11 @@ CPU = Dialect(
      "qc_stream_copy": ("void", args("const f32* src, f32* dst, i64 n, i32 nt"))},
 )
 
-#: the MACA launchers (kernels_maca/*.maca): each returns its mcError_t; long long is their i64
+#: the MACA launchers (kernels_maca/*.maca): each returns its mcError_t; long long is their i64 (no
+#: grouped gemv yet: the maca backend runs gemv_4bit per weight)
 MACA = Dialect(
-    "maca", tuple(ENTRY_POINTS), "qc_maca_{op}", "int", (Arg("stream", "stream"),),
+    "maca", tuple(op for op in ENTRY_POINTS if op != "gemv_4bit_grouped"), "qc_maca_{op}", "int",
+    (Arg("stream", "stream"),),
     {**_HOST_TYPES, "i64": "long long", "stream": "mcStream_t"}, {},
     {"qc_maca_error_string": ("const char*", args("i32 err")), "qc_maca_wave_size": ("int", ()),
      "qc_maca_device_wave_size": ("int", args("i32 device, i32* out")),
@@ -148,12 +165,15 @@ SYCL = Dialect(
     {op: args("i64 values_per_item") for op in ("quantize_4bit", "quantize_blockwise", "double_quantize")},
     # double_quantize's first step (its offset: one work-group's fp64 tree mean, on fp64 devices);
     # the kernel that reports the sub-group size the device really runs (a test)
+    # (and the grouped gemv's column copy for many rows: rows of row_bytes from src into dst's rows of
+    # dst_stride bytes)
     {"qc_absmax_mean": ("void", args("const f32* absmax, i64 nblocks, f32* offset")),
+     "qc_copy_rows": ("void", args("const u8* src, u8* dst, i64 rows, i64 row_bytes, i64 dst_stride")),
      "qc_subgroup_probe": ("void", args("i64* out"))},
 )
 DIALECTS = {d.name: d for d in (CPU, MACA, SYCL)}
 #: SYCL kernels that state their required sub-group size (they reduce over a sub-group)
-SYCL_SUBGROUP_KERNELS = ("gemv_4bit", "gemv_4bit_tiled", "gemm_q4_0_q8_1", "gemm_q4_0_q8_1_tiled", "gemm_w4a8",
+SYCL_SUBGROUP_KERNELS = ("gemv_4bit", "gemv_4bit_tiled", "gemv_4bit_grouped", "gemm_q4_0_q8_1", "gemm_q4_0_q8_1_tiled", "gemm_w4a8",
                          "linear_mx", "qc_subgroup_probe")
 #: SYCL element types: kernel name suffix -> C type
 SYCL_ELEMENTS = {"f32": "float", "f16": "qc::half", "bf16": "qc::bf16"}
@@ -250,15 +270,8 @@ def sycl_kernels() -> dict[str, tuple[Arg, ...]]:
 
 
 # -- CUDA: the __global__ kernels' parameter lists ------------------------------------------------------------
-#: weights one decode-gemv launch takes (kernels_cuda/bnb_gemv.cu QC_GT_GROUP_PARAMS x QC_GV_GROUPS)
-GEMV_TC_GROUPS = 4
 #: ranks the one-shot all-reduce takes at most (kernels_cuda/allreduce.cu: one buffer parameter each)
 AR_MAX_RANKS = 8
-#: the parameters of weight i of that kernel
-_GEMV_TC_WEIGHT = ("const u8* packed{i}, const void* absmax{i}, const f32* absmax2_{i}, const f32* code2_{i}, "
-                   "const f32* offset{i}, i64 n{i}")
-#: their names per weight (the launcher passes weight i's arrays by these)
-GEMV_TC_WEIGHT_NAMES = tuple(tuple(a.name for a in args(_GEMV_TC_WEIGHT.format(i=i))) for i in range(GEMV_TC_GROUPS))
 _MX_GEMM = ("const u8* a, const u8* b, const u8* scale_a, const u8* scale_b, const f32* alpha, const u16* bias, "
             "u16* out, i32 m, i32 n, i32 k, i32 flags")
 _MX_QUANTIZE2 = ("const elem* x, u8* codes, u8* scales, const f32* gscale, u32 nunits, u32 rows, u32 ncols, "
@@ -289,7 +302,7 @@ CUDA_KERNELS: dict[str, tuple[Arg, ...]] = {name: args(spec) for name, spec in {
     "gemm_4bit_kernel": f"const u16* a, const u8* packed, {_NESTED}, u16* out, i64 ldo, i32 rows, i64 n, "
                         "i64 k, i32 log2bs",
     # bnb_gemv.cu: the input, GEMV_TC_GROUPS weights, the output
-    "gemv_4bit_tc_kernel": "const u16* a, " + ", ".join(_GEMV_TC_WEIGHT.format(i=i) for i in range(GEMV_TC_GROUPS))
+    "gemv_4bit_tc_kernel": "const u16* a, " + _GEMV_WEIGHTS
         + ", u16* out, i64 ldo, i32 rows, i64 k, i32 log2bs, i32 ngroups",
     # allreduce.cu: the rank's partial sums, the output, the ranks' symmetric buffers (QC_AR_MAX_RANKS)
     "all_reduce_oneshot_kernel": "const elem* x, elem* out, " + ", ".join(f"u8* buf{i}" for i in range(AR_MAX_RANKS))

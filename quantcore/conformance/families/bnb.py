@@ -452,15 +452,18 @@ def _api_gemv(cap: Capability, be: Backend, rng: np.random.Generator) -> Verdict
     return v
 
 
-def _api_gemv_grouped(cap: Capability, rows: int, nested: bool, be: Backend, rng: np.random.Generator) -> Verdict:
+def _api_gemv_grouped(cap: Capability, rows: int, nested: bool | None, be: Backend,
+                      rng: np.random.Generator) -> Verdict:
     """gemv_4bit_grouped through the public API: three weights of one K (N 33, 9, 17: partial tiles)
-    and ``rows`` input rows; each column block against its own weight's bound."""
+    and ``rows`` input rows; each column block against its own weight's bound. ``nested`` None: six
+    weights (more than one launch takes on cuda and sycl), double quantization on every other one."""
     v = Verdict()
     k = 3 * cap.blocksize if cap.blocksize <= 512 else cap.blocksize
-    ns = (33, 9, 17)
+    ns = (33, 9, 17) if nested is not None else (33, 9, 17, 40, 8, 12)
+    nests = (nested,) * len(ns) if nested is not None else (True, False) * 3
     a = cast(rng.standard_normal((rows, k)), DTYPES[cap.dtype])
     weights, refs = [], []
-    for n in ns:
+    for n, nested in zip(ns, nests):
         inputs, _, w64 = _gemv_operands(rng, cap, n, k, nested, (1, k))
         state2 = offset = None
         if nested:
@@ -691,8 +694,8 @@ def _api_cases(declared: frozenset[Capability]) -> Iterable[Case]:
     for cap in _first_per_dtype(declared, "gemv_4bit"):
         yield Case(f"bnb/gemv_4bit/{cap.fmt}/{cap.dtype}/bs{cap.blocksize}/api-A-3d", TOLERANCE, cap,
                    partial(_api_gemv, cap))
-        for rows, nested in ((1, True), (5, False), (16, True), (19, True)):
-            tag = "-nested" if nested else ""
+        for rows, nested in ((1, True), (5, False), (16, True), (19, True), (3, None), (12, None)):
+            tag = "-nested" if nested else "-six-mixed" if nested is None else ""
             yield Case(f"bnb/gemv_4bit/{cap.fmt}/{cap.dtype}/bs{cap.blocksize}/api-grouped-B{rows}{tag}", TOLERANCE,
                        cap, partial(_api_gemv_grouped, cap, rows, nested))
     for cap in _first_per_dtype(declared, "quantize_blockwise"):
