@@ -390,3 +390,24 @@ def test_gemm_w4a8_is_gemm_on_quantize_q8_1(be, rng, m, n, k):
 
 
 # -- the conformance suite -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 5, 9])
+def test_grouped_gemv_is_the_single_gemvs(be, rng, rows):
+    """qc_gemv_4bit_grouped (and, from 9 rows, the tiled gemv per weight with qc_copy_rows): the
+    single gemv_4bit results bit for bit, for eight weights of mixed quant type, blocksize and
+    nesting (so several launches, weights of one launch nested or not), fp32 / fp16 / bf16."""
+    k = 256
+    ws = []
+    for n, nested, qt, bs in [(48, True, "nf4", 64), (16, False, "nf4", 64), (33, True, "nf4", 64),
+                              (7, False, "fp4", 128), (20, True, "nf4", 64), (9, False, "nf4", 64),
+                              (5, True, "nf4", 64), (70, False, "nf4", 64)]:
+        w = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
+        ws.append(qc.quantize_4bit(be.from_numpy(w), blocksize=bs, quant_type=qt, compress_statistics=nested,
+                                   backend=be))
+    for dt in FLOAT_DTYPES.values():
+        a = be.from_numpy(rng.standard_normal((rows, k)).astype(dt))
+        got = api.gemv_4bit_grouped(a, ws, backend=be).to_numpy()
+        want = np.concatenate([api.gemv_4bit(a, p, st, backend=be).to_numpy() for p, st in ws], axis=-1)
+        assert got.shape == (rows, sum(st.shape[0] for _, st in ws))
+        assert np.array_equal(bits(got), bits(want)), (rows, dt)
