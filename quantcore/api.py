@@ -245,9 +245,9 @@ def gemv_4bit_grouped(A: Any, weights: Sequence[tuple[Any, QuantState]], *,
     [N_i, K] -> [..., N_1 + N_2 + ...] in A's dtype, equal to the concatenation of
     ``gemv_4bit(A, packed_i, state_i)`` along the last dimension (each block within gemv_4bit's
     tolerance). A backend that implements the grouped kernel-level op reads every weight in one
-    launch (cuda: up to 4 weights of one quant type, blocksize and nestedness per launch; sycl: up
-    to 4 of one quant type and blocksize, below 9 rows); the others run gemv_4bit per weight and
-    concatenate.
+    launch (cuda and maca: up to 4 weights of one quant type, blocksize and nestedness per launch;
+    sycl: up to 4 of one quant type and blocksize; sycl and maca below 9 rows); the others run
+    gemv_4bit per weight and concatenate.
     """
     be = _backend(backend)
     if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence) or len(weights) == 0:

@@ -587,3 +587,27 @@ def test_mx_launch_errors_surface_as_kernel_error(be):
     with pytest.raises(KernelError, match="invalid argument"):  # more row tiles than CTAs
         be._launch("scaled_fp4_mm", out, codes, codes, scales, scales, alpha, None, out, 64 * 65536, 1, 64,
                    mx.MX_FORMAT_CODE["mxfp4"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 5, 9])
+def test_grouped_gemv_is_the_single_gemvs(be, rng, rows):
+    """qc_maca_gemv_4bit_grouped (and, from 9 rows, the tiled gemv per weight into its columns): the
+    single gemv_4bit results bit for bit, for eight weights of mixed quant type, blocksize and
+    nesting (so several launches), fp32 / fp16 / bf16."""
+    import torch
+
+    k = 256
+    ws = []
+    for n, nested, qt, bs in [(48, True, "nf4", 64), (16, False, "nf4", 64), (33, True, "nf4", 64),
+                              (7, False, "fp4", 128), (20, True, "nf4", 64), (9, True, "nf4", 64),
+                              (5, True, "nf4", 64), (70, False, "nf4", 64)]:
+        w = torch.from_numpy((rng.standard_normal((n, k)) * 0.1).astype(np.float32)).cuda()
+        ws.append(qc.quantize_4bit(w, blocksize=bs, quant_type=qt, compress_statistics=nested, backend=be))
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        a = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).cuda().to(dt)
+        got = qc.gemv_4bit_grouped(a, ws, backend=be)
+        want = torch.cat([qc.gemv_4bit(a, p, st, backend=be) for p, st in ws], dim=-1)
+        assert got.shape == (rows, sum(st.shape[0] for _, st in ws))
+        assert torch.equal(got.view(torch.int16) if dt != torch.float32 else got.view(torch.int32),
+                           want.view(torch.int16) if dt != torch.float32 else want.view(torch.int32)), (rows, dt)

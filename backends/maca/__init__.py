@@ -27,6 +27,7 @@ from quantcore.backend import Availability, Backend, Nested
 from quantcore.errors import BackendUnavailableError, DeviceError, KernelError
 from quantcore.formats import ggml, kernel_interface, mx
 from quantcore.formats.kernel_defines import DTYPE_CODE, GGML_FORMAT_CODE, QUANT_TYPE_CODE, TILED_MIN_ROWS
+from quantcore.formats.kernel_interface import GEMV_TC_GROUPS
 
 from . import build
 
@@ -244,6 +245,32 @@ class MacaBackend(Backend):
         op = "gemv_4bit_tiled" if rows >= TILED_MIN_ROWS else "gemv_4bit"
         self._launch(op, out, a, _dtype_code(a), packed, absmax, *_nested_args(nested), out,
                      rows, n, k, blocksize, QUANT_TYPE_CODE[quant_type])
+
+    def gemv_4bit_grouped(self, a, groups, out, *, k):
+        """Below TILED_MIN_ROWS rows one launch per run of up to GEMV_TC_GROUPS weights of one quant
+        type, blocksize and nesting (a wave per row of all of them, each weight into its columns);
+        with more rows each weight's tiled gemv into its columns' copy."""
+        rows = out.numel() // out.shape[-1]
+        ntot = out.shape[-1]
+        col, i = 0, 0
+        while i < len(groups):
+            p, am, nst, n, bs, qt = groups[i]
+            if rows >= TILED_MIN_ROWS:
+                tmp = self.empty((rows, n), dtype_name(out.dtype), like=out)
+                self.gemv_4bit(a, p, am, tmp, n=n, k=k, blocksize=bs, quant_type=qt, nested=nst)
+                out[:, col:col + n] = tmp
+                col, i = col + n, i + 1
+                continue
+            j = i + 1
+            while (j < len(groups) and j - i < GEMV_TC_GROUPS and groups[j][4:] == (bs, qt)
+                   and (groups[j][2] is None) == (nst is None)):
+                j += 1
+            weights = []
+            for g in groups[i:j] + [(None, None, None, 0, bs, qt)] * (GEMV_TC_GROUPS - (j - i)):
+                weights += [g[0], g[1], *_nested_args(g[2]), g[3]]
+            self._launch("gemv_4bit_grouped", out, a, _dtype_code(a), *weights, out[:, col:] if col else out, ntot,
+                         rows, j - i, k, bs, QUANT_TYPE_CODE[qt])
+            col, i = col + sum(g[3] for g in groups[i:j]), j
 
     # -- ggml ----------------------------------------------------------------------------------
     def quantize_q4_0(self, w, out):

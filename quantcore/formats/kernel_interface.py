@@ -93,8 +93,8 @@ ENTRY_POINTS: dict[str, tuple[Arg, ...]] = {op: args(spec) for op, spec in {
     "gemv_4bit": _GEMV,
     "gemv_4bit_tiled": _GEMV,
     # up to GEMV_TC_GROUPS weights [n_i, K] that share the input in one launch (one quant type and
-    # blocksize; nestedness per weight): weight i into columns n_0 + ... + n_{i-1} .. of out [rows, ldo]
-    # (sycl only)
+    # blocksize; nestedness per weight on sycl, one nestedness a launch on maca): weight i into
+    # columns n_0 + ... + n_{i-1} .. of out [rows, ldo] (sycl, maca)
     "gemv_4bit_grouped": f"const elem* a, i32 dtype, {_GEMV_WEIGHTS}, elem* out, i64 ldo, i64 rows, i32 ngroups, "
                          "i64 k, i32 blocksize, i32 quant_type",
     "quantize_q4_0": _GGML_QUANTIZE,
@@ -144,11 +144,9 @@ CPU = Dialect(
      "qc_stream_copy": ("void", args("const f32* src, f32* dst, i64 n, i32 nt"))},
 )
 
-#: the MACA launchers (kernels_maca/*.maca): each returns its mcError_t; long long is their i64 (no
-#: grouped gemv yet: the maca backend runs gemv_4bit per weight)
+#: the MACA launchers (kernels_maca/*.maca): each returns its mcError_t; long long is their i64
 MACA = Dialect(
-    "maca", tuple(op for op in ENTRY_POINTS if op != "gemv_4bit_grouped"), "qc_maca_{op}", "int",
-    (Arg("stream", "stream"),),
+    "maca", tuple(ENTRY_POINTS), "qc_maca_{op}", "int", (Arg("stream", "stream"),),
     {**_HOST_TYPES, "i64": "long long", "stream": "mcStream_t"}, {},
     {"qc_maca_error_string": ("const char*", args("i32 err")), "qc_maca_wave_size": ("int", ()),
      "qc_maca_device_wave_size": ("int", args("i32 device, i32* out")),
