@@ -162,14 +162,12 @@ static_assert(QC_GV_GROUPS == 4, "the grouped gemv's parameter list");
 QC_FOR_EACH_DTYPE(QC_GEMV_4BIT_GROUPED)
 
 // the grouped gemv's many-row path: a weight's results [rows, row_bytes] into its columns of the
-// grouped output (rows dst_stride bytes apart), one work-item per 4 bytes (row_bytes % 4 == 0) or byte
+// grouped output (rows dst_stride bytes apart), one work-item per byte
 QC_KERNEL void qc_copy_rows(const uint8_t *src, uint8_t *dst, int64_t rows, int64_t row_bytes, int64_t dst_stride) {
   const int64_t i = static_cast<int64_t>(QC_ITEM.get_global_id(0));
-  const bool words = row_bytes % 4 == 0 && dst_stride % 4 == 0;
-  const int64_t unit = words ? 4 : 1, per_row = row_bytes / unit;
-  if (i >= rows * per_row) return;
-  const int64_t r = i / per_row, c = (i - r * per_row) * unit;
-  for (int64_t b = 0; b < unit; ++b) dst[r * dst_stride + c + b] = src[r * row_bytes + c + b];
+  if (i >= rows * row_bytes) return;
+  const int64_t r = i / row_bytes;
+  dst[r * dst_stride + (i - r * row_bytes)] = src[i];
 }
 
 // ---- ggml -------------------------------------------------------------------------------------------

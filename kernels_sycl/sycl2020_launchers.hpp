@@ -133,7 +133,6 @@ sycl::event gemv_4bit(sycl::queue &q, const T *a, const uint8_t *packed, Absmax 
   });
 }
 
-// gemv_4bit for many rows (batch >= QC_TILED_MIN_ROWS, as the backend's glue chooses): tiled.hpp.
 // the grouped gemv (rows below QC_TILED_MIN_ROWS): w[0 .. ngroups) one quant type and blocksize,
 // out [batch, ldo] (weight i into columns n_0 + ... + n_{i-1} ..)
 template <typename T>
@@ -154,6 +153,7 @@ sycl::event gemv_4bit_grouped(sycl::queue &q, const T *a, const GroupW *w, int n
   });
 }
 
+// gemv_4bit for many rows (batch >= QC_TILED_MIN_ROWS, as the backend's glue chooses): tiled.hpp.
 template <typename T>
 sycl::event gemv_4bit_tiled(sycl::queue &q, const T *a, const uint8_t *packed, Absmax absmax, T *out,
                             int64_t batch, int64_t nrows, int64_t k, int64_t blocksize, int quant_type) {

@@ -18,6 +18,7 @@ complete backend covers is :data:`quantcore.ops.ALL_CAPABILITIES`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,17 @@ class Nested:
     absmax2: Any  #: fp32 [ceil(nblocks / 256)]
     code2: Any  #: fp32 [256]
     offset: Any  #: fp32 [1]
+
+
+def grouped_run_end(groups: Sequence[tuple], i: int, limit: int, fits: Callable[[tuple], bool] | None = None) -> int:
+    """Where the run of weights that one grouped-gemv launch takes from ``groups[i]`` ends: at most
+    ``limit`` weights, of group i's blocksize and quant type, each one ``fits`` accepts (``groups``
+    as :meth:`Backend.gemv_4bit_grouped` takes them: (packed, absmax, nested, n, blocksize, quant_type))."""
+    kind = groups[i][4:]
+    j = i + 1
+    while j < len(groups) and j - i < limit and groups[j][4:] == kind and (fits is None or fits(groups[j])):
+        j += 1
+    return j
 
 
 class Backend:

@@ -280,3 +280,14 @@ def test_use_device_of_a_one_device_backend():
     be.use_device(0)
     with pytest.raises(qc.UnsupportedError, match="'cpu' has no device 1"):
         be.use_device(1)
+
+
+def test_grouped_run_end_takes_like_weights_up_to_the_limit():
+    """quantcore.backend.grouped_run_end: the weights one grouped launch takes (the cuda and sycl glue)."""
+    from quantcore.backend import grouped_run_end
+
+    g = [(None, None, None, 8, 64, "nf4")] * 5 + [(None, None, None, 8, 128, "nf4"), (None, None, None, 8, 64, "fp4")]
+    assert grouped_run_end(g, 0, 4) == 4
+    assert grouped_run_end(g, 4, 4) == 5  # the next weight has another blocksize
+    assert grouped_run_end(g, 5, 4) == 6 and grouped_run_end(g, 6, 4) == 7
+    assert grouped_run_end(g, 0, 4, lambda w: False) == 1

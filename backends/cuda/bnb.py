@@ -8,7 +8,7 @@ import functools
 from typing import Any
 
 from quantcore.arrays import as_dtype, dtype_name
-from quantcore.backend import Nested
+from quantcore.backend import Nested, grouped_run_end
 from quantcore.formats import bnb
 from quantcore.formats.kernel_defines import (
     LAUNCH_GEOMETRY,
@@ -187,9 +187,8 @@ class BnbOps:
                                       quant_type=qt, ldo=ntot)[:6])
             elif tc and _gemv_tc_takes_weight(p, bs):
                 # the following weights of the same kind go in the same launch (at most _GT_GROUPS)
-                while (j < len(groups) and j - i < _GT_GROUPS and groups[j][4:] == (bs, qt)
-                       and (groups[j][2] is None) == (nst is None) and _gemv_tc_takes_weight(groups[j][0], bs)):
-                    j += 1
+                j = grouped_run_end(groups, i, _GT_GROUPS, lambda g, nested=nst is None, bs=bs:
+                                    (g[2] is None) == nested and _gemv_tc_takes_weight(g[0], bs))
                 launch(*_gemv_tc_launch(dev, a, [g[:4] for g in groups[i:j]], out[:, col:], rows=rows, k=k,
                                         blocksize=bs, quant_type=qt, ldo=ntot)[:6], pdl=True)
             else:

@@ -28,7 +28,7 @@ import numpy as np
 
 from quantcore import ops
 from quantcore.arrays import array_kind, as_dtype, device_of, dtype_name
-from quantcore.backend import Availability, Backend, Nested
+from quantcore.backend import Availability, Backend, Nested, grouped_run_end
 from quantcore.errors import BackendUnavailableError, DeviceError, ParameterError
 from quantcore.formats import bnb, ggml, kernel_interface
 from quantcore.formats.kernel_defines import GGML_FORMAT_CODE, QUANT_TYPE_CODE, TILED_GEOMETRY, TILED_MIN_ROWS
@@ -371,15 +371,12 @@ class SyclBackend(Backend):
                            T["QC_TILE_THREADS"], a, p, *self._absmax_args(am, nst), tmp, batch, n, k, bs,
                            QUANT_TYPE_CODE[qt])
                     dst = out.byte_view(col * isz, (out.nbytes - col * isz,), "uint8")
-                    units = batch * (n * isz // 4 if n * isz % 4 == 0 and ntot * isz % 4 == 0 else n * isz)
-                    launch("qc_copy_rows", _cdiv(units, G["QC_GGML_WG"]), G["QC_GGML_WG"], tmp, dst, batch,
-                           n * isz, ntot * isz)
+                    launch("qc_copy_rows", _cdiv(batch * n * isz, G["QC_GGML_WG"]), G["QC_GGML_WG"], tmp, dst,
+                           batch, n * isz, ntot * isz)
                     launch.finish()  # tmp is freed when this iteration ends
                     col, i = col + n, i + 1
                     continue
-                j = i + 1
-                while j < len(groups) and j - i < GEMV_TC_GROUPS and groups[j][4:] == (bs, qt):
-                    j += 1
+                j = grouped_run_end(groups, i, GEMV_TC_GROUPS)
                 weights = []
                 for g in groups[i:j] + [(None, None, None, 0, bs, qt)] * (GEMV_TC_GROUPS - (j - i)):
                     weights += [g[0], *self._absmax_args(g[1], g[2]), g[3]]

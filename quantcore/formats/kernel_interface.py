@@ -135,7 +135,8 @@ _HOST_TYPES = {"u8": "uint8_t", "u16": "uint16_t", "u32": "uint32_t", "f32": "fl
 #: (the host runs them as one kernel), so it lacks the _tiled and gemm_w4a8 entry points
 #: (and the grouped gemv: the cpu backend runs gemv_4bit per weight)
 CPU = Dialect(
-    "cpu", tuple(op for op in ENTRY_POINTS if not op.endswith("_tiled") and op not in ("gemm_w4a8", "gemv_4bit_grouped")),
+    "cpu", tuple(op for op in ENTRY_POINTS
+                 if not op.endswith("_tiled") and op not in ("gemm_w4a8", "gemv_4bit_grouped")),
     "qc_{op}", "void",
     args("i32 nt"),  # OpenMP threads (<= 0: the OpenMP default)
     {**_HOST_TYPES, "i64": "int64_t"}, {},
@@ -171,8 +172,8 @@ SYCL = Dialect(
 )
 DIALECTS = {d.name: d for d in (CPU, MACA, SYCL)}
 #: SYCL kernels that state their required sub-group size (they reduce over a sub-group)
-SYCL_SUBGROUP_KERNELS = ("gemv_4bit", "gemv_4bit_tiled", "gemv_4bit_grouped", "gemm_q4_0_q8_1", "gemm_q4_0_q8_1_tiled", "gemm_w4a8",
-                         "linear_mx", "qc_subgroup_probe")
+SYCL_SUBGROUP_KERNELS = ("gemv_4bit", "gemv_4bit_tiled", "gemv_4bit_grouped", "gemm_q4_0_q8_1",
+                         "gemm_q4_0_q8_1_tiled", "gemm_w4a8", "linear_mx", "qc_subgroup_probe")
 #: SYCL element types: kernel name suffix -> C type
 SYCL_ELEMENTS = {"f32": "float", "f16": "qc::half", "bf16": "qc::bf16"}
 #: dtype name (kernel_defines.DTYPE_CODE's keys) -> SYCL kernel name suffix
