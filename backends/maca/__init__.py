@@ -23,7 +23,7 @@ import numpy as np
 
 from quantcore import ops
 from quantcore.arrays import array_kind, as_dtype, device_of, dtype_name
-from quantcore.backend import Availability, Backend, Nested
+from quantcore.backend import Availability, Backend, Nested, grouped_run_end
 from quantcore.errors import BackendUnavailableError, DeviceError, KernelError
 from quantcore.formats import ggml, kernel_interface, mx
 from quantcore.formats.kernel_defines import DTYPE_CODE, GGML_FORMAT_CODE, QUANT_TYPE_CODE, TILED_MIN_ROWS
@@ -261,10 +261,7 @@ class MacaBackend(Backend):
                 out[:, col:col + n] = tmp
                 col, i = col + n, i + 1
                 continue
-            j = i + 1
-            while (j < len(groups) and j - i < GEMV_TC_GROUPS and groups[j][4:] == (bs, qt)
-                   and (groups[j][2] is None) == (nst is None)):
-                j += 1
+            j = grouped_run_end(groups, i, GEMV_TC_GROUPS, lambda g, nested=nst is None: (g[2] is None) == nested)
             weights = []
             for g in groups[i:j] + [(None, None, None, 0, bs, qt)] * (GEMV_TC_GROUPS - (j - i)):
                 weights += [g[0], g[1], *_nested_args(g[2]), g[3]]
