@@ -1,16 +1,21 @@
 // One-shot all-reduce of a small tensor over the GPUs of one node, for the rowwise layers of tensor-
 // parallel decode (quantcore.nn.parallel, all_reduce="oneshot"). Each rank's buffer is one allocation
 // of torch's symmetric memory, mapped on every peer: QC_AR_FLAG_BYTES of flags (word r: the last round
-// rank r announced), then two slots of the tensor's bytes, used in turn by rounds e (slot e % 2).
-// A round, in one CTA:
-//   1. the rank's partial sums are copied into its slot of round e;
+// rank r announced), then 2 x world slots of the tensor's bytes: slot (e % 2, q) holds rank q's partial
+// sums of round e. A round, in one CTA:
+//   0. launched as a programmatic dependent (where the launcher can), the CTA is resident while the
+//      kernel that writes x still runs, and waits for it here (griddepcontrol.wait) before reading;
+//   1. push (default): the rank writes its partial sums into its slot of round e in every rank's buffer
+//      (its own and each peer's, over NVLink: posted writes); pull (`push` 0): into its own buffer only;
 //   2. a barrier of the CTA, then thread p (each peer p) fences at system scope and writes e into flag
 //      word `rank` of peer p's buffer (a release store over NVLink), then waits until flag word p of
-//      its own buffer reaches e (acquire loads): peer p's slot of round e is written;
+//      its own buffer reaches e (acquire loads): peer p's part of round e is written;
 //   3. every element is the sum of the ranks' slots in rank order (fp32, starting from rank 0's value),
-//      rounded once: the same bits on every rank, and for two ranks the bits of NCCL's sum.
-// Two slots and the flags' round numbers make a second barrier needless: a rank writes a slot again two
-// rounds later, after the next round's barrier, which every peer passes only when it has read it.
+//      rounded once: the same bits on every rank, and for two ranks the bits of NCCL's sum. Push reads
+//      all slots from the rank's own memory; pull reads each peer's slot over NVLink.
+// Two rounds of slots and the flags' round numbers make a second barrier needless: a rank writes a
+// slot of round e + 2 only after round e + 1's barrier, which a peer passes only after its round e
+// kernel (and its reads of round e) ended: kernels of one stream run in order.
 // The round counter lives in device memory (`round`), so a CUDA graph replays rounds in order; every
 // rank must run the same sequence of all-reduces on a buffer. A peer that never comes makes the waiting
 // thread trap after about QC_AR_SPIN_LIMIT polls instead of hanging the stream.
@@ -65,17 +70,21 @@ __device__ __forceinline__ void ar_pack(const float (&v)[16 / T::kBytes], u32 (&
 template <typename T>
 __global__ void __launch_bounds__(kArThreads, 1) all_reduce_oneshot_kernel(
     const typename T::S* __restrict__ x, typename T::S* __restrict__ out, u8* buf0, u8* buf1, u8* buf2, u8* buf3,
-    u8* buf4, u8* buf5, u8* buf6, u8* buf7, u32* round, int rank, int world, i64 units, i64 slot_bytes) {
+    u8* buf4, u8* buf5, u8* buf6, u8* buf7, u32* round, int rank, int world, i64 units, i64 slot_bytes, int push) {
     u8* const bufs[kArMaxRanks] = {buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7};
     constexpr int E = 16 / T::kBytes;  // elements of a 16-byte unit
+    grid_dep_wait();  // x is the previous kernel's output
     const u32 e = *reinterpret_cast<volatile u32*>(round) + 1;  // this round: one after the last one
-    const i64 off = kArFlagBytes + (i64)(e & 1u) * slot_bytes;
-    u8* const mine = bufs[rank] + off;
+    const i64 off = kArFlagBytes + (i64)(e & 1u) * world * slot_bytes;  // slot (e % 2, 0)
     const u8* const xs = reinterpret_cast<const u8*>(x);
+    const int ndst = push ? world : 1;
     for (i64 i = threadIdx.x; i < units; i += kArThreads) {
         u32 w[4];
         ldg_v4(xs + 16 * i, w[0], w[1], w[2], w[3]);
-        stg_v4(mine + 16 * i, w[0], w[1], w[2], w[3]);
+        for (int d = 0; d < ndst; ++d) {
+            u8* const dst = bufs[push ? d : rank] + off + rank * slot_bytes;
+            stg_v4(dst + 16 * i, w[0], w[1], w[2], w[3]);
+        }
     }
     __syncthreads();
     const int p = threadIdx.x;
@@ -91,10 +100,10 @@ __global__ void __launch_bounds__(kArThreads, 1) all_reduce_oneshot_kernel(
     for (i64 i = threadIdx.x; i < units; i += kArThreads) {
         u32 w[4];
         float s[E], v[E];
-        ar_ld_v4(bufs[0] + off + 16 * i, w);
+        ar_ld_v4((push ? bufs[rank] : bufs[0]) + off + 16 * i, w);
         ar_unpack<T>(w, s);
         for (int q = 1; q < world; ++q) {
-            ar_ld_v4(bufs[q] + off + 16 * i, w);
+            ar_ld_v4((push ? bufs[rank] : bufs[q]) + off + q * slot_bytes + 16 * i, w);
             ar_unpack<T>(w, v);
 #pragma unroll
             for (int j = 0; j < E; ++j) s[j] = s[j] + v[j];

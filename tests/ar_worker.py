@@ -3,7 +3,8 @@
 quantcore.nn.parallel's ``all_reduce="oneshot"`` path against NCCL's all-reduce on the same partial sums:
 bf16, fp16 and fp32 tensors of several sizes (one over ONESHOT_MAX_BYTES, which takes NCCL's path),
 several rounds in a row (both slots of the buffer), then the same calls captured in a CUDA graph and
-replayed with new inputs. With 2 ranks the sums must be bitwise NCCL's (one fp32 addition, rounded
+replayed with new inputs; then a quantcore gemv's output reduced at once (the all-reduce is a programmatic
+dependent of the gemv), eagerly and in a graph. With 2 ranks the sums must be bitwise NCCL's (one fp32 addition, rounded
 once); with more, within one rounding of the fp32 sum. With ``--time`` it also times, inside CUDA
 graphs of 100 calls each, the three rowwise all-reduces of a decode step's size (8192 bf16 per row).
 Writes OUT/ar_rank<r>.json.
@@ -76,11 +77,48 @@ def main() -> None:
         graph.replay()
         torch.cuda.synchronize()
         res["graph"].append(all(_same(o, r, world) for o, r in zip(outs, refs)))
+    res["after_gemv"] = _after_gemv(rank, group, device, world)
     if timing:
         res["time_us"] = _time(group, device)
     with open(os.path.join(out_dir, f"ar_rank{rank}.json"), "w") as f:
         json.dump(res, f)
     dist.barrier()
+
+
+def _after_gemv(rank: int, group, device, world: int) -> list[bool]:
+    """The rowwise pattern of decode: a quantcore gemv (which lets its dependents launch early) writes the
+    partial sums that the one-shot all-reduce then reads (launched as a programmatic dependent: it must
+    wait for the gemv), eagerly and in a CUDA graph replayed with new inputs."""
+    from quantcore import nn as qnn
+
+    g = torch.Generator(device="cpu").manual_seed(77 + rank)
+    lin = torch.nn.Linear(4096, 8192, bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(8192, 4096, generator=g) * 0.02)
+    q = qnn.Linear4bit.from_linear(lin.to(device))
+    x = torch.empty(1, 4096, dtype=torch.bfloat16, device=device)
+
+    def step():
+        return parallel._oneshot_all_reduce(q(x), group)
+
+    def check(out) -> bool:
+        ref = q(x)
+        dist.all_reduce(ref, group=group)
+        return _same(out, ref, world)
+
+    ok = []
+    for _ in range(3):
+        x.copy_(torch.randn(1, 4096, generator=g).to(torch.bfloat16))
+        ok.append(check(step()))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        x.copy_(torch.randn(1, 4096, generator=g).to(torch.bfloat16))
+        graph.replay()
+        ok.append(check(out))
+    return ok
 
 
 def _time(group, device) -> dict:

@@ -1,6 +1,6 @@
 """quantcore.nn.parallel's one-shot all-reduce (all_reduce="oneshot", kernels_cuda/allreduce.cu) against
 NCCL's, on 2 GPUs: tests/ar_worker.py under torchrun (eager rounds of several sizes and dtypes, then a
-CUDA graph replayed with new inputs). Needs 2 CUDA devices, NCCL and CuPy: skipped elsewhere (CI's CPU
+CUDA graph replayed with new inputs, a gemv's output reduced at once), in both of the kernel's modes. Needs 2 CUDA devices, NCCL and CuPy: skipped elsewhere (CI's CPU
 machine; the one-GPU device kind), run on the 2-GPU device kind with the same pytest command."""
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ if not (torch.distributed.is_available() and torch.distributed.is_nccl_available
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_oneshot_all_reduce_equals_nccl(tmp_path):
+@pytest.mark.parametrize("tune", ["", "ar_push=0,ar_pdl=0"], ids=["push-pdl", "pull-plain"])
+def test_oneshot_all_reduce_equals_nccl(tmp_path, tune):
     env = dict(os.environ)
+    env["QUANTCORE_CUDA_TUNE"] = tune  # the kernel's two ways of moving the partial sums, PDL or not
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")  # NVLink multicast stays off
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -35,3 +37,4 @@ def test_oneshot_all_reduce_equals_nccl(tmp_path):
         bad = [c for c in res["eager"] if not c["same"]]
         assert not bad and len(res["eager"]) == 45, bad
         assert res["graph"] == [True] * 4
+        assert res["after_gemv"] == [True] * 6

@@ -345,7 +345,7 @@ def main(a):
            "torch": torch.__version__, "fmt": a.fmt, "layers": a.layers, "hidden": a.hidden,
            "intermediate": a.intermediate, "heads": a.heads, "kv_heads": a.kv_heads, "ctx": a.ctx,
            "dtype": str(dtype).removeprefix("torch."), "reduce_dtype": a.reduce_dtype,
-           "all_reduce": a.all_reduce, "attention": a.attention, "steps": a.steps, "compile_glue": a.compile_glue, "grouped_linears": grouped,
+           "all_reduce": a.all_reduce, "cuda_tune": os.environ.get("QUANTCORE_CUDA_TUNE") or None, "attention": a.attention, "steps": a.steps, "compile_glue": a.compile_glue, "grouped_linears": grouped,
            "graph": graph_note, "eager_repeat_rel_l2": eager_repeat,
            "graph_vs_eager_rel_l2": graph_vs_eager, "graph_vs_eager_layers": layer_trace, "ms_per_step_eager": None if dt_eager is None else dt_eager * 1e3,
            "kernel_profile": kernel_profile, "weights": "sliced" if a.slice else "quantized per shard",

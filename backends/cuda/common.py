@@ -152,16 +152,26 @@ AR_FLAG_BYTES = _G["QC_AR_FLAG_BYTES"]
 def all_reduce_oneshot(x: Any, out: Any, buffers: list[int], round_: Any, rank: int) -> None:
     """``out`` = the sum over ranks of each rank's ``x`` (contiguous, the same shape and fp32 / fp16 /
     bf16 dtype on every rank, a multiple of 16 bytes), by the one-shot kernel on one CTA: ``buffers``
-    the ranks' symmetric buffers as mapped on this device (AR_FLAG_BYTES of flags, then two slots of
-    ``x``'s bytes), ``round_`` this buffer's round counter (one int32 on the device, zero at first, as
-    the buffers' flags)."""
+    the ranks' symmetric buffers as mapped on this device (:func:`ar_buffer_bytes` each: AR_FLAG_BYTES
+    of flags, then 2 x world slots of ``x``'s bytes), ``round_`` this buffer's round counter (one int32
+    on the device, zero at first, as the buffers' flags). Launched as a programmatic dependent where
+    possible (the CTA waits for the kernel that writes ``x``). ``QUANTCORE_CUDA_TUNE=ar_push=0`` reads
+    the peers' slots over NVLink instead of writing into theirs, ``ar_pdl=0`` launches plainly
+    (timing comparisons)."""
     world = len(buffers)
     expr = f"qc::all_reduce_oneshot_kernel<{_tag(x)}>"
     nbytes = rt.numel(x) * as_dtype(dtype_name(x.dtype)).itemsize
     bufs = {f"buf{i}": (buffers[i] if i < world else None) for i in range(_G["QC_AR_MAX_RANKS"])}
     rt.Launcher(x)(_FA, expr, (1,), _G["QC_AR_THREADS"],
                    rt.kernel_args(expr, x=x, out=out, **bufs, round=round_, rank=rank, world=world,
-                                  units=nbytes // 16, slot_bytes=nbytes))
+                                  units=nbytes // 16, slot_bytes=nbytes, push=rt.tune("ar_push", 1)),
+                   pdl=rt.tune("ar_pdl", 1) == 1)
+
+
+def ar_buffer_bytes(nbytes: int, world: int) -> int:
+    """Bytes of one rank's symmetric buffer for the one-shot all-reduce of ``nbytes`` over ``world``
+    ranks: the flags, then a slot per rank for each of two rounds."""
+    return AR_FLAG_BYTES + 2 * world * nbytes
 
 
 def ar_instances() -> list[tuple[str, str]]:

@@ -384,8 +384,8 @@ _ONESHOT: dict[tuple, tuple | None] = {}
 
 def _oneshot_all_reduce(y: torch.Tensor, group: Any) -> torch.Tensor:
     """``y`` summed over ``group`` by quantcore's one-shot kernel (kernels_cuda/allreduce.cu): each rank
-    copies its partial sums into its slot of a symmetric buffer, announces the round to every peer by a
-    flag and adds all slots in rank order once the peers' flags arrive (the same bits on every rank; for
+    writes its partial sums into its slot of every rank's symmetric buffer, announces the round to every
+    peer by a flag and adds all slots in rank order once the peers' flags arrive (the same bits on every rank; for
     two ranks the bits of NCCL's sum). One buffer per group and size, made by a collective rendezvous on
     the first call (run one step eagerly before capturing a CUDA graph); tensors over ONESHOT_MAX_BYTES,
     of another dtype or not a multiple of 16 bytes take ``dist.all_reduce``."""
@@ -424,7 +424,8 @@ def _oneshot_buffer(nbytes: int, dtype: torch.dtype, device: torch.device, group
     if (nbytes % 16 or nbytes > ONESHOT_MAX_BYTES or dtype not in (torch.float32, torch.float16, torch.bfloat16)
             or dist.get_world_size(group) > AR_MAX_RANKS):
         return None
-    buf = symm_mem.empty(cuda_common.AR_FLAG_BYTES + 2 * nbytes, dtype=torch.uint8, device=device)
+    buf = symm_mem.empty(cuda_common.ar_buffer_bytes(nbytes, dist.get_world_size(group)), dtype=torch.uint8,
+                         device=device)
     buf.zero_()  # the flags: no round announced
     hdl = symm_mem.rendezvous(buf, group.group_name)
     torch.cuda.synchronize(device)
