@@ -4,7 +4,7 @@ quantcore.nn.parallel's ``all_reduce="oneshot"`` path against NCCL's all-reduce 
 bf16, fp16 and fp32 tensors of several sizes (one over ONESHOT_MAX_BYTES, which takes NCCL's path),
 several rounds in a row (both slots of the buffer), then the same calls captured in a CUDA graph and
 replayed with new inputs; then a quantcore gemv's output reduced at once (the all-reduce is a programmatic
-dependent of the gemv), eagerly and in a graph. With 2 ranks the sums must be bitwise NCCL's (one fp32 addition, rounded
+dependent of the gemv), eagerly and in a graph; and the fused all-reduce + residual add + RMSNorm. With 2 ranks the sums must be bitwise NCCL's (one fp32 addition, rounded
 once); with more, within one rounding of the fp32 sum. With ``--time`` it also times, inside CUDA
 graphs of 100 calls each, the three rowwise all-reduces of a decode step's size (8192 bf16 per row).
 Writes OUT/ar_rank<r>.json.
@@ -78,6 +78,7 @@ def main() -> None:
         torch.cuda.synchronize()
         res["graph"].append(all(_same(o, r, world) for o, r in zip(outs, refs)))
     res["after_gemv"] = _after_gemv(rank, group, device, world)
+    res["fused_norm"] = _fused_norm(rank, group, device, world)
     if timing:
         res["time_us"] = _time(group, device)
     with open(os.path.join(out_dir, f"ar_rank{rank}.json"), "w") as f:
@@ -121,14 +122,50 @@ def _after_gemv(rank: int, group, device, world: int) -> list[bool]:
     return ok
 
 
+def _fused_norm(rank: int, group, device, world: int) -> list[dict]:
+    """all_reduce_add_rms_norm's one kernel against NCCL's sum, then torch's add and RMSNorm: the new
+    residual bit for bit (two ranks), the normed output within two roundings (the mean's order and rsqrt
+    are the kernel's own); rows 1 and 4, three dtypes, between plain one-shot rounds on the same buffer,
+    eagerly and in a CUDA graph."""
+    out = []
+    tol = {torch.bfloat16: 2 ** -6, torch.float16: 2 ** -9, torch.float32: 1e-5}
+    for dtype in DTYPES:
+        for rows in (1, 4):
+            n = 8192
+            g = torch.Generator(device="cpu").manual_seed(500 + rows + rank)
+            part = (torch.randn(rows, n, generator=g) * (1 + rank)).to(dtype).to(device)
+            resid = torch.randn(rows, n, generator=torch.Generator().manual_seed(9 + rows)).to(dtype).to(device)
+            w = (torch.rand(n, generator=torch.Generator().manual_seed(8)) + 0.5).to(dtype).to(device)
+            y = part.clone()
+            dist.all_reduce(y, group=group)
+            h_ref = resid + y
+            h32 = h_ref.float()
+            n_ref = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype) * w
+            parallel._oneshot_all_reduce(part.clone(), group)  # a plain round on the same buffer first
+            h, normed = parallel.all_reduce_add_rms_norm(part, resid, w, 1e-5, group)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                hg, ng = parallel.all_reduce_add_rms_norm(part, resid, w, 1e-5, group)
+            graph.replay()
+            torch.cuda.synchronize()
+            out.append({"dtype": str(dtype), "rows": rows,
+                        "h_same": _same(h, h_ref, world) and _same(hg, h_ref, world),
+                        "norm_close": bool(torch.allclose(normed.float(), n_ref.float(), rtol=tol[dtype], atol=1e-6)
+                                           and torch.equal(ng, normed))})
+    return out
+
+
 def _time(group, device) -> dict:
     """us per all-reduce of one decode row (8192 bf16), each way, inside a CUDA graph of 100 calls."""
     import torch.distributed._symmetric_memory as symm_mem  # noqa: F401 - symm_mem's ops
 
     x = torch.randn(8192, device=device).to(torch.bfloat16)
+    r, w = torch.randn(1, 8192, device=device).to(torch.bfloat16), torch.ones(8192, device=device, dtype=torch.bfloat16)
     ways = {"nccl": lambda: dist.all_reduce(x, group=group),
             "symm_mem": lambda: parallel._symm_mem_all_reduce(x, group),
-            "oneshot": lambda: parallel._oneshot_all_reduce(x, group)}
+            "oneshot": lambda: parallel._oneshot_all_reduce(x, group),
+            "oneshot_add_rms_norm": lambda: parallel.all_reduce_add_rms_norm(x.view(1, -1), r, w, 1e-5, group)}
     out = {}
     for name, fn in ways.items():
         fn()

@@ -315,6 +315,8 @@ def test_every_cuda_launch_path_builds_its_arguments(monkeypatch):
     cmx.swizzle_scales(be, A((200, 8), np.uint8), A((256, 8), np.uint8), rows=200, cols=8)
     for dt in ("float32", "bfloat16"):  # the one-shot all-reduce of tensor-parallel decode, 2 ranks
         common.all_reduce_oneshot(A((8192,), dt), A((8192,), dt), [1 << 20, 2 << 20], A((1,), np.int32), rank=1)
+        common.all_reduce_add_rms_norm(A((2, 8192), dt), A((2, 8192), dt), A((8192,), dt), A((2, 8192), dt),
+                                       A((2, 8192), dt), 1e-5, [1 << 20, 2 << 20], A((1,), np.int32), rank=1)
     cmx.unswizzle_scales(be, A((256, 8), np.uint8), A((200, 8), np.uint8), rows=200, cols=8)
 
     width = {"ptr": np.uint64, "i32": np.int32, "i64": np.int64, "u32": np.uint32, "u64": np.uint64,

@@ -144,11 +144,13 @@ def test_device_script_cpu_twin(tmp_path):
     assert all(abs(r["weights_bytes"] - half) / half < 0.05 for r in t2["per_rank"])
 
 
-def test_device_script_cpu_twin_grouped(tmp_path):
+@pytest.mark.parametrize("fuse", ["0", "1"], ids=["", "fuse-norm"])
+def test_device_script_cpu_twin_grouped(tmp_path, fuse):
     """GROUP=1: q / k / v and gate / up of every layer as grouped launches (quantcore.nn.group_linears
-    on the colwise shards), TP=2 against TP=1 as above."""
+    on the colwise shards), TP=2 against TP=1 as above; FUSE_NORM=1: the rowwise layers' partial sums
+    reduced by all_reduce_add_rms_norm (its gloo fallback here)."""
     env = _env()
-    env.update(DEVICE="cpu", GROUP="1", LAYERS="2", HIDDEN="256", INTERMEDIATE="512", HEADS="4", KV_HEADS="2",
+    env.update(DEVICE="cpu", GROUP="1", FUSE_NORM=fuse, LAYERS="2", HIDDEN="256", INTERMEDIATE="512", HEADS="4", KV_HEADS="2",
                CTX="16", STEPS="3", OUT=str(tmp_path), PYTHON=sys.executable)
     proc = subprocess.run(["bash", os.path.join(REPO, "tools", "tp_device.sh")], env=env, capture_output=True,
                           text=True, timeout=300)
@@ -156,6 +158,7 @@ def test_device_script_cpu_twin_grouped(tmp_path):
     res = json.loads((tmp_path / "tp_decode.json").read_text())
     t1, t2 = res["tp1"], res["tp2"]
     assert t1["grouped_linears"] == t2["grouped_linears"] == 4  # 2 layers x (q/k/v, gate/up)
+    assert not t1["fuse_reduce_norm"] and t2["fuse_reduce_norm"] == (fuse == "1")
     assert t2["vs_tp1"]["layer0_rel_l2"] < RTOL and t2["vs_tp1"]["rel_l2"] < RTOL
 
 
@@ -163,3 +166,13 @@ def test_torch_compile_traces_the_collectives(ranks):
     # torch.compile(fullgraph=True) through a sharded nf4 MLP (inductor fuses: tolerance, not bitwise)
     for res in _case(ranks, "compile"):
         assert res["rel_vs_tp1"] < RTOL and res["rel_vs_eager"] < RTOL, res
+
+
+def test_deferred_rowwise_and_the_fused_reduce_add_norm(ranks):
+    # the partial sums add up to the reduced output (the bias once, in rank 0's partial sums); the fallback of all_reduce_add_rms_norm (gloo) is the all-reduce, the add and the norm
+    for res in _case(ranks, "deferred"):
+        assert res["partials_sum_to_output"] < 1e-6 and res["partial_differs"], res
+        assert res["h_equal"] and res["norm_rel"] < 1e-6 and res["one_rank_equal"], res
+        assert res["llama_refuses"].startswith("ParameterError") and "deferred" in res["llama_refuses"]
+        assert res["bad_weight"].startswith("ShapeError") and res["bad_method"].startswith("ParameterError")
+

@@ -298,6 +298,44 @@ def case_compile(rank):
         return {"rel_vs_tp1": _rel(got, ref(x)), "rel_vs_eager": _rel(got, mlp(x))}
 
 
+def case_deferred(rank):
+    """A rowwise layer with all_reduce="deferred" returns its partial sums (the bias on rank 0 only);
+    all_reduce_add_rms_norm sums them, adds the residual and normalizes, as the unfused ops do."""
+    import quantcore.nn as qnn
+    from quantcore.errors import ParameterError, ShapeError
+    from quantcore.nn.parallel import all_reduce_add_rms_norm, parallelize_llama, shard_linear
+
+    lin = qnn.quantize_model(torch.nn.Sequential(_linear(64, 256, 9)), "nf4", skip=(), progress=False)[0]
+    summed = copy.deepcopy(lin)
+    shard_linear(lin, "rowwise", input="replicate", all_reduce="deferred")
+    shard_linear(summed, "rowwise", input="replicate")
+    g = torch.Generator().manual_seed(3)
+    x, res = torch.randn(3, 256, generator=g), torch.randn(3, 64, generator=g)
+    w = torch.rand(64, generator=g) + 0.5
+    with torch.no_grad():
+        part, full = lin(x), summed(x)
+        total = part.clone()
+        dist.all_reduce(total)
+        h, normed = all_reduce_add_rms_norm(part, res, w, 1e-5, None, "group")
+        h_ref = res + total
+        n_ref = (h_ref * torch.rsqrt(h_ref.pow(2).mean(-1, keepdim=True) + 1e-5)) * w
+        alone = [dist.new_group([r]) for r in range(WORLD)][rank]  # every rank makes every group, in order
+        h1, n1 = all_reduce_add_rms_norm(total, res, w, 1e-5, alone, "group")  # one rank
+    # the bias enters rank 0's partial sums, not after the sum: equal within the rounding of the order
+    out = {"partials_sum_to_output": _rel(total, full), "partial_differs": not torch.equal(part, full),
+           "h_equal": bool(torch.equal(h, h_ref)), "norm_rel": _rel(normed, n_ref),
+           "one_rank_equal": bool(torch.equal(h1, h_ref) and torch.equal(n1, n_ref))}
+    for name, fn in (("llama_refuses", lambda: parallelize_llama(_tiny_llama(), all_reduce="deferred")),
+                     ("bad_weight", lambda: all_reduce_add_rms_norm(part, res, w[:32], 1e-5, None, "group")),
+                     ("bad_method", lambda: all_reduce_add_rms_norm(part, res, w, 1e-5, None, "deferred"))):
+        try:
+            fn()
+            out[name] = "accepted"
+        except (ParameterError, ShapeError) as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 def run(rank, out_dir, ckpt):
     # a file rendezvous: no port to pick (and none to collide with)
     dist.init_process_group("gloo", init_method=f"file://{os.path.abspath(out_dir)}/rendezvous", rank=rank,
@@ -323,6 +361,7 @@ def run(rank, out_dir, ckpt):
     for fmt in ("nf4", "nvfp4"):
         record(f"load-{fmt}", case_load, rank, ckpt, fmt)
     record("compile", case_compile, rank)
+    record("deferred", case_deferred, rank)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f, indent=1)
     dist.destroy_process_group()

@@ -37,7 +37,13 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import quantcore.nn as qnn
-from quantcore.nn.parallel import LLAMA_PLAN, quantize_shard, shard_linear
+from quantcore.nn.parallel import (
+    LLAMA_PLAN,
+    _oneshot_all_reduce,
+    all_reduce_add_rms_norm,
+    quantize_shard,
+    shard_linear,
+)
 
 #: --attention: the SDPA backends a step may use
 ATTENTION = {"flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
@@ -78,6 +84,10 @@ def parse(argv=None):
     p.add_argument("--all-reduce", choices=("group", "symm_mem", "oneshot"), default="group",
                    help="rowwise layers: NCCL's all-reduce (group), torch's one-shot on symmetric memory "
                         "(symm_mem) or quantcore's (oneshot): quantcore.nn.parallel.ALL_REDUCE")
+    p.add_argument("--fuse-reduce-norm", action="store_true",
+                   help="TP>1: rowwise layers return partial sums (all_reduce='deferred') and each all-reduce, the "
+                        "residual add and the norm after it are quantcore.nn.parallel.all_reduce_add_rms_norm (one "
+                        "kernel with --all-reduce oneshot)")
     p.add_argument("--slice", action="store_true",
                    help="TP>1: quantize each whole weight, then slice (default: each rank quantizes its float shard)")
     p.add_argument("--out", required=True, help="rank 0's JSON")
@@ -114,7 +124,7 @@ class Layer(nn.Module):
         (the residual stream after attention, the MLP output): each residual add is fused with the
         norm after it, as serving stacks fuse them."""
         at, mlp = self.self_attn, self.mlp
-        x, h = (x, GLUE["rms_norm"](x, self.ln1)) if res is None else GLUE["add_rms_norm"](x, res, self.ln1)
+        x, h = (x, GLUE["rms_norm"](x, self.ln1)) if res is None else add_norm(x, res, self.ln1)
         q = at.q_proj(h).view(1, -1, 1, self.hd)  # [1, local heads, 1, hd]
         k = at.k_proj(h).view(1, -1, 1, self.hd)
         v = at.v_proj(h).view(1, -1, 1, self.hd)
@@ -122,7 +132,7 @@ class Layer(nn.Module):
         kc.index_copy_(2, pos, k)
         vc.index_copy_(2, pos, v)
         o = F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True)  # every cached position is valid
-        x, h = GLUE["add_rms_norm"](x, at.o_proj(o.reshape(1, 1, -1)), self.ln2)
+        x, h = add_norm(x, at.o_proj(o.reshape(1, 1, -1)), self.ln2)
         return x, mlp.down_proj(GLUE["silu_mul"](mlp.gate_proj(h), mlp.up_proj(h)))
 
 
@@ -137,6 +147,27 @@ def add_rms_norm(x, r, w):
 
 #: the elementwise parts between the linears; --compile-glue replaces them with compiled versions
 GLUE = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope": rope, "silu_mul": silu_mul}
+#: --fuse-reduce-norm at TP>1: {"all_reduce": the method}; a rowwise layer's output is then its partial sums
+FUSED: dict = {}
+
+
+def add_norm(x, r, w):
+    """(x + r, rms_norm(x + r) * w): r a rowwise layer's output (its partial sums under --fuse-reduce-norm,
+    reduced here by quantcore.nn.parallel.all_reduce_add_rms_norm)."""
+    if FUSED:
+        return all_reduce_add_rms_norm(r, x, w, 1e-5, None, FUSED["all_reduce"])
+    return GLUE["add_rms_norm"](x, r, w)
+
+
+def reduced(r):
+    """A rowwise layer's output summed over the ranks (as it is without --fuse-reduce-norm)."""
+    if not FUSED:
+        return r
+    if FUSED["all_reduce"] == "oneshot":
+        return _oneshot_all_reduce(r, dist.group.WORLD)
+    r = r.clone()
+    dist.all_reduce(r)
+    return r
 
 
 def _weight(n, k, seed, dtype, device):
@@ -156,7 +187,8 @@ def build(a, rank, world, dtype, device):
         for j, (rel, style) in enumerate(LLAMA_PLAN.items()):
             parent, child = rel.split(".")
             n, k = widths[child]
-            opts = {"reduce_dtype": reduce, "all_reduce": a.all_reduce} if style == "rowwise" else {}
+            opts = ({"reduce_dtype": reduce, "all_reduce": "deferred" if FUSED else a.all_reduce}
+                    if style == "rowwise" else {})
             lin = nn.Linear(k, n, bias=False, device="meta")
             lin.weight = nn.Parameter(_weight(n, k, a.seed + 100 * i + j, dtype, device), requires_grad=False)
             if world == 1:  # TP=1: the whole weight quantized, as quantize_model does
@@ -204,6 +236,8 @@ def forward(layers, caches, x, pos, inv, dtype, trace=None):
     h, r = x, None
     for i, (layer, c) in enumerate(zip(layers, caches)):
         h, r = layer(h, r, pos, cos, sin, c[0], c[1])
+        if FUSED and i == len(layers) - 1:
+            r = reduced(r)
         if trace is not None:
             trace[i].copy_((h + r).reshape(-1))
     return h, r
@@ -234,6 +268,10 @@ def main(a):
         dist.init_process_group(backend, device_id=device if a.device == "cuda" else None)
     if a.heads % world or a.kv_heads % world:
         raise SystemExit(f"tp_decode: {a.heads} / {a.kv_heads} heads do not divide over {world} ranks")
+    if a.fuse_reduce_norm and world > 1:
+        if a.trace_layers or a.reduce_dtype != "activation":
+            raise SystemExit("tp_decode: --fuse-reduce-norm takes neither --trace-layers nor --reduce-dtype float32")
+        FUSED["all_reduce"] = a.all_reduce
     if a.compile_glue:
         for name, fn in list(GLUE.items()):
             GLUE[name] = torch.compile(fn, fullgraph=True, dynamic=False)
@@ -253,7 +291,7 @@ def main(a):
 
     def layer0():  # layer 0 on the input (replicated: the rowwise layers all-reduce)
         h, r = layers[0](x, None, pos, *rope_cos_sin(pos, inv, dtype), caches[0][0], caches[0][1])
-        return h + r
+        return h + reduced(r)
 
     def q0():  # layer 0's q_proj on the input, all-gathered
         y = layers[0].self_attn.q_proj(rms_norm(x, layers[0].ln1))
@@ -345,7 +383,7 @@ def main(a):
            "torch": torch.__version__, "fmt": a.fmt, "layers": a.layers, "hidden": a.hidden,
            "intermediate": a.intermediate, "heads": a.heads, "kv_heads": a.kv_heads, "ctx": a.ctx,
            "dtype": str(dtype).removeprefix("torch."), "reduce_dtype": a.reduce_dtype,
-           "all_reduce": a.all_reduce, "cuda_tune": os.environ.get("QUANTCORE_CUDA_TUNE") or None, "attention": a.attention, "steps": a.steps, "compile_glue": a.compile_glue, "grouped_linears": grouped,
+           "all_reduce": a.all_reduce, "fuse_reduce_norm": bool(FUSED), "cuda_tune": os.environ.get("QUANTCORE_CUDA_TUNE") or None, "attention": a.attention, "steps": a.steps, "compile_glue": a.compile_glue, "grouped_linears": grouped,
            "graph": graph_note, "eager_repeat_rel_l2": eager_repeat,
            "graph_vs_eager_rel_l2": graph_vs_eager, "graph_vs_eager_layers": layer_trace, "ms_per_step_eager": None if dt_eager is None else dt_eager * 1e3,
            "kernel_profile": kernel_profile, "weights": "sliced" if a.slice else "quantized per shard",

@@ -9,6 +9,7 @@
 #   COMPILE_GLUE=1 TP_LIMIT=150 OUT=... tools/tp_device.sh     # the elementwise parts torch.compile'd
 #   TRACE_LAYERS=1 LAYERS=80 OUT=... tools/tp_device.sh         # + the first layer where graph and eager part
 #   GROUP=1 OUT=... tools/tp_device.sh                          # q/k/v and gate/up as grouped gemv launches
+#   FUSE_NORM=1 OUT=... tools/tp_device.sh                      # each all-reduce fused with the add + norm after it
 #   PROFILE_STEPS=20 OUT=... tools/tp_device.sh                 # + GPU time per kernel name (kernel_profile)
 #   DEVICE=cpu LAYERS=2 HIDDEN=256 INTERMEDIATE=512 HEADS=4 KV_HEADS=2 OUT=... tools/tp_device.sh  # gloo twin
 set -euo pipefail
@@ -25,6 +26,7 @@ ARGS=(--device "$DEVICE" --layers "${LAYERS:-32}" --hidden "${HIDDEN:-8192}" --i
 [ "${COMPILE_GLUE:-0}" = 1 ] && ARGS+=(--compile-glue)  # torch.compile the norms, rope and silu * up
 [ "${TRACE_LAYERS:-0}" = 1 ] && ARGS+=(--trace-layers)  # per-layer graph-against-eager comparison
 [ "${GROUP:-0}" = 1 ] && ARGS+=(--group-linears)  # q/k/v and gate/up as grouped gemv launches
+[ "${FUSE_NORM:-0}" = 1 ] && ARGS+=(--fuse-reduce-norm)  # TP>1: all-reduce + residual add + norm in one call
 [ -n "${PROFILE_STEPS:-}" ] && ARGS+=(--profile "$PROFILE_STEPS")  # GPU time per kernel name (kernel_profile in the JSON)
 if [ "$DEVICE" = cuda ]; then
   nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader

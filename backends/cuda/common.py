@@ -149,6 +149,16 @@ _FA = "allreduce.cu"
 AR_FLAG_BYTES = _G["QC_AR_FLAG_BYTES"]
 
 
+def _ar_launch(expr: str, x: Any, buffers: list[int], round_: Any, rank: int, **args: Any) -> None:
+    world = len(buffers)
+    nbytes = rt.numel(x) * as_dtype(dtype_name(x.dtype)).itemsize
+    bufs = {f"buf{i}": (buffers[i] if i < world else None) for i in range(_G["QC_AR_MAX_RANKS"])}
+    rt.Launcher(x)(_FA, expr, (1,), _G["QC_AR_THREADS"],
+                   rt.kernel_args(expr, x=x, **args, **bufs, round=round_, rank=rank, world=world,
+                                  units=nbytes // 16, slot_bytes=nbytes, push=rt.tune("ar_push", 1)),
+                   pdl=rt.tune("ar_pdl", 1) == 1)
+
+
 def all_reduce_oneshot(x: Any, out: Any, buffers: list[int], round_: Any, rank: int) -> None:
     """``out`` = the sum over ranks of each rank's ``x`` (contiguous, the same shape and fp32 / fp16 /
     bf16 dtype on every rank, a multiple of 16 bytes), by the one-shot kernel on one CTA: ``buffers``
@@ -158,14 +168,18 @@ def all_reduce_oneshot(x: Any, out: Any, buffers: list[int], round_: Any, rank: 
     possible (the CTA waits for the kernel that writes ``x``). ``QUANTCORE_CUDA_TUNE=ar_push=0`` reads
     the peers' slots over NVLink instead of writing into theirs, ``ar_pdl=0`` launches plainly
     (timing comparisons)."""
-    world = len(buffers)
-    expr = f"qc::all_reduce_oneshot_kernel<{_tag(x)}>"
-    nbytes = rt.numel(x) * as_dtype(dtype_name(x.dtype)).itemsize
-    bufs = {f"buf{i}": (buffers[i] if i < world else None) for i in range(_G["QC_AR_MAX_RANKS"])}
-    rt.Launcher(x)(_FA, expr, (1,), _G["QC_AR_THREADS"],
-                   rt.kernel_args(expr, x=x, out=out, **bufs, round=round_, rank=rank, world=world,
-                                  units=nbytes // 16, slot_bytes=nbytes, push=rt.tune("ar_push", 1)),
-                   pdl=rt.tune("ar_pdl", 1) == 1)
+    _ar_launch(f"qc::all_reduce_oneshot_kernel<{_tag(x)}>", x, buffers, round_, rank, out=out)
+
+
+def all_reduce_add_rms_norm(x: Any, res: Any, w: Any, res_out: Any, norm_out: Any, eps: float, buffers: list[int],
+                            round_: Any, rank: int) -> None:
+    """The one-shot all-reduce of ``x`` ([rows, n], as :func:`all_reduce_oneshot`, on the same buffers
+    and round counter), then ``res_out`` = res + the sum and ``norm_out`` = RMSNorm(res_out) * ``w``
+    ([n]), each rounded to the dtype as the unfused ops round (kernels_cuda/allreduce.cu). ``res_out``
+    may be ``res``."""
+    rows = rt.numel(x) // rt.numel(w)
+    _ar_launch(f"qc::all_reduce_add_rms_norm_kernel<{_tag(x)}>", x, buffers, round_, rank, res=res, w=w,
+               res_out=res_out, norm_out=norm_out, rows=rows, eps=float(eps))
 
 
 def ar_buffer_bytes(nbytes: int, world: int) -> int:
@@ -175,5 +189,6 @@ def ar_buffer_bytes(nbytes: int, world: int) -> int:
 
 
 def ar_instances() -> list[tuple[str, str]]:
-    """The one-shot all-reduce's (source file, name expression) per element type."""
-    return [(_FA, f"qc::all_reduce_oneshot_kernel<{tag}>") for tag in TYPE_TAG.values()]
+    """The one-shot all-reduce kernels' (source file, name expression) per element type."""
+    return [(_FA, f"qc::{k}<{tag}>") for k in ("all_reduce_oneshot_kernel", "all_reduce_add_rms_norm_kernel")
+            for tag in TYPE_TAG.values()]

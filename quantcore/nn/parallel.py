@@ -71,8 +71,10 @@ COLWISE, ROWWISE = "colwise", "rowwise"
 #: peers' partial sums over NVLink in one kernel) or "oneshot" (quantcore's one-shot kernel on symmetric
 #: memory: one CTA, one flag per peer and round, no second barrier; kernels_cuda/allreduce.cu). The last
 #: two are CUDA only, for the small outputs of decode; "oneshot" sends outputs over ONESHOT_MAX_BYTES
-#: (prefill) to the group's all-reduce.
-ALL_REDUCE = ("group", "symm_mem", "oneshot")
+#: (prefill) to the group's all-reduce. "deferred": the layer returns this rank's partial sums (rank 0's
+#: with the bias) and the caller sums them, e.g. with :func:`all_reduce_add_rms_norm`, which fuses the
+#: all-reduce with the residual add and the norm that follow a decoder layer's rowwise layers.
+ALL_REDUCE = ("group", "symm_mem", "oneshot", "deferred")
 #: the largest rowwise output (bytes) that all_reduce="oneshot" reduces with its one-CTA kernel
 ONESHOT_MAX_BYTES = 1 << 20
 _NB = bnb.NESTED_BLOCKSIZE  # 256 absmax per second-level block
@@ -433,6 +435,58 @@ def _oneshot_buffer(nbytes: int, dtype: torch.dtype, device: torch.device, group
     return buf, [int(p) for p in hdl.buffer_ptrs], torch.zeros(1, dtype=torch.int32, device=device), int(hdl.rank)
 
 
+def all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
+                            group: Any = None, all_reduce: str = "oneshot") -> tuple[torch.Tensor, torch.Tensor]:
+    """What a decoder layer does after a rowwise layer with ``all_reduce="deferred"``: ``h = residual +
+    y`` with ``y`` the sum of the ranks' ``partial`` ([..., n]) over ``group`` (a ProcessGroup, 1-D
+    DeviceMesh or None: the default group), then Llama's RMSNorm ``T(T(h * rsqrt(mean(h^2) + eps)) *
+    weight)`` ([n]); returns ``(h, normed)``, each rounded to ``residual``'s dtype as the unfused ops
+    round it. With ``all_reduce="oneshot"`` on CUDA (``partial``, ``residual`` and ``weight`` of one
+    dtype, rows of a multiple of 16 bytes, at most ONESHOT_MAX_BYTES) one kernel does all of it
+    (kernels_cuda/allreduce.cu: the one-shot all-reduce's round, then the add and the norm in the
+    same CTA: two kernels fewer per rowwise layer than the all-reduce, the add and the norm); otherwise
+    the partial sums are reduced as ``all_reduce`` says ("group", "symm_mem", "oneshot") and the add and
+    the norm run as torch ops. On one rank it is the add and the norm."""
+    import torch.distributed as dist
+
+    group, _, world = _group_info(group)
+    if all_reduce not in ALL_REDUCE or all_reduce == "deferred":
+        raise ParameterError(f"all_reduce must be one of {ALL_REDUCE[:-1]}, got {all_reduce!r}")
+    n = partial.shape[-1]
+    if residual.shape != partial.shape or weight.shape != (n,):
+        raise ShapeError(f"all_reduce_add_rms_norm takes partial and residual of one shape and a weight of their last "
+                         f"dimension, got {tuple(partial.shape)}, {tuple(residual.shape)}, {tuple(weight.shape)}")
+    if world > 1 and all_reduce == "oneshot" and partial.device.type == "cuda":
+        nbytes = partial.numel() * partial.element_size()
+        key = (group.group_name, nbytes, partial.dtype, partial.device)
+        ent = _ONESHOT.get(key, False)
+        if ent is False:
+            ent = _ONESHOT[key] = _oneshot_buffer(nbytes, partial.dtype, partial.device, group)
+        if (ent is not None and residual.dtype == weight.dtype == partial.dtype
+                and (n * partial.element_size()) % 16 == 0):
+            from ..backends.cuda import common as cuda_common
+
+            _, ptrs, rnd, rank = ent
+            x, res, w = partial.contiguous(), residual.contiguous(), weight.contiguous()
+            if x.data_ptr() % 16 or res.data_ptr() % 16 or w.data_ptr() % 16:
+                x, res, w = x.clone(), res.clone(), w.clone()
+            h, normed = torch.empty_like(res), torch.empty_like(res)
+            cuda_common.all_reduce_add_rms_norm(x, res, w, h, normed, eps, ptrs, rnd, rank)
+            return h, normed
+    y = partial
+    if world > 1:
+        if all_reduce == "symm_mem":
+            y = _symm_mem_all_reduce(partial, group)
+        elif all_reduce == "oneshot":
+            y = _oneshot_all_reduce(partial, group)
+        else:
+            y = partial.clone()
+            dist.all_reduce(y, group=group)
+    h = residual + y.to(residual.dtype)
+    h32 = h.float()
+    return h, (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype) * weight
+
+
 def _rowwise_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
 
@@ -445,6 +499,9 @@ def _rowwise_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x = x[..., lo:hi]
     inp = x if spec.reduce_dtype is None else x.to(spec.reduce_dtype)
     y = type(self).forward(self, inp)
+    bias = self._parameters.get("tp_bias")
+    if spec.all_reduce == "deferred":  # partial sums; the bias once, on rank 0
+        return y if bias is None or spec.rank else y + bias.to(y.dtype)
     if spec.world > 1:
         if spec.all_reduce == "symm_mem":
             y = _symm_mem_all_reduce(y, group)
@@ -454,7 +511,6 @@ def _rowwise_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
             dist.all_reduce(y, group=group)
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
-    bias = self._parameters.get("tp_bias")
     return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -668,6 +724,9 @@ def parallelize_llama(model: nn.Module, mesh_or_group: Any = None, *, fmt: str |
     if fmt is not None and fmt not in FORMATS:
         raise ParameterError(f"fmt must be one of {FORMATS} or None, got {fmt!r}")
     _check_style(ROWWISE, "shard", "shard", all_reduce)
+    if all_reduce == "deferred":  # transformers' decoder layers add a rowwise output to the residual as is
+        raise ParameterError("parallelize_llama needs rowwise layers that sum their outputs: all_reduce='deferred' "
+                             "is for code that reduces them itself (all_reduce_add_rms_norm)")
     _check_llama(model, world)
     rowwise = {"reduce_dtype": reduce_dtype, "all_reduce": all_reduce}
     for lname, layer in _llama_layers(model):
@@ -798,5 +857,5 @@ def load_sharded(model: nn.Module, path: Any, device: Any = None) -> dict[str, i
 
 
 __all__ = ["COLWISE", "LLAMA_PLAN", "QuantColwiseParallel", "QuantRowwiseParallel", "ROWWISE", "ShardSpec",
-           "load_sharded", "parallelize_llama", "quantize_shard", "shard_4bit", "shard_linear", "shard_rows_cols",
+           "all_reduce_add_rms_norm", "load_sharded", "parallelize_llama", "quantize_shard", "shard_4bit", "shard_linear", "shard_rows_cols",
            "shard_spec"]
