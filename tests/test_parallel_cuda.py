@@ -1,6 +1,7 @@
 """quantcore.nn.parallel's one-shot all-reduce (all_reduce="oneshot", kernels_cuda/allreduce.cu) against
 NCCL's, on 2 GPUs: tests/ar_worker.py under torchrun (eager rounds of several sizes and dtypes, then a
-CUDA graph replayed with new inputs, a gemv's output reduced at once), in both of the kernel's modes. Needs 2 CUDA devices, NCCL and CuPy: skipped elsewhere (CI's CPU
+CUDA graph replayed with new inputs, a gemv's output reduced at once, the fused all-reduce + add + norm),
+in each of the kernel's protocols. Needs 2 CUDA devices, NCCL and CuPy: skipped elsewhere (CI's CPU
 machine; the one-GPU device kind), run on the 2-GPU device kind with the same pytest command."""
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ if not (torch.distributed.is_available() and torch.distributed.is_nccl_available
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("tune", ["", "ar_push=0,ar_pdl=0"], ids=["push-pdl", "pull-plain"])
+@pytest.mark.parametrize("tune", ["", "ar_mode=1", "ar_mode=0,ar_pdl=0"], ids=["sentinels", "flags", "pull-plain"])
 def test_oneshot_all_reduce_equals_nccl(tmp_path, tune):
     env = dict(os.environ)
-    env["QUANTCORE_CUDA_TUNE"] = tune  # the kernel's two ways of moving the partial sums, PDL or not
+    env["QUANTCORE_CUDA_TUNE"] = tune  # the kernel's protocols (kernels_cuda/allreduce.cu), PDL or not
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")  # NVLink multicast stays off
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

@@ -155,19 +155,19 @@ def _ar_launch(expr: str, x: Any, buffers: list[int], round_: Any, rank: int, **
     bufs = {f"buf{i}": (buffers[i] if i < world else None) for i in range(_G["QC_AR_MAX_RANKS"])}
     rt.Launcher(x)(_FA, expr, (1,), _G["QC_AR_THREADS"],
                    rt.kernel_args(expr, x=x, **args, **bufs, round=round_, rank=rank, world=world,
-                                  units=nbytes // 16, slot_bytes=nbytes, push=rt.tune("ar_push", 1)),
+                                  units=nbytes // 16, slot_bytes=nbytes, mode=rt.tune("ar_mode", 2)),
                    pdl=rt.tune("ar_pdl", 1) == 1)
 
 
 def all_reduce_oneshot(x: Any, out: Any, buffers: list[int], round_: Any, rank: int) -> None:
     """``out`` = the sum over ranks of each rank's ``x`` (contiguous, the same shape and fp32 / fp16 /
     bf16 dtype on every rank, a multiple of 16 bytes), by the one-shot kernel on one CTA: ``buffers``
-    the ranks' symmetric buffers as mapped on this device (:func:`ar_buffer_bytes` each: AR_FLAG_BYTES
-    of flags, then 2 x world slots of ``x``'s bytes), ``round_`` this buffer's round counter (one int32
-    on the device, zero at first, as the buffers' flags). Launched as a programmatic dependent where
-    possible (the CTA waits for the kernel that writes ``x``). ``QUANTCORE_CUDA_TUNE=ar_push=0`` reads
-    the peers' slots over NVLink instead of writing into theirs, ``ar_pdl=0`` launches plainly
-    (timing comparisons)."""
+    the ranks' symmetric buffers as mapped on this device (:func:`ar_buffer_bytes` each, as
+    :func:`ar_buffer_init` leaves them), ``round_`` this buffer's round counter (one int32 on the device,
+    zero at first). Launched as a programmatic dependent where possible (the CTA waits for the kernel
+    that writes ``x``). ``QUANTCORE_CUDA_TUNE=ar_mode=1`` exchanges by fence and flags instead of
+    sentinels, ``ar_mode=0`` also reads the peers' slots over NVLink instead of writing into theirs,
+    ``ar_pdl=0`` launches plainly (timing comparisons; every rank must use the same mode)."""
     _ar_launch(f"qc::all_reduce_oneshot_kernel<{_tag(x)}>", x, buffers, round_, rank, out=out)
 
 
@@ -175,8 +175,8 @@ def all_reduce_add_rms_norm(x: Any, res: Any, w: Any, res_out: Any, norm_out: An
                             round_: Any, rank: int) -> None:
     """The one-shot all-reduce of ``x`` ([rows, n], as :func:`all_reduce_oneshot`, on the same buffers
     and round counter), then ``res_out`` = res + the sum and ``norm_out`` = RMSNorm(res_out) * ``w``
-    ([n]), each rounded to the dtype as the unfused ops round (kernels_cuda/allreduce.cu). ``res_out``
-    may be ``res``."""
+    ([n], rows of at most QC_AR_NORM_UNITS x QC_AR_THREADS x 16 bytes), each rounded to the dtype as the
+    unfused ops round (kernels_cuda/allreduce.cu). ``res_out`` may be ``res``."""
     rows = rt.numel(x) // rt.numel(w)
     _ar_launch(f"qc::all_reduce_add_rms_norm_kernel<{_tag(x)}>", x, buffers, round_, rank, res=res, w=w,
                res_out=res_out, norm_out=norm_out, rows=rows, eps=float(eps))
@@ -184,8 +184,16 @@ def all_reduce_add_rms_norm(x: Any, res: Any, w: Any, res_out: Any, norm_out: An
 
 def ar_buffer_bytes(nbytes: int, world: int) -> int:
     """Bytes of one rank's symmetric buffer for the one-shot all-reduce of ``nbytes`` over ``world``
-    ranks: the flags, then a slot per rank for each of two rounds."""
-    return AR_FLAG_BYTES + 2 * world * nbytes
+    ranks: the flags, then a slot per rank for each of QC_AR_ROUNDS rounds."""
+    return AR_FLAG_BYTES + _G["QC_AR_ROUNDS"] * world * nbytes
+
+
+def ar_buffer_init(buf: Any, itemsize: int) -> None:
+    """Make a new buffer (a uint8 torch tensor of :func:`ar_buffer_bytes`) ready: no round announced (the
+    flags zero), every slot free (the sentinel word of ``itemsize``-byte elements)."""
+    buf[:AR_FLAG_BYTES].zero_()
+    word = _G["QC_AR_SENTINEL_32"] if itemsize == 4 else _G["QC_AR_SENTINEL_16"]
+    buf[AR_FLAG_BYTES:].view(_torch().int32).fill_(word - (1 << 32) if word >= 1 << 31 else word)
 
 
 def ar_instances() -> list[tuple[str, str]]:

@@ -305,11 +305,11 @@ CUDA_KERNELS: dict[str, tuple[Arg, ...]] = {name: args(spec) for name, spec in {
         + ", u16* out, i64 ldo, i32 rows, i64 k, i32 log2bs, i32 ngroups",
     # allreduce.cu: the rank's partial sums, the output, the ranks' symmetric buffers (QC_AR_MAX_RANKS)
     "all_reduce_oneshot_kernel": "const elem* x, elem* out, " + ", ".join(f"u8* buf{i}" for i in range(AR_MAX_RANKS))
-        + ", u32* round, i32 rank, i32 world, i64 units, i64 slot_bytes, i32 push",
+        + ", u32* round, i32 rank, i32 world, i64 units, i64 slot_bytes, i32 mode",
     # allreduce.cu: the same round, then the residual add and the RMSNorm after it
     "all_reduce_add_rms_norm_kernel": "const elem* x, const elem* res, const elem* w, elem* res_out, elem* norm_out, "
         + ", ".join(f"u8* buf{i}" for i in range(AR_MAX_RANKS))
-        + ", u32* round, i32 rank, i32 world, i64 units, i64 slot_bytes, i32 push, i32 rows, f32 eps",
+        + ", u32* round, i32 rank, i32 world, i64 units, i64 slot_bytes, i32 mode, i32 rows, f32 eps",
     # ggml.cu
     "quantize_ggml_kernel": "const elem* x, u8* out, i64 nblocks, i32 vec, i32 aligned2",
     "dequantize_ggml_kernel": "const u8* q, elem* out, i64 nblocks, i32 vec",

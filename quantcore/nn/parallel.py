@@ -63,6 +63,7 @@ from torch import nn
 
 from ..errors import ParameterError, ShapeError, StateError, UnsupportedError
 from ..formats import bnb, ggml, mx
+from ..formats.kernel_defines import LAUNCH_GEOMETRY
 from . import FORMATS, FORMATS_4BIT, Linear4bit, LinearFP4, LinearQ4_0, _frozen
 
 COLWISE, ROWWISE = "colwise", "rowwise"
@@ -77,6 +78,8 @@ COLWISE, ROWWISE = "colwise", "rowwise"
 ALL_REDUCE = ("group", "symm_mem", "oneshot", "deferred")
 #: the largest rowwise output (bytes) that all_reduce="oneshot" reduces with its one-CTA kernel
 ONESHOT_MAX_BYTES = 1 << 20
+#: all_reduce_add_rms_norm's one kernel takes rows of up to this many 16-byte units (16384 bf16)
+NORM_MAX_UNITS = LAUNCH_GEOMETRY["QC_AR_NORM_UNITS"] * LAUNCH_GEOMETRY["QC_AR_THREADS"]
 _NB = bnb.NESTED_BLOCKSIZE  # 256 absmax per second-level block
 
 #: Megatron's plan for a Llama decoder layer (module names relative to a layer)
@@ -428,7 +431,7 @@ def _oneshot_buffer(nbytes: int, dtype: torch.dtype, device: torch.device, group
         return None
     buf = symm_mem.empty(cuda_common.ar_buffer_bytes(nbytes, dist.get_world_size(group)), dtype=torch.uint8,
                          device=device)
-    buf.zero_()  # the flags: no round announced
+    cuda_common.ar_buffer_init(buf, torch.empty((), dtype=dtype).element_size())
     hdl = symm_mem.rendezvous(buf, group.group_name)
     torch.cuda.synchronize(device)
     dist.barrier(group=group)  # every rank's flags are zero before any rank announces a round
@@ -462,8 +465,9 @@ def all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weigh
         ent = _ONESHOT.get(key, False)
         if ent is False:
             ent = _ONESHOT[key] = _oneshot_buffer(nbytes, partial.dtype, partial.device, group)
-        if (ent is not None and residual.dtype == weight.dtype == partial.dtype
-                and (n * partial.element_size()) % 16 == 0):
+        row = n * partial.element_size()
+        if (ent is not None and residual.dtype == weight.dtype == partial.dtype and row % 16 == 0
+                and row <= 16 * NORM_MAX_UNITS):
             from ..backends.cuda import common as cuda_common
 
             _, ptrs, rnd, rank = ent
