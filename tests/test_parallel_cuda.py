@@ -39,5 +39,5 @@ def test_oneshot_all_reduce_equals_nccl(tmp_path, tune):
         assert not bad and len(res["eager"]) == 45, bad
         assert res["graph"] == [True] * 4
         assert res["after_gemv"] == [True] * 6
-        assert len(res["fused_norm"]) == 6 and all(c["h_same"] and c["norm_close"] for c in res["fused_norm"]), \
+        assert len(res["fused_norm"]) == 9 and all(c["h_same"] and c["norm_close"] for c in res["fused_norm"]), \
             res["fused_norm"]
