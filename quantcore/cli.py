@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--workers", type=int, default=1,
                    help="processes that quantize tensors in parallel (the output is byte-identical to one process)")
     q.add_argument("--devices", default=None,
-                   help="GPUs to spread the tensors over, e.g. cuda:0,cuda:1 (one worker thread each, in this process; "
-                        "implies --backend cuda unless given)")
+                   help="GPUs to spread the tensors over, e.g. cuda:0,cuda:1 (two worker threads each, in this process, "
+                        "or --workers in all if more; implies --backend cuda unless given)")
     q.add_argument("--allow-requantize", action="store_true",
                    help="GGUF: accept Q4_0 / Q8_0 input tensors, dequantized first (llama-quantize --allow-requantize)")
     q.add_argument("--backend", default=None, help="quantize on this backend (default $QUANTCORE_BACKEND, else cpu)")

@@ -169,6 +169,11 @@ def _quantize_tensor(name: str, a: np.ndarray, fmt: str, blocksize: int, mv: _Mo
 
 
 # -- conversion spread over workers (--workers N: processes; --devices cuda:0,cuda:1: threads) ------------
+#: worker threads per GPU of --devices, at least: the host's copy of a tensor into pinned memory and its
+#: upload take most of a thread's time, so a second thread on the same GPU overlaps them (measured on two
+#: H200s, 6.98 GB of bf16 to nf4 in a started process: one GPU 1.85 s with one thread, 1.18 s with two;
+#: two GPUs 1.19 s with one thread each, 1.00 s with two; docs/parallel.md)
+THREADS_PER_DEVICE = 2
 #: the calling worker's state: its backend mover and open files (one per process, or per thread)
 _WORKER = threading.local()
 #: worker threads set themselves up one at a time: the first import of a GPU package (torch) by two
@@ -200,7 +205,7 @@ def _worker_quantize(task: tuple) -> dict[str, np.ndarray]:
 class _Pool:
     """Tensors quantized by ``workers`` workers, results taken back in the plan's order (so the
     output is the one a single worker writes, byte for byte); at most 2 x workers in flight.
-    With ``devices`` the workers are threads of this process, each on its GPU (taken in turn):
+    With ``devices`` the workers are threads of this process, each on a GPU (taken in turn):
     no start-up and no copies between processes (the copies to and from the GPUs and the
     kernels run outside the interpreter's lock); else processes (the cpu backend)."""
 
@@ -418,8 +423,8 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, *, blocksize: int = 64, ba
     shard_limit = parse_size(max_shard_size)
     devs = devices if isinstance(devices, list) else parse_devices(devices)
     nworkers = v.positive_int(workers, "workers")
-    if devs is not None:
-        nworkers = max(nworkers, len(devs))
+    if devs is not None:  # threads: at least THREADS_PER_DEVICE per GPU (one uploads while another waits)
+        nworkers = max(nworkers, THREADS_PER_DEVICE * len(devs))
         backend = backend or "cuda"
     mover = _Mover(backend)  # BackendUnavailableError now, before any work
     ckpt = open_checkpoint(src)

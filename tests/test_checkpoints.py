@@ -460,8 +460,8 @@ def test_workers_write_the_bytes_of_one_process(model_file, tmp_path, fmt):
 
 @pytest.mark.parametrize("fmt", ["nf4", "nvfp4"])
 def test_devices_threads_write_the_bytes_of_one_worker(model_file, tmp_path, fmt):
-    """--devices: one worker thread per GPU in this process (the first GPU twice where there is
-    only one), results written in the plan's order: the bytes of a single worker."""
+    """--devices: worker threads in this process, two per GPU (the first GPU's twice as many where
+    there is only one), results written in the plan's order: the bytes of a single worker."""
     if not _DEVICES["cuda"]:
         pytest.skip(f"cuda backend unavailable: {_DEVICES['cuda'].reason}")
     devs = "cuda:0,cuda:1" if len(qc.get_backend("cuda").devices()) > 1 else "cuda:0,cuda:0"
