@@ -102,7 +102,7 @@ class Backend:
 
     def use_device(self, index: int) -> None:
         """Make device ``index`` (of :meth:`devices`) the one the calling thread's new arrays and
-        launches go to (``quantcore quantize --devices``: one thread per GPU). A backend with one
+        launches go to (``quantcore quantize --devices``: threads per GPU). A backend with one
         device takes index 0 only."""
         if index != 0:
             raise UnsupportedError(f"backend {self.name!r} has no device {index} to select per thread")
