@@ -4,7 +4,8 @@
 // rank r announced), then QC_AR_ROUNDS x world slots of the tensor's bytes: slot (e % R, q) holds rank
 // q's partial sums of round e (R = 2 with flags, 3 with sentinels). A round, in one CTA:
 //   0. launched as a programmatic dependent (where the launcher can), the CTA is resident while the
-//      kernel that writes x still runs, and waits for it (griddepcontrol.wait) before reading;
+//      kernel that writes x still runs, and waits for it (griddepcontrol.wait) before reading; then
+//      (the `mode` bit QC_AR_EARLY) it lets its own dependent launch, which waits for it in turn;
 //   1. the rank's partial sums go into its slot of round e: in every rank's buffer (its own and each
 //      peer's, over NVLink: posted writes; `mode` 1 and 2) or in its own buffer only (`mode` 0);
 //   2. mode 0 and 1 (flags): a barrier of the CTA, then thread p (each peer p) fences at system scope
@@ -82,10 +83,14 @@ __device__ __forceinline__ constexpr u32 ar_sentinel() {
 
 // Steps 1-2 of a round (after the wait): this rank's slot of round e written, and in modes 0 and 1
 // every peer's announcement of e seen. Returns the byte offset of slot (e % R, 0) in a buffer.
+// With `early` the next kernel, where it is a programmatic dependent (the gemv after a decoder layer's
+// norm), may launch now: it sets up and prefetches its weights during the exchange, and its own wait
+// still waits for this whole grid.
 template <typename T>
 __device__ __forceinline__ i64 ar_exchange(const typename T::S* __restrict__ x, u8* const (&bufs)[kArMaxRanks],
                                            const u32* round, int rank, int world, i64 units, i64 slot_bytes,
-                                           int mode, u32& e) {
+                                           int mode, bool early, u32& e) {
+    if (early) grid_dep_launch();
     e = *reinterpret_cast<const volatile u32*>(round) + 1;  // this round: one after the last one
     const u32 nr = mode == 2 ? 3u : 2u;
     const i64 off = kArFlagBytes + (i64)(e % nr) * world * slot_bytes;  // slot (e % R, 0)
@@ -153,7 +158,9 @@ __global__ void __launch_bounds__(kArThreads, 1) all_reduce_oneshot_kernel(
     u8* const bufs[kArMaxRanks] = {buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7};
     grid_dep_wait();  // x is the previous kernel's output
     u32 e;
-    const i64 off = ar_exchange<T>(x, bufs, round, rank, world, units, slot_bytes, mode, e);
+    const bool early = mode & QC_AR_EARLY;  // the flag bit; the protocol in the low bits
+    mode &= QC_AR_EARLY - 1;
+    const i64 off = ar_exchange<T>(x, bufs, round, rank, world, units, slot_bytes, mode, early, e);
     u8* const o = reinterpret_cast<u8*>(out);
     for (i64 i = threadIdx.x; i < units; i += kArThreads) {
         float s[16 / T::kBytes];
@@ -199,7 +206,9 @@ __global__ void __launch_bounds__(kArThreads, 1) all_reduce_add_rms_norm_kernel(
         }
     }
     u32 e;
-    const i64 off = ar_exchange<T>(x, bufs, round, rank, world, units, slot_bytes, mode, e);
+    const bool early = mode & QC_AR_EARLY;  // the flag bit; the protocol in the low bits
+    mode &= QC_AR_EARLY - 1;
+    const i64 off = ar_exchange<T>(x, bufs, round, rank, world, units, slot_bytes, mode, early, e);
     for (int r = 0; r < rows; ++r) {
         float sq = 0.f;
         u32 hv[U][4];

@@ -155,7 +155,8 @@ def _ar_launch(expr: str, x: Any, buffers: list[int], round_: Any, rank: int, **
     bufs = {f"buf{i}": (buffers[i] if i < world else None) for i in range(_G["QC_AR_MAX_RANKS"])}
     rt.Launcher(x)(_FA, expr, (1,), _G["QC_AR_THREADS"],
                    rt.kernel_args(expr, x=x, **args, **bufs, round=round_, rank=rank, world=world,
-                                  units=nbytes // 16, slot_bytes=nbytes, mode=rt.tune("ar_mode", 2)),
+                                  units=nbytes // 16, slot_bytes=nbytes,
+                                  mode=rt.tune("ar_mode", 2) | (_G["QC_AR_EARLY"] if rt.tune("ar_early", 1) else 0)),
                    pdl=rt.tune("ar_pdl", 1) == 1)
 
 

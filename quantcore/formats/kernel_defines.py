@@ -87,11 +87,12 @@ def gm_slot_bytes(ww: int, wr: int, wk: int) -> int:
 #: threads of its one CTA, ranks at most (its buffer parameters), the flag words' bytes at the start of
 #: each rank's symmetric buffer, rounds of slots after them (3: the sentinel protocol's; the flag
 #: protocol uses 2), 16-byte units of a row per thread in all_reduce_add_rms_norm (rows of up to
-#: 4 x 512 x 16 bytes: 16384 bf16), the sentinel word of a free slot (-0.0 in each element), polls of a
-#: peer's flag or slot before the kernel traps
+#: 4 x 512 x 16 bytes: 16384 bf16), the sentinel word of a free slot (-0.0 in each element), the flag
+#: bit of `mode` that lets the next kernel launch at the start (the protocol in the bits below it),
+#: polls of a peer's flag or slot before the kernel traps
 LAUNCH_GEOMETRY.update({"QC_AR_THREADS": 512, "QC_AR_MAX_RANKS": kernel_interface.AR_MAX_RANKS,
                         "QC_AR_FLAG_BYTES": 128, "QC_AR_ROUNDS": 3, "QC_AR_NORM_UNITS": 4,
-                        "QC_AR_SENTINEL_16": 0x80008000, "QC_AR_SENTINEL_32": 0x80000000,
+                        "QC_AR_SENTINEL_16": 0x80008000, "QC_AR_SENTINEL_32": 0x80000000, "QC_AR_EARLY": 4,
                         "QC_AR_SPIN_LIMIT": 1 << 26})
 #: the cpu backend's linear_mx (kernels_cpu/qc_cpu.cpp): input rows per call at most (its
 #: accumulators; the glue splits larger batches)
