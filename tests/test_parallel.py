@@ -144,13 +144,14 @@ def test_device_script_cpu_twin(tmp_path):
     assert all(abs(r["weights_bytes"] - half) / half < 0.05 for r in t2["per_rank"])
 
 
-@pytest.mark.parametrize("fuse", ["0", "1"], ids=["", "fuse-norm"])
+@pytest.mark.parametrize("fuse", ["0", "1"], ids=["", "fuse-norm-rope"])
 def test_device_script_cpu_twin_grouped(tmp_path, fuse):
     """GROUP=1: q / k / v and gate / up of every layer as grouped launches (quantcore.nn.group_linears
     on the colwise shards), TP=2 against TP=1 as above; FUSE_NORM=1: the rowwise layers' partial sums
-    reduced by all_reduce_add_rms_norm (its gloo fallback here)."""
+    reduced by all_reduce_add_rms_norm (its gloo fallback here); FUSE_ROPE=1: rope and the cache
+    writes as one glue function."""
     env = _env()
-    env.update(DEVICE="cpu", GROUP="1", FUSE_NORM=fuse, LAYERS="2", HIDDEN="256", INTERMEDIATE="512", HEADS="4", KV_HEADS="2",
+    env.update(DEVICE="cpu", GROUP="1", FUSE_NORM=fuse, FUSE_ROPE=fuse, LAYERS="2", HIDDEN="256", INTERMEDIATE="512", HEADS="4", KV_HEADS="2",
                CTX="16", STEPS="3", OUT=str(tmp_path), PYTHON=sys.executable)
     proc = subprocess.run(["bash", os.path.join(REPO, "tools", "tp_device.sh")], env=env, capture_output=True,
                           text=True, timeout=300)
@@ -159,6 +160,7 @@ def test_device_script_cpu_twin_grouped(tmp_path, fuse):
     t1, t2 = res["tp1"], res["tp2"]
     assert t1["grouped_linears"] == t2["grouped_linears"] == 4  # 2 layers x (q/k/v, gate/up)
     assert not t1["fuse_reduce_norm"] and t2["fuse_reduce_norm"] == (fuse == "1")
+    assert t1["fuse_rope_cache"] == t2["fuse_rope_cache"] == (fuse == "1")
     assert t2["vs_tp1"]["layer0_rel_l2"] < RTOL and t2["vs_tp1"]["rel_l2"] < RTOL
 
 

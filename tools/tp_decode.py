@@ -88,6 +88,9 @@ def parse(argv=None):
                    help="TP>1: rowwise layers return partial sums (all_reduce='deferred') and each all-reduce, the "
                         "residual add and the norm after it are quantcore.nn.parallel.all_reduce_add_rms_norm (one "
                         "kernel with --all-reduce oneshot)")
+    p.add_argument("--fuse-rope-cache", action="store_true",
+                   help="rope of q and k and the two cache writes as one glue function (one compiled graph with "
+                        "--compile-glue; else the same eager ops)")
     p.add_argument("--slice", action="store_true",
                    help="TP>1: quantize each whole weight, then slice (default: each rank quantizes its float shard)")
     p.add_argument("--out", required=True, help="rank 0's JSON")
@@ -128,9 +131,12 @@ class Layer(nn.Module):
         q = at.q_proj(h).view(1, -1, 1, self.hd)  # [1, local heads, 1, hd]
         k = at.k_proj(h).view(1, -1, 1, self.hd)
         v = at.v_proj(h).view(1, -1, 1, self.hd)
-        q, k = GLUE["rope"](q, cos, sin), GLUE["rope"](k, cos, sin)
-        kc.index_copy_(2, pos, k)
-        vc.index_copy_(2, pos, v)
+        if ROPE_CACHE:  # --fuse-rope-cache: one function (compiled with the glue)
+            q = GLUE["rope_cache"](q, k, v, cos, sin, kc, vc, pos)
+        else:
+            q, k = GLUE["rope"](q, cos, sin), GLUE["rope"](k, cos, sin)
+            kc.index_copy_(2, pos, k)
+            vc.index_copy_(2, pos, v)
         o = F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True)  # every cached position is valid
         x, h = add_norm(x, at.o_proj(o.reshape(1, 1, -1)), self.ln2)
         return x, mlp.down_proj(GLUE["silu_mul"](mlp.gate_proj(h), mlp.up_proj(h)))
@@ -145,8 +151,19 @@ def add_rms_norm(x, r, w):
     return s, rms_norm(s, w)
 
 
+def rope_cache(q, k, v, cos, sin, kc, vc, pos):
+    """q rotated; k rotated and v written into the caches at ``pos`` (serving stacks fuse these)."""
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    kc.index_copy_(2, pos, k)
+    vc.index_copy_(2, pos, v)
+    return q
+
+
 #: the elementwise parts between the linears; --compile-glue replaces them with compiled versions
-GLUE = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope": rope, "silu_mul": silu_mul}
+GLUE = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope": rope, "silu_mul": silu_mul,
+        "rope_cache": rope_cache}
+#: --fuse-rope-cache: the rotations and the cache writes as one glue function
+ROPE_CACHE: list = []
 #: --fuse-reduce-norm at TP>1: {"all_reduce": the method}; a rowwise layer's output is then its partial sums
 FUSED: dict = {}
 
@@ -272,6 +289,8 @@ def main(a):
         if a.trace_layers or a.reduce_dtype != "activation":
             raise SystemExit("tp_decode: --fuse-reduce-norm takes neither --trace-layers nor --reduce-dtype float32")
         FUSED["all_reduce"] = a.all_reduce
+    if a.fuse_rope_cache:
+        ROPE_CACHE.append(True)
     if a.compile_glue:
         for name, fn in list(GLUE.items()):
             GLUE[name] = torch.compile(fn, fullgraph=True, dynamic=False)
@@ -383,7 +402,7 @@ def main(a):
            "torch": torch.__version__, "fmt": a.fmt, "layers": a.layers, "hidden": a.hidden,
            "intermediate": a.intermediate, "heads": a.heads, "kv_heads": a.kv_heads, "ctx": a.ctx,
            "dtype": str(dtype).removeprefix("torch."), "reduce_dtype": a.reduce_dtype,
-           "all_reduce": a.all_reduce, "fuse_reduce_norm": bool(FUSED), "cuda_tune": os.environ.get("QUANTCORE_CUDA_TUNE") or None, "attention": a.attention, "steps": a.steps, "compile_glue": a.compile_glue, "grouped_linears": grouped,
+           "all_reduce": a.all_reduce, "fuse_reduce_norm": bool(FUSED), "fuse_rope_cache": bool(ROPE_CACHE), "cuda_tune": os.environ.get("QUANTCORE_CUDA_TUNE") or None, "attention": a.attention, "steps": a.steps, "compile_glue": a.compile_glue, "grouped_linears": grouped,
            "graph": graph_note, "eager_repeat_rel_l2": eager_repeat,
            "graph_vs_eager_rel_l2": graph_vs_eager, "graph_vs_eager_layers": layer_trace, "ms_per_step_eager": None if dt_eager is None else dt_eager * 1e3,
            "kernel_profile": kernel_profile, "weights": "sliced" if a.slice else "quantized per shard",

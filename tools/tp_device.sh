@@ -10,6 +10,7 @@
 #   TRACE_LAYERS=1 LAYERS=80 OUT=... tools/tp_device.sh         # + the first layer where graph and eager part
 #   GROUP=1 OUT=... tools/tp_device.sh                          # q/k/v and gate/up as grouped gemv launches
 #   FUSE_NORM=1 OUT=... tools/tp_device.sh                      # each all-reduce fused with the add + norm after it
+#   FUSE_ROPE=1 OUT=... tools/tp_device.sh                      # rope and the KV-cache writes as one glue function
 #   PROFILE_STEPS=20 OUT=... tools/tp_device.sh                 # + GPU time per kernel name (kernel_profile)
 #   DEVICE=cpu LAYERS=2 HIDDEN=256 INTERMEDIATE=512 HEADS=4 KV_HEADS=2 OUT=... tools/tp_device.sh  # gloo twin
 set -euo pipefail
@@ -27,6 +28,7 @@ ARGS=(--device "$DEVICE" --layers "${LAYERS:-32}" --hidden "${HIDDEN:-8192}" --i
 [ "${TRACE_LAYERS:-0}" = 1 ] && ARGS+=(--trace-layers)  # per-layer graph-against-eager comparison
 [ "${GROUP:-0}" = 1 ] && ARGS+=(--group-linears)  # q/k/v and gate/up as grouped gemv launches
 [ "${FUSE_NORM:-0}" = 1 ] && ARGS+=(--fuse-reduce-norm)  # TP>1: all-reduce + residual add + norm in one call
+[ "${FUSE_ROPE:-0}" = 1 ] && ARGS+=(--fuse-rope-cache)  # rope and the cache writes as one glue function
 [ -n "${PROFILE_STEPS:-}" ] && ARGS+=(--profile "$PROFILE_STEPS")  # GPU time per kernel name (kernel_profile in the JSON)
 if [ "$DEVICE" = cuda ]; then
   nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader

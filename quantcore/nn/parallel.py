@@ -449,7 +449,8 @@ def all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weigh
     (kernels_cuda/allreduce.cu: the one-shot all-reduce's round, then the add and the norm in the
     same CTA: two kernels fewer per rowwise layer than the all-reduce, the add and the norm); otherwise
     the partial sums are reduced as ``all_reduce`` says ("group", "symm_mem", "oneshot") and the add and
-    the norm run as torch ops. On one rank it is the add and the norm."""
+    the norm run as torch ops. On one rank it is the add and the norm. Like ``all_reduce="oneshot"``, a
+    call under ``torch.compile`` is a graph break (CUDA graphs capture the kernel)."""
     import torch.distributed as dist
 
     group, _, world = _group_info(group)
@@ -459,7 +460,7 @@ def all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weigh
     if residual.shape != partial.shape or weight.shape != (n,):
         raise ShapeError(f"all_reduce_add_rms_norm takes partial and residual of one shape and a weight of their last "
                          f"dimension, got {tuple(partial.shape)}, {tuple(residual.shape)}, {tuple(weight.shape)}")
-    if world > 1 and all_reduce == "oneshot" and partial.device.type == "cuda":
+    if world > 1 and all_reduce == "oneshot" and partial.device.type == "cuda" and partial.numel():
         nbytes = partial.numel() * partial.element_size()
         key = (group.group_name, nbytes, partial.dtype, partial.device)
         ent = _ONESHOT.get(key, False)
