@@ -130,12 +130,14 @@ def test_device_script_cpu_twin(tmp_path):
     fallback, the JSON) on CPU with gloo at small widths: TP=2 against TP=1."""
     env = _env()
     env.update(DEVICE="cpu", LAYERS="2", HIDDEN="256", INTERMEDIATE="512", HEADS="4", KV_HEADS="2", CTX="16",
-               STEPS="3", OUT=str(tmp_path), PYTHON=sys.executable)
+               STEPS="3", OUT=str(tmp_path), PYTHON=sys.executable, ALL_REDUCE="group group:pdl=0")
     proc = subprocess.run(["bash", os.path.join(REPO, "tools", "tp_device.sh")], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "tp_decode.json").read_text())
     t1, t2 = res["tp1"], res["tp2"]
+    # NAME:TUNE runs NAME with QUANTCORE_CUDA_TUNE=TUNE, into its own JSON
+    assert res["tp2_group_pdl_0"]["cuda_tune"] == "pdl=0" and t2["cuda_tune"] is None
     assert (t1["world"], t2["world"]) == (1, 2) and t1["graph"] == t2["graph"] == "eager (cpu)"
     assert t2["vs_tp1"]["q_proj_colwise_bitwise"] and t2["vs_tp1"]["rel_l2"] < RTOL
     assert t1["tokens_per_s"] > 0 and t2["tokens_per_s"] > 0 and len(t2["per_rank"]) == 2
