@@ -70,7 +70,8 @@ COLWISE, ROWWISE = "colwise", "rowwise"
 #: how a rowwise layer sums its partial products: "group" (``dist.all_reduce`` on the process group:
 #: NCCL, gloo), "symm_mem" (torch's one-shot all-reduce on its symmetric memory: each GPU reads its
 #: peers' partial sums over NVLink in one kernel) or "oneshot" (quantcore's one-shot kernel on symmetric
-#: memory: one CTA, one flag per peer and round, no second barrier; kernels_cuda/allreduce.cu). The last
+#: memory: one CTA, each rank's partial sums pushed into every rank's buffer, their arrival seen by sentinel
+#: words, no barrier; kernels_cuda/allreduce.cu). The last
 #: two are CUDA only, for the small outputs of decode; "oneshot" sends outputs over ONESHOT_MAX_BYTES
 #: (prefill) to the group's all-reduce. "deferred": the layer returns this rank's partial sums (rank 0's
 #: with the bias) and the caller sums them, e.g. with :func:`all_reduce_add_rms_norm`, which fuses the
@@ -389,9 +390,9 @@ _ONESHOT: dict[tuple, tuple | None] = {}
 
 def _oneshot_all_reduce(y: torch.Tensor, group: Any) -> torch.Tensor:
     """``y`` summed over ``group`` by quantcore's one-shot kernel (kernels_cuda/allreduce.cu): each rank
-    writes its partial sums into its slot of every rank's symmetric buffer, announces the round to every
-    peer by a flag and adds all slots in rank order once the peers' flags arrive (the same bits on every rank; for
-    two ranks the bits of NCCL's sum). One buffer per group and size, made by a collective rendezvous on
+    writes its partial sums into its slot of every rank's symmetric buffer and adds all slots in rank order
+    as they arrive (a slot's words stop being the free-slot sentinel); the same bits on every rank, for two
+    ranks the bits of NCCL's sum. One buffer per group and size, made by a collective rendezvous on
     the first call (run one step eagerly before capturing a CUDA graph); tensors over ONESHOT_MAX_BYTES,
     of another dtype or not a multiple of 16 bytes take ``dist.all_reduce``."""
     import torch.distributed as dist
@@ -434,7 +435,7 @@ def _oneshot_buffer(nbytes: int, dtype: torch.dtype, device: torch.device, group
     cuda_common.ar_buffer_init(buf, torch.empty((), dtype=dtype).element_size())
     hdl = symm_mem.rendezvous(buf, group.group_name)
     torch.cuda.synchronize(device)
-    dist.barrier(group=group)  # every rank's flags are zero before any rank announces a round
+    dist.barrier(group=group)  # every rank's buffer is ready before any rank writes into it
     return buf, [int(p) for p in hdl.buffer_ptrs], torch.zeros(1, dtype=torch.int32, device=device), int(hdl.rank)
 
 
@@ -862,5 +863,5 @@ def load_sharded(model: nn.Module, path: Any, device: Any = None) -> dict[str, i
 
 
 __all__ = ["COLWISE", "LLAMA_PLAN", "QuantColwiseParallel", "QuantRowwiseParallel", "ROWWISE", "ShardSpec",
-           "all_reduce_add_rms_norm", "load_sharded", "parallelize_llama", "quantize_shard", "shard_4bit", "shard_linear", "shard_rows_cols",
-           "shard_spec"]
+           "all_reduce_add_rms_norm", "load_sharded", "parallelize_llama", "quantize_shard", "shard_4bit",
+           "shard_linear", "shard_rows_cols", "shard_spec"]
