@@ -35,6 +35,7 @@ constexpr int kArFlagBytes = QC_AR_FLAG_BYTES;
 constexpr int kArRounds = QC_AR_ROUNDS;  // slots per rank in a buffer: enough rounds for either protocol
 constexpr int kArNormUnits = QC_AR_NORM_UNITS;  // all_reduce_add_rms_norm: 16-byte units of a row per thread
 static_assert(4 * kArMaxRanks <= kArFlagBytes && kArFlagBytes % 16 == 0, "one flag word per rank, slots 16-byte aligned");
+static_assert(kArRounds >= 3, "the sentinel protocol needs 3 rounds of slots; the flag protocols use 2 of them");
 
 __device__ __forceinline__ void ar_st_release_sys(u8* p, u32 v) {
     asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
@@ -92,7 +93,7 @@ __device__ __forceinline__ i64 ar_exchange(const typename T::S* __restrict__ x, 
                                            int mode, bool early, u32& e) {
     if (early) grid_dep_launch();
     e = *reinterpret_cast<const volatile u32*>(round) + 1;  // this round: one after the last one
-    const u32 nr = mode == 2 ? 3u : 2u;
+    const u32 nr = mode == 2 ? (u32)kArRounds : 2u;  // the sentinel protocol frees a slot for round e + R
     const i64 off = kArFlagBytes + (i64)(e % nr) * world * slot_bytes;  // slot (e % R, 0)
     const u8* const xs = reinterpret_cast<const u8*>(x);
     const int ndst = mode ? world : 1;

@@ -39,7 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import quantcore.nn as qnn
 from quantcore.nn.parallel import (
     LLAMA_PLAN,
-    _oneshot_all_reduce,
+    _sum_over,
     all_reduce_add_rms_norm,
     quantize_shard,
     shard_linear,
@@ -178,13 +178,7 @@ def add_norm(x, r, w):
 
 def reduced(r):
     """A rowwise layer's output summed over the ranks (as it is without --fuse-reduce-norm)."""
-    if not FUSED:
-        return r
-    if FUSED["all_reduce"] == "oneshot":
-        return _oneshot_all_reduce(r, dist.group.WORLD)
-    r = r.clone()
-    dist.all_reduce(r)
-    return r
+    return _sum_over(r.clone(), dist.group.WORLD, FUSED["all_reduce"]) if FUSED else r
 
 
 def _weight(n, k, seed, dtype, device):

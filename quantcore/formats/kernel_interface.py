@@ -271,6 +271,10 @@ def sycl_kernels() -> dict[str, tuple[Arg, ...]]:
 # -- CUDA: the __global__ kernels' parameter lists ------------------------------------------------------------
 #: ranks the one-shot all-reduce takes at most (kernels_cuda/allreduce.cu: one buffer parameter each)
 AR_MAX_RANKS = 8
+#: allreduce.cu: a round's arguments, after each kernel's tensors: the ranks' symmetric buffers
+#: (QC_AR_MAX_RANKS), the round counter, this rank, the world, 16-byte units, a slot's bytes, the mode
+_AR_ROUND = (", ".join(f"u8* buf{i}" for i in range(AR_MAX_RANKS))
+             + ", u32* round, i32 rank, i32 world, i64 units, i64 slot_bytes, i32 mode")
 _MX_GEMM = ("const u8* a, const u8* b, const u8* scale_a, const u8* scale_b, const f32* alpha, const u16* bias, "
             "u16* out, i32 m, i32 n, i32 k, i32 flags")
 _MX_QUANTIZE2 = ("const elem* x, u8* codes, u8* scales, const f32* gscale, u32 nunits, u32 rows, u32 ncols, "
@@ -304,12 +308,10 @@ CUDA_KERNELS: dict[str, tuple[Arg, ...]] = {name: args(spec) for name, spec in {
     "gemv_4bit_tc_kernel": "const u16* a, " + _GEMV_WEIGHTS
         + ", u16* out, i64 ldo, i32 rows, i64 k, i32 log2bs, i32 ngroups",
     # allreduce.cu: the rank's partial sums, the output, the ranks' symmetric buffers (QC_AR_MAX_RANKS)
-    "all_reduce_oneshot_kernel": "const elem* x, elem* out, " + ", ".join(f"u8* buf{i}" for i in range(AR_MAX_RANKS))
-        + ", u32* round, i32 rank, i32 world, i64 units, i64 slot_bytes, i32 mode",
+    "all_reduce_oneshot_kernel": f"const elem* x, elem* out, {_AR_ROUND}",
     # allreduce.cu: the same round, then the residual add and the RMSNorm after it
     "all_reduce_add_rms_norm_kernel": "const elem* x, const elem* res, const elem* w, elem* res_out, elem* norm_out, "
-        + ", ".join(f"u8* buf{i}" for i in range(AR_MAX_RANKS))
-        + ", u32* round, i32 rank, i32 world, i64 units, i64 slot_bytes, i32 mode, i32 rows, f32 eps",
+        f"{_AR_ROUND}, i32 rows, f32 eps",
     # ggml.cu
     "quantize_ggml_kernel": "const elem* x, u8* out, i64 nblocks, i32 vec, i32 aligned2",
     "dequantize_ggml_kernel": "const u8* q, elem* out, i64 nblocks, i32 vec",

@@ -401,21 +401,46 @@ def _oneshot_all_reduce(y: torch.Tensor, group: Any) -> torch.Tensor:
 
     if y.device.type != "cuda":
         raise UnsupportedError(f"all_reduce='oneshot' needs CUDA tensors (got {y.device}); use 'group'")
+    ent = _oneshot_entry(y, group)
+    if ent is None:
+        dist.all_reduce(y, group=group)
+        return y
+    _, ptrs, rnd, rank = ent
+    (x,) = _aligned16(y)
+    out = torch.empty_like(x)
+    cuda_common.all_reduce_oneshot(x, out, ptrs, rnd, rank)
+    return out
+
+
+def _oneshot_entry(y: torch.Tensor, group: Any) -> tuple | None:
+    """The one-shot buffer (an :data:`_ONESHOT` entry) for tensors of ``y``'s bytes, dtype and device on
+    ``group``, made on first use (a collective), or None where the kernel does not take them."""
     nbytes = y.numel() * y.element_size()
     key = (group.group_name, nbytes, y.dtype, y.device)
     ent = _ONESHOT.get(key, False)
     if ent is False:
         ent = _ONESHOT[key] = _oneshot_buffer(nbytes, y.dtype, y.device, group)
-    if ent is None:
-        dist.all_reduce(y, group=group)
-        return y
-    _, ptrs, rnd, rank = ent
-    x = y.contiguous()
-    if x.data_ptr() % 16:  # a view at an odd offset: the kernel reads 16-byte units
-        x = x.clone()
-    out = torch.empty_like(x)
-    cuda_common.all_reduce_oneshot(x, out, ptrs, rnd, rank)
-    return out
+    return ent
+
+
+def _aligned16(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors contiguous, copied where one starts off a 16-byte boundary (the one-shot kernels
+    read and write 16-byte units)."""
+    ts = tuple(t.contiguous() for t in ts)
+    return tuple(t.clone() if t.data_ptr() % 16 else t for t in ts)
+
+
+def _sum_over(y: torch.Tensor, group: Any, how: str) -> torch.Tensor:
+    """``y`` summed over ``group`` as ``how`` says (:data:`ALL_REDUCE` but "deferred"); "group" and the
+    one-shot path's fallback sum ``y`` in place."""
+    import torch.distributed as dist
+
+    if how == "symm_mem":
+        return _symm_mem_all_reduce(y, group)
+    if how == "oneshot":
+        return _oneshot_all_reduce(y, group)
+    dist.all_reduce(y, group=group)
+    return y
 
 
 def _oneshot_buffer(nbytes: int, dtype: torch.dtype, device: torch.device, group: Any) -> tuple | None:
@@ -452,8 +477,6 @@ def all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weigh
     the partial sums are reduced as ``all_reduce`` says ("group", "symm_mem", "oneshot") and the add and
     the norm run as torch ops. On one rank it is the add and the norm. Like ``all_reduce="oneshot"``, a
     call under ``torch.compile`` is a graph break (CUDA graphs capture the kernel)."""
-    import torch.distributed as dist
-
     group, _, world = _group_info(group)
     if all_reduce not in ALL_REDUCE or all_reduce == "deferred":
         raise ParameterError(f"all_reduce must be one of {ALL_REDUCE[:-1]}, got {all_reduce!r}")
@@ -462,40 +485,24 @@ def all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weigh
         raise ShapeError(f"all_reduce_add_rms_norm takes partial and residual of one shape and a weight of their last "
                          f"dimension, got {tuple(partial.shape)}, {tuple(residual.shape)}, {tuple(weight.shape)}")
     if world > 1 and all_reduce == "oneshot" and partial.device.type == "cuda" and partial.numel():
-        nbytes = partial.numel() * partial.element_size()
-        key = (group.group_name, nbytes, partial.dtype, partial.device)
-        ent = _ONESHOT.get(key, False)
-        if ent is False:
-            ent = _ONESHOT[key] = _oneshot_buffer(nbytes, partial.dtype, partial.device, group)
+        ent = _oneshot_entry(partial, group)
         row = n * partial.element_size()
         if (ent is not None and residual.dtype == weight.dtype == partial.dtype and row % 16 == 0
                 and row <= 16 * NORM_MAX_UNITS):
             from ..backends.cuda import common as cuda_common
 
             _, ptrs, rnd, rank = ent
-            x, res, w = partial.contiguous(), residual.contiguous(), weight.contiguous()
-            if x.data_ptr() % 16 or res.data_ptr() % 16 or w.data_ptr() % 16:
-                x, res, w = x.clone(), res.clone(), w.clone()
+            x, res, w = _aligned16(partial, residual, weight)
             h, normed = torch.empty_like(res), torch.empty_like(res)
             cuda_common.all_reduce_add_rms_norm(x, res, w, h, normed, eps, ptrs, rnd, rank)
             return h, normed
-    y = partial
-    if world > 1:
-        if all_reduce == "symm_mem":
-            y = _symm_mem_all_reduce(partial, group)
-        elif all_reduce == "oneshot":
-            y = _oneshot_all_reduce(partial, group)
-        else:
-            y = partial.clone()
-            dist.all_reduce(y, group=group)
+    y = _sum_over(partial.clone(), group, all_reduce) if world > 1 else partial  # (the caller's partial kept)
     h = residual + y.to(residual.dtype)
     h32 = h.float()
     return h, (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype) * weight
 
 
 def _rowwise_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    import torch.distributed as dist
-
     spec, group = self.__dict__["_tp"]
     if spec.input == "replicate":
         if x.shape[-1] != spec.in_features:
@@ -509,12 +516,7 @@ def _rowwise_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if spec.all_reduce == "deferred":  # partial sums; the bias once, on rank 0
         return y if bias is None or spec.rank else y + bias.to(y.dtype)
     if spec.world > 1:
-        if spec.all_reduce == "symm_mem":
-            y = _symm_mem_all_reduce(y, group)
-        elif spec.all_reduce == "oneshot":
-            y = _oneshot_all_reduce(y, group)
-        else:
-            dist.all_reduce(y, group=group)
+        y = _sum_over(y, group, spec.all_reduce)
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
     return y if bias is None else y + bias.to(y.dtype)
