@@ -110,6 +110,22 @@ __device__ __forceinline__ float e4m3_value(u32 b) {
     return (b & 0x80u) ? -mag : mag;
 }
 
+// Four E4M3 bytes of a word (lowest byte first) -> fp32, exact, as e4m3_value (NaN bytes give a NaN):
+// on sm_89+ two hardware conversions to f16 pairs (E4M3 is exact in f16), then to fp32.
+__device__ __forceinline__ void e4m3x4_values(u32 w, float (&v)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    asm("{\n\t.reg .b16 l, h, p, q, r, s;\n\t.reg .b32 x, y;\n\t"
+        "mov.b32 {l, h}, %4;\n\tcvt.rn.f16x2.e4m3x2 x, l;\n\tcvt.rn.f16x2.e4m3x2 y, h;\n\t"
+        "mov.b32 {p, q}, x;\n\tmov.b32 {r, s}, y;\n\t"
+        "cvt.f32.f16 %0, p;\n\tcvt.f32.f16 %1, q;\n\tcvt.f32.f16 %2, r;\n\tcvt.f32.f16 %3, s;\n\t}"
+        : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
+        : "r"(w));
+#else
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = e4m3_value((w >> (8 * i)) & 0xffu);
+#endif
+}
+
 // -- E8M0 -------------------------------------------------------------------------------------
 // Block amax (>= 0, or NaN / Inf) -> scale byte. floor: e = floor(log2(amax)) - emax from the
 // exponent field; rceil adds one when the mantissa exceeds the element's largest mantissa.

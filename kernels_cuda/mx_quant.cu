@@ -783,8 +783,16 @@ __device__ __forceinline__ void mx_dequantize_impl(const u8* __restrict__ codes,
             } else {
                 const float sc = tab8[256 + sb[j]];
                 float v[E];
+#if QC_MXDQ_CVT8 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+                // the codes converted by the hardware (sm_89+; e4m3x4_values): no table load per element
+#pragma unroll
+                for (int i = 0; i < E / 4; ++i) e4m3x4_values(w[j][i], *reinterpret_cast<float(*)[4]>(v + 4 * i));
+#pragma unroll
+                for (int i = 0; i < E; ++i) v[i] = __fmul_rn(v[i], sc);
+#else
 #pragma unroll
                 for (int i = 0; i < E; ++i) v[i] = __fmul_rn(tab8[(w[j][i / 4] >> (8 * (i % 4))) & 0xffu], sc);
+#endif
                 T::pack(v, o);
             }
             S* op = out + (u64)q * E;

@@ -157,8 +157,9 @@ W4A8_TC_GEOMETRY = {"QC_W4T_BK": 8, "QC_W4T_APAD": 16, "QC_W4T_NPAD": 128,
 
 
 #: The MX dequantize kernel (kernels_cuda/mx_quant.cu, mx_dequantize_impl): threads per CTA and
-#: 16-byte chunks per thread whose loads are in flight together.
-MX_DEQUANT_GEOMETRY = {"QC_MXDQ_THREADS": 256, "QC_MXDQ_UNROLL": 4}
+#: 16-byte chunks per thread whose loads are in flight together; QC_MXDQ_CVT8: MXFP8 codes converted by the
+#: hardware's E4M3 -> f16 conversion on sm_89+ (0: from the shared-memory table, as on older GPUs).
+MX_DEQUANT_GEOMETRY = {"QC_MXDQ_THREADS": 256, "QC_MXDQ_UNROLL": 4, "QC_MXDQ_CVT8": 1}
 
 
 def _mx_gemm_geometry(threads: int, bm: int, bn: int, stages: int, stage_k: int, bs_bufs: int,

@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--mm", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--skip-mm", action="store_true", help="dequantize only")
-    ap.add_argument("--unroll", default="", help="comma-separated QC_MXDQ_UNROLL values to time first")
+    ap.add_argument("--unroll", default="", help="comma-separated geometries to time first: UNROLL or UNROLL:CVT8")
     args = ap.parse_args()
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(0), torch.__version__)
@@ -90,27 +90,39 @@ def main() -> None:
                                   f"{int((o1.view(iv) != o2.view(iv)).sum())} elements")
         print(f"bit-exact against the previous kernel: {'OK' if bad == 0 else f'{bad} MISMATCHES'}")
 
-    # -- dequantize timing at n x n; first the sweep of rows in flight per thread (the kernel's
-    # QC_MXDQ_UNROLL, rebuilt per value), bf16 swizzled
+    # -- dequantize timing at n x n; first the sweep of kernel geometries (QC_MXDQ_UNROLL: chunks
+    # per thread in flight together; QC_MXDQ_CVT8: MXFP8 codes by the hardware conversion or the table)
+    # each rebuilt, bf16 swizzled, its output compared bit for bit with the default's
     n = args.n
-    default_u = kernel_defines.MX_DEQUANT_GEOMETRY["QC_MXDQ_UNROLL"]
-    for u in [int(x) for x in args.unroll.split(",") if x] + [default_u]:
-        kernel_defines.MX_DEQUANT_GEOMETRY["QC_MXDQ_UNROLL"] = u
+    geo = kernel_defines.MX_DEQUANT_GEOMETRY
+    default = (geo["QC_MXDQ_UNROLL"], geo["QC_MXDQ_CVT8"])
+
+    def use(u, c8):
+        geo["QC_MXDQ_UNROLL"], geo["QC_MXDQ_CVT8"] = u, c8
         cmx.DQ_UNROLL = u
         cmx._modules.clear()
         cmx._functions.clear()
         cmx._occupancy.clear()
-        if u == default_u:
-            break
+
+    variants = [tuple(int(x) for x in v.split(":")) if ":" in v else (int(v), default[1])
+                for v in args.unroll.split(",") if v]
+    if variants:
         for fmt in ("nvfp4", "mxfp4", "mxfp8"):
             codes, scales, g = dq_inputs(fmt, n, n, True, dev)
-            out = torch.empty((n, n), dtype=torch.bfloat16, device=dev)
+            ref = torch.empty((n, n), dtype=torch.bfloat16, device=dev)
+            out = torch.empty_like(ref)
             nbytes = codes.numel() + scales.numel() + out.numel() * out.element_size()
-            t = timed(lambda c=codes, s=scales, o=out, f=fmt, g=g: cmx.mx_dequantize(
-                None, c, s, o, rows=n, cols=n, fmt=f, swizzled=True, global_scale=g), args.reps)
-            print(f"dequant unroll={u} {fmt} bfloat16 swizzled {t:.4f} {nbytes / t / 1e6:.0f} "
-                  f"{100 * nbytes / t / 1e6 / copy:.1f}")
-            del codes, scales, out
+            for u, c8 in [default] + variants:
+                use(u, c8)
+                o = ref if (u, c8) == default else out
+                t = timed(lambda c=codes, s=scales, o=o, f=fmt, g=g: cmx.mx_dequantize(
+                    None, c, s, o, rows=n, cols=n, fmt=f, swizzled=True, global_scale=g), args.reps)
+                same = "" if o is ref else (" bit-equal" if torch.equal(ref.view(torch.int16), out.view(torch.int16))
+                                            else " MISMATCH")
+                print(f"dequant unroll={u} cvt8={c8} {fmt} bfloat16 swizzled {t:.4f} {nbytes / t / 1e6:.0f} "
+                      f"{100 * nbytes / t / 1e6 / copy:.1f}{same}")
+            del codes, scales, ref, out
+        use(*default)
     print("op fmt dtype layout ms GB/s %copy")
     for fmt in ("nvfp4", "mxfp4", "mxfp8"):
         for dt in DT:
