@@ -711,8 +711,14 @@ __device__ __forceinline__ void mx_dequantize_impl(const u8* __restrict__ codes,
     const bool has_g = FMT == QC_FMT_NVFP4 && gscale != nullptr;
     const float g = has_g ? *gscale : 1.0f;
     if (F::kFp4) {
-        for (u32 i = threadIdx.x; i < 256u * 16u; i += blockDim.x)
-            tab4[i] = T::from_f(dq_value<FMT>(i & 15u, i >> 4, g, has_g));
+        // code c | 8 is -e2m1(c): its product and quotient are the negated ones (round to nearest is
+        // symmetric), so half the entries (and of NVFP4's divisions) are computed, the rest negated;
+        // a NaN is copied as it is (the arithmetic gives the same canonical NaN for both signs)
+        for (u32 i = threadIdx.x; i < 256u * 8u; i += blockDim.x) {
+            const float v = dq_value<FMT>(i & 7u, i >> 3, g, has_g);
+            tab4[(i >> 3) * 16u + (i & 7u)] = T::from_f(v);
+            tab4[(i >> 3) * 16u + 8u + (i & 7u)] = T::from_f(v != v ? v : -v);
+        }
     } else {
         for (u32 i = threadIdx.x; i < 256u; i += blockDim.x) {
             tab8[i] = e4m3_value(i);
