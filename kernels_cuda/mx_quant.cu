@@ -674,10 +674,10 @@ __device__ __forceinline__ void mx_quantize_v2_impl(const typename T::S* __restr
 // so every warp-wide store covers 512 consecutive bytes and every code load 32 consecutive words.
 // Values come from tables in shared memory built once per CTA with the exact per-element formula
 // (the reference's rounding, bit for bit): FP4 formats a [256 scale bytes][16 codes] table of
-// output values (NVFP4's one IEEE division per pair of entries, +-code, instead of per element); MXFP8 the 256 E4M3
-// values and the 256 E8M0 scales in fp32, one fmul and one conversion per element (on sm_89+ with
-// QC_MXDQ_CVT8 the codes go through the hardware's exact E4M3 -> f16 conversion instead of the
-// table: no shared-memory load per element).
+// output values (NVFP4's one IEEE division per pair of entries, +-code, instead of per element);
+// MXFP8 the 256 E4M3 values and the 256 E8M0 scales in fp32, one fmul and one conversion per
+// element (on sm_89+ with QC_MXDQ_CVT8 the codes go through the hardware's exact E4M3 -> f16
+// conversion instead of the table: no shared-memory load per element).
 // Block index -> row / block column: a multiply-high division by ncols (div_mul, div_shift from
 // the launcher: (umulhi(b, mul) + b) >> shift, exact for b < 2^31). With swizzled scales and
 // sstep != 0 the launcher made G a multiple of 128 rows of chunks: the swizzled offset is worked
