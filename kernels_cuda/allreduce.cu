@@ -83,15 +83,17 @@ __device__ __forceinline__ constexpr u32 ar_sentinel() {
 }
 
 // Steps 1-2 of a round (after the wait): this rank's slot of round e written, and in modes 0 and 1
-// every peer's announcement of e seen. Returns the byte offset of slot (e % R, 0) in a buffer.
-// With `early` the next kernel, where it is a programmatic dependent (the gemv after a decoder layer's
-// norm), may launch now: it sets up and prefetches its weights during the exchange, and its own wait
-// still waits for this whole grid.
+// every peer's announcement of e seen. Returns the byte offset of slot (e % R, 0) in a buffer. `mode` as
+// the launcher passes it: the protocol in the low bits, left there for step 3, and the flag bit
+// QC_AR_EARLY: then the next kernel, where it is a programmatic dependent (the gemv after a decoder
+// layer's norm), may launch now: it sets up and prefetches its weights during the exchange, and its own
+// wait still waits for this whole grid.
 template <typename T>
 __device__ __forceinline__ i64 ar_exchange(const typename T::S* __restrict__ x, u8* const (&bufs)[kArMaxRanks],
                                            const u32* round, int rank, int world, i64 units, i64 slot_bytes,
-                                           int mode, bool early, u32& e) {
-    if (early) grid_dep_launch();
+                                           int& mode, u32& e) {
+    if (mode & QC_AR_EARLY) grid_dep_launch();
+    mode &= QC_AR_EARLY - 1;
     e = *reinterpret_cast<const volatile u32*>(round) + 1;  // this round: one after the last one
     const u32 nr = mode == 2 ? (u32)kArRounds : 2u;  // the sentinel protocol frees a slot for round e + R
     const i64 off = kArFlagBytes + (i64)(e % nr) * world * slot_bytes;  // slot (e % R, 0)
@@ -139,7 +141,7 @@ __device__ __forceinline__ void ar_sum_unit(u8* const (&bufs)[kArMaxRanks], i64 
                 if (n > (u32)QC_AR_SPIN_LIMIT) __trap();  // a peer that never sent this round
                 ar_ld_v4(src, w);
             }
-            stg_v4(src, z, z, z, z);  // free for round e + 3
+            stg_v4(src, z, z, z, z);  // free for round e + kArRounds
         }
         ar_unpack<T>(w, v);
         if (q == 0) {
@@ -159,9 +161,7 @@ __global__ void __launch_bounds__(kArThreads, 1) all_reduce_oneshot_kernel(
     u8* const bufs[kArMaxRanks] = {buf0, buf1, buf2, buf3, buf4, buf5, buf6, buf7};
     grid_dep_wait();  // x is the previous kernel's output
     u32 e;
-    const bool early = mode & QC_AR_EARLY;  // the flag bit; the protocol in the low bits
-    mode &= QC_AR_EARLY - 1;
-    const i64 off = ar_exchange<T>(x, bufs, round, rank, world, units, slot_bytes, mode, early, e);
+    const i64 off = ar_exchange<T>(x, bufs, round, rank, world, units, slot_bytes, mode, e);
     u8* const o = reinterpret_cast<u8*>(out);
     for (i64 i = threadIdx.x; i < units; i += kArThreads) {
         float s[16 / T::kBytes];
@@ -207,9 +207,7 @@ __global__ void __launch_bounds__(kArThreads, 1) all_reduce_add_rms_norm_kernel(
         }
     }
     u32 e;
-    const bool early = mode & QC_AR_EARLY;  // the flag bit; the protocol in the low bits
-    mode &= QC_AR_EARLY - 1;
-    const i64 off = ar_exchange<T>(x, bufs, round, rank, world, units, slot_bytes, mode, early, e);
+    const i64 off = ar_exchange<T>(x, bufs, round, rank, world, units, slot_bytes, mode, e);
     for (int r = 0; r < rows; ++r) {
         float sq = 0.f;
         u32 hv[U][4];
