@@ -112,7 +112,7 @@ __device__ __forceinline__ float e4m3_value(u32 b) {
 
 // Four E4M3 bytes of a word (lowest byte first) -> fp32, exact, as e4m3_value (NaN bytes give a NaN):
 // on sm_89+ two hardware conversions to f16 pairs (E4M3 is exact in f16), then to fp32.
-__device__ __forceinline__ void e4m3x4_values(u32 w, float (&v)[4]) {
+__device__ __forceinline__ void e4m3x4_values(u32 w, float* v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     asm("{\n\t.reg .b16 l, h, p, q, r, s;\n\t.reg .b32 x, y;\n\t"
         "mov.b32 {l, h}, %4;\n\tcvt.rn.f16x2.e4m3x2 x, l;\n\tcvt.rn.f16x2.e4m3x2 y, h;\n\t"

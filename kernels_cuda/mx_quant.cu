@@ -692,6 +692,13 @@ __device__ __forceinline__ float dq_value(u32 code, u32 sb, float g, bool has_g)
     return __fmul_rn(e2m1_value(code), e8m0_value(sb));
 }
 
+// MXFP8 codes by the hardware's E4M3 -> f16 conversion (sm_89+) instead of the table's first half
+#if QC_MXDQ_CVT8 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+constexpr bool kDqCvt8 = true;
+#else
+constexpr bool kDqCvt8 = false;
+#endif
+
 template <typename T, int FMT>
 __device__ __forceinline__ void mx_dequantize_impl(const u8* __restrict__ codes, const u8* __restrict__ scales,
                                                    typename T::S* __restrict__ out,
@@ -707,7 +714,7 @@ __device__ __forceinline__ void mx_dequantize_impl(const u8* __restrict__ codes,
     constexpr int CW = CB >= 4 ? CB / 4 : 1;            // code words per chunk
     constexpr int U = QC_MXDQ_UNROLL;
     __shared__ S tab4[F::kFp4 ? 256 * 16 : 1];          // FP4: [scale byte][code] -> output value
-    __shared__ float tab8[F::kFp4 ? 1 : 512];           // MXFP8: E4M3 values, then E8M0 scales
+    __shared__ float tab8[F::kFp4 ? 1 : 512];           // MXFP8: E4M3 values (unless kDqCvt8), then E8M0 scales
     const bool has_g = FMT == QC_FMT_NVFP4 && gscale != nullptr;
     const float g = has_g ? *gscale : 1.0f;
     if (F::kFp4) {
@@ -721,7 +728,7 @@ __device__ __forceinline__ void mx_dequantize_impl(const u8* __restrict__ codes,
         }
     } else {
         for (u32 i = threadIdx.x; i < 256u; i += blockDim.x) {
-            tab8[i] = e4m3_value(i);
+            if (!kDqCvt8) tab8[i] = e4m3_value(i);
             tab8[256 + i] = e8m0_value(i);
         }
     }
@@ -791,16 +798,15 @@ __device__ __forceinline__ void mx_dequantize_impl(const u8* __restrict__ codes,
             } else {
                 const float sc = tab8[256 + sb[j]];
                 float v[E];
-#if QC_MXDQ_CVT8 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-                // the codes converted by the hardware (sm_89+; e4m3x4_values): no table load per element
+                if (kDqCvt8) {  // the codes converted by the hardware: no table load per element
 #pragma unroll
-                for (int i = 0; i < E / 4; ++i) e4m3x4_values(w[j][i], *reinterpret_cast<float(*)[4]>(v + 4 * i));
+                    for (int i = 0; i < E / 4; ++i) e4m3x4_values(w[j][i], v + 4 * i);
 #pragma unroll
-                for (int i = 0; i < E; ++i) v[i] = __fmul_rn(v[i], sc);
-#else
+                    for (int i = 0; i < E; ++i) v[i] = __fmul_rn(v[i], sc);
+                } else {
 #pragma unroll
-                for (int i = 0; i < E; ++i) v[i] = __fmul_rn(tab8[(w[j][i / 4] >> (8 * (i % 4))) & 0xffu], sc);
-#endif
+                    for (int i = 0; i < E; ++i) v[i] = __fmul_rn(tab8[(w[j][i / 4] >> (8 * (i % 4))) & 0xffu], sc);
+                }
                 T::pack(v, o);
             }
             S* op = out + (u64)q * E;
