@@ -73,6 +73,12 @@ def grouped_run_end(groups: Sequence[tuple], i: int, limit: int, fits: Callable[
     return j
 
 
+def grouped_run_padded(groups: Sequence[tuple], i: int, j: int, limit: int) -> list[tuple]:
+    """The run ``groups[i:j]`` (from :func:`grouped_run_end`) padded to ``limit`` weights with empty ones
+    (no arrays, n = 0, the run's blocksize and quant type): a grouped launch's parameter list is fixed."""
+    return list(groups[i:j]) + [(None, None, None, 0, *groups[i][4:])] * (limit - (j - i))
+
+
 class Backend:
     """Base class. Subclasses set ``name`` and implement the adapters and the ops they declare.
 

@@ -291,3 +291,12 @@ def test_grouped_run_end_takes_like_weights_up_to_the_limit():
     assert grouped_run_end(g, 4, 4) == 5  # the next weight has another blocksize
     assert grouped_run_end(g, 5, 4) == 6 and grouped_run_end(g, 6, 4) == 7
     assert grouped_run_end(g, 0, 4, lambda w: False) == 1
+
+
+def test_grouped_run_padded_fills_the_launch_with_empty_weights():
+    """quantcore.backend.grouped_run_padded: a run padded to the grouped launch's fixed weight count."""
+    from quantcore.backend import grouped_run_padded
+
+    g = [("p0", "a0", None, 8, 64, "nf4"), ("p1", "a1", None, 16, 64, "nf4"), ("p2", "a2", None, 8, 128, "fp4")]
+    assert grouped_run_padded(g, 0, 2, 4) == g[:2] + [(None, None, None, 0, 64, "nf4")] * 2
+    assert grouped_run_padded(g, 2, 3, 4) == g[2:] + [(None, None, None, 0, 128, "fp4")] * 3

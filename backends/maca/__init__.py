@@ -23,7 +23,7 @@ import numpy as np
 
 from quantcore import ops
 from quantcore.arrays import array_kind, as_dtype, device_of, dtype_name
-from quantcore.backend import Availability, Backend, Nested, grouped_run_end
+from quantcore.backend import Availability, Backend, Nested, grouped_run_end, grouped_run_padded
 from quantcore.errors import BackendUnavailableError, DeviceError, KernelError
 from quantcore.formats import ggml, kernel_interface, mx
 from quantcore.formats.kernel_defines import DTYPE_CODE, GGML_FORMAT_CODE, QUANT_TYPE_CODE, TILED_MIN_ROWS
@@ -263,7 +263,7 @@ class MacaBackend(Backend):
                 continue
             j = grouped_run_end(groups, i, GEMV_TC_GROUPS, lambda g, nested=nst is None: (g[2] is None) == nested)
             weights = []
-            for g in groups[i:j] + [(None, None, None, 0, bs, qt)] * (GEMV_TC_GROUPS - (j - i)):
+            for g in grouped_run_padded(groups, i, j, GEMV_TC_GROUPS):
                 weights += [g[0], g[1], *_nested_args(g[2]), g[3]]
             self._launch("gemv_4bit_grouped", out, a, _dtype_code(a), *weights, out[:, col:] if col else out, ntot,
                          rows, j - i, k, bs, QUANT_TYPE_CODE[qt])

@@ -28,7 +28,7 @@ import numpy as np
 
 from quantcore import ops
 from quantcore.arrays import array_kind, as_dtype, device_of, dtype_name
-from quantcore.backend import Availability, Backend, Nested, grouped_run_end
+from quantcore.backend import Availability, Backend, Nested, grouped_run_end, grouped_run_padded
 from quantcore.errors import BackendUnavailableError, DeviceError, ParameterError
 from quantcore.formats import bnb, ggml, kernel_interface
 from quantcore.formats.kernel_defines import GGML_FORMAT_CODE, QUANT_TYPE_CODE, TILED_GEOMETRY, TILED_MIN_ROWS
@@ -378,7 +378,7 @@ class SyclBackend(Backend):
                     continue
                 j = grouped_run_end(groups, i, GEMV_TC_GROUPS)
                 weights = []
-                for g in groups[i:j] + [(None, None, None, 0, bs, qt)] * (GEMV_TC_GROUPS - (j - i)):
+                for g in grouped_run_padded(groups, i, j, GEMV_TC_GROUPS):
                     weights += [g[0], *self._absmax_args(g[1], g[2]), g[3]]
                 nrows = sum(g[3] for g in groups[i:j])
                 dst = out.byte_view(col * isz, ((out.nbytes - col * isz) // isz,), out.dtype) if col else out
