@@ -133,10 +133,8 @@ class Layer(nn.Module):
         v = at.v_proj(h).view(1, -1, 1, self.hd)
         if ROPE_CACHE:  # --fuse-rope-cache: one function (compiled with the glue)
             q = GLUE["rope_cache"](q, k, v, cos, sin, kc, vc, pos)
-        else:
-            q, k = GLUE["rope"](q, cos, sin), GLUE["rope"](k, cos, sin)
-            kc.index_copy_(2, pos, k)
-            vc.index_copy_(2, pos, v)
+        else:  # the same ops, the rotation as its own glue function
+            q = rope_cache(q, k, v, cos, sin, kc, vc, pos, rot=GLUE["rope"])
         o = F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True)  # every cached position is valid
         x, h = add_norm(x, at.o_proj(o.reshape(1, 1, -1)), self.ln2)
         return x, mlp.down_proj(GLUE["silu_mul"](mlp.gate_proj(h), mlp.up_proj(h)))
@@ -151,9 +149,10 @@ def add_rms_norm(x, r, w):
     return s, rms_norm(s, w)
 
 
-def rope_cache(q, k, v, cos, sin, kc, vc, pos):
-    """q rotated; k rotated and v written into the caches at ``pos`` (serving stacks fuse these)."""
-    q, k = rope(q, cos, sin), rope(k, cos, sin)
+def rope_cache(q, k, v, cos, sin, kc, vc, pos, rot=rope):
+    """q rotated; k rotated and v written into the caches at ``pos`` (serving stacks fuse these); ``rot``
+    the rotation (the glue's own, compiled or not, where this function is not the compiled one)."""
+    q, k = rot(q, cos, sin), rot(k, cos, sin)
     kc.index_copy_(2, pos, k)
     vc.index_copy_(2, pos, v)
     return q

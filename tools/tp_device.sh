@@ -5,7 +5,7 @@
 #   OUT=/some/dir tools/tp_device.sh    # LAYERS=32 by default (80 layers of nf4: ~35 GB by arithmetic)
 #   LAYERS=80 CTX=1024 STEPS=200 FMT=nf4 REDUCE=float32 OUT=... tools/tp_device.sh
 #   ALL_REDUCE="group symm_mem oneshot" OUT=... tools/tp_device.sh   # TP=2 with each all-reduce (tp2.json, tp2_<name>.json)
-#   ALL_REDUCE="oneshot oneshot:ar_push=0,ar_pdl=0" OUT=... tools/tp_device.sh  # one all-reduce, tuned two ways
+#   ALL_REDUCE="oneshot oneshot:ar_mode=0,ar_pdl=0" OUT=... tools/tp_device.sh  # one all-reduce, tuned two ways
 #   COMPILE_GLUE=1 TP_LIMIT=150 OUT=... tools/tp_device.sh     # the elementwise parts torch.compile'd
 #   TRACE_LAYERS=1 LAYERS=80 OUT=... tools/tp_device.sh         # + the first layer where graph and eager part
 #   GROUP=1 OUT=... tools/tp_device.sh                          # q/k/v and gate/up as grouped gemv launches
@@ -40,7 +40,7 @@ t0=$(date +%s)
 # each run under a time limit (TP_LIMIT s), so one that hangs leaves the others their time
 CUDA_VISIBLE_DEVICES=${TP1_GPU:-0} timeout "${TP_LIMIT:-300}" "$PY" tools/tp_decode.py "${ARGS[@]}" --out "$OUT/tp1.json" --save-ref "$OUT/tp1_ref.pt"
 # the rowwise all-reduce: group (NCCL), symm_mem and / or oneshot; NAME:TUNE runs NAME with
-# QUANTCORE_CUDA_TUNE=TUNE (e.g. oneshot:ar_push=0,ar_pdl=0), its JSON tp2_NAME_TUNE.json
+# QUANTCORE_CUDA_TUNE=TUNE (e.g. oneshot:ar_mode=0,ar_pdl=0), its JSON tp2_NAME_TUNE.json
 for ar in ${ALL_REDUCE:-group}; do
   name=${ar%%:*}; tune=""; [ "$name" = "$ar" ] || tune=${ar#*:}
   f=tp2.json; [ "$ar" = group ] || f=tp2_$(printf %s "$ar" | tr ':=,' '___').json
