@@ -299,8 +299,9 @@ __device__ __forceinline__ float ld_cluster_f32(const float* p, u32 rank) {
 // before it waits for stage s, after the empty barrier of stage s - 2, whose slot it refills, so
 // the other warps have a stage of slack. Rows past M are not copied (their results are never
 // stored). The consumer code is the same as LD = 0's, so the two give identical bits. The
-// activation prologue of LD = 1 loads block u + 512 before it quantizes block u (one load latency
-// per thread instead of one per block: N = 8 has 3-4 blocks per thread).
+// activation prologue (both fillers, 16-byte aligned input) loads block u + 512 before it quantizes
+// block u (its load under the quantization of the block before; measured faster than all of a
+// thread's loads issued first, docs/performance.md W-16).
 constexpr int kWsWarps = QC_WS_WARPS;  // consumer warps; + 1 producer warp for LD = 0
 static_assert((kWsWarps & (kWsWarps - 1)) == 0, "pair assignment masks by kWsWarps - 1");
 constexpr int kWsRows = QC_WS_ROWS;    // rows per tile (the mma's M)
@@ -533,8 +534,9 @@ __global__ void QC_WS_CLUSTER(CL) __launch_bounds__((kWsWarps + (LD == 0 ? 1 : 0
             for (int q = 0; q < ahead; ++q) issue_next();
         // prologue: the activation slice as Q8_1, one lane per block; columns n >= N are zeros
         const int nu = NB * nbl;
-        if (LD == 1 && vec) {
-            // the next block's raw bytes are loaded before this one is quantized
+        if (vec) {
+            // the next block's raw bytes are loaded before this one is quantized (its load latency
+            // under this block's quantization)
             WsRaw<T> cur, nxt;
             const typename T::S* a = reinterpret_cast<const typename T::S*>(act);
             int u = threadIdx.x, n = u / max(nbl, 1), bl = u - n * nbl;

@@ -33,6 +33,8 @@ _W4_SMEM_MAX = 227 * 1024  # dynamic shared memory per CTA on sm_90
 _W4_LAUNCHES: dict[tuple, _W4Launch] = {}
 _W4_MAX_LAUNCHES = 64  # kept at most (the cache starts over when full)
 _W4_FLY = 64 * 1024  # LD 1: weight bytes in flight per CTA the ring should allow (~4.3 TB/s x ~2 us / 132 SMs)
+_W4_MIN_SLICE = 112  # Q4_0 blocks: the shortest K slice a cluster's CTA takes (W-16)
+_W4_SHORT_K = 448  # Q4_0 blocks per row (K = 14336) up to which a CTA quantizes <= 1 block per thread (W-16)
 #: the N <= 8 stream kernel's instances as (NB, CL, LD) keys: CL its cluster, LD its ring filler (0
 #: bulk copies by a producer warp, 1 cp.async by every warp)
 _W4_NB = tuple((nb, cl, ld) for ld in (0, 1) for cl in (1, 2, 4) for nb in (1, 2, 4, 8))
@@ -211,11 +213,17 @@ class GgmlOps:
         nb = 1 << (n - 1).bit_length()
         sms = rt.sm_count(launch.device)
         ld = 1 if rt.tune("w4s_load", 0) else 0
-        # Cluster: the smallest that keeps the activation quantized per CTA (NB x K / CL
-        # blocks, one lane each) at most 2048 blocks, so the prologue hides under the ring's fill.
+        # Cluster: the smallest whose CTAs each quantize at most `per_cta` activation blocks (NB x
+        # K / CL, one consumer thread each), among those that leave each CTA a K slice of at least
+        # _W4_MIN_SLICE blocks (shorter slices cost more per tile than the prologue saves). Up to
+        # K = 14336 one block per thread (the prologue is one block's work); longer rows amortize
+        # the prologue over a longer stream and lose more to clusters: 2048. Measured (H200):
+        # docs/performance.md, W-16.
         cl = rt.tune("w4s_cl", 0)
         if cl not in (1, 2, 4):
-            cl = next((c for c in (1, 2, 4) if nb * _cdiv(nbk, c) <= 2048), 4)
+            per_cta = _W4_STREAM_WARPS * 32 if nbk <= _W4_SHORT_K else 2048
+            fits = [c for c in (1, 2, 4) if c == 1 or _cdiv(nbk, c) >= _W4_MIN_SLICE]
+            cl = next((c for c in fits if nb * _cdiv(nbk, c) <= per_cta), fits[-1])
         kbs = _cdiv(_cdiv(nbk, cl), 8) * 8
         # Clusters of one wave: a cluster lives in one GPC; 2 SMs always pair up there, 4 not
         # always (ncu, H200: 30 clusters of 4 on 132 SMs).

@@ -1,8 +1,9 @@
 """gemm_w4a8 N <= 8 configurations side by side. argv[1]: QUANTCORE_CUDA_TUNE settings separated by
 ";" ("" for the default). CUDA events around one call queued behind a ~1 ms sleep kernel, 4 weight
 sets rotated (4 x 33 MB > L2), median of 50, bf16 activation; every config's output compared with
-the first config's (outputs start as NaN): relative difference and bit equality. Run by
-tools/dev/w4a8_device.sh and tools/dev/ab_tree.sh (old against new)."""
+the first config's (outputs start as NaN): relative difference and bit equality. argv[2] (optional):
+shapes as "MxK:n,n,..." separated by spaces (default: SHAPES). Run by tools/dev/w4a8_device.sh and
+tools/dev/ab_tree.sh (old against new)."""
 
 import os
 import sys
@@ -45,8 +46,15 @@ def weights(m: int, k: int, g: torch.Generator) -> list[torch.Tensor]:
 def main() -> None:
     be = create()
     configs = sys.argv[1].split(";") if len(sys.argv) > 1 else [""]
+    shapes = SHAPES
+    if len(sys.argv) > 2:
+        shapes = []
+        for spec in sys.argv[2].split():
+            mk, ns = spec.split(":")
+            m, k = (int(v) for v in mk.split("x"))
+            shapes.append((m, k, tuple(int(v) for v in ns.split(","))))
     print("config".ljust(34), "shape".ljust(22), "median us  p10   p90   GB/s(w)  rel.diff  bits==first")
-    for m, k, ns in SHAPES:
+    for m, k, ns in shapes:
         g = torch.Generator(device="cuda")
         g.manual_seed(m)
         wqs = weights(m, k, g)
