@@ -34,6 +34,7 @@ _W4_LAUNCHES: dict[tuple, _W4Launch] = {}
 _W4_MAX_LAUNCHES = 64  # kept at most (the cache starts over when full)
 _W4_FLY = 64 * 1024  # LD 1: weight bytes in flight per CTA the ring should allow (~4.3 TB/s x ~2 us / 132 SMs)
 _W4_MIN_SLICE = 112  # Q4_0 blocks: the shortest K slice a cluster's CTA takes (W-16)
+_W4_STAGES = 3  # LD 0: ring stages at most (W-17)
 _W4_SHORT_K = 448  # Q4_0 blocks per row (K = 14336) up to which a CTA quantizes <= 1 block per thread (W-16)
 #: the N <= 8 stream kernel's instances as (NB, CL, LD) keys: CL its cluster, LD its ring filler (0
 #: bulk copies by a producer warp, 1 cp.async by every warp)
@@ -235,7 +236,9 @@ class GgmlOps:
         # docs/performance.md, the W4A8 N <= 8 log), so LD 0 takes the largest that leaves 2 stages. LD 1 runs nstage - 2 stages ahead, so
         # kc is halved until those hold w4s_fly bytes (or the ring is at its depth cap, where
         # halving kc would only shrink them).
-        fly, cap = rt.tune("w4s_fly", _W4_FLY // 1024) * 1024, rt.tune("w4s_stages", 8)
+        # The ring's depth: LD 0 at most _W4_STAGES (the deeper rings the shared memory allows
+        # measured slower: docs/performance.md, W-17), LD 1 at most 8.
+        fly, cap = rt.tune("w4s_fly", _W4_FLY // 1024) * 1024, rt.tune("w4s_stages", _W4_STAGES if ld == 0 else 8)
         kc = min(kbs, _cdiv(rt.tune("w4s_kc", 128), 8) * 8)
         while True:
             units = _cdiv(kc * ggml.Q4_0_BLOCK_BYTES, 16)
