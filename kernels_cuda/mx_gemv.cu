@@ -121,10 +121,20 @@ __device__ __forceinline__ void gv_load_codes(const u8* row, int u, bool whole, 
     }
 }
 
-// CTAs per SM the register allocation must allow: 4 for one input row (16 warps to keep the
-// loads in flight), 3 for two, 2 for more (the accumulators need the registers)
-template <int NB>
-constexpr int kGvMinCtas = NB == 1 ? 4 : (NB == 2 ? 3 : 2);
+// CTAs per SM the register allocation must allow: for one input row 6 (24 warps to keep the loads
+// in flight: 80 registers; 4 CTAs measured slower at most shapes, docs/performance.md MXG-4), 5 for
+// fp16 input (whose conversions spill at 80 registers), 3 for two rows, 2 for more (the
+// accumulators need the registers)
+template <typename T>
+struct GvB1Ctas {
+    static constexpr int k = 6;
+};
+template <>
+struct GvB1Ctas<TF16> {
+    static constexpr int k = 5;
+};
+template <typename T, int NB>
+constexpr int kGvMinCtas = NB == 1 ? GvB1Ctas<T>::k : (NB == 2 ? 3 : 2);
 
 // byte offset of a row's first scale: row-major r * ncols; swizzled, the row's place in its
 // 128 x 4 tiles (column c then adds (c / 4) * 512 + c % 4)
@@ -299,7 +309,7 @@ __device__ __forceinline__ void mx_gemv_impl(const typename T::S* __restrict__ x
 
 // -- entry points: qc_mx_gemv_<fmt>_<dtype>_b<NB> (NB: input rows per launch at most) -----------
 #define QCMX_GV(FMTNAME, FMT, DTNAME, T, NB)                                                           \
-    extern "C" __global__ void __launch_bounds__(32 * QC_MXGV_WARPS, qcmx::kGvMinCtas<NB>)                    \
+    extern "C" __global__ void __launch_bounds__(32 * QC_MXGV_WARPS, qcmx::kGvMinCtas<qcmx::T, NB>)                    \
         qc_mx_gemv_##FMTNAME##_##DTNAME##_b##NB(                                                        \
         const qcmx::T::S* x, const qcmx::u8* codes, const qcmx::u8* scales, const float* gscale,       \
         qcmx::T::S* out, int nrows, int n, int k, int pcols, int flags) {                              \
