@@ -32,6 +32,22 @@ from .cuda_arrays import CUDA, TUNE, needs_cuda
 from .test_cuda import _gemm_check, _n, _randn, _t
 
 
+def test_stream_cluster_rule():
+    """The cluster choice measured in docs/performance.md W-16 (H200): one activation block per
+    consumer thread up to K = 14336, K slices of >= 112 blocks, the old 2048-block rule above."""
+    pick = cuda_ggml.w4_stream_cluster
+    # (N x K): cluster at N = 1, 2, 4, 8
+    expect = {(4096, 14336): (1, 2, 4, 4), (14336, 4096): (1, 1, 1, 1), (8192, 8192): (1, 1, 2, 2),
+              (1024, 8192): (1, 1, 2, 2), (8192, 28672): (1, 1, 2, 4)}
+    for (_, k), cls in expect.items():
+        assert tuple(pick(nb, k // 32) for nb in (1, 2, 4, 8)) == cls, k
+    for nbk in (8, 64, 128, 224, 448, 449, 896, 4096):
+        for nb in (1, 2, 4, 8):
+            cl = pick(nb, nbk)
+            assert cl in (1, 2, 4)
+            assert cl == 1 or -(-nbk // cl) >= 112  # no K slice shorter than 112 blocks
+
+
 def test_both_ring_fillers_are_instantiated():
     insts = {expr for f, expr in cuda.kernel_instances() if f == "ggml.cu"}
     for tag in cuda_common.TYPE_TAG.values():

@@ -67,6 +67,19 @@ def _w4t_geometry(tile: tuple[int, ...]) -> tuple[int, int, int, int]:
     return bm, bn, 32 * wgm * wgn * wgk, max(st * stage, red)
 
 
+def w4_stream_cluster(nb: int, nbk: int) -> int:
+    """The stream kernel's cluster size (CTAs splitting K) for NB activation columns (1, 2, 4, 8)
+    and nbk Q4_0 blocks per row: the smallest whose CTAs each quantize at most `per_cta`
+    activation blocks (NB x nbk / CL, one consumer thread each), among those that leave each CTA a
+    K slice of at least _W4_MIN_SLICE blocks (shorter slices cost more per tile than the prologue
+    saves). Up to K = 14336 (_W4_SHORT_K blocks) one block per thread, so the prologue before the
+    first stage is one block's work; longer rows amortize the prologue over a longer stream and
+    lose more to clusters, so 2048 there. Measured on an H200: docs/performance.md, W-16."""
+    per_cta = _W4_STREAM_WARPS * 32 if nbk <= _W4_SHORT_K else 2048
+    fits = [c for c in (1, 2, 4) if c == 1 or _cdiv(nbk, c) >= _W4_MIN_SLICE]
+    return next((c for c in fits if nb * _cdiv(nbk, c) <= per_cta), fits[-1])
+
+
 def _gemm_small(tag: str, key: tuple[int, int, int]) -> str:
     nb, cl, ld = key
     return f"qc::gemm_w4a8_stream_kernel<{tag}, {nb}, {cl}, {ld}>"
@@ -214,17 +227,9 @@ class GgmlOps:
         nb = 1 << (n - 1).bit_length()
         sms = rt.sm_count(launch.device)
         ld = 1 if rt.tune("w4s_load", 0) else 0
-        # Cluster: the smallest whose CTAs each quantize at most `per_cta` activation blocks (NB x
-        # K / CL, one consumer thread each), among those that leave each CTA a K slice of at least
-        # _W4_MIN_SLICE blocks (shorter slices cost more per tile than the prologue saves). Up to
-        # K = 14336 one block per thread (the prologue is one block's work); longer rows amortize
-        # the prologue over a longer stream and lose more to clusters: 2048. Measured (H200):
-        # docs/performance.md, W-16.
         cl = rt.tune("w4s_cl", 0)
         if cl not in (1, 2, 4):
-            per_cta = _W4_STREAM_WARPS * 32 if nbk <= _W4_SHORT_K else 2048
-            fits = [c for c in (1, 2, 4) if c == 1 or _cdiv(nbk, c) >= _W4_MIN_SLICE]
-            cl = next((c for c in fits if nb * _cdiv(nbk, c) <= per_cta), fits[-1])
+            cl = w4_stream_cluster(nb, nbk)
         kbs = _cdiv(_cdiv(nbk, cl), 8) * 8
         # Clusters of one wave: a cluster lives in one GPC; 2 SMs always pair up there, 4 not
         # always (ncu, H200: 30 clusters of 4 on 132 SMs).
