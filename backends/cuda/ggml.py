@@ -36,6 +36,7 @@ _W4_FLY = 64 * 1024  # LD 1: weight bytes in flight per CTA the ring should allo
 _W4_MIN_SLICE = 112  # Q4_0 blocks: the shortest K slice a cluster's CTA takes (W-16)
 _W4_STAGES = 3  # LD 0: ring stages at most (W-17)
 _W4_SHORT_K = 448  # Q4_0 blocks per row (K = 14336) up to which a CTA quantizes <= 1 block per thread (W-16)
+_W4_LONG_K_BLOCKS = 2048  # activation blocks a CTA quantizes at most above _W4_SHORT_K (W-16)
 #: the N <= 8 stream kernel's instances as (NB, CL, LD) keys: CL its cluster, LD its ring filler (0
 #: bulk copies by a producer warp, 1 cp.async by every warp)
 _W4_NB = tuple((nb, cl, ld) for ld in (0, 1) for cl in (1, 2, 4) for nb in (1, 2, 4, 8))
@@ -74,8 +75,8 @@ def w4_stream_cluster(nb: int, nbk: int) -> int:
     K slice of at least _W4_MIN_SLICE blocks (shorter slices cost more per tile than the prologue
     saves). Up to K = 14336 (_W4_SHORT_K blocks) one block per thread, so the prologue before the
     first stage is one block's work; longer rows amortize the prologue over a longer stream and
-    lose more to clusters, so 2048 there. Measured on an H200: docs/performance.md, W-16."""
-    per_cta = _W4_STREAM_WARPS * 32 if nbk <= _W4_SHORT_K else 2048
+    lose more to clusters, so _W4_LONG_K_BLOCKS there. Measured on an H200: docs/performance.md, W-16."""
+    per_cta = _W4_STREAM_WARPS * 32 if nbk <= _W4_SHORT_K else _W4_LONG_K_BLOCKS
     fits = [c for c in (1, 2, 4) if c == 1 or _cdiv(nbk, c) >= _W4_MIN_SLICE]
     return next((c for c in fits if nb * _cdiv(nbk, c) <= per_cta), fits[-1])
 

@@ -25,19 +25,15 @@ from __future__ import annotations
 import sys
 
 import torch
+from gemm4_time import events_us  # this folder: the NF4 many-rows timer (quantcore.bench's)
 from quantcore.backends.cuda import plans as cuda_plans
 
 import quantcore as qc
 from quantcore.backend import Nested
-from quantcore.bench import CudaTimer
 
 SHAPES = ((14336, 4096), (4096, 14336))
 ROWS = (256, 512, 1024, 2048, 4096)
 PANELS = (2, 4, 8, 16)
-
-
-def events_us(fns, reps: int = 20) -> float:
-    return CudaTimer(torch).kernel(fns, reps, warmup=3)
 
 
 def panel_parts(p, s, n: int, k: int, parts: int):
