@@ -3,6 +3,15 @@
 // Semantics: quantcore/formats/bnb.py (gemv_4bit); numerics: T(code) is the only rounding before
 // the fp32 products (mma.sync m16n8k16, fp32 accumulators), each 64-element chunk's mma result is
 // multiplied by its block's absmax in fp32 and added to the row's fp32 sum.
+// The same kernel runs linear_mx for one MX FP4 weight (QT QC_GV_QT_MXFP4 with bf16 input,
+// QC_GV_QT_NVFP4 with fp16 / bf16; backends/cuda/mx.py picks it): semantics quantcore/formats/mx.py
+// (linear_mx), tolerance tier. There a lane's 16 elements of a chunk lie in one scale block (NVFP4:
+// block c of the chunk's four, MXFP4: block c / 2 of two), so the lane multiplies its decoded pairs by
+// the block scale in the input's type before the mma (E2M1 x E4M3 is exact in fp16 and bf16, E2M1 x
+// 2^(e - 127) in bf16: each weight is exactly the reference's fp32 value, or overflows to inf where
+// that does), the mma adds the products into the row's fp32 sums, and NVFP4 divides the sum by the
+// global scale once at the end (as mx_gemv.cu's kernels do). The scale slots in the ring's row
+// padding hold a chunk's raw scale bytes (4 NVFP4, 2 MXFP4) for rows g and g + 8.
 #include "qc_common.cuh"
 
 namespace qc {
@@ -73,6 +82,62 @@ __device__ __forceinline__ void gt_lds_f2(u32 addr, float& a, float& b) {
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(a), "=f"(b) : "r"(addr));
 }
 
+// -- MX weights (linear_mx) -------------------------------------------------------------------------
+// byte offset of row r's first scale: row-major r * ncols; swizzled (scols: the padded column count),
+// the row's place in its 128 x 4 tiles
+__device__ __forceinline__ u32 gv_mx_scale_row(u32 r, u32 ncols, u32 scols) {
+    if (scols == 0) return r * ncols;
+    return (r / QC_SWIZZLE_ROWS) * (scols / QC_SWIZZLE_COLS) * QC_SWIZZLE_TILE_BYTES +
+           (r % QC_SWIZZLE_ROW_GROUP) * 16 + ((r % QC_SWIZZLE_ROWS) / QC_SWIZZLE_ROW_GROUP) * 4;
+}
+// ... plus the offset of chunk u's scales: NVFP4 columns 4u .. 4u + 3 (one tile column when
+// swizzled), MXFP4 columns 2u, 2u + 1 (half of one)
+template <bool NV>
+__device__ __forceinline__ u32 gv_mx_scale_col(u32 u, bool swz) {
+    static_assert(QC_SWIZZLE_COLS == 4, "a chunk's scales: whole or half a tile column");
+    if (NV) return swz ? u * QC_SWIZZLE_TILE_BYTES : 4 * u;
+    return swz ? (u >> 1) * QC_SWIZZLE_TILE_BYTES + 2 * (u & 1) : 2 * u;
+}
+// The scale of lane c's block for rows g (ra: the chunk's raw scale bytes of that row) and g + 8 (rb),
+// each as a pair of the input type (pg: row g's twice, pg8: row g + 8's), exact: NVFP4's E4M3 by the
+// hardware conversion to fp16 (exact), for bf16 through fp32 (exact: 4 significant bits); MXFP4's
+// E8M0 as the bf16 2^(e - 127) (e 0: the subnormal 2^-127; 255: NaN)
+template <typename T, bool NV>
+__device__ __forceinline__ void gv_mx_scale_pairs(u32 ra, u32 rb, int c, u32& pg, u32& pg8) {
+    if constexpr (NV) {
+        const u32 t = __byte_perm(ra, rb, (u32)c | (u32)(c + 4) << 4);  // bits 0..15: row g's byte c, row g + 8's
+        u32 h2;
+        asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\t}" : "=r"(h2) : "r"(t));
+        if constexpr (T::kBf16) {
+            pg = __byte_perm(__float_as_uint(F16::lo(h2)), 0u, 0x3232u);
+            pg8 = __byte_perm(__float_as_uint(F16::hi(h2)), 0u, 0x3232u);
+        } else {
+            pg = __byte_perm(h2, 0u, 0x1010u);
+            pg8 = __byte_perm(h2, 0u, 0x3232u);
+        }
+    } else {
+        const u32 sel = (u32)c >> 1;
+        const u32 t = __byte_perm(ra, rb, sel | (sel + 4) << 4);
+        auto p = [](u32 e) { return e == 255u ? 0x7fc0u : (e == 0u ? 0x0040u : e << 7); };
+        pg = p(t & 0xffu) * 0x10001u;
+        pg8 = p(t >> 8 & 0xffu) * 0x10001u;
+    }
+}
+// a row's fp32 sum -> its result: NVFP4 divided by the global scale (when given), once
+template <bool NV>
+__device__ __forceinline__ float gv_mx_post(float v, const float* gscale) {
+    return NV && gscale != nullptr ? __fdiv_rn(v, ldg_f32(gscale)) : v;
+}
+template <typename T>
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+    u32 r;
+    if constexpr (T::kBf16)
+        asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    else
+        asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
 #define QC_GT_GROUP_PARAMS(i)                                                                          \
     const u8 *__restrict__ packed##i, const void *__restrict__ absmax##i, const float *__restrict__ absmax2_##i, \
         const float *__restrict__ code2_##i, const float *__restrict__ offset##i, i64 n##i
@@ -90,8 +155,13 @@ struct GtW {
 template <typename T, int QT, bool NESTED, int NB, bool XS, int CH, int S>
 __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
     const u16* __restrict__ a, QC_GT_GROUP_PARAMS(0), QC_GT_GROUP_PARAMS(1), QC_GT_GROUP_PARAMS(2),
-    QC_GT_GROUP_PARAMS(3), u16* __restrict__ out, i64 ldo, int batch, i64 K, int log2bs, int ngroups) {
+    QC_GT_GROUP_PARAMS(3), u16* __restrict__ out, i64 ldo, int batch, i64 K, int log2bs, int ngroups, int scols) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // MX weights (one group): absmax0 the scale bytes, absmax2_0 NVFP4's global scale (or null), log2bs
+    // the scale block's log2, scols the swizzled scales' padded column count (0: row-major scales)
+    constexpr bool kMx = QT == QC_GV_QT_MXFP4 || QT == QC_GV_QT_NVFP4, kNv = QT == QC_GV_QT_NVFP4;
+    static_assert(!(kMx && NESTED), "MX scales are not nested");
+    static_assert(!(QT == QC_GV_QT_MXFP4 && !T::kBf16), "2^(e - 127) needs bf16's range");
     using R = GtRing<CH, S>;
     constexpr int kGtRing = R::kBytes, kGtPitch = R::kPitch, kGtSlot = R::kSlot, kGtSc = R::kSc;
     using G = GtGeo<NB, kGtRing>;
@@ -122,7 +192,9 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int lo = (lane >> 3) + 4 * i;
-            const u32 v = T::pack2(hi, __shfl_sync(kFullMask, code, lo));
+            const float vlo = __shfl_sync(kFullMask, code, lo);
+            // bitsandbytes: the high nibble is the first element; MX: the low nibble
+            const u32 v = kMx ? T::pack2(vlo, hi) : T::pack2(hi, vlo);
             *reinterpret_cast<uint4*>(lw + (16 * warp + lo) * 64 + 4 * q4) = make_uint4(v, v, v, v);
         }
     }
@@ -190,7 +262,7 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
     }
     const u32 lutx = smem_addr(lut) | (4u * (u32)lane);
 
-    const int bsh = log2bs - 6;  // chunks per block, log2
+    const int bsh = kMx ? 0 : log2bs - 6;  // chunks per block, log2 (bitsandbytes)
     const int Ci = (int)C;
     // input rows of this lane's B fragment columns (clamped: a lane past the batch reads the last
     // row, its columns are never written)
@@ -292,14 +364,19 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
     // consumer's tile: its weight, rows and the blocks of its two rows
     const u8* cabs = nullptr;  // the consumer's tile: its weight's absmax and absmax2
     const float* cabs2 = nullptr;
-    u32 ea = 0, eb = 0;  // first chunk of rows g and g + 8, counted over the matrix
+    u32 ea = 0, eb = 0;  // first chunk of rows g and g + 8, counted over the matrix (MX: their scale rows' offsets)
     float off = 0.0f;
     const float* c2 = c2s;
     auto consumer_tile = [&](int tile) {
         const GtW ct = weight_of(tile);
         const i64 r = (tile - ct.tile0) * 16 + g;
-        ea = (u32)(min(r, ct.n - 1) * C);
-        eb = (u32)(min(r + 8, ct.n - 1) * C);
+        if constexpr (kMx) {
+            ea = gv_mx_scale_row((u32)min(r, ct.n - 1), (u32)(K >> log2bs), (u32)scols);
+            eb = gv_mx_scale_row((u32)min(r + 8, ct.n - 1), (u32)(K >> log2bs), (u32)scols);
+        } else {
+            ea = (u32)(min(r, ct.n - 1) * C);
+            eb = (u32)(min(r + 8, ct.n - 1) * C);
+        }
         off = NESTED ? ldg_f32(ct.offset) : 0.0f;
         c2 = c2s + ct.gi * kDynCodes;
         cabs = ct.absmax;
@@ -314,13 +391,18 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
 #pragma unroll
         for (int i = 0; i < kGtSc; ++i) {
             const u32 uu = (u32)(q.j + min(c + 4 * i, q.nch - 1));
-            const u32 ba = (ea + uu) >> bsh, bb = (eb + uu) >> bsh;
-            if constexpr (NESTED) {
+            if constexpr (kMx) {  // the chunk's raw scale bytes (adjacent in both layouts)
+                const u32 co = gv_mx_scale_col<kNv>(uu, scols != 0);
+                sq[i][0] = kNv ? ldg_u32(cabs + ea + co) : ldg_u16(cabs + ea + co);
+                sq[i][1] = kNv ? ldg_u32(cabs + eb + co) : ldg_u16(cabs + eb + co);
+            } else if constexpr (NESTED) {
+                const u32 ba = (ea + uu) >> bsh, bb = (eb + uu) >> bsh;
                 sq[i][0] = ldg_u8(cabs + ba);
                 sq[i][1] = ldg_u8(cabs + bb);
                 s2[i][0] = ldg_f32(cabs2 + (ba >> kNestLog2));
                 s2[i][1] = ldg_f32(cabs2 + (bb >> kNestLog2));
             } else {
+                const u32 ba = (ea + uu) >> bsh, bb = (eb + uu) >> bsh;
                 sq[i][0] = ldg_u32(reinterpret_cast<const float*>(cabs) + ba);
                 sq[i][1] = ldg_u32(reinterpret_cast<const float*>(cabs) + bb);
             }
@@ -347,7 +429,7 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
         for (int i = 0; i < kGtSc; ++i)
 #pragma unroll
             for (int r = 0; r < 2; ++r)
-                sc[i][r] = NESTED ? __fadd_rn(__fmul_rn(c2[sq[i][r]], s2[i][r]), off) : __uint_as_float(sq[i][r]);
+                sc[i][r] = NESTED ? __fadd_rn(__fmul_rn(c2[sq[i][r]], s2[i][r]), off) : __uint_as_float(sq[i][r]);  // MX: raw
         const int tile = cq.tile, j = cq.j, nch = cq.nch;
         const bool new_tile = advance(cq);  // cq is the next stage now
         if (new_tile && cq.left > 0) consumer_tile(cq.tile);
@@ -390,23 +472,38 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
                     ldg_v4(xp[h] + 64 * q + 8, x[h][4], x[h][5], x[h][6], x[h][7]);
                 }
             }
-            float d[NB][4];
+            if constexpr (kMx) {  // the lane's block scales (rows g, g + 8) times its pairs, the mma into acc
+                u32 ra, rb, pg, pg8;
+                gt_lds_v2(sbuf + u * 2 * kGtPitch, ra, rb);
+                gv_mx_scale_pairs<T, kNv>(ra, rb, c, pg, pg8);
 #pragma unroll
-            for (int h = 0; h < NB; ++h) d[h][0] = d[h][1] = d[h][2] = d[h][3] = 0.0f;
+                for (int m = 0; m < 4; ++m) {
+                    u32 af[4];
+                    pair_frag(m, wq, lutx, af);
+                    af[0] = hmul2<T>(af[0], pg);
+                    af[1] = hmul2<T>(af[1], pg8);
+                    af[2] = hmul2<T>(af[2], pg);
+                    af[3] = hmul2<T>(af[3], pg8);
 #pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                u32 af[4];
-                pair_frag(m, wq, lutx, af);
+                    for (int h = 0; h < NB; ++h) mma_16816<T>(acc[h], af, x[h][2 * m], x[h][2 * m + 1]);
+                }
+            } else {
+                float d[NB][4];
 #pragma unroll
-                for (int h = 0; h < NB; ++h) mma_16816<T>(d[h], af, x[h][2 * m], x[h][2 * m + 1]);
+                for (int h = 0; h < NB; ++h) d[h][0] = d[h][1] = d[h][2] = d[h][3] = 0.0f;
+#pragma unroll
+                for (int m = 0; m < 4; ++m) {
+                    u32 af[4];
+                    pair_frag(m, wq, lutx, af);
+#pragma unroll
+                    for (int h = 0; h < NB; ++h) mma_16816<T>(d[h], af, x[h][2 * m], x[h][2 * m + 1]);
+                }
+                float sa, sb;
+                gt_lds_f2(sbuf + u * 2 * kGtPitch, sa, sb);
+#pragma unroll
+                for (int h = 0; h < NB; ++h) fma_rows(acc[h], d[h], sa, sb);
             }
-            float sa, sb;
-            gt_lds_f2(sbuf + u * 2 * kGtPitch, sa, sb);
-#pragma unroll
-            for (int h = 0; h < NB; ++h) {
-                fma_rows(acc[h], d[h], sa, sb);
-            }
-                };
+        };
         if (nch == CH) {  // a whole stage: chunks in pairs (one input row block) with no branch between
                           // them, so they interleave; two row blocks keep one chunk (registers)
             constexpr int P = NB == 1 ? 2 : 1;
@@ -452,7 +549,7 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
                     for (int r = 0; r < 4; ++r) {
                         const int col = 8 * h + 2 * c + (r & 1);
                         const i64 row = r0 + 8 * (r >> 1);
-                        if (col < batch && row < wt.n) out[col * ldo + wt.col0 + row] = T::from_f(acc[h][r]);
+                        if (col < batch && row < wt.n) out[col * ldo + wt.col0 + row] = T::from_f(gv_mx_post<kNv>(acc[h][r], wt.absmax2));
                     }
             } else if (nseg == 0 && cq.left > 0) {  // the range's first piece: kept for the end
 #pragma unroll
@@ -528,7 +625,7 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
         const int h = e >> 7, ln = (e >> 2) & 31, r = e & 3;
         const int col = 8 * h + 2 * (ln & 3) + (r & 1);
         const i64 row = (tile - wt.tile0) * 16 + (ln >> 2) + 8 * (r >> 1);
-        if (col < batch && row < wt.n) out[col * ldo + wt.col0 + row] = T::from_f(sum);
+        if (col < batch && row < wt.n) out[col * ldo + wt.col0 + row] = T::from_f(gv_mx_post<kNv>(sum, wt.absmax2));
     }
 #endif
 }

@@ -259,16 +259,18 @@ __device__ __forceinline__ float code_4bit(int q) {
     return QT == QC_QUANT_NF4 ? kNf4Code[q] : kFp4Code[q];
 }
 // The same from immediates (q in 0..15): no memory round trip, for a kernel's first instructions
-// (a select chain in asm, which the compiler cannot turn back into an indexed local-memory table)
+// (a select chain in asm, which the compiler cannot turn back into an indexed local-memory table);
+// the decode gemv's MX types (QC_GV_QT_MXFP4 / _NVFP4) take the E2M1 values
 template <int QT>
 __device__ __forceinline__ float code_4bit_imm(int q) {
-    constexpr float kNf4[16] = QC_NF4_CODE_INIT, kFp4[16] = QC_FP4_CODE_INIT;
-    float v = QT == QC_QUANT_NF4 ? kNf4[0] : kFp4[0];
+    constexpr float kNf4[16] = QC_NF4_CODE_INIT, kFp4[16] = QC_FP4_CODE_INIT, kE2m1[16] = QC_E2M1_VALUES_INIT;
+    auto tab = [&](int i) { return QT == QC_QUANT_NF4 ? kNf4[i] : (QT == QC_QUANT_FP4 ? kFp4[i] : kE2m1[i]); };
+    float v = tab(0);
 #pragma unroll
     for (int i = 1; i < 16; ++i)
         asm("{\n\t.reg .pred p;\n\tsetp.eq.s32 p, %1, %2;\n\tselp.f32 %0, %3, %0, p;\n\t}"
             : "+f"(v)
-            : "r"(q), "r"(i), "f"(QT == QC_QUANT_NF4 ? kNf4[i] : kFp4[i]));
+            : "r"(q), "r"(i), "f"(tab(i)));
     return v;
 }
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from quantcore.backends.cuda import bnb as cbnb
 from quantcore.backends.cuda import mx as cmx
 
 from quantcore.arrays import BF16, as_dtype
@@ -503,19 +504,36 @@ def test_linear_mx_within_bound(fmt, dtype, rows, rng):
             assert nmse <= bound.nmse, f"{what}: NMSE {nmse:.3g} > {bound.nmse:.3g}"
 
 
+#: the two tensor-core kernels of linear_mx, as (kernel, fmt, dtype): "tc" mx_gemv.cu's (the decode
+#: gemv turned off, from one row on), "decode" bnb_gemv.cu's with MX scales (the default where it runs)
+_MMA_KERNELS = [("tc", f, d) for f in mx.FP4_FORMATS for d in cmx.GEMV_TC_DTYPES] + [
+    ("decode", f, d) for f, dts in cbnb.DECODE_MX_DTYPES.items() for d in dts]
+
+
+def _mma_kernel(kernel, monkeypatch):
+    """Select ``kernel`` of _MMA_KERNELS; returns the launcher's rule that must hold for it to run."""
+    if kernel == "tc":
+        monkeypatch.setenv(TUNE, "mx_gemv_tc_rows=1,mx_gemv_dec=0")
+        return lambda dt, fmt, n, k, xd, cd, sd, rows: cmx.gemv_tc_takes(
+            0, dt, fmt, n, k, cmx.ptr(xd), cmx.ptr(cd), cmx.ptr(sd), min(rows, 16))
+    monkeypatch.delenv(TUNE, raising=False)
+    return lambda dt, fmt, n, k, xd, cd, sd, rows: cbnb.decode_gemv_mx_takes(
+        0, dt, fmt, n, k, cmx.ptr(xd), cmx.ptr(cd), cmx.ptr(sd))
+
+
 @needs_gpu
-@pytest.mark.parametrize("fmt", mx.FP4_FORMATS)
-@pytest.mark.parametrize("dtype", cmx.GEMV_TC_DTYPES)
+@pytest.mark.parametrize("kernel,fmt,dtype", _MMA_KERNELS)
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 20])
-def test_linear_mx_tensor_core_within_bound(fmt, dtype, rows, rng, monkeypatch):
-    """The tensor-core gemv (asserted to be the kernel the launcher picks; B 1 too, which by default
-    runs the CUDA-core kernel): B 1..16 per launch (20: two launches), partial tiles (N % 16 != 0), K not a multiple of the ring stage (5 and 37
-    chunks), more tiles than multiprocessors (CTAs with several tiles, tiles split between warps)
-    and a single chunk (most warps idle), plain and swizzled scales with garbage padding, NVFP4's
-    global scale as a device array; against the fp64 bound, and the same bits on a second run."""
+def test_linear_mx_tensor_core_within_bound(kernel, fmt, dtype, rows, rng, monkeypatch):
+    """The tensor-core gemvs (each asserted to be the kernel the launcher picks; B 1 too, where the
+    tc kernel does not run by default): B 1..16 per launch (20: two launches of the tc kernel, two
+    row blocks of the decode one), partial tiles (N % 16 != 0), K not a multiple of the ring stage (5
+    and 37 chunks), more tiles than multiprocessors (CTAs with several tiles, tiles split between
+    warps) and a single chunk (most warps idle), plain and swizzled scales with garbage padding,
+    NVFP4's global scale as a device array; against the fp64 bound, and the same bits on a second run."""
     from quantcore.conformance import bounds
 
-    monkeypatch.setenv(TUNE, "mx_gemv_tc_rows=1")
+    takes = _mma_kernel(kernel, monkeypatch)
     T = as_dtype(dtype)
     shapes = ((300, 1024), (40, 320), (1000, 64 * 37), (16, 64), (4100, 512)) if rows in (1, 9, 16) else \
         ((300, 1024), (40, 320), (4100, 512))
@@ -528,7 +546,7 @@ def test_linear_mx_tensor_core_within_bound(fmt, dtype, rows, rng, monkeypatch):
         gd = to_dev(np.array([g], np.float32)) if g is not None else None
         for swizzled, s in ((False, scales), (True, swz)):
             sd = to_dev(s)
-            assert cmx.gemv_tc_takes(0, dtype, fmt, n, k, cmx.ptr(xd), cmx.ptr(cd), cmx.ptr(sd), min(rows, 16))
+            assert takes(dtype, fmt, n, k, xd, cd, sd, rows)
             outs = []
             for _ in range(2):
                 out = empty_dev((rows, n), T)
@@ -544,11 +562,11 @@ def test_linear_mx_tensor_core_within_bound(fmt, dtype, rows, rng, monkeypatch):
 
 
 @needs_gpu
-@pytest.mark.parametrize("fmt", mx.FP4_FORMATS)
-def test_linear_mx_tensor_core_scale_extremes(fmt, rng, monkeypatch):
+@pytest.mark.parametrize("kernel,fmt,dtype", _MMA_KERNELS)
+def test_linear_mx_tensor_core_scale_extremes(kernel, fmt, dtype, rng, monkeypatch):
     """Every E2M1 code and scale bytes over their whole range (E8M0 0..254 and the NaN byte 255;
-    E4M3 subnormals, 448, the NaN byte) through the tensor-core gemv: NaN exactly where the
-    reference has one, the rest within the bound (fp16 and bf16 inputs)."""
+    E4M3 subnormals, 448, the NaN byte) through each tensor-core gemv: NaN exactly where the
+    reference has one, inf where it overflows, the rest within the bound."""
     from quantcore.conformance import bounds
     from quantcore.conformance.families.mx import _linear_values
 
@@ -565,25 +583,25 @@ def test_linear_mx_tensor_core_scale_extremes(fmt, rng, monkeypatch):
         scales[1, 3] = 0x7F
     g = np.float32(3.5) if fmt == "nvfp4" else None
     wv = _linear_values(codes, scales, fmt, g)
-    for dtype in cmx.GEMV_TC_DTYPES:
-        T = as_dtype(dtype)
-        x = (rng.standard_normal((3, k)) / 4).astype(T)
-        xr = x.astype(np.float64)
-        with np.errstate(invalid="ignore"):
-            ref, bound = bounds.linear_mx(xr, np.nan_to_num(wv, nan=0.0), dtype)
-        nan_rows = np.isnan(wv).any(axis=1)
-        xd, cd, sd = to_dev(x), to_dev(codes), to_dev(scales)
-        gd = to_dev(np.array([g], np.float32)) if g is not None else None
-        assert cmx.gemv_tc_takes(0, dtype, fmt, n, k, cmx.ptr(xd), cmx.ptr(cd), cmx.ptr(sd), 3)
-        out = empty_dev((3, n), T)
-        cmx.linear_mx(None, xd, cd, sd, out, n=n, k=k, fmt=fmt, swizzled=False, global_scale=gd)
-        got = to_host(out).astype(np.float64)
-        assert np.isnan(got[:, nan_rows]).all(), f"{fmt} {dtype}: NaN scale lost"
-        ok = ~nan_rows
-        tmax = 65504.0 if dtype == "float16" else 3.3895313892515355e38
-        big = np.abs(ref[:, ok]) > tmax  # the reference overflows T: inf expected
-        err = np.abs(got[:, ok] - ref[:, ok])
-        assert ((err <= bound.max_abs[:, ok]) | big).all(), f"{fmt} {dtype}: outside the bound"
+    takes = _mma_kernel(kernel, monkeypatch)
+    T = as_dtype(dtype)
+    x = (rng.standard_normal((3, k)) / 4).astype(T)
+    xr = x.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        ref, bound = bounds.linear_mx(xr, np.nan_to_num(wv, nan=0.0), dtype)
+    nan_rows = np.isnan(wv).any(axis=1)
+    xd, cd, sd = to_dev(x), to_dev(codes), to_dev(scales)
+    gd = to_dev(np.array([g], np.float32)) if g is not None else None
+    assert takes(dtype, fmt, n, k, xd, cd, sd, 3)
+    out = empty_dev((3, n), T)
+    cmx.linear_mx(None, xd, cd, sd, out, n=n, k=k, fmt=fmt, swizzled=False, global_scale=gd)
+    got = to_host(out).astype(np.float64)
+    assert np.isnan(got[:, nan_rows]).all(), f"{kernel} {fmt} {dtype}: NaN scale lost"
+    ok = ~nan_rows
+    tmax = 65504.0 if dtype == "float16" else 3.3895313892515355e38
+    big = np.abs(ref[:, ok]) > tmax  # the reference overflows T: inf expected
+    err = np.abs(got[:, ok] - ref[:, ok])
+    assert ((err <= bound.max_abs[:, ok]) | big).all(), f"{kernel} {fmt} {dtype}: outside the bound"
 
 
 def test_linear_mx_kernel_choice(monkeypatch):
@@ -608,6 +626,31 @@ def test_linear_mx_kernel_choice(monkeypatch):
     assert not take(0, "bfloat16", "mxfp4", 4096, 14336, 0, 0, 0, 8)
     monkeypatch.setenv(TUNE, "mx_gemv_tc_rows=1")
     assert take(0, "bfloat16", "mxfp4", 4096, 14336, 0, 0, 0, 1)
+
+
+def test_linear_mx_decode_kernel_choice(monkeypatch):
+    """Where the decode gemv (bnb_gemv.cu with MX scales) runs linear_mx, which linear_mx asks before
+    the kernels above (no GPU: the rule on a device reported as sm_90): NVFP4 with fp16 / bf16 input,
+    MXFP4 with bf16 only (its scales need bf16's range), K % 64 == 0, x and codes 16-byte aligned, the
+    scales 4 (NVFP4) / 2 (MXFP4) bytes, any batch; not on sm_80, not with mx_gemv_dec=0."""
+    monkeypatch.setattr(cbnb.rt, "device_arch", lambda dev: 90)
+    monkeypatch.delenv(TUNE, raising=False)
+    take = cbnb.decode_gemv_mx_takes
+    assert cbnb.DECODE_MX_DTYPES == {"nvfp4": ("float16", "bfloat16"), "mxfp4": ("bfloat16",)}
+    for fmt, dt in (("nvfp4", "float16"), ("nvfp4", "bfloat16"), ("mxfp4", "bfloat16")):
+        assert take(0, dt, fmt, 4096, 14336, 0, 0, 0) and take(0, dt, fmt, 16, 64, 16, 32, 4)
+        assert not take(0, dt, fmt, 4096, 14336 + 32, 0, 0, 0)  # K % 64 != 0
+        assert not take(0, dt, fmt, 4096, 14336, 8, 0, 0)  # x not 16-byte aligned
+        assert not take(0, dt, fmt, 4096, 14336, 0, 4, 0)  # codes not 16-byte aligned
+        assert not take(0, dt, fmt, 4096, 14336, 0, 0, 1)  # scales not 2-byte aligned
+    assert take(0, "bfloat16", "mxfp4", 64, 64, 0, 0, 2) and not take(0, "bfloat16", "nvfp4", 64, 64, 0, 0, 2)
+    assert not take(0, "float16", "mxfp4", 4096, 14336, 0, 0, 0)
+    assert not take(0, "float32", "nvfp4", 4096, 14336, 0, 0, 0)
+    monkeypatch.setenv(TUNE, "mx_gemv_dec=0")
+    assert not take(0, "bfloat16", "nvfp4", 4096, 14336, 0, 0, 0)
+    monkeypatch.delenv(TUNE)
+    monkeypatch.setattr(cbnb.rt, "device_arch", lambda dev: 80)
+    assert not take(0, "bfloat16", "nvfp4", 4096, 14336, 0, 0, 0)
 
 
 @needs_gpu

@@ -306,9 +306,14 @@ def test_every_cuda_launch_path_builds_its_arguments(monkeypatch):
             cmx.mx_dequantize(be, codes, A((128, 256 // blk), np.uint8), A((128, 256), dt), rows=128, cols=256,
                               fmt=fmt, swizzled=False, global_scale=gs)
         if fmt != "mxfp8":
-            for rows in (4, 1):  # the tensor-core gemv, the CUDA-core one (one input row)
-                cmx.linear_mx(be, A((rows, 512), "bfloat16"), A((256, 256), np.uint8), A((256, 512 // blk), np.uint8),
-                              A((rows, 256), "bfloat16"), n=256, k=512, fmt=fmt, swizzled=True, global_scale=gs)
+            # the decode gemv (bnb_gemv.cu, the default here), then mx_gemv.cu's tensor-core gemv and its
+            # CUDA-core one (one input row)
+            for rows, tune in ((4, ""), (4, "mx_gemv_dec=0"), (1, "mx_gemv_dec=0")):
+                with monkeypatch.context() as m:
+                    m.setenv("QUANTCORE_CUDA_TUNE", tune)
+                    cmx.linear_mx(be, A((rows, 512), "bfloat16"), A((256, 256), np.uint8),
+                                  A((256, 512 // blk), np.uint8), A((rows, 256), "bfloat16"), n=256, k=512, fmt=fmt,
+                                  swizzled=True, global_scale=gs)
             cmx.scaled_fp4_mm(be, A((256, 256), np.uint8), A((256, 256), np.uint8), A((256 * 32,), np.uint8),
                               A((256 * 32,), np.uint8), A((1,), np.float32), A((256,), "bfloat16"),
                               A((256, 256), "bfloat16"), m=256, n=256, k=512, fmt=fmt)

@@ -9,8 +9,9 @@ from typing import Any
 
 from quantcore.arrays import as_dtype, dtype_name
 from quantcore.backend import Nested, grouped_run_end
-from quantcore.formats import bnb
+from quantcore.formats import bnb, mx
 from quantcore.formats.kernel_defines import (
+    DECODE_GEMV_QT,
     LAUNCH_GEOMETRY,
     QUANT_TYPE_CODE,
     gm_slot_bytes,
@@ -58,8 +59,19 @@ def _gemv_mma(tag: str, qt: str, nested: bool, v: int) -> str:
 
 
 def _gemv_tc(tag: str, qt: str, nested: bool, nb: int, xs: bool, short: bool) -> str:
+    """The decode gemv's instance; ``qt`` a 4-bit type or an MX FP4 format (linear_mx: DECODE_GEMV_QT)."""
     ch, st = _GT_SHORT_RING if short else _GT_LONG_RING
-    return f"qc::gemv_4bit_tc_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}, {_b(xs)}, {ch}, {st}>"
+    return f"qc::gemv_4bit_tc_kernel<{tag}, {DECODE_GEMV_QT[qt]}, {_b(nested)}, {nb}, {_b(xs)}, {ch}, {st}>"
+
+
+#: the decode gemv's MX instances (linear_mx, one weight): format -> input dtypes (MXFP4's 2^(e - 127)
+#: scales need bf16's exponent range)
+DECODE_MX_DTYPES = {"nvfp4": ("float16", "bfloat16"), "mxfp4": ("bfloat16",)}
+
+
+def _gemv_tc_instances(tag: str, qt: str, nested: bool) -> list[tuple[str, str]]:
+    return [(_FV, _gemv_tc(tag, qt, nested, nb, xs, short)) for nb in (1, 2) for xs in (False, True)
+            for short in (False, True)]
 
 
 def _gemm4(tag: str, qt: str, nested: bool, cfg: tuple[int, int, int], cl: int = 1) -> str:
@@ -97,10 +109,12 @@ def instances() -> list[tuple[str, str]]:
                 out.append((_F4, _gemv(tag, qt, nested)))
                 if tag != TYPE_TAG["float32"]:
                     out += [(_F4, _gemv_mma(tag, qt, nested, v)) for v in _GEMV_V]
-                    out += [(_FV, _gemv_tc(tag, qt, nested, nb, xs, short)) for nb in (1, 2) for xs in (False, True)
-                            for short in (False, True)]
+                    out += _gemv_tc_instances(tag, qt, nested)
                     out += [(_FM, _gemm4(tag, qt, nested, cfg)) for cfg in _GM_CONFIGS]
                     out += [(_FM, _gemm4(tag, qt, nested, _GM_CONFIGS[-1], cl)) for cl in _GM_CLUSTERS[1:]]
+    for fmt, dts in DECODE_MX_DTYPES.items():
+        for dt in dts:
+            out += _gemv_tc_instances(TYPE_TAG[dt], fmt, False)
     for tag in tags:
         out += [(_F8, _qbw(tag)), (_F8, _qbw(tag, cells=False)), (_F8, _dqbw(tag))]
     out += [(_F8, _tree(True)), (_F8, _tree(False)), (_F8, _tree(None))]
@@ -313,15 +327,19 @@ def _gemv_tc_takes_weight(packed: Any, blocksize: int) -> bool:
     return blocksize >= 64 and aligned(packed, 16) and rt.numel(packed) * 2 // 64 < 1 << 31
 
 
-def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, ldo):
+def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, ldo, scols=0, gscale=None):
     """(file, kernel, grid, block, arguments, shared memory, slots) of the decode gemv over
-    ``weights`` [(packed, absmax, nested, n)] (one nestedness) into ``out`` [rows, ldo]."""
+    ``weights`` [(packed, absmax, nested, n)] (one nestedness) into ``out`` [rows, ldo]. An MX
+    ``quant_type`` (one weight: codes, scale bytes, None, n) takes ``scols`` (the swizzled scales'
+    padded column count, 0 for row-major) and ``gscale`` (NVFP4's global scale, or None)."""
     nested = weights[0][2] is not None
     named = {"a": a, "out": out, "ldo": ldo, "rows": rows, "k": k, "log2bs": _log2(blocksize),
-             "ngroups": len(weights)}
+             "ngroups": len(weights), "scols": scols}
     for i, names in enumerate(GEMV_TC_WEIGHT_NAMES):  # packed, absmax, absmax2, code2, offset, n
         p, am, nst, n = weights[i] if i < len(weights) else (None, None, None, 0)
         named.update(zip(names, (p, am, *_nested_named(nst).values(), n)))
+    if gscale is not None:
+        named[GEMV_TC_WEIGHT_NAMES[0][2]] = gscale  # absmax2_0: NVFP4's global scale
     ntiles = sum(_cdiv(w[3], 16) for w in weights)
     nb = 1 if rows <= 8 else 2
     # a CTA's input rows (8 nb at most) in its decode table's free halves when they fit there
@@ -332,6 +350,22 @@ def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, 
     short = _cdiv(ntiles, grid[0]) * (k // 64) < _GT_SHORT_MAX * _GT_WARPS
     expr = _gemv_tc(_tag(a), quant_type, nested, nb, xs, rt.tune("gemv_short", int(short)) == 1)
     return (_FV, expr, grid, 32 * _GT_WARPS, kernel_args(expr, **named), _gt_smem(nb, device), _GT_SLOTS)
+
+
+def decode_gemv_mx_takes(device: int, dt: str, fmt: str, n: int, k: int, px: int, pc: int, ps: int) -> bool:
+    """Does the decode gemv run linear_mx for this weight (x, codes, scales at addresses px, pc, ps;
+    backends/cuda/mx.py asks)? The formats and input dtypes of DECODE_MX_DTYPES, 64-element chunks
+    (K % 64 == 0), 16-byte aligned input and codes, the scale loads aligned (4 bytes NVFP4, 2 MXFP4),
+    chunk counts in 31 bits, sm_90; ``QUANTCORE_CUDA_TUNE=mx_gemv_dec=0`` turns it off."""
+    return (dt in DECODE_MX_DTYPES.get(fmt, ()) and k % 64 == 0 and k < 1 << 26 and px % 16 == 0
+            and pc % 16 == 0 and ps % (4 if fmt == "nvfp4" else 2) == 0 and n * (k // 64) < 1 << 31
+            and rt.device_arch(device) >= 90 and rt.tune("mx_gemv_dec", 1) == 1)
+
+
+def decode_gemv_mx_launch(device, x, codes, scales, gscale, out, *, rows, n, k, fmt, scols):
+    """The decode gemv's launch (as _gemv_tc_launch gives it) of linear_mx: out [rows, n] = x @ W^T."""
+    return _gemv_tc_launch(device, x, [(codes, scales, None, n)], out, rows=rows, k=k, blocksize=mx.block_size(fmt),
+                           quant_type=fmt, ldo=n, scols=scols, gscale=gscale)
 
 
 def _nested_named(nested: Nested | None) -> dict[str, Any]:

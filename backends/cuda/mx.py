@@ -36,6 +36,7 @@ from quantcore.arrays import as_dtype, dtype_name
 from quantcore.errors import DeviceError, KernelError, UnsupportedError
 from quantcore.formats import kernel_defines, mx
 
+from . import bnb as _bnb
 from . import runtime as rt
 from .common import empty
 from .runtime import kernel_args
@@ -604,6 +605,12 @@ def linear_mx(be, x, codes, scales, out, *, n: int, k: int, fmt: str, swizzled: 
         flags |= 8
     if fmt == "nvfp4" and ptr(scales) % 2 == 0 and (swizzled or ncols % 2 == 0):
         flags |= 16  # a unit's two scale bytes in one 16-bit load
+    if _bnb.decode_gemv_mx_takes(dev, dt, fmt, n, k, ptr(x), ptr(codes), ptr(scales)):
+        # the decode gemv (bnb_gemv.cu with MX scales): every input row in one launch
+        spec = _bnb.decode_gemv_mx_launch(dev, x, codes, scales, global_scale, out, rows=rows, n=n, k=k, fmt=fmt,
+                                          scols=pcols if swizzled else 0)
+        launcher(*spec[:6], pdl=True)
+        return
     for b0 in range(0, rows, GEMV_MAX_BATCH):
         nrows = min(GEMV_MAX_BATCH, rows - b0)
         px, po = ptr(x) + b0 * k * xsize, ptr(out) + b0 * n * osize

@@ -19,6 +19,9 @@ HEADER_NAME = "quantcore_constants.h"
 #: Integer codes the launchers receive for dtypes and 4-bit types (one definition for all).
 DTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2}
 QUANT_TYPE_CODE = {"nf4": 0, "fp4": 1}
+#: The decode gemv's weight types (kernels_cuda/bnb_gemv.cu, its QT template argument): the 4-bit
+#: types above and the MX FP4 formats it runs for linear_mx (QC_GV_QT_MXFP4, QC_GV_QT_NVFP4).
+DECODE_GEMV_QT = {**QUANT_TYPE_CODE, "mxfp4": 2, "nvfp4": 3}
 #: Integer codes of the ggml formats (a kernel's FMT template argument; QC_FMT_Q4_0 ... in the header).
 GGML_FORMAT_CODE = {"q4_0": 0, "q8_0": 1, "q8_1": 2}
 
@@ -229,6 +232,8 @@ def _entries() -> list[tuple[str, str]]:
         ("QC_FP4_SIGN_BIT", str(bnb.FP4_SIGN_BIT)),
         ("QC_QUANT_NF4", str(QUANT_TYPE_CODE["nf4"])),
         ("QC_QUANT_FP4", str(QUANT_TYPE_CODE["fp4"])),
+        ("QC_GV_QT_MXFP4", str(DECODE_GEMV_QT["mxfp4"])),
+        ("QC_GV_QT_NVFP4", str(DECODE_GEMV_QT["nvfp4"])),
         ("QC_NESTED_BLOCKSIZE", str(bnb.NESTED_BLOCKSIZE)),
         ("QC_DYNAMIC_NTHRESHOLDS", str(bnb.DYNAMIC_THRESHOLDS.size)),
         ("QC_DYNAMIC_MAP_INIT", _f32_list(bnb.DYNAMIC_MAP)),

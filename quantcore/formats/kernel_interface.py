@@ -304,9 +304,9 @@ CUDA_KERNELS: dict[str, tuple[Arg, ...]] = {name: args(spec) for name, spec in {
     # bnb_gemm.cu
     "gemm_4bit_kernel": f"const u16* a, const u8* packed, {_NESTED}, u16* out, i64 ldo, i32 rows, i64 n, "
                         "i64 k, i32 log2bs",
-    # bnb_gemv.cu: the input, GEMV_TC_GROUPS weights, the output
+    # bnb_gemv.cu: the input, GEMV_TC_GROUPS weights, the output (scols: an MX weight's swizzled scale columns, 0 otherwise)
     "gemv_4bit_tc_kernel": "const u16* a, " + _GEMV_WEIGHTS
-        + ", u16* out, i64 ldo, i32 rows, i64 k, i32 log2bs, i32 ngroups",
+        + ", u16* out, i64 ldo, i32 rows, i64 k, i32 log2bs, i32 ngroups, i32 scols",
     # allreduce.cu: the rank's partial sums, the output, the ranks' symmetric buffers (QC_AR_MAX_RANKS)
     "all_reduce_oneshot_kernel": f"const elem* x, elem* out, {_AR_ROUND}",
     # allreduce.cu: the same round, then the residual add and the RMSNorm after it

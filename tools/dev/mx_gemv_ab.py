@@ -1,14 +1,15 @@
-"""A/B timing of linear_mx's gemv (kernels_cuda/mx_gemv.cu) for docs/performance.md: the CUDA-core
-kernel (``QUANTCORE_CUDA_TUNE=mx_gemv_tc=0``) against the tensor-core one (``mx_gemv_tc_rows=1``: at
-B 1 too), in one process on one device (VARIANTS). Per (format, input dtype, N x K, B): the bench's single-launch kernel time (CUDA events, one
+"""A/B timing of linear_mx's gemvs for docs/performance.md, in one process on one device (VARIANTS,
+each a ``QUANTCORE_CUDA_TUNE`` setting): mx_gemv.cu's CUDA-core kernel (old), its tensor-core one at
+every B (tc), session 20's default (prev: the CUDA-core kernel at B 1, the tensor-core one from B 2)
+and today's (default: the decode gemv of bnb_gemv.cu with MX scales where it runs). Per (format, input dtype, N x K, B): the bench's single-launch kernel time (CUDA events, one
 call behind a sleep kernel, weights rotated through 256 MiB) and the graph-timed time per launch (20
 launches over the rotated weights in one CUDA graph; the tensor-core kernel launches as a
 programmatic dependent, so launches overlap there), the bytes (codes + scale bytes + input + output)
-and the percentage of the copy rate; plus the relative difference of the two kernels' outputs
-(||new - old|| / ||old||, seeded random codes and scales). Prints a table and one JSON line (AB_JSON).
+and the percentage of the copy rate; plus the relative difference of the last variant's outputs
+from the first's (||last - first|| / ||first||, seeded random codes and scales). Prints a table and one JSON line (AB_JSON).
 
 Usage: python3 tools/dev/mx_gemv_ab.py [--shapes 4096x14336:1,8 ...] [--fmts mxfp4 nvfp4]
-       [--dtypes bfloat16 float16] [--variants old new]
+       [--dtypes bfloat16 float16] [--variants prev default]
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from quantcore.bench import Bench
 from quantcore.formats import mx
 
 DEFAULT_SHAPES = ("4096x14336:1,8", "14336x4096:1,8", "8192x8192:1,4,8,16", "28672x8192:1,4,8,16")
-#: old: the CUDA-core kernel at every B; new: the tensor-core kernel at every B (B 1 included);
-#: default: what the launcher picks (the CUDA-core kernel at B 1, GEMV_TC_MIN_ROWS)
-VARIANTS = {"old": "mx_gemv_tc=0", "new": "mx_gemv_tc_rows=1", "default": ""}
+#: old: the CUDA-core kernel at every B; tc: the tensor-core kernel at every B (B 1 included); prev:
+#: the launcher's pick without the decode gemv (the CUDA-core kernel at B 1, GEMV_TC_MIN_ROWS);
+#: default: what the launcher picks now
+VARIANTS = {"old": "mx_gemv_tc=0,mx_gemv_dec=0", "tc": "mx_gemv_tc_rows=1,mx_gemv_dec=0", "prev": "mx_gemv_dec=0",
+            "default": ""}
 
 
 def weights(fmt: str, n: int, k: int, sets: int):
@@ -50,7 +53,7 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES))
     p.add_argument("--fmts", nargs="+", default=list(mx.FP4_FORMATS))
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"])
-    p.add_argument("--variants", nargs="+", default=["old", "new"])
+    p.add_argument("--variants", nargs="+", default=["prev", "default"])
     p.add_argument("--reps", type=int, default=60)
     args = p.parse_args()
     b = Bench("cuda", quick=False, reps=args.reps, verbose=False)
@@ -96,8 +99,9 @@ def main() -> None:
                                   "graph_pct_copy": 100.0 * nbytes / (gus * 1e3) / copy if copy else 0.0}
                         line += f"{us:9.1f} {gus:11.1f} {pct:6.1f} "
                     os.environ[ENV_TUNE] = base_env
-                    if "old" in outs and "new" in outs:
-                        d = float((outs["new"] - outs["old"]).norm() / outs["old"].norm().clamp_min(1e-30))
+                    if len(outs) > 1:
+                        first, last = outs[args.variants[0]], outs[args.variants[-1]]
+                        d = float((last - first).norm() / first.norm().clamp_min(1e-30))
                         row["rel_diff"] = d
                         line += f" {d:.2e}"
                     res["rows"].append(row)
