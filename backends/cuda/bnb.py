@@ -352,11 +352,21 @@ def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, 
     return (_FV, expr, grid, 32 * _GT_WARPS, kernel_args(expr, **named), _gt_smem(nb, device), _GT_SLOTS)
 
 
-def decode_gemv_mx_takes(device: int, dt: str, fmt: str, n: int, k: int, px: int, pc: int, ps: int) -> bool:
-    """Does the decode gemv run linear_mx for this weight (x, codes, scales at addresses px, pc, ps;
-    backends/cuda/mx.py asks)? The formats and input dtypes of DECODE_MX_DTYPES, 64-element chunks
-    (K % 64 == 0), 16-byte aligned input and codes, the scale loads aligned (4 bytes NVFP4, 2 MXFP4),
-    chunk counts in 31 bits, sm_90; ``QUANTCORE_CUDA_TUNE=mx_gemv_dec=0`` turns it off."""
+#: one input row: the decode gemv from this many bytes of codes on (graph-timed on an H200, session 21:
+#: mx_gemv.cu's CUDA-core kernel is faster below ~8192 x 4096 and equal there, the decode gemv faster
+#: from 4096 x 14336 on; docs/performance.md MXDEC-2); ``mx_gemv_dec_b1_min`` overrides it
+DECODE_MX_B1_MIN_BYTES = 24 << 20
+
+
+def decode_gemv_mx_takes(device: int, dt: str, fmt: str, n: int, k: int, px: int, pc: int, ps: int,
+                         rows: int) -> bool:
+    """Does the decode gemv run linear_mx for this weight and ``rows`` input rows (x, codes, scales at
+    addresses px, pc, ps; backends/cuda/mx.py asks)? The formats and input dtypes of DECODE_MX_DTYPES,
+    64-element chunks (K % 64 == 0), 16-byte aligned input and codes, the scale loads aligned (4 bytes
+    NVFP4, 2 MXFP4), chunk counts in 31 bits, sm_90, and for one row a weight of DECODE_MX_B1_MIN_BYTES
+    or more; ``QUANTCORE_CUDA_TUNE=mx_gemv_dec=0`` turns it off."""
+    if rows == 1 and n * k // 2 < rt.tune("mx_gemv_dec_b1_min", DECODE_MX_B1_MIN_BYTES):
+        return False
     return (dt in DECODE_MX_DTYPES.get(fmt, ()) and k % 64 == 0 and k < 1 << 26 and px % 16 == 0
             and pc % 16 == 0 and ps % (4 if fmt == "nvfp4" else 2) == 0 and n * (k // 64) < 1 << 31
             and rt.device_arch(device) >= 90 and rt.tune("mx_gemv_dec", 1) == 1)

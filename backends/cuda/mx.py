@@ -605,7 +605,7 @@ def linear_mx(be, x, codes, scales, out, *, n: int, k: int, fmt: str, swizzled: 
         flags |= 8
     if fmt == "nvfp4" and ptr(scales) % 2 == 0 and (swizzled or ncols % 2 == 0):
         flags |= 16  # a unit's two scale bytes in one 16-bit load
-    if _bnb.decode_gemv_mx_takes(dev, dt, fmt, n, k, ptr(x), ptr(codes), ptr(scales)):
+    if _bnb.decode_gemv_mx_takes(dev, dt, fmt, n, k, ptr(x), ptr(codes), ptr(scales), rows):
         # the decode gemv (bnb_gemv.cu with MX scales): every input row in one launch
         spec = _bnb.decode_gemv_mx_launch(dev, x, codes, scales, global_scale, out, rows=rows, n=n, k=k, fmt=fmt,
                                           scols=pcols if swizzled else 0)
