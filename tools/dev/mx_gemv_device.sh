@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # linear_mx's gemv on the GPU machine, from the repository root (after . tools/dev/env.sh $OUT):
 #   tests   the GPU linear_mx tests of tests/test_cuda_mx.py
-#   ab      tools/dev/mx_gemv_ab.py: the CUDA-core kernel against the tensor-core one (single launch and
+#   ab      tools/dev/mx_gemv_ab.py: linear_mx's kernels against each other (its --variants; single launch and
 #           graph-timed), the docs/performance.md table (AB_ARGS: its arguments)
 #   conf    python3 -m quantcore.conformance --backend cuda --full -k linear_mx (and maca: the MACA port
 #           through its compatibility header)
