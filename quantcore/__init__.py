@@ -80,6 +80,7 @@ from .api_mx import (  # noqa: E402
     dequantize_mxfp8,
     dequantize_nvfp4,
     linear_mx,
+    linear_mx_grouped,
     nvfp4_global_scale,
     quantize_mx,
     scaled_fp4_mm,
@@ -92,7 +93,7 @@ from .api_mx import (  # noqa: E402
 
 __all__ += [
     "as_torch_float8_e4m3", "as_torch_float8_e8m0", "as_torch_fp4", "dequantize_mx",
-    "dequantize_mxfp4", "dequantize_mxfp8", "dequantize_nvfp4", "linear_mx", "nvfp4_global_scale",
+    "dequantize_mxfp4", "dequantize_mxfp8", "dequantize_nvfp4", "linear_mx", "linear_mx_grouped", "nvfp4_global_scale",
     "quantize_mx",
     "scaled_fp4_mm", "scaled_mxfp4_quant", "scaled_mxfp8_quant", "scaled_nvfp4_quant",
     "swizzle_scales", "unswizzle_scales",

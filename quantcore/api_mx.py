@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -282,11 +283,38 @@ def linear_mx(
     x's dtype. The backends read the codes once for all rows of x (B = 1..16 is the decode case).
     """
     be = _backend(backend)
+    swizzled = v.flag(swizzled, "swizzled")
+    shape, dt, w = _linear_weight(be, x, codes, scales, fmt, global_scale, swizzled)
+    rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+    xn = be.prepare(x)
+    out = be.empty((rows, w.n), as_dtype(dt), like=xn)
+    if rows > 0:
+        be.linear_mx(xn, be.prepare(w.codes), be.prepare(w.scales), out, n=w.n, k=w.k, fmt=w.fmt,
+                     swizzled=swizzled, global_scale=w.global_scale(be, xn))
+    return be.finish(out, x).reshape(_lead(shape) + (w.n,))
+
+
+class _LinearWeight:
+    """A weight of ``linear_mx`` checked by :func:`_linear_weight`: its byte views, format, N and K,
+    and its global scale (NVFP4; a number or a one-element fp32 array, ``host_g`` its value where it
+    was a number)."""
+
+    def __init__(self, codes: Any, scales: Any, fmt: str, n: int, k: int, g: Any, host_g: float | None):
+        self.codes, self.scales, self.fmt, self.n, self.k, self._g, self._host_g = codes, scales, fmt, n, k, g, host_g
+
+    def global_scale(self, be: Backend, like: Any) -> Any:
+        """The global scale as the kernels take it (fp32 [1] on ``like``'s device), None for MXFP4."""
+        return _scalar(be, self._g, self._host_g, like) if self.fmt == "nvfp4" else None
+
+
+def _linear_weight(be: Backend, x: Any, codes: Any, scales: Any, fmt: str, global_scale: Any,
+                   swizzled: bool) -> tuple[tuple[int, ...], str, _LinearWeight]:
+    """Check one weight of linear_mx / linear_mx_grouped against the input ``x`` (shapes, format,
+    scale layout, global scale, the backend's capability) -> (x's shape, x's dtype name, the weight)."""
     fmt = v.mx_format(fmt, mx.FP4_FORMATS)
     codes, scales = _as_bytes(codes), _as_bytes(scales)
     shape, dt, n, k = v.mx_linear(x, codes, fmt)
     blk = mx.block_size(fmt)
-    swizzled = v.flag(swizzled, "swizzled")
     v.mx_scales(scales, (n,), n, k // blk, swizzled)
     if fmt == "nvfp4" and global_scale is None:
         raise ParameterError("nvfp4 needs the global_scale the weight's codes were made with")
@@ -294,14 +322,53 @@ def linear_mx(
         raise ParameterError(f"{fmt} takes no global_scale (it is an NVFP4 parameter)")
     host_g = v.f32_scalar(global_scale, "global_scale", positive=True) if fmt == "nvfp4" else None
     be.require("linear_mx", fmt, dt, blk)
+    return shape, dt, _LinearWeight(codes, scales, fmt, n, k, global_scale, host_g)
+
+
+def linear_mx_grouped(
+    x: Any, weights: Sequence[tuple], *, swizzled: bool = True, backend: str | Backend | None = None,
+) -> Any:
+    """Several fp4 weights that share one input (an attention layer's q / k / v, an MLP's gate / up)
+    in one call: ``x [..., K]`` and ``weights`` [(codes_i, scales_i, fmt_i, global_scale_i)] (each as
+    :func:`linear_mx` takes it; ``global_scale_i`` None for MXFP4; one scale layout, ``swizzled``, for
+    all) -> ``[..., N_1 + N_2 + ...]`` in x's dtype, equal to the concatenation of
+    ``linear_mx(x, codes_i, scales_i, fmt_i, global_scale=global_scale_i)`` along the last dimension
+    (each block within linear_mx's tolerance). A backend that implements the grouped kernel-level op
+    reads several weights in one launch (cuda: up to 4 of one format where its decode gemv runs); the
+    others run linear_mx per weight and concatenate."""
+    from .api import concat_last
+
+    be = _backend(backend)
+    swizzled = v.flag(swizzled, "swizzled")
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence) or len(weights) == 0:
+        raise ParameterError("weights must be a non-empty sequence of (codes, scales, fmt, global_scale) tuples, "
+                             f"got {v.describe(weights)}")
+    checked = []
+    for i, item in enumerate(weights):
+        if not isinstance(item, (tuple, list)) or len(item) != 4:
+            raise ParameterError(f"weights[{i}] must be a (codes, scales, fmt, global_scale) tuple, got "
+                                 f"{v.describe(item)}")
+        try:
+            shape, dt, w = _linear_weight(be, x, *item, swizzled)
+        except ShapeError as exc:
+            raise ShapeError(f"weights[{i}]: {exc}") from None
+        checked.append(w)
+    if type(be).linear_mx_grouped is Backend.linear_mx_grouped:
+        parts = [linear_mx(x, c, s, f, global_scale=g, swizzled=swizzled, backend=be) for c, s, f, g in weights]
+        try:
+            return concat_last(parts)
+        except UnsupportedError:  # a backend's own array type: joined on the host
+            host = np.concatenate([np.asarray(be.to_numpy(be.prepare(r))) for r in parts], axis=-1)
+            return be.finish(be.from_numpy(host, like=be.prepare(x)), x)
     rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+    ntot = sum(w.n for w in checked)
     xn = be.prepare(x)
-    g = _scalar(be, global_scale, host_g, xn) if fmt == "nvfp4" else None
-    out = be.empty((rows, n), as_dtype(dt), like=xn)
+    out = be.empty((rows, ntot), as_dtype(dt), like=xn)
     if rows > 0:
-        be.linear_mx(xn, be.prepare(codes), be.prepare(scales), out, n=n, k=k, fmt=fmt,
-                     swizzled=swizzled, global_scale=g)
-    return be.finish(out, x).reshape(_lead(shape) + (n,))
+        groups = [(be.prepare(w.codes), be.prepare(w.scales), w.global_scale(be, xn), w.n, w.fmt, swizzled)
+                  for w in checked]
+        be.linear_mx_grouped(xn, groups, out, k=checked[0].k)
+    return be.finish(out, x).reshape(_lead(shape) + (ntot,))
 
 
 # -- torch dtype views -----------------------------------------------------------------------------

@@ -274,3 +274,11 @@ class Backend:
         x's dtype: ``out = T(f32(x) @ W^T)`` with W dequantized as :meth:`mx_dequantize` does
         (fp32), fp32 accumulation. ``fmt`` "mxfp4" | "nvfp4". Tolerance tier."""
         raise NotImplementedError
+
+    def linear_mx_grouped(self, x, groups, out, *, k: int) -> None:
+        """Optional (``quantcore.linear_mx_grouped`` runs linear_mx per weight and concatenates where
+        a backend leaves this out): x [B, K] float and ``groups`` [(codes, scales, global_scale, n,
+        fmt, swizzled)] -> out [B, sum n] in x's dtype, group i's linear_mx in columns
+        [n_0 + ... + n_{i-1}, + n_i). (The tuple ends with what one launch's weights share, as
+        :func:`grouped_run_end` reads it.)"""
+        raise NotImplementedError

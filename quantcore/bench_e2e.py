@@ -58,9 +58,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 #: variant -> quantcore.nn format (the qc-* ones); bf16 and bnb-* are built here
 QC_FORMATS = {"qc-nf4": "nf4", "qc-q4_0": "q4_0", "qc-mxfp4": "mxfp4", "qc-fp4": "fp4", "qc-nvfp4": "nvfp4",
-              "qc-nf4-grouped": "nf4"}
+              "qc-nf4-grouped": "nf4", "qc-mxfp4-grouped": "mxfp4", "qc-nvfp4-grouped": "nvfp4"}
 #: the qc-* variants whose q/k/v and gate/up run as grouped gemvs (quantcore.nn.group_linears)
-QC_GROUPED = ("qc-nf4-grouped",)
+QC_GROUPED = ("qc-nf4-grouped", "qc-mxfp4-grouped", "qc-nvfp4-grouped")
 BNB_FORMATS = {"bnb-nf4": "nf4", "bnb-fp4": "fp4"}
 DEFAULT_VARIANTS = ("bf16", "bnb-nf4", "qc-nf4", "qc-q4_0", "qc-mxfp4")
 ALL_VARIANTS = ("bf16", *BNB_FORMATS, *QC_FORMATS)

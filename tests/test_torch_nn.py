@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed: the PyTorch layer needs it")
@@ -89,6 +90,8 @@ def _op_cases(gen, device):
         ("scaled_fp4_mm", (a4, b4, sa4, sb4, alpha, None, "nvfp4")),
         ("linear_mx", (xb, codes, scales, "nvfp4", gs, False)),
         ("linear_mx", (_randn(gen, 2, 3, 128, device=device), b4, sb4, "nvfp4", gs, True)),
+        ("linear_mx_grouped", (xb, [codes, codes[:40]], [scales, scales[:40]], [gs, gs], "nvfp4")),
+        ("linear_mx_grouped", (_randn(gen, 2, 3, 128, device=device), [codes], [scales], [gs], "nvfp4")),
         ("linear_fp4", (xb.clone().requires_grad_(), codes, scales, gs, "nvfp4", bias)),
         ("linear_fp4", (_randn(gen, 20, 128, device=device).requires_grad_(), codes, scales, gs, "nvfp4", None)),
     ]
@@ -677,6 +680,128 @@ def test_gemv_4bit_grouped_api_checks():
         qc.gemv_4bit_grouped(a[:, :64], [(p1, s1)])
     y = qc.gemv_4bit_grouped(a.reshape(1, 2, 128), [(p1, s1), (p1, s1)])
     assert y.shape == (1, 2, 80)
+
+
+def _tiny_llama_fp4(fmt):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=100)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    qnn.quantize_model(model, fmt, progress=False)
+    return model
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_group_linears_fp4_keeps_results_and_compiles(fmt):
+    """LinearFP4 siblings grouped: one linear_mx_grouped call per group and layer at decode, the same
+    bits as ungrouped on the cpu backend (it runs linear_mx per weight), the checkpoint keys unchanged,
+    the grouped op in a fullgraph torch.compile."""
+    model = _tiny_llama_fp4(fmt)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, qnn.LinearFP4)
+    ids = torch.tensor([[1, 5, 7, 9]])
+    keys = set(model.state_dict())
+    with torch.no_grad():
+        ref_prefill, ref_decode = model(ids).logits, model(ids[:, :1]).logits
+        assert qnn.group_linears(model) == 4
+        assert set(model.state_dict()) == keys
+        calls = []
+        real = torch.ops.quantcore.linear_mx_grouped
+
+        class Spy:
+            def __call__(self, *a):
+                calls.append([int(c.shape[0]) for c in a[1]])
+                return real(*a)
+
+        import quantcore.nn.grouped as grouped
+
+        saved = grouped.torch.ops.quantcore.linear_mx_grouped
+        try:
+            torch.ops.quantcore.linear_mx_grouped = Spy()
+            got_decode = model(ids[:, :1]).logits
+        finally:
+            torch.ops.quantcore.linear_mx_grouped = saved
+        assert calls == [[128, 64, 64], [256, 256]] * 2
+        assert torch.equal(got_decode, ref_decode)
+        assert torch.equal(model(ids).logits, ref_prefill)
+        seen = []
+
+        def backend(gm, example_inputs):
+            seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return gm
+
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend, fullgraph=True)(ids[:, :1]).logits
+        assert torch.equal(compiled, ref_decode)
+        assert seen.count("quantcore.linear_mx_grouped") == 4
+        qnn.ungroup_linears(model)
+        assert torch.equal(model(ids[:, :1]).logits, ref_decode)
+
+
+def test_group_linears_leaves_mixed_kinds_alone():
+    model = _tiny_llama_fp4("nvfp4")
+    attn = model.model.layers[0].self_attn
+    attn.k_proj = qnn.Linear4bit.from_linear(torch.nn.Linear(128, 64), quant_type="nf4")
+    assert qnn.group_linears(model) == 3  # layer 0's q / k / v (LinearFP4 and Linear4bit) left out
+    assert "_qc_group" not in attn.q_proj.__dict__ and "_qc_group" not in attn.k_proj.__dict__
+    assert "_qc_group" in model.model.layers[1].self_attn.q_proj.__dict__
+
+
+def test_linear_mx_grouped_api_checks():
+    rng = np.random.default_rng(3)
+    w1, w2 = rng.standard_normal((40, 128)).astype(np.float32), rng.standard_normal((8, 64)).astype(np.float32)
+    g1 = qc.nvfp4_global_scale(float(np.abs(w1).max()))
+    c1, s1 = qc.scaled_nvfp4_quant(w1, g1)
+    c2, s2 = qc.scaled_mxfp4_quant(w2)
+    a = rng.standard_normal((2, 128)).astype(np.float32)
+    with pytest.raises(qc.ParameterError, match="non-empty sequence"):
+        qc.linear_mx_grouped(a, [])
+    with pytest.raises(qc.ParameterError, match="tuple"):
+        qc.linear_mx_grouped(a, [(c1, s1, "nvfp4")])
+    with pytest.raises(qc.ShapeError, match=r"weights\[1\]"):
+        qc.linear_mx_grouped(a, [(c1, s1, "nvfp4", g1), (c2, s2, "mxfp4", None)])
+    with pytest.raises(qc.ParameterError, match="global_scale"):
+        qc.linear_mx_grouped(a, [(c1, s1, "nvfp4", None)])
+    c3, s3 = qc.scaled_mxfp4_quant(w1)
+    y = qc.linear_mx_grouped(a.reshape(1, 2, 128), [(c1, s1, "nvfp4", g1), (c3, s3, "mxfp4", None)])
+    want = np.concatenate([qc.linear_mx(a, c1, s1, "nvfp4", global_scale=g1),
+                           qc.linear_mx(a, c3, s3, "mxfp4")], axis=-1)
+    assert y.shape == (1, 2, 80) and np.array_equal(y.reshape(2, 80), want)
+
+
+@needs_cuda
+@pytest.mark.parametrize("swizzled", [False, True])
+def test_cuda_linear_mx_grouped_matches_single_within_the_bound(swizzled):
+    """linear_mx_grouped on cuda: runs of up to 4 weights of one format in one decode-gemv launch
+    (6 weights of two formats, K % 64 == 0), and the per-weight path (K % 64 != 0); each column block
+    within linear_mx's bound of its own weight; 1, 9 and 20 input rows."""
+    from quantcore.conformance import bounds
+    from quantcore.conformance.families.mx import _linear_values
+
+    gen = torch.Generator().manual_seed(7)
+    for k in (512, 544):
+        fmts = ("nvfp4", "nvfp4", "mxfp4", "nvfp4", "nvfp4", "nvfp4")
+        ws = [_randn(gen, n, k, device="cuda") * 0.05 for n in (48, 16, 33, 100, 7, 20)]
+        items, vals = [], []
+        for w, fmt in zip(ws, fmts):
+            g = qc.nvfp4_global_scale(float(w.abs().max())) if fmt == "nvfp4" else None
+            c, s = qc.quantize_mx(w, fmt, global_scale=g, swizzle=False)
+            s_host = s.cpu().numpy()
+            vals.append(_linear_values(c.cpu().numpy(), s_host, fmt, None if g is None else np.float32(g)))
+            items.append((c, qc.swizzle_scales(s) if swizzled else s, fmt, g))
+        for rows, dtype in ((1, torch.bfloat16), (9, torch.bfloat16), (20, torch.bfloat16), (3, torch.float16)):
+            if dtype == torch.float16 and k == 512:
+                continue  # mxfp4 with fp16 input: the per-weight path (covered at k 544)
+            a = _randn(gen, rows, k, dtype=dtype, device="cuda")
+            y = qc.linear_mx_grouped(a, items, swizzled=swizzled, backend="cuda")
+            assert y.shape == (rows, sum(w.shape[0] for w in ws))
+            col = 0
+            for v in vals:
+                n = v.shape[0]
+                ref, bound = bounds.linear_mx(a.double().cpu().numpy(), v, str(dtype).split(".")[1])
+                err = y[:, col:col + n].double().cpu().numpy() - ref
+                assert (abs(err) <= bound.max_abs).all(), (k, rows, dtype, col)
+                col += n
 
 
 @needs_cuda

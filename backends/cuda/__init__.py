@@ -211,6 +211,9 @@ class CudaBackend(BnbOps, GgmlOps, Backend):
     def linear_mx(self, x, codes, scales, out, *, n, k, fmt, swizzled, global_scale=None):
         _mx.linear_mx(self, x, codes, scales, out, n=n, k=k, fmt=fmt, swizzled=swizzled, global_scale=global_scale)
 
+    def linear_mx_grouped(self, x, groups, out, *, k):
+        _mx.linear_mx_grouped(self, x, groups, out, k=k)
+
 
 def create() -> CudaBackend:
     return CudaBackend()

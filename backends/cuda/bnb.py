@@ -327,19 +327,20 @@ def _gemv_tc_takes_weight(packed: Any, blocksize: int) -> bool:
     return blocksize >= 64 and aligned(packed, 16) and rt.numel(packed) * 2 // 64 < 1 << 31
 
 
-def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, ldo, scols=0, gscale=None):
+def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, ldo, scols=0, gscales=()):
     """(file, kernel, grid, block, arguments, shared memory, slots) of the decode gemv over
     ``weights`` [(packed, absmax, nested, n)] (one nestedness) into ``out`` [rows, ldo]. An MX
-    ``quant_type`` (one weight: codes, scale bytes, None, n) takes ``scols`` (the swizzled scales'
-    padded column count, 0 for row-major) and ``gscale`` (NVFP4's global scale, or None)."""
+    ``quant_type`` (weights: codes, scale bytes, None, n) takes ``scols`` (the swizzled scales'
+    padded column count, 0 for row-major) and ``gscales`` (per weight NVFP4's global scale, or None)."""
     nested = weights[0][2] is not None
     named = {"a": a, "out": out, "ldo": ldo, "rows": rows, "k": k, "log2bs": _log2(blocksize),
              "ngroups": len(weights), "scols": scols}
     for i, names in enumerate(GEMV_TC_WEIGHT_NAMES):  # packed, absmax, absmax2, code2, offset, n
         p, am, nst, n = weights[i] if i < len(weights) else (None, None, None, 0)
         named.update(zip(names, (p, am, *_nested_named(nst).values(), n)))
-    if gscale is not None:
-        named[GEMV_TC_WEIGHT_NAMES[0][2]] = gscale  # absmax2_0: NVFP4's global scale
+    for i, g in enumerate(gscales):
+        if g is not None:
+            named[GEMV_TC_WEIGHT_NAMES[i][2]] = g  # absmax2_i: NVFP4's global scale
     ntiles = sum(_cdiv(w[3], 16) for w in weights)
     nb = 1 if rows <= 8 else 2
     # a CTA's input rows (8 nb at most) in its decode table's free halves when they fit there
@@ -372,10 +373,16 @@ def decode_gemv_mx_takes(device: int, dt: str, fmt: str, n: int, k: int, px: int
             and rt.device_arch(device) >= 90 and rt.tune("mx_gemv_dec", 1) == 1)
 
 
-def decode_gemv_mx_launch(device, x, codes, scales, gscale, out, *, rows, n, k, fmt, scols):
-    """The decode gemv's launch (as _gemv_tc_launch gives it) of linear_mx: out [rows, n] = x @ W^T."""
-    return _gemv_tc_launch(device, x, [(codes, scales, None, n)], out, rows=rows, k=k, blocksize=mx.block_size(fmt),
-                           quant_type=fmt, ldo=n, scols=scols, gscale=gscale)
+def decode_gemv_mx_launch(device, x, weights, out, *, rows, k, fmt, scols, ldo):
+    """The decode gemv's launch (as _gemv_tc_launch gives it) of linear_mx over ``weights`` [(codes,
+    scales, global scale or None, n)] (at most _GT_GROUPS, one format): out [rows, ldo] = x @ [W_1 ...]^T."""
+    return _gemv_tc_launch(device, x, [(c, s, None, n) for c, s, _, n in weights], out, rows=rows, k=k,
+                           blocksize=mx.block_size(fmt), quant_type=fmt, ldo=ldo, scols=scols,
+                           gscales=[g for _, _, g, _ in weights])
+
+
+#: weights one decode-gemv launch reads (kernels_cuda/bnb_gemv.cu QC_GV_GROUPS)
+DECODE_GROUPS = _GT_GROUPS
 
 
 def _nested_named(nested: Nested | None) -> dict[str, Any]:

@@ -33,6 +33,7 @@ import numpy as np
 
 from quantcore import cache
 from quantcore.arrays import as_dtype, dtype_name
+from quantcore.backend import grouped_run_end
 from quantcore.errors import DeviceError, KernelError, UnsupportedError
 from quantcore.formats import kernel_defines, mx
 
@@ -607,8 +608,8 @@ def linear_mx(be, x, codes, scales, out, *, n: int, k: int, fmt: str, swizzled: 
         flags |= 16  # a unit's two scale bytes in one 16-bit load
     if _bnb.decode_gemv_mx_takes(dev, dt, fmt, n, k, ptr(x), ptr(codes), ptr(scales), rows):
         # the decode gemv (bnb_gemv.cu with MX scales): every input row in one launch
-        spec = _bnb.decode_gemv_mx_launch(dev, x, codes, scales, global_scale, out, rows=rows, n=n, k=k, fmt=fmt,
-                                          scols=pcols if swizzled else 0)
+        spec = _bnb.decode_gemv_mx_launch(dev, x, [(codes, scales, global_scale, n)], out, rows=rows, k=k, fmt=fmt,
+                                          scols=pcols if swizzled else 0, ldo=n)
         launcher(*spec[:6], pdl=True)
         return
     for b0 in range(0, rows, GEMV_MAX_BATCH):
@@ -632,7 +633,40 @@ def linear_mx(be, x, codes, scales, out, *, n: int, k: int, fmt: str, swizzled: 
         launcher.run(fn, name, (grid, 1, 1), (GEMV_THREADS, 1, 1), args)
 
 
+def linear_mx_grouped(be, x, groups, out, *, k: int) -> None:
+    """out [B, sum n] = x @ [W_1, W_2, ...]^T for ``groups`` [(codes, scales, global_scale, n, fmt,
+    swizzled)]: runs of up to DECODE_GROUPS weights of one format and scale layout that the decode gemv
+    takes go in one launch of it (whatever their size: one launch instead of several is the point);
+    any other weight runs linear_mx into a temporary, copied into its columns."""
+    dev = _check(x, out, *(a for w in groups for a in w[:3]))
+    rows, ntot = int(out.shape[0]), int(out.shape[1])
+    dt = _dtype(x)
+    launcher = rt.Launcher(out)
+
+    def decodes(g) -> bool:  # the decode gemv's conditions, for any number of rows (2: no size rule)
+        return _bnb.decode_gemv_mx_takes(dev, dt, g[4], g[3], k, ptr(x), ptr(g[0]), ptr(g[1]), 2)
+
+    col, i = 0, 0
+    while i < len(groups):
+        codes, scales, g, n, fmt, swizzled = groups[i]
+        j = i + 1
+        if decodes(groups[i]):
+            j = grouped_run_end(groups, i, _bnb.DECODE_GROUPS, decodes)
+        if j - i > 1:
+            ncols = k // mx.block_size(fmt)
+            spec = _bnb.decode_gemv_mx_launch(dev, x, [w[:4] for w in groups[i:j]], out[:, col:], rows=rows, k=k,
+                                              fmt=fmt, scols=mx.swizzled_shape(n, ncols)[1] if swizzled else 0,
+                                              ldo=ntot)
+            launcher(*spec[:6], pdl=True)
+        else:
+            tmp = empty((rows, n), as_dtype(dt), like=x)
+            linear_mx(be, x, codes, scales, tmp, n=n, k=k, fmt=fmt, swizzled=swizzled, global_scale=g)
+            out[:, col:col + n] = tmp
+        col += sum(w[3] for w in groups[i:j])
+        i = j
+
+
 __all__ = [
-    "capabilities", "compile_cubin", "gemm_arch", "linear_mx", "mx_dequantize", "mx_quantize", "scaled_fp4_mm",
+    "capabilities", "compile_cubin", "gemm_arch", "linear_mx", "linear_mx_grouped", "mx_dequantize", "mx_quantize", "scaled_fp4_mm",
     "swizzle_scales", "unswizzle_scales",
 ]

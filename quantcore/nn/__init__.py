@@ -326,6 +326,11 @@ class LinearFP4(nn.Module):
                                                  self.weight_global_scale, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.__dict__.get("_qc_group")  # quantcore.nn.group_linears
+        if group is not None:
+            y = group.forward(self, x)
+            if y is not None:
+                return y
         args = (x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.fmt, self.bias)
         if _eager(x, self.bias):
             return qct.linear_fp4_eager(*args)

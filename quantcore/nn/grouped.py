@@ -1,15 +1,16 @@
 """One launch for the 4-bit linears that read the same input (an attention layer's q / k / v, an
-MLP's gate / up): :func:`group_linears` ties such :class:`~quantcore.nn.Linear4bit` siblings
-together without changing the model's structure or its checkpoint keys.
+MLP's gate / up): :func:`group_linears` ties such :class:`~quantcore.nn.Linear4bit` siblings (or
+:class:`~quantcore.nn.LinearFP4` siblings) together without changing the model's structure or its
+checkpoint keys.
 
 The first member called with an input computes every member's output with
-``torch.ops.quantcore.gemv_4bit_grouped`` (the cuda backend reads all the weights in one kernel)
-and keeps the others' outputs for that same input tensor; each following member called with the
-same tensor takes its part. Anything else (another input, more rows than the gemv path takes, an
-input that needs gradients) runs the member alone, so results never depend on call order: each
-column block is the member's own gemv_4bit result within the tolerance tier (on the cuda backend
-the grouped kernel splits K across warps by the group's total size, so the bits may differ from a
-single-weight launch).
+``torch.ops.quantcore.gemv_4bit_grouped`` (LinearFP4: ``linear_mx_grouped``; the cuda backend reads
+the weights in one kernel) and keeps the others' outputs for that same input tensor; each following
+member called with the same tensor takes its part. Anything else (another input, more rows than the
+gemv path takes, an input that needs gradients) runs the member alone, so results never depend on
+call order: each column block is the member's own gemv_4bit / linear_mx result within the tolerance
+tier (on the cuda backend the grouped kernel splits K across warps by the group's total size, so the
+bits may differ from a single-weight launch).
 """
 
 from __future__ import annotations
@@ -27,18 +28,28 @@ DEFAULT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class LinearGroup:
-    """Linear4bit modules that share an input; see the module docstring. Held by each member
-    (``member._qc_group``); not a module, so the model's state dict is unchanged."""
+    """Linear4bit (or LinearFP4) modules that share an input; see the module docstring. Held by each
+    member (``member._qc_group``); not a module, so the model's state dict is unchanged."""
 
     def __init__(self, members: list[nn.Module]):
+        from . import Linear4bit, LinearFP4
+
         first = members[0]
+        self._fp4 = isinstance(first, LinearFP4)
         for m in members[1:]:
-            same = (m.in_features == first.in_features and m.blocksize == first.blocksize
-                    and m.quant_type == first.quant_type and m.compress_statistics == first.compress_statistics
-                    and m.compute_dtype == first.compute_dtype and m.weight.device == first.weight.device)
+            if self._fp4:
+                same = (isinstance(m, LinearFP4) and m.in_features == first.in_features and m.fmt == first.fmt
+                        and m.weight.device == first.weight.device)
+                what = "LinearFP4 modules must share in_features, fmt"
+            else:
+                same = (isinstance(m, Linear4bit) and m.in_features == first.in_features
+                        and m.blocksize == first.blocksize and m.quant_type == first.quant_type
+                        and m.compress_statistics == first.compress_statistics
+                        and m.compute_dtype == first.compute_dtype and m.weight.device == first.weight.device)
+                what = "Linear4bit modules must share in_features, blocksize, quant_type, compress_statistics, " \
+                       "compute_dtype"
             if not same:
-                raise ParameterError("grouped Linear4bit modules must share in_features, blocksize, quant_type, "
-                                     "compress_statistics, compute_dtype and device")
+                raise ParameterError(f"grouped {what} and device")
         self.members = list(members)
         self.sizes = [m.out_features for m in members]
         self._x: torch.Tensor | None = None
@@ -46,12 +57,17 @@ class LinearGroup:
 
     def _compute(self, x: torch.Tensor) -> list[torch.Tensor]:
         first = self.members[0]
-        inp = x if first.compute_dtype is None else x.to(first.compute_dtype)
+        inp = x if self._fp4 or first.compute_dtype is None else x.to(first.compute_dtype)
         inp = inp if inp.is_contiguous() else inp.contiguous()
-        args = [m._state_args() for m in self.members]
-        y = torch.ops.quantcore.gemv_4bit_grouped(
-            inp, [a[0] for a in args], [a[1] for a in args], [a[2] for a in args], [a[3] for a in args],
-            [a[4] for a in args], self.sizes, first.in_features, first.blocksize, first.quant_type)
+        if self._fp4:
+            y = torch.ops.quantcore.linear_mx_grouped(
+                inp, [m.weight_packed for m in self.members], [m.weight_scale for m in self.members],
+                [m.weight_global_scale for m in self.members], first.fmt)
+        else:
+            args = [m._state_args() for m in self.members]
+            y = torch.ops.quantcore.gemv_4bit_grouped(
+                inp, [a[0] for a in args], [a[1] for a in args], [a[2] for a in args], [a[3] for a in args],
+                [a[4] for a in args], self.sizes, first.in_features, first.blocksize, first.quant_type)
         outs = []
         for m, part in zip(self.members, torch.split(y, self.sizes, dim=-1)):
             bias = m._parameters.get("bias")
@@ -62,8 +78,9 @@ class LinearGroup:
 
     def forward(self, member: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """``member``'s output for ``x`` from a grouped call, or None where ``member`` should run alone."""
+        op = "linear_fp4" if self._fp4 else "linear_4bit"
         if x.shape[-1] != self.members[0].in_features or qct.linear_path(
-                qct._rows(x), backend=qct.backend_for(x.device), k=x.shape[-1], device=x.device) != "gemv":
+                qct._rows(x), op, backend=qct.backend_for(x.device), k=x.shape[-1], device=x.device) != "gemv":
             return None
         if torch.is_grad_enabled() and (x.requires_grad or any(
                 p is not None and p.requires_grad for m in self.members for p in (m._parameters.get("bias"),))):
@@ -83,21 +100,23 @@ class LinearGroup:
 
 
 def group_linears(model: nn.Module, groups: Iterable[Iterable[str]] = DEFAULT_GROUPS) -> int:
-    """Tie the :class:`~quantcore.nn.Linear4bit` children of every module of ``model`` named in one
-    of ``groups`` (child attribute names, e.g. ``("q_proj", "k_proj", "v_proj")``) so that they run
-    as one grouped gemv for the inputs ``quantcore.torch.linear_path`` sends to the gemv path (up to
-    ``GEMV_MAX_ROWS`` rows; on cuda up to the fused GEMM's limit). Returns the
-    number of groups made. Children missing, not Linear4bit, or unlike (in_features, blocksize,
-    quant type, statistics, compute dtype, device) leave that group out. :func:`ungroup_linears`
-    undoes it."""
-    from . import Linear4bit
+    """Tie the :class:`~quantcore.nn.Linear4bit` (or :class:`~quantcore.nn.LinearFP4`) children of
+    every module of ``model`` named in one of ``groups`` (child attribute names, e.g. ``("q_proj",
+    "k_proj", "v_proj")``) so that they run as one grouped gemv (LinearFP4: one linear_mx_grouped) for
+    the inputs ``quantcore.torch.linear_path`` sends to the gemv path (up to ``GEMV_MAX_ROWS`` rows;
+    Linear4bit on cuda up to the fused GEMM's limit). Returns the number of groups made. Children
+    missing, of neither class or of both, or unlike (in_features and device; Linear4bit: blocksize,
+    quant type, statistics, compute dtype; LinearFP4: fmt) leave that group out.
+    :func:`ungroup_linears` undoes it."""
+    from . import Linear4bit, LinearFP4
 
     groups = [tuple(g) for g in groups]
     made = 0
     for parent in model.modules():
         for names in groups:
             members = [parent._modules.get(n) for n in names]
-            if len(members) < 2 or not all(isinstance(m, Linear4bit) for m in members):
+            if len(members) < 2 or not (all(isinstance(m, Linear4bit) for m in members)
+                                        or all(isinstance(m, LinearFP4) for m in members)):
                 continue
             try:
                 group = LinearGroup(members)
@@ -110,6 +129,6 @@ def group_linears(model: nn.Module, groups: Iterable[Iterable[str]] = DEFAULT_GR
 
 
 def ungroup_linears(model: nn.Module) -> None:
-    """Undo :func:`group_linears`: every Linear4bit runs alone again."""
+    """Undo :func:`group_linears`: every Linear4bit / LinearFP4 runs alone again."""
     for m in model.modules():
         m.__dict__.pop("_qc_group", None)

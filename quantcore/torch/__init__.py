@@ -539,6 +539,34 @@ _define("linear_mx(Tensor x, Tensor codes, Tensor scales, str fmt, Tensor? globa
         "-> Tensor", _linear_mx, _linear_mx_fake)
 
 
+def _grouped_fp4_check(x, codes, scales, global_scale, fmt) -> int:
+    """Sum of N over the weights of linear_mx_grouped (one codes, scales, global_scale per weight)."""
+    if not (len(codes) == len(scales) == len(global_scale)) or not codes:
+        raise ParameterError("linear_mx_grouped takes one codes, scales and global_scale per weight (at least "
+                             f"one), got {len(codes)}, {len(scales)}, {len(global_scale)}")
+    ntot = 0
+    for c in codes:
+        n, k = _check_fp4(c, fmt)
+        _check_linear(x, k, None, n)
+        ntot += n
+    return ntot
+
+
+def _linear_mx_grouped(x, codes, scales, global_scale, fmt):
+    _grouped_fp4_check(x, codes, scales, global_scale, fmt)
+    x2 = x if x.is_contiguous() else x.contiguous()
+    weights = [(c, s, fmt, g) for c, s, g in zip(codes, scales, global_scale)]
+    return _run(x.device, api_mx.linear_mx_grouped, (x2, weights), swizzled=False)
+
+
+def _linear_mx_grouped_fake(x, codes, scales, global_scale, fmt):
+    return x.new_empty(tuple(x.shape[:-1]) + (_grouped_fp4_check(x, codes, scales, global_scale, fmt),))
+
+
+_define("linear_mx_grouped(Tensor x, Tensor[] codes, Tensor[] scales, Tensor?[] global_scale, str fmt) -> Tensor",
+        _linear_mx_grouped, _linear_mx_grouped_fake)
+
+
 def _check_fp4(codes: torch.Tensor, fmt: str) -> tuple[int, int]:
     v.mx_format(fmt, mx.FP4_FORMATS)
     if codes.dim() != 2 or codes.dtype != torch.uint8:
@@ -582,7 +610,7 @@ _define("linear_fp4(Tensor x, Tensor codes, Tensor scales, Tensor? global_scale,
 #: every op this module defines, as ``torch.ops.quantcore.<name>``
 OPS = ("quantize_4bit", "dequantize_4bit", "gemv_4bit", "gemv_4bit_grouped", "linear_4bit", "gemm_w4a8", "quantize_q4_0",
        "dequantize_q4_0", "linear_q4_0", "quantize_mx", "dequantize_mx", "scaled_fp4_mm", "linear_mx",
-       "linear_fp4")
+       "linear_mx_grouped", "linear_fp4")
 
 __all__ = ["FUSED_4BIT_MAX_ROWS", "GEMV_MAX_ROWS", "OPS", "W4A8_MAX_ROWS", "W4A8_MAX_ROWS_CUDA", "backend_for", "bind_linear_4bit",
            "bind_linear_q4_0", "linear_4bit_eager", "linear_fp4_eager", "linear_path", "linear_q4_0_eager", "quantize_4bit", "set_backend_for", "state_of"]

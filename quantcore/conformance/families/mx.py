@@ -574,6 +574,39 @@ def _api_linear(cap: Capability, be: Backend, rng: np.random.Generator) -> Verdi
     return v
 
 
+def _api_linear_grouped(cap: Capability, rows: int, nweights: int, nbk: int, swizzled: bool, be: Backend,
+                        rng: np.random.Generator) -> Verdict:
+    """linear_mx_grouped through the public API: ``nweights`` quantized weights of one K (N 33, 9, 17
+    ...: partial tiles; six: more than one cuda launch takes), NVFP4 global scales as numbers, row-major
+    or swizzled scales (zero padding); each column block against its own weight's bound."""
+    from .. import bounds
+    from ..harness import compare_tolerance
+
+    v = Verdict()
+    fmt, T = cap.fmt, DTYPES[cap.dtype]
+    k = nbk * _blk(fmt)
+    ns = (33, 9, 17, 40, 8, 12)[:nweights]
+    x = cast(rng.standard_normal((rows, k)) / 4, T)
+    items, refs = [], []
+    for n in ns:
+        codes, scales, g = _linear_weight("quantized", fmt, rng, n, nbk)
+        refs.append(bounds.linear_mx(x.astype(np.float64), _linear_values(codes, scales, fmt, g), cap.dtype))
+        s_in = mx.swizzle(scales) if swizzled else scales
+        items.append((be.from_numpy(codes), be.from_numpy(s_in), fmt, g))
+    out = api_mx.linear_mx_grouped(be.from_numpy(x), items, swizzled=swizzled, backend=be)
+    got = np.asarray(be.to_numpy(out))
+    if got.shape != (rows, sum(ns)) or got.dtype != T:
+        v.fail(TOLERANCE, f"linear_mx_grouped returned {got.dtype} {got.shape}, expected {np.dtype(T)} "
+                          f"{(rows, sum(ns))}")
+        return v
+    col = 0
+    for i, (n, (ref, bound)) in enumerate(zip(ns, refs)):
+        name = f"out[:, weight {i}]"
+        compare_tolerance(name, [{name: got[:, col:col + n]}], ref, bound, None, v)
+        col += n
+    return v
+
+
 # -- the public API end to end ---------------------------------------------------------------------
 def _api_roundtrip(cap: Capability, be: Backend, rng: np.random.Generator) -> Verdict:
     """quantize / dequantize / swizzle through the public API on the backend's arrays, compared
@@ -791,6 +824,12 @@ def cases(level: str, declared: frozenset[Capability]) -> Iterable[Case]:
             if all(c in declared for c in need):
                 yield Case(f"mx/linear_mx/{fmt}/{dtype}/bs{blk}/api-x-3d", TOLERANCE, cap,
                            partial(_api_linear, cap), requires=need)
+            # linear_mx_grouped: K a multiple of 64 (cuda's grouped launches) and not (its per-weight path)
+            for rows, nw, nbk, swz in ((1, 3, 256 // blk, False), (5, 6, 256 // blk, True), (16, 3, 512 // blk, False),
+                                       (3, 3, 5, True)):
+                yield Case(f"mx/linear_mx/{fmt}/{dtype}/bs{blk}/api-grouped-B{rows}-W{nw}-K{nbk * blk}"
+                           f"{'-swizzled' if swz else ''}", TOLERANCE, cap,
+                           partial(_api_linear_grouped, cap, rows, nw, nbk, swz))
     yield from same_error_cases(FAMILY, _invalid(), declared)
     yield from host_array_case(FAMILY, "mx_quantize", declared, _host_quantize)
 
