@@ -785,10 +785,9 @@ def test_cuda_linear_mx_grouped_matches_single_within_the_bound(swizzled):
         items, vals = [], []
         for w, fmt in zip(ws, fmts):
             g = qc.nvfp4_global_scale(float(w.abs().max())) if fmt == "nvfp4" else None
-            c, s = qc.quantize_mx(w, fmt, global_scale=g, swizzle=False)
-            s_host = s.cpu().numpy()
-            vals.append(_linear_values(c.cpu().numpy(), s_host, fmt, None if g is None else np.float32(g)))
-            items.append((c, qc.swizzle_scales(s) if swizzled else s, fmt, g))
+            c, s = qc.quantize_mx(w, fmt, global_scale=g, swizzle=False, backend="cuda")
+            vals.append(_linear_values(c.cpu().numpy(), s.cpu().numpy(), fmt, None if g is None else np.float32(g)))
+            items.append((c, qc.swizzle_scales(s, backend="cuda") if swizzled else s, fmt, g))
         for rows, dtype in ((1, torch.bfloat16), (9, torch.bfloat16), (20, torch.bfloat16), (3, torch.float16)):
             if dtype == torch.float16 and k == 512:
                 continue  # mxfp4 with fp16 input: the per-weight path (covered at k 544)
