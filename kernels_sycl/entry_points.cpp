@@ -304,6 +304,18 @@ QC_KERNEL void qc_scaled_fp4_mm(const uint8_t *a, const uint8_t *b, const uint8_
   }
 QC_FOR_EACH_DTYPE(QC_LINEAR_MX)
 
+// the grouped linear_mx: QC_GV_GROUPS weights' parameters (ngroups used), one sub-group per row of all
+#define QC_MX_GROUP_W(i) const uint8_t *codes##i, const uint8_t *scales##i, const float *global_scale##i, int64_t n##i
+#define QC_MX_GROUP_MAKE(i) qc::MxGroupW{codes##i, scales##i, global_scale##i, n##i}
+#define QC_LINEAR_MX_GROUPED(NAME, T)                                                                           \
+  QC_KERNEL_SUBGROUP void qc_linear_mx_grouped_##NAME(const T *x, QC_MX_GROUP_W(0), QC_MX_GROUP_W(1),              \
+                                                      QC_MX_GROUP_W(2), QC_MX_GROUP_W(3), T *out, int64_t ldo,     \
+                                                      int64_t batch, int ngroups, int64_t k, int fmt, int swizzled) { \
+    qc::linear_mx_grouped<T>(QC_ITEM, x, QC_MX_GROUP_MAKE(0), QC_MX_GROUP_MAKE(1), QC_MX_GROUP_MAKE(2),             \
+                             QC_MX_GROUP_MAKE(3), ngroups, out, ldo, batch, k, fmt, swizzled != 0);                 \
+  }
+QC_FOR_EACH_DTYPE(QC_LINEAR_MX_GROUPED)
+
 // ---- self-checks --------------------------------------------------------------------------------------
 // The sub-group size the device really runs a QC_KERNEL_SUBGROUP kernel with (tests compare it
 // with QC_SUBGROUP_SIZE: bitsandbytes' bf16 gemv once ran with 8 lanes instead of 32).

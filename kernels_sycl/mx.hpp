@@ -222,14 +222,14 @@ inline void scaled_fp4_mm_value(const uint8_t *a, const uint8_t *b, const uint8_
 // for up to QC_MAX_BATCH input rows. Products x * e2m1 are summed per block in fp32, the block sum is
 // multiplied by the block's scale and added to the row's fp32 total; NVFP4 divides the total by the
 // global scale once. The sub-group reduces the totals; one rounding into T.
+// linear_mx_row: the sub-group's weight row `row` of a weight [nrows, K] into out [batch, ldo].
 template <typename T>
-void linear_mx(const sycl::nd_item<1> &it, const T *x, const uint8_t *codes, const uint8_t *scales,
-               const float *global_scale, T *out, int64_t batch, int64_t nrows, int64_t k, int fmt,
-               bool swizzled) {
+void linear_mx_row(const sycl::nd_item<1> &it, const T *x, const uint8_t *codes, const uint8_t *scales,
+                   const float *global_scale, T *out, int64_t ldo, int64_t batch, int64_t row, int64_t nrows,
+                   int64_t k, int fmt, bool swizzled) {
   const sycl::sub_group sg = it.get_sub_group();
   const int lane = static_cast<int>(sg.get_local_linear_id());
   const int lanes = static_cast<int>(sg.get_local_linear_range());
-  const int64_t row = subgroup_row(it);
   const bool active = row < nrows; // uniform over the sub-group
   const bool nv = fmt == kFmtNVFP4;
   const int blk = mx_block(fmt);
@@ -268,9 +268,40 @@ void linear_mx(const sycl::nd_item<1> &it, const T *x, const uint8_t *codes, con
       if (b >= nb) break;
       float total = sycl::reduce_over_group(sg, acc[b], sycl::plus<float>());
       if (nv) total = total / global_scale[0];
-      if (active && lane == 0) Elem<T>::store(out, (b0 + b) * nrows + row, total);
+      if (active && lane == 0) Elem<T>::store(out, (b0 + b) * ldo + row, total);
     }
   }
+}
+
+template <typename T>
+void linear_mx(const sycl::nd_item<1> &it, const T *x, const uint8_t *codes, const uint8_t *scales,
+               const float *global_scale, T *out, int64_t batch, int64_t nrows, int64_t k, int fmt,
+               bool swizzled) {
+  linear_mx_row<T>(it, x, codes, scales, global_scale, out, nrows, batch, subgroup_row(it), nrows, k, fmt,
+                   swizzled);
+}
+
+// The grouped linear_mx: up to QC_GV_GROUPS fp4 weights [n_i, K] of one format and scale layout that
+// share the input, their rows one list, a sub-group per row as in linear_mx; weight i's results go to
+// columns n_0 + ... + n_{i-1} .. of out [batch, ldo] (gemv_4bit_grouped's structure, bnb.hpp).
+struct MxGroupW {
+  const uint8_t *codes;
+  const uint8_t *scales;
+  const float *global_scale;
+  int64_t n;
+};
+template <typename T>
+void linear_mx_grouped(const sycl::nd_item<1> &it, const T *x, const MxGroupW &w0, const MxGroupW &w1,
+                       const MxGroupW &w2, const MxGroupW &w3, int ngroups, T *out, int64_t ldo, int64_t batch,
+                       int64_t k, int fmt, bool swizzled) {
+  const int64_t row = subgroup_row(it);
+  // the weight holding this row (rows past the last weight's: none of the last), picked by selects
+  const int64_t e1 = w0.n, e2 = e1 + (ngroups > 1 ? w1.n : 0), e3 = e2 + (ngroups > 2 ? w2.n : 0);
+  const int i = (ngroups > 1 && row >= e1) + (ngroups > 2 && row >= e2) + (ngroups > 3 && row >= e3);
+  const MxGroupW w = i == 0 ? w0 : i == 1 ? w1 : i == 2 ? w2 : w3;
+  const int64_t col = i == 0 ? 0 : i == 1 ? e1 : i == 2 ? e2 : e3;
+  linear_mx_row<T>(it, x, w.codes, w.scales, w.global_scale, out + col, ldo, batch, row - col, w.n, k, fmt,
+                   swizzled);
 }
 
 } // namespace qc

@@ -496,6 +496,30 @@ class SyclBackend(Backend):
             launch(f"qc_linear_mx_{_kdt(x)}", _cdiv(n, G["QC_GEMV_ROWS_PER_WG"]), G["QC_GEMV_ROWS_PER_WG"] * prog_sg,
                    x, codes, scales, global_scale, out, batch, n, k, code, int(bool(swizzled)))
 
+    def linear_mx_grouped(self, x, groups, out, *, k):
+        """Weights that share the input: one launch per run of up to GEMV_TC_GROUPS weights of one
+        format and scale layout (a sub-group per row of all of them, each weight's results into its
+        columns of ``out``), as gemv_4bit_grouped does below QC_TILED_MIN_ROWS rows."""
+        batch = x.size // k
+        ntot = sum(g[3] for g in groups)
+        if batch * k != x.size or out.size != batch * ntot:
+            raise ParameterError(f"linear_mx_grouped: x holds {x.size} values and out {out.size} for "
+                                 f"N={ntot}, K={k}")
+        isz = out.dtype.itemsize
+        prog_sg = self.program(out.queue).subgroup_size
+        with self._launch(out, x, *(a for g in groups for a in g[:3])) as launch:
+            col, i = 0, 0
+            while i < len(groups):
+                fmt, swizzled = groups[i][4:]
+                j = grouped_run_end(groups, i, GEMV_TC_GROUPS)
+                weights = [a for g in grouped_run_padded(groups, i, j, GEMV_TC_GROUPS) for a in g[:4]]
+                nrows = sum(g[3] for g in groups[i:j])
+                dst = out.byte_view(col * isz, ((out.nbytes - col * isz) // isz,), out.dtype) if col else out
+                launch(f"qc_linear_mx_grouped_{_kdt(x)}", _cdiv(nrows, G["QC_GEMV_ROWS_PER_WG"]),
+                       G["QC_GEMV_ROWS_PER_WG"] * prog_sg, x, *weights, dst, ntot, batch, j - i, k, self._mx_fmt(fmt),
+                       int(bool(swizzled)))
+                col, i = col + nrows, j
+
 
 def create() -> SyclBackend:
     return SyclBackend()

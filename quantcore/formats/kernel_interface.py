@@ -78,6 +78,9 @@ _GEMV_TC_WEIGHT = ("const u8* packed{i}, const void* absmax{i}, const f32* absma
 GEMV_TC_WEIGHT_NAMES = tuple(tuple(a.name for a in args(_GEMV_TC_WEIGHT.format(i=i))) for i in range(GEMV_TC_GROUPS))
 _GEMV_WEIGHTS = ", ".join(_GEMV_TC_WEIGHT.format(i=i) for i in range(GEMV_TC_GROUPS))
 _GEMM = "const u8* wq, const u8* aq, f32* out, i64 m, i64 n, i64 k"
+#: the parameters of fp4 weight i of a grouped linear_mx kernel (sycl: qc_linear_mx_grouped)
+_MX_WEIGHTS = ", ".join(f"const u8* codes{i}, const u8* scales{i}, const f32* global_scale{i}, i64 n{i}"
+                        for i in range(GEMV_TC_GROUPS))
 
 #: op -> its arguments. Sizes are i64; dtype, format, mode and flag codes i32 (kernel_defines'
 #: DTYPE_CODE, QUANT_TYPE_CODE, GGML_FORMAT_CODE, mx.MX_FORMAT_CODE / SCALE_MODE_CODE); a nested
@@ -114,6 +117,10 @@ ENTRY_POINTS: dict[str, tuple[Arg, ...]] = {op: args(spec) for op, spec in {
                      "const bf16* bias, bf16* out, i64 m, i64 n, i64 k, i32 fmt",
     "linear_mx": "const elem* x, i32 dtype, const u8* codes, const u8* scales, const f32* global_scale, elem* out, "
                  "i64 rows, i64 n, i64 k, i32 fmt, i32 swizzled",
+    # up to GEMV_TC_GROUPS fp4 weights [n_i, K] of one format and scale layout that share the input in
+    # one launch: weight i into columns n_0 + ... + n_{i-1} .. of out [rows, ldo] (sycl)
+    "linear_mx_grouped": f"const elem* x, i32 dtype, {_MX_WEIGHTS}, elem* out, i64 ldo, i64 rows, i32 ngroups, "
+                         "i64 k, i32 fmt, i32 swizzled",
 }.items()}
 
 
@@ -133,10 +140,10 @@ _HOST_TYPES = {"u8": "uint8_t", "u16": "uint16_t", "u32": "uint32_t", "f32": "fl
 
 #: the cpu library (kernels_cpu/qc_cpu.cpp): gemv_4bit's tiles and the GEMMs' composites are the glue's
 #: (the host runs them as one kernel), so it lacks the _tiled and gemm_w4a8 entry points
-#: (and the grouped gemv: the cpu backend runs gemv_4bit per weight)
+#: (and the grouped gemv / linear_mx: the cpu backend runs gemv_4bit / linear_mx per weight)
 CPU = Dialect(
     "cpu", tuple(op for op in ENTRY_POINTS
-                 if not op.endswith("_tiled") and op not in ("gemm_w4a8", "gemv_4bit_grouped")),
+                 if not op.endswith("_tiled") and op not in ("gemm_w4a8", "gemv_4bit_grouped", "linear_mx_grouped")),
     "qc_{op}", "void",
     args("i32 nt"),  # OpenMP threads (<= 0: the OpenMP default)
     {**_HOST_TYPES, "i64": "int64_t"}, {},
@@ -145,9 +152,10 @@ CPU = Dialect(
      "qc_stream_copy": ("void", args("const f32* src, f32* dst, i64 n, i32 nt"))},
 )
 
-#: the MACA launchers (kernels_maca/*.maca): each returns its mcError_t; long long is their i64
+#: the MACA launchers (kernels_maca/*.maca): each returns its mcError_t; long long is their i64 (no
+#: grouped linear_mx: the API runs linear_mx per weight there)
 MACA = Dialect(
-    "maca", tuple(ENTRY_POINTS), "qc_maca_{op}", "int", (Arg("stream", "stream"),),
+    "maca", tuple(op for op in ENTRY_POINTS if op != "linear_mx_grouped"), "qc_maca_{op}", "int", (Arg("stream", "stream"),),
     {**_HOST_TYPES, "i64": "long long", "stream": "mcStream_t"}, {},
     {"qc_maca_error_string": ("const char*", args("i32 err")), "qc_maca_wave_size": ("int", ()),
      "qc_maca_device_wave_size": ("int", args("i32 device, i32* out")),
@@ -173,7 +181,7 @@ SYCL = Dialect(
 DIALECTS = {d.name: d for d in (CPU, MACA, SYCL)}
 #: SYCL kernels that state their required sub-group size (they reduce over a sub-group)
 SYCL_SUBGROUP_KERNELS = ("gemv_4bit", "gemv_4bit_tiled", "gemv_4bit_grouped", "gemm_q4_0_q8_1",
-                         "gemm_q4_0_q8_1_tiled", "gemm_w4a8", "linear_mx", "qc_subgroup_probe")
+                         "gemm_q4_0_q8_1_tiled", "gemm_w4a8", "linear_mx", "linear_mx_grouped", "qc_subgroup_probe")
 #: SYCL element types: kernel name suffix -> C type
 SYCL_ELEMENTS = {"f32": "float", "f16": "qc::half", "bf16": "qc::bf16"}
 #: dtype name (kernel_defines.DTYPE_CODE's keys) -> SYCL kernel name suffix
