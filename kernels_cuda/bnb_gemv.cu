@@ -3,14 +3,15 @@
 // Semantics: quantcore/formats/bnb.py (gemv_4bit); numerics: T(code) is the only rounding before
 // the fp32 products (mma.sync m16n8k16, fp32 accumulators), each 64-element chunk's mma result is
 // multiplied by its block's absmax in fp32 and added to the row's fp32 sum.
-// The same kernel runs linear_mx for one MX FP4 weight (QT QC_GV_QT_MXFP4 with bf16 input,
-// QC_GV_QT_NVFP4 with fp16 / bf16; backends/cuda/mx.py picks it): semantics quantcore/formats/mx.py
-// (linear_mx), tolerance tier. There a lane's 16 elements of a chunk lie in one scale block (NVFP4:
-// block c of the chunk's four, MXFP4: block c / 2 of two), so the lane multiplies its decoded pairs by
-// the block scale in the input's type before the mma (E2M1 x E4M3 is exact in fp16 and bf16, E2M1 x
-// 2^(e - 127) in bf16: each weight is exactly the reference's fp32 value, or overflows to inf where
-// that does), the mma adds the products into the row's fp32 sums, and NVFP4 divides the sum by the
-// global scale once at the end (as mx_gemv.cu's kernels do). The scale slots in the ring's row
+// The same kernel runs linear_mx for MX FP4 weights (QT QC_GV_QT_MXFP4 / QC_GV_QT_NVFP4 with fp16 /
+// bf16 input; backends/cuda/mx.py picks it): semantics quantcore/formats/mx.py (linear_mx), tolerance
+// tier. There a lane's 16 elements of a chunk lie in one scale block (NVFP4: block c of the chunk's
+// four, MXFP4: block c / 2 of two), so the lane multiplies its decoded pairs by the block scale in the
+// input's type before the mma (E2M1 x E4M3 is exact in fp16 and bf16, E2M1 x 2^(e - 127) in bf16: each
+// weight is exactly the reference's fp32 value, or overflows to inf where that does), the mma adds the
+// products into the row's fp32 sums, and NVFP4 divides the sum by the global scale once at the end (as
+// mx_gemv.cu's kernels do). MXFP4 with fp16 input (kSplit) runs each block's lanes through their own
+// mma and scales the two fp32 results instead. The scale slots in the ring's row
 // padding hold a chunk's raw scale bytes (4 NVFP4, 2 MXFP4) for rows g and g + 8.
 #include "qc_common.cuh"
 
@@ -123,6 +124,10 @@ __device__ __forceinline__ void gv_mx_scale_pairs(u32 ra, u32 rb, int c, u32& pg
         pg8 = p(t >> 8 & 0xffu) * 0x10001u;
     }
 }
+// an E8M0 byte -> 2^(e - 127) in fp32, exact (0: the subnormal 2^-127; 255: NaN)
+__device__ __forceinline__ float gv_e8m0_f32(u32 e) {
+    return __uint_as_float(e == 255u ? 0x7fc00000u : (e == 0u ? 0x00400000u : e << 23));
+}
 // a row's fp32 sum -> its result: NVFP4 divided by the global scale (when given), once
 template <bool NV>
 __device__ __forceinline__ float gv_mx_post(float v, const float* gscale) {
@@ -161,7 +166,10 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
     // the scale block's log2, scols the swizzled scales' padded column count (0: row-major scales)
     constexpr bool kMx = QT == QC_GV_QT_MXFP4 || QT == QC_GV_QT_NVFP4, kNv = QT == QC_GV_QT_NVFP4;
     static_assert(!(kMx && NESTED), "MX scales are not nested");
-    static_assert(!(QT == QC_GV_QT_MXFP4 && !T::kBf16), "2^(e - 127) needs bf16's range");
+    // MXFP4 with fp16 input: 2^(e - 127) is outside fp16's range, so the chunk's two blocks go through
+    // separate mma (each lane's pairs into the one of its block, zeros into the other), their fp32
+    // results times the block scales in fp32 (mx_gemv.cu's tensor-core numerics)
+    constexpr bool kSplit = QT == QC_GV_QT_MXFP4 && !T::kBf16;
     using R = GtRing<CH, S>;
     constexpr int kGtRing = R::kBytes, kGtPitch = R::kPitch, kGtSlot = R::kSlot, kGtSc = R::kSc;
     using G = GtGeo<NB, kGtRing>;
@@ -472,7 +480,38 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
                     ldg_v4(xp[h] + 64 * q + 8, x[h][4], x[h][5], x[h][6], x[h][7]);
                 }
             }
-            if constexpr (kMx) {  // the lane's block scales (rows g, g + 8) times its pairs, the mma into acc
+            if constexpr (kSplit) {  // block 0 (lanes c < 2) and block 1 (c >= 2): one mma each, fp32 scales
+                u32 ra, rb;
+                gt_lds_v2(sbuf + u * 2 * kGtPitch, ra, rb);
+                float d0[NB][4], d1[NB][4];
+#pragma unroll
+                for (int h = 0; h < NB; ++h)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) d0[h][r] = d1[h][r] = 0.0f;
+                const bool first = c < 2;
+#pragma unroll
+                for (int m = 0; m < 4; ++m) {
+                    u32 af[4], a0[4], a1[4];
+                    pair_frag(m, wq, lutx, af);
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        a0[r] = first ? af[r] : 0u;
+                        a1[r] = first ? 0u : af[r];
+                    }
+#pragma unroll
+                    for (int h = 0; h < NB; ++h) {
+                        mma_16816<T>(d0[h], a0, x[h][2 * m], x[h][2 * m + 1]);
+                        mma_16816<T>(d1[h], a1, x[h][2 * m], x[h][2 * m + 1]);
+                    }
+                }
+                const float s0a = gv_e8m0_f32(ra & 0xffu), s1a = gv_e8m0_f32(ra >> 8 & 0xffu);
+                const float s0b = gv_e8m0_f32(rb & 0xffu), s1b = gv_e8m0_f32(rb >> 8 & 0xffu);
+#pragma unroll
+                for (int h = 0; h < NB; ++h) {
+                    fma_rows(acc[h], d0[h], s0a, s0b);
+                    fma_rows(acc[h], d1[h], s1a, s1b);
+                }
+            } else if constexpr (kMx) {  // the lane's block scales (rows g, g + 8) times its pairs, the mma into acc
                 u32 ra, rb, pg, pg8;
                 gt_lds_v2(sbuf + u * 2 * kGtPitch, ra, rb);
                 gv_mx_scale_pairs<T, kNv>(ra, rb, c, pg, pg8);

@@ -630,30 +630,30 @@ def test_linear_mx_kernel_choice(monkeypatch):
 
 def test_linear_mx_decode_kernel_choice(monkeypatch):
     """Where the decode gemv (bnb_gemv.cu with MX scales) runs linear_mx, which linear_mx asks before
-    the kernels above (no GPU: the rule on a device reported as sm_90): NVFP4 with fp16 / bf16 input,
-    MXFP4 with bf16 only (its scales need bf16's range), K % 64 == 0, x and codes 16-byte aligned, the
+    the kernels above (no GPU: the rule on a device reported as sm_90): NVFP4 and MXFP4 with fp16 /
+    bf16 input (not fp32), K % 64 == 0, x and codes 16-byte aligned, the
     scales 4 (NVFP4) / 2 (MXFP4) bytes, two rows or more, one row from DECODE_MX_B1_MIN_BYTES of codes
-    on (mx_gemv_dec_b1_min moves it); not on sm_80, not with mx_gemv_dec=0."""
+    on (never MXFP4 with fp16 input; mx_gemv_dec_b1_min moves it); not on sm_80, not with mx_gemv_dec=0."""
     monkeypatch.setattr(cbnb.rt, "device_arch", lambda dev: 90)
     monkeypatch.delenv(TUNE, raising=False)
 
     def take(dt, fmt, n, k, px, pc, ps, rows=2):
         return cbnb.decode_gemv_mx_takes(0, dt, fmt, n, k, px, pc, ps, rows)
 
-    assert cbnb.DECODE_MX_DTYPES == {"nvfp4": ("float16", "bfloat16"), "mxfp4": ("bfloat16",)}
-    for fmt, dt in (("nvfp4", "float16"), ("nvfp4", "bfloat16"), ("mxfp4", "bfloat16")):
+    assert cbnb.DECODE_MX_DTYPES == {"nvfp4": ("float16", "bfloat16"), "mxfp4": ("float16", "bfloat16")}
+    for fmt, dt in (("nvfp4", "float16"), ("nvfp4", "bfloat16"), ("mxfp4", "float16"), ("mxfp4", "bfloat16")):
         assert take(dt, fmt, 4096, 14336, 0, 0, 0) and take(dt, fmt, 16, 64, 16, 32, 4, rows=40)
-        assert take(dt, fmt, 4096, 14336, 0, 0, 0, rows=1)  # 28 MiB of codes
+        # 28 MiB of codes, one row: the decode gemv, but for MXFP4 with fp16 input (DECODE_MX_NO_B1)
+        assert take(dt, fmt, 4096, 14336, 0, 0, 0, rows=1) == ((fmt, dt) != ("mxfp4", "float16"))
         assert not take(dt, fmt, 4096, 4096, 0, 0, 0, rows=1) and take(dt, fmt, 4096, 4096, 0, 0, 0, rows=2)
         assert not take(dt, fmt, 4096, 14336 + 32, 0, 0, 0)  # K % 64 != 0
         assert not take(dt, fmt, 4096, 14336, 8, 0, 0)  # x not 16-byte aligned
         assert not take(dt, fmt, 4096, 14336, 0, 4, 0)  # codes not 16-byte aligned
         assert not take(dt, fmt, 4096, 14336, 0, 0, 1)  # scales not 2-byte aligned
     assert take("bfloat16", "mxfp4", 64, 64, 0, 0, 2) and not take("bfloat16", "nvfp4", 64, 64, 0, 0, 2)
-    assert not take("float16", "mxfp4", 4096, 14336, 0, 0, 0)
-    assert not take("float32", "nvfp4", 4096, 14336, 0, 0, 0)
+    assert not take("float32", "nvfp4", 4096, 14336, 0, 0, 0) and not take("float32", "mxfp4", 4096, 14336, 0, 0, 0)
     monkeypatch.setenv(TUNE, "mx_gemv_dec_b1_min=0")
-    assert take("bfloat16", "nvfp4", 64, 64, 0, 0, 0, rows=1)
+    assert take("bfloat16", "nvfp4", 64, 64, 0, 0, 0, rows=1) and take("float16", "mxfp4", 64, 64, 0, 0, 0, rows=1)
     monkeypatch.setenv(TUNE, "mx_gemv_dec=0")
     assert not take("bfloat16", "nvfp4", 4096, 14336, 0, 0, 0)
     monkeypatch.delenv(TUNE)

@@ -64,9 +64,8 @@ def _gemv_tc(tag: str, qt: str, nested: bool, nb: int, xs: bool, short: bool) ->
     return f"qc::gemv_4bit_tc_kernel<{tag}, {DECODE_GEMV_QT[qt]}, {_b(nested)}, {nb}, {_b(xs)}, {ch}, {st}>"
 
 
-#: the decode gemv's MX instances (linear_mx, one weight): format -> input dtypes (MXFP4's 2^(e - 127)
-#: scales need bf16's exponent range)
-DECODE_MX_DTYPES = {"nvfp4": ("float16", "bfloat16"), "mxfp4": ("bfloat16",)}
+#: the decode gemv's MX instances (linear_mx): format -> input dtypes
+DECODE_MX_DTYPES = {"nvfp4": ("float16", "bfloat16"), "mxfp4": ("float16", "bfloat16")}
 
 
 def _gemv_tc_instances(tag: str, qt: str, nested: bool) -> list[tuple[str, str]]:
@@ -357,6 +356,9 @@ def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, 
 #: mx_gemv.cu's CUDA-core kernel is faster below ~8192 x 4096 and equal there, the decode gemv faster
 #: from 4096 x 14336 on; docs/performance.md MXDEC-2); ``mx_gemv_dec_b1_min`` overrides it
 DECODE_MX_B1_MIN_BYTES = 24 << 20
+#: ... except these (format, input dtype): MXFP4 with fp16 input (the split mma) is slower than the
+#: CUDA-core kernel at one row whatever the size (MXDEC-4), so one row never takes it by default
+DECODE_MX_NO_B1 = (("mxfp4", "float16"),)
 
 
 def decode_gemv_mx_takes(device: int, dt: str, fmt: str, n: int, k: int, px: int, pc: int, ps: int,
@@ -365,9 +367,12 @@ def decode_gemv_mx_takes(device: int, dt: str, fmt: str, n: int, k: int, px: int
     addresses px, pc, ps; backends/cuda/mx.py asks)? The formats and input dtypes of DECODE_MX_DTYPES,
     64-element chunks (K % 64 == 0), 16-byte aligned input and codes, the scale loads aligned (4 bytes
     NVFP4, 2 MXFP4), chunk counts in 31 bits, sm_90, and for one row a weight of DECODE_MX_B1_MIN_BYTES
-    or more; ``QUANTCORE_CUDA_TUNE=mx_gemv_dec=0`` turns it off."""
-    if rows == 1 and n * k // 2 < rt.tune("mx_gemv_dec_b1_min", DECODE_MX_B1_MIN_BYTES):
-        return False
+    or more (never for DECODE_MX_NO_B1; ``mx_gemv_dec_b1_min`` moves both);
+    ``QUANTCORE_CUDA_TUNE=mx_gemv_dec=0`` turns it off."""
+    if rows == 1:
+        least = 1 << 62 if (fmt, dt) in DECODE_MX_NO_B1 else DECODE_MX_B1_MIN_BYTES
+        if n * k // 2 < rt.tune("mx_gemv_dec_b1_min", least):
+            return False
     return (dt in DECODE_MX_DTYPES.get(fmt, ()) and k % 64 == 0 and k < 1 << 26 and px % 16 == 0
             and pc % 16 == 0 and ps % (4 if fmt == "nvfp4" else 2) == 0 and n * (k // 64) < 1 << 31
             and rt.device_arch(device) >= 90 and rt.tune("mx_gemv_dec", 1) == 1)
