@@ -14,6 +14,7 @@
 // mma and scales the two fp32 results instead. The scale slots in the ring's row
 // padding hold a chunk's raw scale bytes (4 NVFP4, 2 MXFP4) for rows g and g + 8.
 #include "qc_common.cuh"
+#include "mx_common.cuh"  // the E8M0 scale value (linear_mx)
 
 namespace qc {
 
@@ -102,7 +103,7 @@ __device__ __forceinline__ u32 gv_mx_scale_col(u32 u, bool swz) {
 // The scale of lane c's block for rows g (ra: the chunk's raw scale bytes of that row) and g + 8 (rb),
 // each as a pair of the input type (pg: row g's twice, pg8: row g + 8's), exact: NVFP4's E4M3 by the
 // hardware conversion to fp16 (exact), for bf16 through fp32 (exact: 4 significant bits); MXFP4's
-// E8M0 as the bf16 2^(e - 127) (e 0: the subnormal 2^-127; 255: NaN)
+// E8M0 as bf16 (bf16 input only): the upper half of its fp32 value (e 0: the subnormal 2^-127; 255: NaN)
 template <typename T, bool NV>
 __device__ __forceinline__ void gv_mx_scale_pairs(u32 ra, u32 rb, int c, u32& pg, u32& pg8) {
     if constexpr (NV) {
@@ -119,14 +120,9 @@ __device__ __forceinline__ void gv_mx_scale_pairs(u32 ra, u32 rb, int c, u32& pg
     } else {
         const u32 sel = (u32)c >> 1;
         const u32 t = __byte_perm(ra, rb, sel | (sel + 4) << 4);
-        auto p = [](u32 e) { return e == 255u ? 0x7fc0u : (e == 0u ? 0x0040u : e << 7); };
-        pg = p(t & 0xffu) * 0x10001u;
-        pg8 = p(t >> 8 & 0xffu) * 0x10001u;
+        pg = __byte_perm(__float_as_uint(qcmx::e8m0_value(t & 0xffu)), 0u, 0x3232u);
+        pg8 = __byte_perm(__float_as_uint(qcmx::e8m0_value(t >> 8 & 0xffu)), 0u, 0x3232u);
     }
-}
-// an E8M0 byte -> 2^(e - 127) in fp32, exact (0: the subnormal 2^-127; 255: NaN)
-__device__ __forceinline__ float gv_e8m0_f32(u32 e) {
-    return __uint_as_float(e == 255u ? 0x7fc00000u : (e == 0u ? 0x00400000u : e << 23));
 }
 // a row's fp32 sum -> its result: NVFP4 divided by the global scale (when given), once
 template <bool NV>
@@ -504,8 +500,8 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
                         mma_16816<T>(d1[h], a1, x[h][2 * m], x[h][2 * m + 1]);
                     }
                 }
-                const float s0a = gv_e8m0_f32(ra & 0xffu), s1a = gv_e8m0_f32(ra >> 8 & 0xffu);
-                const float s0b = gv_e8m0_f32(rb & 0xffu), s1b = gv_e8m0_f32(rb >> 8 & 0xffu);
+                const float s0a = qcmx::e8m0_value(ra & 0xffu), s1a = qcmx::e8m0_value(ra >> 8 & 0xffu);
+                const float s0b = qcmx::e8m0_value(rb & 0xffu), s1b = qcmx::e8m0_value(rb >> 8 & 0xffu);
 #pragma unroll
                 for (int h = 0; h < NB; ++h) {
                     fma_rows(acc[h], d0[h], s0a, s0b);

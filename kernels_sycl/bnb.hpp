@@ -246,18 +246,15 @@ struct GroupW {
   Absmax absmax;
   int64_t n;
 };
-// The weight is picked by selects into values (a first version that indexed an array of them
-// measured 5-16% slower than the single gemvs on the CPU device; this one as fast).
+// The weight is picked by selects into values (qc_common.hpp group_member: a first version that
+// indexed an array of them measured 5-16% slower than the single gemvs on the CPU device).
 template <typename T>
 void gemv_4bit_grouped(const sycl::nd_item<1> &it, const float *code, const T *a, const GroupW &w0,
                        const GroupW &w1, const GroupW &w2, const GroupW &w3, int ngroups, T *out, int64_t ldo,
                        int64_t batch, int64_t k, int64_t blocksize) {
   const int64_t row = subgroup_row(it);
-  // the weight holding this row (rows past the last weight's: none of the last)
-  const int64_t e1 = w0.n, e2 = e1 + (ngroups > 1 ? w1.n : 0), e3 = e2 + (ngroups > 2 ? w2.n : 0);
-  const int i = (ngroups > 1 && row >= e1) + (ngroups > 2 && row >= e2) + (ngroups > 3 && row >= e3);
-  const GroupW w = i == 0 ? w0 : i == 1 ? w1 : i == 2 ? w2 : w3;
-  const int64_t col = i == 0 ? 0 : i == 1 ? e1 : i == 2 ? e2 : e3;
+  int64_t col;
+  const GroupW w = group_member(row, w0, w1, w2, w3, ngroups, col);
   gemv_4bit_row<T>(it, code, a, w.packed, w.absmax, out + col, ldo, batch, row - col, w.n, k, blocksize);
 }
 

@@ -295,11 +295,8 @@ void linear_mx_grouped(const sycl::nd_item<1> &it, const T *x, const MxGroupW &w
                        const MxGroupW &w2, const MxGroupW &w3, int ngroups, T *out, int64_t ldo, int64_t batch,
                        int64_t k, int fmt, bool swizzled) {
   const int64_t row = subgroup_row(it);
-  // the weight holding this row (rows past the last weight's: none of the last), picked by selects
-  const int64_t e1 = w0.n, e2 = e1 + (ngroups > 1 ? w1.n : 0), e3 = e2 + (ngroups > 2 ? w2.n : 0);
-  const int i = (ngroups > 1 && row >= e1) + (ngroups > 2 && row >= e2) + (ngroups > 3 && row >= e3);
-  const MxGroupW w = i == 0 ? w0 : i == 1 ? w1 : i == 2 ? w2 : w3;
-  const int64_t col = i == 0 ? 0 : i == 1 ? e1 : i == 2 ? e2 : e3;
+  int64_t col;
+  const MxGroupW w = group_member(row, w0, w1, w2, w3, ngroups, col);
   linear_mx_row<T>(it, x, w.codes, w.scales, w.global_scale, out + col, ldo, batch, row - col, w.n, k, fmt,
                    swizzled);
 }

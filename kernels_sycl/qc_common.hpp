@@ -175,4 +175,16 @@ inline int64_t subgroup_row(const sycl::nd_item<1> &it) {
   return static_cast<int64_t>(it.get_group(0)) * sg.get_group_linear_range() + sg.get_group_linear_id();
 }
 
+// The grouped kernels (gemv_4bit_grouped, linear_mx_grouped): the weight (of w0..w3, each with its row
+// count n; ngroups used) holding row `row` of their rows taken as one list, and in `first` that weight's
+// first row there (its first output column). Rows past the last weight's: the last.
+template <typename W>
+inline W group_member(int64_t row, const W &w0, const W &w1, const W &w2, const W &w3, int ngroups,
+                      int64_t &first) {
+  const int64_t e1 = w0.n, e2 = e1 + (ngroups > 1 ? w1.n : 0), e3 = e2 + (ngroups > 2 ? w2.n : 0);
+  const int i = (ngroups > 1 && row >= e1) + (ngroups > 2 && row >= e2) + (ngroups > 3 && row >= e3);
+  first = i == 0 ? 0 : i == 1 ? e1 : i == 2 ? e2 : e3;
+  return i == 0 ? w0 : i == 1 ? w1 : i == 2 ? w2 : w3;
+}
+
 } // namespace qc

@@ -7,6 +7,7 @@ machine through the same pytest command.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import numpy as np
@@ -592,14 +593,35 @@ def _int_view(dtype):
 
 
 # -- grouped gemv (quantcore.nn.group_linears) ---------------------------------------------------------
-def _tiny_llama():
+def _tiny_llama(fmt="nf4"):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=100)
     model = transformers.LlamaForCausalLM(cfg).eval()
-    qnn.quantize_model(model, "nf4", progress=False)
+    qnn.quantize_model(model, fmt, progress=False)
     return model
+
+
+@contextlib.contextmanager
+def _spied(op, record):
+    """torch.ops.quantcore.<op> replaced (as quantcore.nn.grouped sees it) by a wrapper that appends
+    ``record(args)`` to the yielded list before calling the real op."""
+    real, calls = getattr(torch.ops.quantcore, op), []
+
+    class Spy:
+        def __call__(self, *a):
+            calls.append(record(a))
+            return real(*a)
+
+    import quantcore.nn.grouped as grouped
+
+    saved = getattr(grouped.torch.ops.quantcore, op)
+    try:
+        setattr(torch.ops.quantcore, op, Spy())
+        yield calls
+    finally:
+        setattr(torch.ops.quantcore, op, saved)
 
 
 def test_group_linears_keeps_results_and_checkpoint_keys():
@@ -610,22 +632,8 @@ def test_group_linears_keeps_results_and_checkpoint_keys():
         ref_prefill, ref_decode = model(ids).logits, model(ids[:, :1]).logits
         assert qnn.group_linears(model) == 4  # q/k/v and gate/up in 2 layers
         assert set(model.state_dict()) == keys
-        calls = []
-        real = torch.ops.quantcore.gemv_4bit_grouped
-
-        class Spy:
-            def __call__(self, *a):
-                calls.append(a[6])
-                return real(*a)
-
-        import quantcore.nn.grouped as grouped
-
-        saved = grouped.torch.ops.quantcore.gemv_4bit_grouped
-        try:
-            torch.ops.quantcore.gemv_4bit_grouped = Spy()
+        with _spied("gemv_4bit_grouped", lambda a: a[6]) as calls:
             got_decode = model(ids[:, :1]).logits
-        finally:
-            torch.ops.quantcore.gemv_4bit_grouped = saved
         assert calls == [[128, 64, 64], [256, 256]] * 2  # one grouped call per group and layer
         assert torch.equal(model(ids).logits, ref_prefill)  # 4 rows: the same gemv path per member
         # the cpu backend computes each block as its own gemv_4bit: the same bits
@@ -682,22 +690,12 @@ def test_gemv_4bit_grouped_api_checks():
     assert y.shape == (1, 2, 80)
 
 
-def _tiny_llama_fp4(fmt):
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=100)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    qnn.quantize_model(model, fmt, progress=False)
-    return model
-
-
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_group_linears_fp4_keeps_results_and_compiles(fmt):
     """LinearFP4 siblings grouped: one linear_mx_grouped call per group and layer at decode, the same
     bits as ungrouped on the cpu backend (it runs linear_mx per weight), the checkpoint keys unchanged,
     the grouped op in a fullgraph torch.compile."""
-    model = _tiny_llama_fp4(fmt)
+    model = _tiny_llama(fmt)
     assert isinstance(model.model.layers[0].self_attn.q_proj, qnn.LinearFP4)
     ids = torch.tensor([[1, 5, 7, 9]])
     keys = set(model.state_dict())
@@ -705,22 +703,8 @@ def test_group_linears_fp4_keeps_results_and_compiles(fmt):
         ref_prefill, ref_decode = model(ids).logits, model(ids[:, :1]).logits
         assert qnn.group_linears(model) == 4
         assert set(model.state_dict()) == keys
-        calls = []
-        real = torch.ops.quantcore.linear_mx_grouped
-
-        class Spy:
-            def __call__(self, *a):
-                calls.append([int(c.shape[0]) for c in a[1]])
-                return real(*a)
-
-        import quantcore.nn.grouped as grouped
-
-        saved = grouped.torch.ops.quantcore.linear_mx_grouped
-        try:
-            torch.ops.quantcore.linear_mx_grouped = Spy()
+        with _spied("linear_mx_grouped", lambda a: [int(c.shape[0]) for c in a[1]]) as calls:
             got_decode = model(ids[:, :1]).logits
-        finally:
-            torch.ops.quantcore.linear_mx_grouped = saved
         assert calls == [[128, 64, 64], [256, 256]] * 2
         assert torch.equal(got_decode, ref_decode)
         assert torch.equal(model(ids).logits, ref_prefill)
@@ -739,7 +723,7 @@ def test_group_linears_fp4_keeps_results_and_compiles(fmt):
 
 
 def test_group_linears_leaves_mixed_kinds_alone():
-    model = _tiny_llama_fp4("nvfp4")
+    model = _tiny_llama("nvfp4")
     attn = model.model.layers[0].self_attn
     attn.k_proj = qnn.Linear4bit.from_linear(torch.nn.Linear(128, 64), quant_type="nf4")
     assert qnn.group_linears(model) == 3  # layer 0's q / k / v (LinearFP4 and Linear4bit) left out

@@ -355,11 +355,7 @@ class SyclBackend(Backend):
         GEMV_TC_GROUPS weights of one blocksize and quant type (a sub-group per row of all of them,
         each weight's results into its columns of ``out``); with more rows each weight's tiled gemv
         into a scratch array, its rows copied into its columns."""
-        batch = a.size // k
-        ntot = sum(g[3] for g in groups)
-        if batch * k != a.size or out.size != batch * ntot:
-            raise ParameterError(f"gemv_4bit_grouped: A holds {a.size} values and out {out.size} for "
-                                 f"N={ntot}, K={k}")
+        batch, ntot = _grouped_sizes("gemv_4bit_grouped", a, groups, out, k)
         isz = out.dtype.itemsize
         with self._launch(out, a, *(g[0] for g in groups)) as launch:
             col, i = 0, 0
@@ -500,11 +496,7 @@ class SyclBackend(Backend):
         """Weights that share the input: one launch per run of up to GEMV_TC_GROUPS weights of one
         format and scale layout (a sub-group per row of all of them, each weight's results into its
         columns of ``out``), as gemv_4bit_grouped does below QC_TILED_MIN_ROWS rows."""
-        batch = x.size // k
-        ntot = sum(g[3] for g in groups)
-        if batch * k != x.size or out.size != batch * ntot:
-            raise ParameterError(f"linear_mx_grouped: x holds {x.size} values and out {out.size} for "
-                                 f"N={ntot}, K={k}")
+        batch, ntot = _grouped_sizes("linear_mx_grouped", x, groups, out, k)
         isz = out.dtype.itemsize
         prog_sg = self.program(out.queue).subgroup_size
         with self._launch(out, x, *(a for g in groups for a in g[:3])) as launch:
@@ -519,6 +511,14 @@ class SyclBackend(Backend):
                        G["QC_GEMV_ROWS_PER_WG"] * prog_sg, x, *weights, dst, ntot, batch, j - i, k, self._mx_fmt(fmt),
                        int(bool(swizzled)))
                 col, i = col + nrows, j
+
+
+def _grouped_sizes(op: str, x: SyclArray, groups: list[tuple], out: SyclArray, k: int) -> tuple[int, int]:
+    """(input rows, total N) of a grouped op (groups[i][3]: weight i's N), checked against the sizes."""
+    batch, ntot = x.size // k, sum(g[3] for g in groups)
+    if batch * k != x.size or out.size != batch * ntot:
+        raise ParameterError(f"{op}: the input holds {x.size} values and out {out.size} for N={ntot}, K={k}")
+    return batch, ntot
 
 
 def create() -> SyclBackend:

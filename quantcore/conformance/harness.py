@@ -361,6 +361,23 @@ class Bound:
     derivation: str
 
 
+def compare_grouped(op: str, got: np.ndarray, rows: int, refs: list[tuple[int, tuple[np.ndarray, Bound]]],
+                    verdict: Verdict, dtype: Any = None) -> None:
+    """A grouped op's output ``[rows, sum n]`` (gemv_4bit_grouped, linear_mx_grouped): its shape (and
+    ``dtype`` when given), then weight i's columns against its own (ref, bound), ``refs`` [(n_i, (ref_i,
+    bound_i))] in column order."""
+    want = (rows, sum(n for n, _ in refs))
+    if got.shape != want or (dtype is not None and got.dtype != dtype):
+        expected = f"{want}" if dtype is None else f"{np.dtype(dtype)} {want}"
+        verdict.fail(TOLERANCE, f"{op} returned {got.dtype} {got.shape}, expected {expected}")
+        return
+    col = 0
+    for i, (n, (ref, bound)) in enumerate(refs):
+        name = f"out[:, weight {i}]"
+        compare_tolerance(name, [{name: got[:, col:col + n]}], ref, bound, None, verdict)
+        col += n
+
+
 def compare_tolerance(
     name: str, runs: list[dict[str, np.ndarray]], ref: np.ndarray, bound: Bound,
     unwritten: np.ndarray | None, verdict: Verdict,

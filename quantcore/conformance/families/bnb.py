@@ -31,6 +31,7 @@ from ..harness import (
     check_op_bits,
     check_op_tolerance,
     compare_bits,
+    compare_grouped,
     compare_tolerance,
     declared_group,
     finfo,
@@ -476,15 +477,7 @@ def _api_gemv_grouped(cap: Capability, rows: int, nested: bool | None, be: Backe
         weights.append((be.from_numpy(inputs["packed"]), state))
         refs.append(bounds.gemv_4bit(a.astype(np.float64), w64, cap.dtype))
     out = api.gemv_4bit_grouped(be.from_numpy(a), weights, backend=be)
-    got = np.asarray(be.to_numpy(out))
-    if got.shape != (rows, sum(ns)):
-        v.fail(TOLERANCE, f"gemv_4bit_grouped returned shape {got.shape}, expected {(rows, sum(ns))}")
-        return v
-    col = 0
-    for i, (n, (ref, bound)) in enumerate(zip(ns, refs)):
-        name = f"out[:, weight {i}]"
-        compare_tolerance(name, [{name: got[:, col:col + n]}], ref, bound, None, v)
-        col += n
+    compare_grouped("gemv_4bit_grouped", np.asarray(be.to_numpy(out)), rows, list(zip(ns, refs)), v)
     return v
 
 

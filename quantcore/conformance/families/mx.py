@@ -580,7 +580,7 @@ def _api_linear_grouped(cap: Capability, rows: int, nweights: int, nbk: int, swi
     ...: partial tiles; six: more than one cuda launch takes), NVFP4 global scales as numbers, row-major
     or swizzled scales (zero padding); each column block against its own weight's bound."""
     from .. import bounds
-    from ..harness import compare_tolerance
+    from ..harness import compare_grouped
 
     v = Verdict()
     fmt, T = cap.fmt, DTYPES[cap.dtype]
@@ -594,16 +594,7 @@ def _api_linear_grouped(cap: Capability, rows: int, nweights: int, nbk: int, swi
         s_in = mx.swizzle(scales) if swizzled else scales
         items.append((be.from_numpy(codes), be.from_numpy(s_in), fmt, g))
     out = api_mx.linear_mx_grouped(be.from_numpy(x), items, swizzled=swizzled, backend=be)
-    got = np.asarray(be.to_numpy(out))
-    if got.shape != (rows, sum(ns)) or got.dtype != T:
-        v.fail(TOLERANCE, f"linear_mx_grouped returned {got.dtype} {got.shape}, expected {np.dtype(T)} "
-                          f"{(rows, sum(ns))}")
-        return v
-    col = 0
-    for i, (n, (ref, bound)) in enumerate(zip(ns, refs)):
-        name = f"out[:, weight {i}]"
-        compare_tolerance(name, [{name: got[:, col:col + n]}], ref, bound, None, v)
-        col += n
+    compare_grouped("linear_mx_grouped", np.asarray(be.to_numpy(out)), rows, list(zip(ns, refs)), v, dtype=T)
     return v
 
 
