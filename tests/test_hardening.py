@@ -359,6 +359,27 @@ for k, bad in {"str": "no", "None": None, "float": 1.0}.items():
     case("linear_mx", f"swizzled={k}", ParameterError,
          lambda e, bad=bad: qc.linear_mx(e.x, e.mx_c, e.mx_s, "mxfp4", swizzled=bad, backend=e.name))
 
+# linear_mx_grouped: the weights list, then each weight as linear_mx checks it (named by its index)
+for k, bad in {"empty": [], "None": None, "str": "mxfp4", "tuple-of-3": [("a", "b", "mxfp4")],
+               "not-a-tuple": [1.0]}.items():
+    case("linear_mx_grouped", f"weights={k}", ParameterError,
+         lambda e, bad=bad: qc.linear_mx_grouped(e.x, bad, backend=e.name))
+for k, bad in NOT_ARRAYS.items():
+    case("linear_mx_grouped", f"x={k}", DTypeError,
+         lambda e, bad=bad: qc.linear_mx_grouped(bad, [(e.mx_c, e.mx_s, "mxfp4", None)], backend=e.name))
+case("linear_mx_grouped", "second-weight-wrong-K", ShapeError,
+     lambda e: qc.linear_mx_grouped(e.x, [(e.mx_c, e.mx_s, "mxfp4", None),
+                                          (e.arr(np.zeros((8, 16), np.uint8)), e.mx_s, "mxfp4", None)], backend=e.name))
+case("linear_mx_grouped", "nvfp4-without-global_scale", ParameterError,
+     lambda e: qc.linear_mx_grouped(e.x, [(e.mx_c, e.mx_s, "mxfp4", None), (e.nv_c, e.nv_s, "nvfp4", None)],
+                                    backend=e.name))
+case("linear_mx_grouped", "fmt=mxfp8", ParameterError,
+     lambda e: qc.linear_mx_grouped(e.x, [(e.mx8_c, e.mx8_s, "mxfp8", None)], backend=e.name))
+for k, bad in {"str": "no", "None": None}.items():
+    case("linear_mx_grouped", f"swizzled={k}", ParameterError,
+         lambda e, bad=bad: qc.linear_mx_grouped(e.x, [(e.mx_c, e.mx_s, "mxfp4", None)], swizzled=bad,
+                                                 backend=e.name))
+
 # MX dequantize
 for k, bad in NOT_ARRAYS.items():
     case("dequantize_mx", f"codes={k}", DTypeError, lambda e, bad=bad: qc.dequantize_mx(bad, e.mx_s, "mxfp4", backend=e.name))
@@ -436,7 +457,7 @@ PUBLIC = sorted(n for n in qc.__all__ if getattr(getattr(qc, n), "__module__", "
 
 def test_every_public_function_has_cases():
     covered = {fn for fn, *_ in CASES}
-    assert len(PUBLIC) == 32  # linear_mx is the 32nd
+    assert len(PUBLIC) == 33  # linear_mx_grouped is the 33rd
     assert set(PUBLIC) - covered == set()
 
 
