@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from quantcore.formats import kernel_defines, kernel_interface
-from quantcore.formats.kernel_interface import CUDA_KERNELS, ENTRY_POINTS, args, cuda_kernel
+from quantcore.formats.kernel_interface import CUDA_KERNELS, ENTRY_POINTS, arg_index, args, cuda_kernel
 
 KERNELS_CUDA = Path(__file__).resolve().parents[1] / "kernels_cuda"
 
@@ -317,6 +317,22 @@ def test_every_cuda_launch_path_builds_its_arguments(monkeypatch):
             cmx.scaled_fp4_mm(be, A((256, 256), np.uint8), A((256, 256), np.uint8), A((256 * 32,), np.uint8),
                               A((256 * 32,), np.uint8), A((1,), np.float32), A((256,), "bfloat16"),
                               A((256, 256), "bfloat16"), m=256, n=256, k=512, fmt=fmt)
+    # linear_mx_grouped: each run of weights of one format in one decode-gemv launch (4 nvfp4, then 2 mxfp4)
+    gsn = A((1,), np.float32)
+    mxg = [(A((64, 256), np.uint8), A((64, 32), np.uint8), gsn, 64, "nvfp4", False) for _ in range(4)]
+    mxg += [(A((64, 256), np.uint8), A((64, 16), np.uint8), None, 64, "mxfp4", False) for _ in range(2)]
+    n0, gout = len(launches), A((3, 384), "bfloat16")
+    cmx.linear_mx_grouped(be, A((3, 512), "bfloat16"), mxg, gout, k=512)
+    assert len(launches) == n0 + 2 and all("gemv_4bit_tc_kernel" in expr for expr, _ in launches[n0:])
+    (_, first), (_, second) = launches[n0:]
+
+    def gv(args, name):
+        return int(args[arg_index("gemv_4bit_tc_kernel", name)])
+
+    assert all(gv(first, f"absmax2_{i}") == gsn.data.ptr for i in range(4))  # each weight's global scale
+    assert gv(second, "absmax2_0") == 0 and gv(second, "n1") == 64 and gv(second, "n2") == 0
+    assert gv(first, "out") == gout.data.ptr and gv(second, "out") == gout.data.ptr + 256 * 2  # its columns
+    assert gv(first, "ldo") == gv(second, "ldo") == 384
     cmx.swizzle_scales(be, A((200, 8), np.uint8), A((256, 8), np.uint8), rows=200, cols=8)
     for dt in ("float32", "bfloat16"):  # the one-shot all-reduce of tensor-parallel decode, 2 ranks
         common.all_reduce_oneshot(A((8192,), dt), A((8192,), dt), [1 << 20, 2 << 20], A((1,), np.int32), rank=1)
