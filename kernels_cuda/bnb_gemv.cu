@@ -14,7 +14,7 @@
 // mma and scales the two fp32 results instead. The scale slots in the ring's row
 // padding hold a chunk's raw scale bytes (4 NVFP4, 2 MXFP4) for rows g and g + 8.
 #include "qc_common.cuh"
-#include "mx_common.cuh"  // the E8M0 scale value (linear_mx)
+#include "mx_common.cuh"  // linear_mx: the scale layouts, E8M0 / E4M3 values, pair products
 
 namespace qc {
 
@@ -85,21 +85,10 @@ __device__ __forceinline__ void gt_lds_f2(u32 addr, float& a, float& b) {
 }
 
 // -- MX weights (linear_mx) -------------------------------------------------------------------------
-// byte offset of row r's first scale: row-major r * ncols; swizzled (scols: the padded column count),
-// the row's place in its 128 x 4 tiles
-__device__ __forceinline__ u32 gv_mx_scale_row(u32 r, u32 ncols, u32 scols) {
-    if (scols == 0) return r * ncols;
-    return (r / QC_SWIZZLE_ROWS) * (scols / QC_SWIZZLE_COLS) * QC_SWIZZLE_TILE_BYTES +
-           (r % QC_SWIZZLE_ROW_GROUP) * 16 + ((r % QC_SWIZZLE_ROWS) / QC_SWIZZLE_ROW_GROUP) * 4;
-}
-// ... plus the offset of chunk u's scales: NVFP4 columns 4u .. 4u + 3 (one tile column when
-// swizzled), MXFP4 columns 2u, 2u + 1 (half of one)
-template <bool NV>
-__device__ __forceinline__ u32 gv_mx_scale_col(u32 u, bool swz) {
-    static_assert(QC_SWIZZLE_COLS == 4, "a chunk's scales: whole or half a tile column");
-    if (NV) return swz ? u * QC_SWIZZLE_TILE_BYTES : 4 * u;
-    return swz ? (u >> 1) * QC_SWIZZLE_TILE_BYTES + 2 * (u & 1) : 2 * u;
-}
+// (a row's scale bytes in either layout: mx_common.cuh scale_row_offset / scale_col_offset; chunk u's
+// scales are columns 4u .. 4u + 3 (NVFP4: one tile column when swizzled) or 2u, 2u + 1 (MXFP4: half of
+// one), adjacent in both layouts)
+static_assert(QC_SWIZZLE_COLS == 4, "a chunk's scales: whole or half a tile column");
 // The scale of lane c's block for rows g (ra: the chunk's raw scale bytes of that row) and g + 8 (rb),
 // each as a pair of the input type (pg: row g's twice, pg8: row g + 8's), exact: NVFP4's E4M3 by the
 // hardware conversion to fp16 (exact), for bf16 through fp32 (exact: 4 significant bits); MXFP4's
@@ -108,8 +97,7 @@ template <typename T, bool NV>
 __device__ __forceinline__ void gv_mx_scale_pairs(u32 ra, u32 rb, int c, u32& pg, u32& pg8) {
     if constexpr (NV) {
         const u32 t = __byte_perm(ra, rb, (u32)c | (u32)(c + 4) << 4);  // bits 0..15: row g's byte c, row g + 8's
-        u32 h2;
-        asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\t}" : "=r"(h2) : "r"(t));
+        const u32 h2 = qcmx::e4m3x2_f16x2<0>(t);
         if constexpr (T::kBf16) {
             pg = __byte_perm(__float_as_uint(F16::lo(h2)), 0u, 0x3232u);
             pg8 = __byte_perm(__float_as_uint(F16::hi(h2)), 0u, 0x3232u);
@@ -128,15 +116,6 @@ __device__ __forceinline__ void gv_mx_scale_pairs(u32 ra, u32 rb, int c, u32& pg
 template <bool NV>
 __device__ __forceinline__ float gv_mx_post(float v, const float* gscale) {
     return NV && gscale != nullptr ? __fdiv_rn(v, ldg_f32(gscale)) : v;
-}
-template <typename T>
-__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
-    u32 r;
-    if constexpr (T::kBf16)
-        asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    else
-        asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
 }
 
 #define QC_GT_GROUP_PARAMS(i)                                                                          \
@@ -375,8 +354,8 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
         const GtW ct = weight_of(tile);
         const i64 r = (tile - ct.tile0) * 16 + g;
         if constexpr (kMx) {
-            ea = gv_mx_scale_row((u32)min(r, ct.n - 1), (u32)(K >> log2bs), (u32)scols);
-            eb = gv_mx_scale_row((u32)min(r + 8, ct.n - 1), (u32)(K >> log2bs), (u32)scols);
+            ea = qcmx::scale_row_offset((u32)min(r, ct.n - 1), (u32)(K >> log2bs), (u32)scols, scols != 0);
+            eb = qcmx::scale_row_offset((u32)min(r + 8, ct.n - 1), (u32)(K >> log2bs), (u32)scols, scols != 0);
         } else {
             ea = (u32)(min(r, ct.n - 1) * C);
             eb = (u32)(min(r + 8, ct.n - 1) * C);
@@ -396,7 +375,7 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
         for (int i = 0; i < kGtSc; ++i) {
             const u32 uu = (u32)(q.j + min(c + 4 * i, q.nch - 1));
             if constexpr (kMx) {  // the chunk's raw scale bytes (adjacent in both layouts)
-                const u32 co = gv_mx_scale_col<kNv>(uu, scols != 0);
+                const u32 co = qcmx::scale_col_offset(kNv ? 4 * uu : 2 * uu, scols != 0);
                 sq[i][0] = kNv ? ldg_u32(cabs + ea + co) : ldg_u16(cabs + ea + co);
                 sq[i][1] = kNv ? ldg_u32(cabs + eb + co) : ldg_u16(cabs + eb + co);
             } else if constexpr (NESTED) {
@@ -515,10 +494,10 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
                 for (int m = 0; m < 4; ++m) {
                     u32 af[4];
                     pair_frag(m, wq, lutx, af);
-                    af[0] = hmul2<T>(af[0], pg);
-                    af[1] = hmul2<T>(af[1], pg8);
-                    af[2] = hmul2<T>(af[2], pg);
-                    af[3] = hmul2<T>(af[3], pg8);
+                    af[0] = qcmx::hmul2<T::kBf16>(af[0], pg);
+                    af[1] = qcmx::hmul2<T::kBf16>(af[1], pg8);
+                    af[2] = qcmx::hmul2<T::kBf16>(af[2], pg);
+                    af[3] = qcmx::hmul2<T::kBf16>(af[3], pg8);
 #pragma unroll
                     for (int h = 0; h < NB; ++h) mma_16816<T>(acc[h], af, x[h][2 * m], x[h][2 * m + 1]);
                 }

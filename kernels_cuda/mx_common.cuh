@@ -164,6 +164,44 @@ __device__ __forceinline__ i64 swizzle_offset(i64 r, i64 c, i64 pc) {
     return tile * QC_SWIZZLE_TILE_BYTES + (r % QC_SWIZZLE_ROW_GROUP) * 16 +
            ((r % QC_SWIZZLE_ROWS) / QC_SWIZZLE_ROW_GROUP) * 4 + (c % QC_SWIZZLE_COLS);
 }
+// The same split for the gemvs, in 32-bit int or u32 (their launchers check the scale bytes fit): the
+// byte offset of a row's first scale (row-major r * ncols; swizzled, the row's place in its 128 x 4
+// tiles), plus that of column c (swizzled: (c / 4) * 512 + c % 4)
+template <typename I>
+__device__ __forceinline__ I scale_row_offset(I r, I ncols, I pcols, bool swz) {
+    if (!swz) return r * ncols;
+    return (r / QC_SWIZZLE_ROWS) * (pcols / QC_SWIZZLE_COLS) * QC_SWIZZLE_TILE_BYTES +
+           (r % QC_SWIZZLE_ROW_GROUP) * 16 + ((r % QC_SWIZZLE_ROWS) / QC_SWIZZLE_ROW_GROUP) * 4;
+}
+template <typename I>
+__device__ __forceinline__ I scale_col_offset(I c, bool swz) {
+    return swz ? (c / QC_SWIZZLE_COLS) * QC_SWIZZLE_TILE_BYTES + (c % QC_SWIZZLE_COLS) : c;
+}
+
+// fp16x2 of the two E4M3 bytes in half H (0: bits 0..15, 1: bits 16..31) of w, the byte at the
+// higher address in the upper half (exact; sm_89+)
+template <int H>
+__device__ __forceinline__ u32 e4m3x2_f16x2(u32 w) {
+    u32 r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    if (H == 0) {
+        asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %1;\ncvt.rn.f16x2.e4m3x2 %0, l;\n}" : "=r"(r) : "r"(w));
+    } else {
+        asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %1;\ncvt.rn.f16x2.e4m3x2 %0, h;\n}" : "=r"(r) : "r"(w));
+    }
+#endif
+    return r;
+}
+// fp16x2 (BF: bf16x2) product a * b, rounded once (fma with -0 keeps the sign of a -0 product)
+template <bool BF = false>
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+    u32 r;
+    if constexpr (BF)
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
+    else
+        asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
+    return r;
+}
 
 // -- memory access ----------------------------------------------------------------------------
 __device__ __forceinline__ void ldg_v4(const void* p, u32& a, u32& b, u32& c, u32& d) {

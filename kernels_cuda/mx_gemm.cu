@@ -138,26 +138,7 @@ __device__ __forceinline__ void e2m1_e4m3_bytes(u32 q, u32& lo, u32& hi) {
     lo = ((q << 4) & 0x80808080u) | ((q << 2) & 0x1c1c1c1cu);
     hi = (q & 0x80808080u) | ((q >> 2) & 0x1c1c1c1cu);
 }
-// fp16x2 of the two E4M3 bytes in half H (0: bits 0..15, 1: bits 16..31) of w, the byte at the
-// higher address in the upper half
-template <int H>
-__device__ __forceinline__ u32 e4m3x2_f16x2(u32 w) {
-    u32 r = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    if (H == 0) {
-        asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %1;\ncvt.rn.f16x2.e4m3x2 %0, l;\n}" : "=r"(r) : "r"(w));
-    } else {
-        asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %1;\ncvt.rn.f16x2.e4m3x2 %0, h;\n}" : "=r"(r) : "r"(w));
-    }
-#endif
-    return r;
-}
-// fp16x2 product a * b, rounded once (fma with -0 keeps the sign of a -0 product)
-__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
-    u32 r;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
-    return r;
-}
+// (the E4M3 pair conversion e4m3x2_f16x2 and the pair product hmul2: mx_common.cuh)
 
 __device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"

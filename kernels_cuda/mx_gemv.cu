@@ -136,27 +136,19 @@ struct GvB1Ctas<TF16> {
 template <typename T, int NB>
 constexpr int kGvMinCtas = NB == 1 ? GvB1Ctas<T>::k : (NB == 2 ? 3 : 2);
 
-// byte offset of a row's first scale: row-major r * ncols; swizzled, the row's place in its
-// 128 x 4 tiles (column c then adds (c / 4) * 512 + c % 4)
-__device__ __forceinline__ int gv_scale_row(int r, int ncols, int pcols, bool swz) {
-    if (!swz) return r * ncols;
-    return (r / QC_SWIZZLE_ROWS) * (pcols / QC_SWIZZLE_COLS) * QC_SWIZZLE_TILE_BYTES +
-           (r % QC_SWIZZLE_ROW_GROUP) * 16 + ((r % QC_SWIZZLE_ROWS) / QC_SWIZZLE_ROW_GROUP) * 4;
-}
-__device__ __forceinline__ int gv_scale_col(int c, bool swz) {
-    return swz ? (c / QC_SWIZZLE_COLS) * QC_SWIZZLE_TILE_BYTES + (c % QC_SWIZZLE_COLS) : c;
-}
+// (a row's first scale and a column's offset in either layout: mx_common.cuh scale_row_offset /
+// scale_col_offset)
 
 // the raw scale byte(s) of unit u of a row (NVFP4: two blocks, in bytes 0 and 1; one 16-bit load
 // when the pair is 2-byte aligned)
 template <int FMT>
 __device__ __forceinline__ u32 gv_load_scales(const u8* srow, int u, bool whole, bool swz, bool pair16) {
     if (FMT == QC_FMT_NVFP4) {
-        const int o = gv_scale_col(2 * u, swz);  // columns 2u and 2u + 1 are adjacent in both layouts
+        const int o = scale_col_offset(2 * u, swz);  // columns 2u and 2u + 1 are adjacent in both layouts
         if (pair16 && whole) return qc::ldg_u16(srow + o);
         return qc::ldg_u8(srow + o) | (whole ? qc::ldg_u8(srow + o + 1) << 8 : 0u);
     }
-    return qc::ldg_u8(srow + gv_scale_col(u, swz));
+    return qc::ldg_u8(srow + scale_col_offset(u, swz));
 }
 
 template <int FMT>
@@ -189,7 +181,7 @@ __device__ __forceinline__ void mx_gemv_impl(const typename T::S* __restrict__ x
     for (int r = 0; r < RW; ++r) {
         const int row = min(r0 + r, n - 1);  // rows past N: row N-1, never stored
         rowp[r] = codes + (i64)row * kb;
-        srow[r] = scales + gv_scale_row(row, ncols, pcols, swz);
+        srow[r] = scales + scale_row_offset(row, ncols, pcols, swz);
     }
     const typename T::S* xb[NB];
 #pragma unroll
@@ -538,8 +530,8 @@ __device__ __forceinline__ void mx_gemv_tc_impl(const u16* __restrict__ x, const
         return nt;
     };
     // scale byte offsets: a row's base, a column's offset (swizzled: 128 x 4 tiles)
-    auto srow = [&](int r) { return gv_scale_row(min(r, n - 1), ncols, pcols, swz); };
-    auto scol = [&](int col) { return gv_scale_col(col, swz); };
+    auto srow = [&](int r) { return scale_row_offset(min(r, n - 1), ncols, pcols, swz); };
+    auto scol = [&](int col) { return scale_col_offset(col, swz); };
 
     // producer: lane l copies rows l / 8 + 4 h (h < 4), bytes 16 (l % 8) of the stage's 128 (chunk
     // (l % 8) / 2); rows past N and chunks past the stage are zero-filled

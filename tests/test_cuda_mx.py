@@ -643,7 +643,7 @@ def test_linear_mx_decode_kernel_choice(monkeypatch):
     assert cbnb.DECODE_MX_DTYPES == {"nvfp4": ("float16", "bfloat16"), "mxfp4": ("float16", "bfloat16")}
     for fmt, dt in (("nvfp4", "float16"), ("nvfp4", "bfloat16"), ("mxfp4", "float16"), ("mxfp4", "bfloat16")):
         assert take(dt, fmt, 4096, 14336, 0, 0, 0) and take(dt, fmt, 16, 64, 16, 32, 4, rows=40)
-        # 28 MiB of codes, one row: the decode gemv, but for MXFP4 with fp16 input (DECODE_MX_NO_B1)
+        # 28 MiB of codes, one row: the decode gemv, but for MXFP4 with fp16 input (never at one row)
         assert take(dt, fmt, 4096, 14336, 0, 0, 0, rows=1) == ((fmt, dt) != ("mxfp4", "float16"))
         assert not take(dt, fmt, 4096, 4096, 0, 0, 0, rows=1) and take(dt, fmt, 4096, 4096, 0, 0, 0, rows=2)
         assert not take(dt, fmt, 4096, 14336 + 32, 0, 0, 0)  # K % 64 != 0

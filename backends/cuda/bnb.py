@@ -5,6 +5,7 @@ the ops (a mixin of ``CudaBackend``); the launch choices below are shared with t
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 from quantcore.arrays import as_dtype, dtype_name
@@ -64,8 +65,15 @@ def _gemv_tc(tag: str, qt: str, nested: bool, nb: int, xs: bool, short: bool) ->
     return f"qc::gemv_4bit_tc_kernel<{tag}, {DECODE_GEMV_QT[qt]}, {_b(nested)}, {nb}, {_b(xs)}, {ch}, {st}>"
 
 
-#: the decode gemv's MX instances (linear_mx): format -> input dtypes
-DECODE_MX_DTYPES = {"nvfp4": ("float16", "bfloat16"), "mxfp4": ("float16", "bfloat16")}
+#: linear_mx on the decode gemv: (format, input dtype) -> the bytes of codes from which one input row
+#: takes it (two or more rows always do). Graph-timed on an H200, session 21: mx_gemv.cu's CUDA-core
+#: kernel is faster at one row below ~8192 x 4096 and equal there, the decode gemv faster from 4096 x
+#: 14336 on (docs/performance.md MXDEC-2); MXFP4 with fp16 input (the split mma) is slower at one row
+#: whatever the size (MXDEC-4): never. ``QUANTCORE_CUDA_TUNE=mx_gemv_dec_b1_min=BYTES`` overrides them.
+DECODE_MX_B1_MIN_BYTES = {("nvfp4", "float16"): 24 << 20, ("nvfp4", "bfloat16"): 24 << 20,
+                          ("mxfp4", "float16"): math.inf, ("mxfp4", "bfloat16"): 24 << 20}
+#: ... the decode gemv's MX instances: format -> input dtypes
+DECODE_MX_DTYPES = {fmt: tuple(d for f, d in DECODE_MX_B1_MIN_BYTES if f == fmt) for fmt in ("nvfp4", "mxfp4")}
 
 
 def _gemv_tc_instances(tag: str, qt: str, nested: bool) -> list[tuple[str, str]]:
@@ -352,28 +360,17 @@ def _gemv_tc_launch(device, a, weights, out, *, rows, k, blocksize, quant_type, 
     return (_FV, expr, grid, 32 * _GT_WARPS, kernel_args(expr, **named), _gt_smem(nb, device), _GT_SLOTS)
 
 
-#: one input row: the decode gemv from this many bytes of codes on (graph-timed on an H200, session 21:
-#: mx_gemv.cu's CUDA-core kernel is faster below ~8192 x 4096 and equal there, the decode gemv faster
-#: from 4096 x 14336 on; docs/performance.md MXDEC-2); ``mx_gemv_dec_b1_min`` overrides it
-DECODE_MX_B1_MIN_BYTES = 24 << 20
-#: ... except these (format, input dtype): MXFP4 with fp16 input (the split mma) is slower than the
-#: CUDA-core kernel at one row whatever the size (MXDEC-4), so one row never takes it by default
-DECODE_MX_NO_B1 = (("mxfp4", "float16"),)
-
-
 def decode_gemv_mx_takes(device: int, dt: str, fmt: str, n: int, k: int, px: int, pc: int, ps: int,
                          rows: int) -> bool:
     """Does the decode gemv run linear_mx for this weight and ``rows`` input rows (x, codes, scales at
-    addresses px, pc, ps; backends/cuda/mx.py asks)? The formats and input dtypes of DECODE_MX_DTYPES,
-    64-element chunks (K % 64 == 0), 16-byte aligned input and codes, the scale loads aligned (4 bytes
-    NVFP4, 2 MXFP4), chunk counts in 31 bits, sm_90, and for one row a weight of DECODE_MX_B1_MIN_BYTES
-    or more (never for DECODE_MX_NO_B1; ``mx_gemv_dec_b1_min`` moves both);
+    addresses px, pc, ps; backends/cuda/mx.py asks)? A (format, input dtype) of DECODE_MX_B1_MIN_BYTES
+    and for one row a weight of its bytes or more, 64-element chunks (K % 64 == 0), 16-byte aligned
+    input and codes, the scale loads aligned (4 bytes NVFP4, 2 MXFP4), chunk counts in 31 bits, sm_90;
     ``QUANTCORE_CUDA_TUNE=mx_gemv_dec=0`` turns it off."""
-    if rows == 1:
-        least = 1 << 62 if (fmt, dt) in DECODE_MX_NO_B1 else DECODE_MX_B1_MIN_BYTES
-        if n * k // 2 < rt.tune("mx_gemv_dec_b1_min", least):
-            return False
-    return (dt in DECODE_MX_DTYPES.get(fmt, ()) and k % 64 == 0 and k < 1 << 26 and px % 16 == 0
+    least = DECODE_MX_B1_MIN_BYTES.get((fmt, dt))
+    if least is None or (rows == 1 and n * k // 2 < rt.tune("mx_gemv_dec_b1_min", least)):
+        return False
+    return (k % 64 == 0 and k < 1 << 26 and px % 16 == 0
             and pc % 16 == 0 and ps % (4 if fmt == "nvfp4" else 2) == 0 and n * (k // 64) < 1 << 31
             and rt.device_arch(device) >= 90 and rt.tune("mx_gemv_dec", 1) == 1)
 

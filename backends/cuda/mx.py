@@ -594,8 +594,14 @@ def linear_mx(be, x, codes, scales, out, *, n: int, k: int, fmt: str, swizzled: 
     pcols = mx.swizzled_shape(n, ncols)[1] if swizzled else ncols
     if (mx.swizzled_shape(n, ncols)[0] * pcols if swizzled else n * ncols) >= 2**31:
         raise KernelError(f"linear_mx: the scales of a [{n}, {k}] weight exceed the kernel's 32-bit offsets")
-    xsize, osize = as_dtype(x.dtype).itemsize, as_dtype(out.dtype).itemsize
     launcher = rt.Launcher(out)
+    if _bnb.decode_gemv_mx_takes(dev, dt, fmt, n, k, ptr(x), ptr(codes), ptr(scales), rows):
+        # the decode gemv (bnb_gemv.cu with MX scales): every input row in one launch
+        spec = _bnb.decode_gemv_mx_launch(dev, x, [(codes, scales, global_scale, n)], out, rows=rows, k=k, fmt=fmt,
+                                          scols=pcols if swizzled else 0, ldo=n)
+        launcher(*spec[:6], pdl=True)
+        return
+    xsize, osize = as_dtype(x.dtype).itemsize, as_dtype(out.dtype).itemsize
     arch = quant_arch(dev)
     flags = int(bool(swizzled))
     if ptr(codes) % 16 == 0 and (k // 2) % 16 == 0:
@@ -606,12 +612,6 @@ def linear_mx(be, x, codes, scales, out, *, n: int, k: int, fmt: str, swizzled: 
         flags |= 8
     if fmt == "nvfp4" and ptr(scales) % 2 == 0 and (swizzled or ncols % 2 == 0):
         flags |= 16  # a unit's two scale bytes in one 16-bit load
-    if _bnb.decode_gemv_mx_takes(dev, dt, fmt, n, k, ptr(x), ptr(codes), ptr(scales), rows):
-        # the decode gemv (bnb_gemv.cu with MX scales): every input row in one launch
-        spec = _bnb.decode_gemv_mx_launch(dev, x, [(codes, scales, global_scale, n)], out, rows=rows, k=k, fmt=fmt,
-                                          scols=pcols if swizzled else 0, ldo=n)
-        launcher(*spec[:6], pdl=True)
-        return
     for b0 in range(0, rows, GEMV_MAX_BATCH):
         nrows = min(GEMV_MAX_BATCH, rows - b0)
         px, po = ptr(x) + b0 * k * xsize, ptr(out) + b0 * n * osize
