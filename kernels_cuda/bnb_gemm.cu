@@ -20,6 +20,8 @@
 // pair (the table's address a multiple of 64 KiB). The WK slices of a tile are added through shared
 // memory after the loop. Launch geometry from the generated header (QC_GM_*).
 #include "qc_common.cuh"
+#include "mx_common.cuh"  // hmul2: the pair times its block scale
+#include "wgmma.cuh"
 
 namespace qc {
 
@@ -316,6 +318,284 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGmThreads, 1) gemm_4bit_ker
                 const i64 n = n0 + ww * 64 + mt * 16 + g + 8 * (e >> 1);
                 if (r < rows && n < N) out[(i64)r * ldo + n] = T::from_f(acc[mt][nt][e]);
             }
+}
+
+
+// -- many rows on Hopper's warpgroup MMA (sm_90a) ------------------------------------------------------
+// gemm_4bit_wgmma_kernel: the same operation for 128+ input rows (docs/performance.md, "NF4 prefill on
+// wgmma"). The weight is wgmma's A operand from registers (64 weight rows per warpgroup), the input
+// its B operand from shared memory (NB = 128 or 256 input rows, K-major in the 128-byte swizzle,
+// copied raw by cp.async); a CTA is 2 warpgroups = 128 weight rows x NB input rows and walks K in
+// 64-element stages through an S-deep cp.async ring (the stage's input tile and the packed codes of
+// its weight rows). Thread (g, t) of a warp needs, per weight row and stage, byte t of each of the
+// row's 8 code words (the A fragment's k = 16 s + 2 t, 2 t + 1 and 16 s + 8 + 2 t, + 9): a byte_perm
+// and a shift form the address of its entry in a per-lane pair table (32 KiB at a 32 KiB boundary),
+// one load gives T(hi), T(lo), one fp16x2 / bf16x2 multiply by the row's block scale in T gives the
+// operand: B = T(code) x T(absmax) rounded in T, the arithmetic bitsandbytes' kernels do (the
+// conformance bound of gemv_4bit allows 4 roundings in T per term; this takes 3, then exact products
+// summed in fp32). The next stage's operands are decoded while the current stage's MMAs run; scales
+// are loaded from global memory two stages ahead. The epilogue goes through shared memory (the
+// table's space) in parts of 64 input rows, stored as 16-byte rows where the output allows.
+constexpr int kGwThreads = QC_GW_THREADS;  // two warpgroups
+constexpr u32 kGwSmem = QC_GW_SMEM;
+constexpr int kGwTable = QC_GW_TABLE;  // the pair table: 256 code bytes x 32 lanes x 4 bytes
+static_assert(kGwThreads == 256 && kGwTable == 32768, "two warpgroups; the table's address arithmetic");
+
+// one ring slot of an NB CTA: the input tile (NB rows x 128 bytes, swizzled) then the codes of its
+// 128 weight rows (32 bytes each); quantcore.formats.kernel_defines.gw_slot_bytes. (Two m64 tiles per
+// warpgroup do not fit the registers with the fragments double-buffered: ptxas serializes the MMAs.)
+template <int NB>
+struct GwGeo {
+    static_assert(NB == 128 || NB == 256, "m64n128 / m64n256 MMAs");
+    static constexpr int kRowsW = 128;
+    static constexpr int kB = NB * 128;
+    static constexpr int kSlot = kB + kRowsW * 32;
+    static constexpr int kOPitch = kRowsW * 2 + 16;  // a staged output row (64 of them in the table's space)
+    static_assert(kSlot % 1024 == 0 && 64 * kOPitch <= kGwTable, "swizzled tiles 1024-byte aligned");
+};
+template <typename T>
+struct IsF16 {
+    static constexpr bool value = false;
+};
+template <>
+struct IsF16<F16> {
+    static constexpr bool value = true;
+};
+
+// DBG (timing experiments only, QUANTCORE_CUDA_TUNE=gw_dbg=1|2; wrong results by design): 1 decodes
+// only stage 0 (the MMAs reuse its fragments), 2 issues no MMA in the loop (the fragments are XORed
+// into the first accumulator so that their decode stays)
+template <typename T, int QT, bool NESTED, int NB, int S, int DBG = 0>
+__global__ void __launch_bounds__(kGwThreads, 1) gemm_4bit_wgmma_kernel(
+    const u16* __restrict__ a, const u8* __restrict__ packed, const void* __restrict__ absmax,
+    const float* __restrict__ absmax2, const float* __restrict__ code2, const float* __restrict__ offset,
+    u16* __restrict__ out, i64 ldo, int rows, i64 N, i64 K, int log2bs) {
+#if defined(QC_HAS_WGMMA)
+    using G = GwGeo<NB>;
+    constexpr int NA = NB / 2;  // accumulators
+    constexpr bool kF16 = IsF16<T>::value;
+    static_assert(S >= 3, "stage j + 1 is decoded while stage j is multiplied and j + S - 1 is copied");
+    extern __shared__ __align__(1024) u8 gw_smem[];
+    require_dynamic_smem(kGwSmem);
+    // the window: code2's copy at its end, the ring slots (1024-byte aligned) around the pair table at
+    // the 32 KiB boundary that leaves the most of them (the launcher sizes S for the worst start)
+    const u32 base = (smem_addr(gw_smem) + 1023u) & ~1023u;
+    const u32 c2s = (smem_addr(gw_smem) + kGwSmem - 4 * kDynCodes) & ~15u;
+    u32 tab = 0;
+    int nf = 0, most = -1;
+    for (u32 b = (base + kGwTable - 1) & ~(u32)(kGwTable - 1); b + kGwTable <= c2s; b += kGwTable) {
+        const int f = (int)((b - base) / G::kSlot), r = (int)((c2s - b - kGwTable) / G::kSlot);
+        if (f + r > most) {
+            most = f + r;
+            tab = b;
+            nf = f;
+        }
+    }
+    if (most < S) __trap();  // launcher bug
+    nf = min(nf, S);
+    const u32 tab_end = tab + kGwTable;
+    // slots 0 .. nf - 1 before the table, the rest after it: the slot after x
+    const u32 first = nf > 0 ? base : tab_end, wrap1 = base + nf * G::kSlot, wrap2 = tab_end + (S - nf) * G::kSlot;
+    auto next_slot = [&](u32 x) -> u32 {
+        x += G::kSlot;
+        x = x == wrap1 ? tab_end : x;
+        return x == wrap2 ? first : x;
+    };
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = lane_id(), g = lane >> 2, t = lane & 3;
+    const int wg = warp >> 2, wi = warp & 3;
+    // the pair table: entry (code byte, lane) at tab + 128 byte + 4 lane (each lane its own bank)
+    for (int i = tid; i < 256 * 8; i += kGwThreads) {
+        const int byte = i >> 3;
+        const u32 v = T::pack2(code_4bit<QT>(byte >> 4), code_4bit<QT>(byte & 15));
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(tab + byte * 128 + (i & 7) * 16), "r"(v)
+                     : "memory");
+    }
+    if (NESTED)
+        for (int i = tid; i < kDynCodes; i += kGwThreads) gm_sts_f32(c2s + 4 * i, ldg_f32(code2 + i));
+    const float off = NESTED ? ldg_f32(offset) : 0.0f;
+
+    const int m0 = blockIdx.x * NB;
+    const i64 n0 = (i64)blockIdx.y * G::kRowsW;
+    const int nst = (int)(K >> 6);
+
+    // copies: input rows tid / 8 + 32 i (i < NB / 32), chunk tid % 8, swizzled; code row tid / 2, chunk
+    // tid % 2 at chunk ^ bit 2 of the row (the 8 rows of one of the decode's loads on distinct banks).
+    // The sources advance by a stage per issue (pointer increments; the rows' bounds worked out once).
+    const int ar = tid >> 3, ac = tid & 7, cr = tid >> 1, cc = tid & 1;
+    const u32 adst = ar * 128 + ((ac ^ (ar & 7)) << 4);
+    const u32 cdst = G::kB + cr * 32 + ((cc ^ ((cr >> 2) & 1)) << 4);
+    const u16* asrc = a + (i64)min(m0 + ar, rows - 1) * K + 8 * ac;
+    const u8* csrc = packed + min(n0 + cr, N - 1) * (K >> 1) + 16 * cc;
+    const i64 astep = 32 * K;  // elements from input row r to r + 32
+    u32 aok = 0;               // bit i: row ar + 32 i inside the input
+#pragma unroll
+    for (int i = 0; i < NB / 32; ++i) aok |= (m0 + ar + 32 * i < rows ? 1u : 0u) << i;
+    constexpr u32 kAll = (1u << (NB / 32)) - 1u;
+    u32 wslot = first;  // the slot the next issue fills
+    int nissued = 0;
+    auto issue = [&]() {
+        if (nissued < nst) {
+            const u16* p = asrc;
+            if (aok == kAll) {
+#pragma unroll
+                for (int i = 0; i < NB / 32; ++i, p += astep) cp_async16(wslot + adst + 4096 * i, p);
+            } else {
+#pragma unroll
+                for (int i = 0; i < NB / 32; ++i, p += astep)
+                    cp_async16(wslot + adst + 4096 * i, p, (aok >> i) & 1u ? 16u : 0u);
+            }
+            cp_async16(wslot + cdst, csrc);
+            asrc += 64;
+            csrc += 32;
+            wslot = next_slot(wslot);
+            ++nissued;
+        }
+        cp_async_commit();  // one group per stage (empty past the end)
+    };
+
+    // this thread's weight rows: rr -> CTA row wg 64 + wi 16 + g + 8 rr; its first 64-element chunk
+    // over the whole weight (rows past N read row N - 1; N K / 64 < 2^31, the launcher checks)
+    u32 rch[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) rch[rr] = (u32)(min(n0 + wg * 64 + wi * 16 + g + 8 * rr, N - 1) * (K >> 6));
+    const int bsh = log2bs - 6;  // chunks per block, log2
+    // the raw scale data of a stage (absmax bits, or the nested byte and absmax2), two stages in flight
+    u32 sraw[2][2];
+    float ss2[2][2];
+    auto load_scales = [&](int st, u32(&raw)[2], float(&s2)[2]) {
+        st = min(st, nst - 1);
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            const u32 b = (rch[rr] + (u32)st) >> bsh;
+            if constexpr (NESTED) {
+                raw[rr] = ldg_u8(reinterpret_cast<const u8*>(absmax) + b);
+                s2[rr] = ldg_f32(absmax2 + (b >> kNestLog2));
+            } else {
+                raw[rr] = ldg_u32(reinterpret_cast<const float*>(absmax) + b);
+            }
+        }
+    };
+    // entry address of byte t of a code word w: byte_perm puts the byte at bits 8..15 of
+    // (tab << 1) | (lane << 3), one shift halves it
+    const u32 lutx = (tab << 1) | (8u * (u32)lane), sel = 0x7604u | ((u32)t << 4);
+    // the A fragments of the stage in slot `slot`: register (k16 step s, 2 hh + rr) = the pair of byte t
+    // of row rr's code word 2 s + hh, times the row's block scale
+    auto decode = [&](u32 slot, const u32(&raw)[2], const float(&s2)[2], u32(&af)[4][4]) {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            const int row = wg * 64 + wi * 16 + g + 8 * rr;
+            const u32 ra = slot + G::kB + row * 32, sw = ((row >> 2) & 1) << 4;
+            u32 q[8];
+            lds_v4(ra + sw, q[0], q[1], q[2], q[3]);
+            lds_v4(ra + (16 ^ sw), q[4], q[5], q[6], q[7]);
+            const float sc = NESTED ? __fadd_rn(__fmul_rn(gm_lds_f32(c2s + 4 * raw[rr]), s2[rr]), off)
+                                    : __uint_as_float(raw[rr]);
+            const u32 s2x = T::pack2(sc, sc);
+#pragma unroll
+            for (int w = 0; w < 8; ++w) {
+                u32 pr;
+                asm volatile("ld.shared.b32 %0, [%1];" : "=r"(pr) : "r"(__byte_perm(q[w], lutx, sel) >> 1));
+                af[w >> 1][2 * (w & 1) + rr] = qcmx::hmul2<!kF16>(pr, s2x);
+            }
+        }
+    };
+
+    float acc[NA];
+#pragma unroll
+    for (int i = 0; i < NA; ++i) acc[i] = 0.0f;
+    u32 af[2][4][4];
+    u32 sink = 0;  // DBG 2
+
+    load_scales(0, sraw[0], ss2[0]);
+    load_scales(1, sraw[1], ss2[1]);
+    for (int s = 0; s < S - 1; ++s) issue();
+    cp_async_wait<S - 2>();  // stage 0
+    fence_proxy_async();
+    __syncthreads();  // stage 0 and the tables
+    u32 rslot = first;  // stage j's slot (the MMAs), then next_slot(rslot) stage j + 1's (the decode)
+    decode(rslot, sraw[0], ss2[0], af[0]);
+    if (DBG == 1) decode(rslot, sraw[0], ss2[0], af[1]);
+    load_scales(2, sraw[0], ss2[0]);
+
+    // stage j: its MMAs (A from af[j % 2]); then, while they run, stage j + 1 made visible, stage
+    // j + S - 1 copied into the slot stage j - 1 left, stage j + 1 decoded into the other fragments
+    // (a macro: the fragment buffer index must be a constant, and NVRTC takes no generic lambdas)
+#define QC_GW_STEP(P, J)                                                                                  \
+    {                                                                                                     \
+        const int j_ = (J);                                                                               \
+        fence_acc(acc);                                                                                   \
+        wgmma_fence();                                                                                    \
+        const u64 desc0 = desc_sw128(rslot);                                                              \
+        if (DBG != 2) {                                                                                   \
+            _Pragma("unroll") for (int s = 0; s < 4; ++s) wgmma_rs<kF16>(acc, af[P][s], desc0 + 2u * s);  \
+        } else {                                                                                          \
+            _Pragma("unroll") for (int s = 0; s < 16; ++s) sink ^= af[P][s >> 2][s & 3];                  \
+        }                                                                                                 \
+        wgmma_commit();                                                                                   \
+        fence_acc(acc);                                                                                   \
+        rslot = next_slot(rslot);                                                                         \
+        if (j_ + 1 < nst) {                                                                               \
+            wgmma_wait<1>(); /* stage j - 1's MMAs: its slot and af[1 - P] are free */                    \
+            fence_acc(acc);                                                                               \
+            cp_async_wait<S - 3>(); /* this thread's copies of stage j + 1 */                             \
+            fence_proxy_async();                                                                          \
+            __syncthreads();                                                                              \
+            issue();                                                                                      \
+            _Pragma("unroll") for (int s = 0; s < 4; ++s) _Pragma("unroll") for (int i = 0; i < 4; ++i)  \
+                asm volatile("" : "+r"(af[1 - P][s][i])::"memory");                                      \
+            if (DBG != 1) decode(rslot, sraw[1 - P], ss2[1 - P], af[1 - P]);                              \
+            load_scales(j_ + 3, sraw[1 - P], ss2[1 - P]);                                                 \
+        }                                                                                                 \
+    }
+    for (int j = 0; j < nst; j += 2) {
+        QC_GW_STEP(0, j)
+        if (j + 1 < nst) QC_GW_STEP(1, j + 1)
+    }
+#undef QC_GW_STEP
+    if (DBG == 2) acc[0] += (float)sink;
+    wgmma_wait<0>();
+    fence_acc(acc);
+    cp_async_wait<0>();
+    __syncthreads();  // every thread is done with the table: the output is staged there
+
+    const bool vec = (((u64)out | (u64)(ldo * 2)) & 15u) == 0;
+    constexpr int kCh = G::kRowsW / 8;  // 16-byte pieces of a staged row
+#pragma unroll
+    for (int h = 0; h < NB / 64; ++h) {
+#pragma unroll
+        for (int jn = 8 * h; jn < 8 * h + 8; ++jn)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = 8 * jn + 2 * t + (e & 1) - 64 * h;
+                const int n = wg * 64 + wi * 16 + g + 8 * (e >> 1);
+                const u32 v = T::from_f(acc[4 * jn + e]);
+                asm volatile("st.shared.u16 [%0], %1;" ::"r"(tab + r * G::kOPitch + 2 * n), "h"((unsigned short)v)
+                             : "memory");
+            }
+        __syncthreads();
+        for (int i = tid; i < 64 * kCh; i += kGwThreads) {
+            const int r = i / kCh, c = i % kCh;
+            const int gr = m0 + 64 * h + r;
+            const i64 gn = n0 + 8 * c;
+            if (gr >= rows || gn >= N) continue;
+            u32 w0, w1, w2, w3;
+            lds_v4(tab + r * G::kOPitch + 16 * c, w0, w1, w2, w3);
+            u16* o = out + (i64)gr * ldo + gn;
+            if (vec && gn + 8 <= N) {
+                stg_v4(o, w0, w1, w2, w3);
+            } else {
+                const u32 w[4] = {w0, w1, w2, w3};
+#pragma unroll
+                for (int k = 0; k < 8; ++k)
+                    if (gn + k < N) o[k] = (u16)(w[k >> 1] >> (16 * (k & 1)));
+            }
+        }
+        __syncthreads();
+    }
+#else
+    __trap();  // built without sm_90a features: the launcher never takes this kernel there
+#endif
 }
 
 }  // namespace qc

@@ -46,6 +46,7 @@
 // Scale columns past K/blk (the swizzled layout's padding, possibly garbage) are read as byte 0,
 // and codes past K are zero-filled by cp.async, so a partial last stage adds exact zeros.
 #include "mx_common.cuh"
+#include "wgmma.cuh"
 
 namespace qcmx {
 
@@ -145,71 +146,28 @@ __device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2,
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
 }
 
-// -- wgmma (sm_90a) -------------------------------------------------------------------------------
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// -- wgmma (sm_90a): wgmma.cuh ---------------------------------------------------------------------
+#if defined(QC_HAS_WGMMA)
 #define QCMX_HAS_WGMMA 1
-// Descriptor of a K-major bf16 operand in the 128-byte swizzle: 8-row groups 1024 bytes apart
-// (SBO), LBO unused for this layout, base 1024-byte aligned; K steps of 16 add 32 bytes.
-__device__ __forceinline__ u64 desc_sw128(u32 saddr) {
-    return (u64)((saddr & 0x3ffffu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-// Keeps the compiler from moving accumulator accesses across the asynchronous MMAs.
-__device__ __forceinline__ void fence_acc(float (&d)[64]) {
-#pragma unroll
-    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-// the 64 fp32 accumulators of m64n128 (the PTX operand list and the asm outputs), shared by the
-// register-A and shared-memory-A forms
-#define QCMX_ACC64_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-#define QCMX_ACC64_OUTS \
-          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
-          "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), \
-          "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), \
-          "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), \
-          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), \
-          "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), \
-          "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), \
-          "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-#define QCMX_WGMMA_RS(NAME, TY) \
-__device__ __forceinline__ void NAME(float (&d)[64], const u32 (&a)[4], u64 desc) { \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " QCMX_ACC64_REGS \
-                 "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n" \
-                 : QCMX_ACC64_OUTS \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1)); \
-}
-QCMX_WGMMA_RS(wgmma_m64n128k16_rs_bf16, "bf16")
-QCMX_WGMMA_RS(wgmma_m64n128k16_rs_f16, "f16")
-#undef QCMX_WGMMA_RS
+using qc::desc_sw128;
+using qc::fence_acc;
+using qc::fence_proxy_async;
+using qc::wgmma_commit;
+using qc::wgmma_fence;
+using qc::wgmma_m64n128k16_rs;
+using qc::wgmma_wait;
 #if defined(QCMX_TIMING_VARIANTS)
 // both operands from shared memory: the timing variants _ss / _ssnodq only
 __device__ __forceinline__ void wgmma_m64n128k16_ss_f16(float (&d)[64], u64 adesc, u64 desc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " QCMX_ACC64_REGS
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " QC_WGMMA_ACC64_REGS
                  "%64, %65, p, 1, 1, 0, 0;\n}\n"
-                 : QCMX_ACC64_OUTS
+                 : QC_WGMMA_ACC64_OUTS
                  : "l"(adesc), "l"(desc), "r"(1));
 }
 #else
 __device__ __forceinline__ void wgmma_m64n128k16_ss_f16(float (&)[64], u64, u64) {}
 #endif
-#undef QCMX_ACC64_REGS
-#undef QCMX_ACC64_OUTS
-// F16: fp16 operands (the NVFP4 decode above), else bf16
-template <bool F16>
-__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&a)[4], u64 desc) {
-    if (F16) {
-        wgmma_m64n128k16_rs_f16(d, a, desc);
-    } else {
-        wgmma_m64n128k16_rs_bf16(d, a, desc);
-    }
-}
 #endif
 
 // -- the kernel -----------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from quantcore.formats.kernel_defines import (
     LAUNCH_GEOMETRY,
     QUANT_TYPE_CODE,
     gm_slot_bytes,
+    gw_slot_bytes,
 )
 from quantcore.formats.kernel_interface import GEMV_TC_WEIGHT_NAMES, arg_index
 
@@ -87,6 +88,12 @@ def _gemm4(tag: str, qt: str, nested: bool, cfg: tuple[int, int, int], cl: int =
             f"{cl}>")
 
 
+def _gemm4wg(tag: str, qt: str, nested: bool, nb: int, dbg: int = 0) -> str:
+    """The wgmma GEMM's instance (``dbg``: a timing experiment, bnb_gemm.cu's DBG)."""
+    return (f"qc::gemm_4bit_wgmma_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}, {_gw_stages(nb)}"
+            + (f", {dbg}>" if dbg else ">"))
+
+
 def _qbw(tag: str, cells: bool = True) -> str:
     """quantize_blockwise's default kernel (by cells), or (cells False) the one that subtracts a
     center read from device memory (double_quantize below its chunk-sum size)."""
@@ -119,6 +126,7 @@ def instances() -> list[tuple[str, str]]:
                     out += _gemv_tc_instances(tag, qt, nested)
                     out += [(_FM, _gemm4(tag, qt, nested, cfg)) for cfg in _GM_CONFIGS]
                     out += [(_FM, _gemm4(tag, qt, nested, _GM_CONFIGS[-1], cl)) for cl in _GM_CLUSTERS[1:]]
+                    out += [(_FM, _gemm4wg(tag, qt, nested, nb)) for nb in _GW_NB]
     for fmt, dts in DECODE_MX_DTYPES.items():
         for dt in dts:
             out += _gemv_tc_instances(TYPE_TAG[dt], fmt, False)
@@ -475,7 +483,10 @@ def _gm_cluster(device: int, cfg: tuple[int, int, int], ctas: int, k: int) -> in
 def _gemm4_launch(device, a, packed, absmax, nested, out, *, rows, n, k, blocksize, quant_type, ldo):
     """(file, kernel, grid, block, arguments, shared memory, slots) of the many-row GEMM into ``out``
     [rows, ldo]: grid x the CTA's input row blocks (the CTAs of one weight tile run together), y its
-    weight row blocks, z the K slices of a cluster."""
+    weight row blocks, z the K slices of a cluster. From _GW_MIN_ROWS rows on sm_90a, the wgmma GEMM."""
+    if _gemm4wg_takes(device, rows):
+        return _gemm4wg_launch(device, a, packed, absmax, nested, out, rows=rows, n=n, k=k, blocksize=blocksize,
+                               quant_type=quant_type, ldo=ldo)
     cfg = _gm_config(rows, n, rt.sm_count(device))
     ww, wr, _ = cfg
     grid = (_cdiv(rows, 32 * wr), _cdiv(n, 64 * ww))
@@ -484,6 +495,59 @@ def _gemm4_launch(device, a, packed, absmax, nested, out, *, rows, n, k, blocksi
     args = kernel_args(expr, a=a, packed=packed, absmax=absmax, **_nested_named(nested), out=out, ldo=ldo, rows=rows,
                        n=n, k=k, log2bs=_log2(blocksize))
     return _FM, expr, (*grid, cl), _GM_THREADS, args, _GM_SMEM, _GEMV_SLOTS
+
+
+# bnb_gemm.cu's wgmma GEMM (sm_90a; gemv_4bit from _GW_MIN_ROWS rows): input rows per CTA (the
+# m64n128 / m64n256 MMA's N), its dynamic shared memory, the rows from which it takes a call
+_GW_NB = (128, 256)
+_GW_SMEM, _GW_TABLE = LAUNCH_GEOMETRY["QC_GW_SMEM"], LAUNCH_GEOMETRY["QC_GW_TABLE"]
+_GW_MAX_STAGES = 6
+_GW_MIN_ROWS = 128
+
+
+@functools.cache
+def _gw_stages(nb: int) -> int:
+    """Ring stages of the wgmma GEMM's NB tile: the 1024-byte aligned slots around the pair table (at
+    a multiple of its size) below code2's copy at the window's end, wherever the window starts
+    (16-byte steps; the kernel places the table where it leaves the most), at most _GW_MAX_STAGES."""
+    slot, worst = gw_slot_bytes(nb), _GW_MAX_STAGES
+    for start in range(0, 65536, 16):
+        base, end, most = (start + 1023) & ~1023, (start + _GW_SMEM - 4 * bnb.DYNAMIC_MAP.size) & ~15, 0
+        b = (base + _GW_TABLE - 1) & ~(_GW_TABLE - 1)
+        while b + _GW_TABLE <= end:
+            most = max(most, (b - base) // slot + (end - b - _GW_TABLE) // slot)
+            b += _GW_TABLE
+        worst = min(worst, most)
+    if worst < 3:
+        raise AssertionError(f"bnb_gemm.cu: the wgmma GEMM's NB={nb} tile leaves {worst} ring stages")
+    return worst
+
+
+def _gw_nb(rows: int, n: int, sms: int) -> int:
+    """The wgmma GEMM's input rows per CTA: 256 (half the decode work per MMA) unless 128 takes fewer
+    waves of CTAs, row tiles counted (``gw_nb`` forces it)."""
+    forced = rt.tune("gw_nb", 0)
+    if forced:
+        return forced
+    waves = {nb: _cdiv(_cdiv(rows, nb) * _cdiv(n, 128), sms) * nb for nb in _GW_NB}
+    return 256 if waves[256] <= waves[128] else 128
+
+
+def _gemm4wg_takes(device: int, rows: int) -> bool:
+    """Does the wgmma GEMM take a call the many-row GEMM would take: compute capability 9.0 (sm_90a)
+    and at least _GW_MIN_ROWS rows (``gemm4wg=0`` turns it off: comparisons)."""
+    return rows >= rt.tune("gw_min_rows", _GW_MIN_ROWS) and rt.device_arch(device) == 90 and rt.tune("gemm4wg", 1) == 1
+
+
+def _gemm4wg_launch(device, a, packed, absmax, nested, out, *, rows, n, k, blocksize, quant_type, ldo):
+    """(file, kernel, grid, block, arguments, shared memory, slots) of the wgmma GEMM into ``out``
+    [rows, ldo]: grid x the input row blocks (the CTAs of one weight tile run together), y the blocks
+    of 128 weight rows."""
+    nb = _gw_nb(rows, n, rt.sm_count(device))
+    expr = _gemm4wg(_tag(a), quant_type, nested is not None, nb, rt.tune("gw_dbg", 0))
+    args = kernel_args(expr, a=a, packed=packed, absmax=absmax, **_nested_named(nested), out=out, ldo=ldo, rows=rows,
+                       n=n, k=k, log2bs=_log2(blocksize))
+    return _FM, expr, (_cdiv(rows, nb), _cdiv(n, 128)), _GM_THREADS, args, _GW_SMEM, _GEMV_SLOTS
 
 
 def _gemv_launch(device, a, packed, absmax, out, *, rows, n, k, blocksize, quant_type, nested):

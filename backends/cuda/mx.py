@@ -44,7 +44,7 @@ from .runtime import kernel_args
 
 QUANT_SOURCE = "mx_quant.cu"
 GEMM_SOURCE = "mx_gemm.cu"
-HEADERS = ("mx_common.cuh", "qc_common.cuh")
+HEADERS = ("mx_common.cuh", "qc_common.cuh", "wgmma.cuh")
 GEMM_MODE_ENV = "QUANTCORE_CUDA_MX_GEMM"
 #: "auto" (:func:`mm_path`: the panel path from MM_FUSED_MAX_M rows, the fused kernel below), "panel"
 #: (dequantize + cuBLAS), "wgmma" / "mma" (the fused kernel's two back ends: wgmma on compute

@@ -206,6 +206,13 @@ def nvrtc() -> Nvrtc:
         return _nvrtc
 
 
+def kernel_target(expr: str, arch: int) -> str:
+    """NVRTC target of a kernel: ``sm_90a`` for a kernel named ``*wgmma*`` on compute capability 9.0
+    (Hopper's warpgroup MMA needs the arch-specific features; its body is compiled out elsewhere, and
+    the launchers take it only there), else ``sm_<arch>``."""
+    return "sm_90a" if arch == 90 and "wgmma" in expr else f"sm_{arch}"
+
+
 # -- compiled kernels ----------------------------------------------------------------------------------
 class KernelCache:
     """cubin per (source file, name expression, architecture): compiled once (disk cache), loaded
@@ -220,7 +227,7 @@ class KernelCache:
         comp = nvrtc()
         if self._digest is None:
             self._digest = _sources_digest()
-        options = list(COMPILE_OPTIONS) + [f"--gpu-architecture=sm_{arch}", f"-I{header_dir()}",
+        options = list(COMPILE_OPTIONS) + [f"--gpu-architecture={kernel_target(expr, arch)}", f"-I{header_dir()}",
                                            f"-I{kernel_dir()}"]
         key = cache.digest(self._digest, filename, expr, str(arch), str(comp.version), *COMPILE_OPTIONS,
                            length=40)

@@ -22,10 +22,14 @@ import quantcore as qc
 from quantcore.bench import CudaTimer
 
 SHAPES = ((14336, 4096), (4096, 14336))
-ROWS = (16, 32, 64, 128, 256, 512, 2048, 4096)
-#: gm_cfg per row count (0: the launcher's choice; i: backends/cuda/bnb.py _GM_CONFIGS[i - 1])
-VARIANTS = {16: [0], 32: [0, 3, 4, 5], 64: [0, 1, 3, 4, 5], 128: [0, 1, 2, 3, 5], 256: [0, 1, 2, 3],
-            512: [0, 1, 2], 2048: [0], 4096: [0]}
+ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+#: QUANTCORE_CUDA_TUNE settings timed per row count ("": the launcher's choice; gm_cfg=i the mma.sync
+#: GEMM's CTA shape backends/cuda/bnb.py _GM_CONFIGS[i - 1]; gemm4wg=0 the mma.sync GEMM's default
+#: instead of the wgmma GEMM; gw_nb the wgmma GEMM's input rows per CTA)
+_WG = ["gemm4wg=0", "gw_min_rows=1,gw_nb=128", "gw_min_rows=1,gw_nb=256"]
+VARIANTS = {16: [""], 32: ["", "gm_cfg=3", "gm_cfg=4", "gm_cfg=5"], 64: ["", "gm_cfg=1", "gm_cfg=4", "gm_cfg=5", *_WG[1:]],
+            128: ["", "gm_cfg=1", "gm_cfg=5", *_WG], 256: ["", *_WG], 512: ["", *_WG], 1024: ["", *_WG],
+            2048: ["", *_WG], 4096: ["", *_WG]}
 
 
 def events_us(fns, reps: int = 20) -> float:
@@ -33,9 +37,9 @@ def events_us(fns, reps: int = 20) -> float:
     return CudaTimer(torch).kernel(fns, reps, warmup=3)
 
 
-def set_tune(cfg: int) -> None:
+def set_tune(cfg: str) -> None:
     if cfg:
-        os.environ[rt.ENV_TUNE] = f"gm_cfg={cfg}"
+        os.environ[rt.ENV_TUNE] = cfg
     else:
         os.environ.pop(rt.ENV_TUNE, None)
 
@@ -58,7 +62,7 @@ def main() -> None:
     lin = torch.nn.functional.linear
     # correctness on the big shapes: fused vs dequantize_4bit + fp32 matmul (rel. Frobenius error)
     for (n, k) in () if fused_only else SHAPES:
-        for rows in (17, 100, 512) if quick else (17, 64, 100, 512, 2048):
+        for rows in (17, 100, 200, 512) if quick else (17, 64, 100, 200, 512, 2048):
             for qt, nested, dt in (("nf4", True, torch.bfloat16), ("fp4", False, torch.float16)):
                 w = torch.randn(n, k, device="cuda", dtype=dt) * 0.05
                 p, s = qc.quantize_4bit(w, 64, qt, nested, backend=be)
@@ -88,15 +92,15 @@ def main() -> None:
                 t_dq = events_us([lambda p=p, s=s, x=x: lin(x, qc.dequantize_4bit(p, s, backend=be)) for p, s in qs])
                 t_bnb = events_us([lambda p=p, s=s, x=x: bnb.matmul_4bit(x, p.t(), quant_state=s) for p, s in bq])
             res = []
-            for cfg in [0] if fused_only else VARIANTS[rows]:
+            for cfg in [""] if fused_only else VARIANTS.get(rows, [""]):
                 set_tune(cfg)
                 t = events_us([lambda p=p, s=s, x=x, out=out, n=n, k=k: be.gemv_4bit(x, p, s.absmax, out, n=n, k=k, blocksize=64,
                                                              quant_type="nf4", nested=cuda_plans._state_nested(s))
                                for p, s in qs])
                 res.append((cfg, t))
-            set_tune(0)
+            set_tune("")
             best = min(r[1] for r in res)
-            vs = " ".join(f"cfg{cfg}:{t:.1f}" for cfg, t in res)
+            vs = " ".join(f"[{cfg or 'default'}] {t:.1f}" for cfg, t in res)
             line = (f"N{n} K{k} rows{rows:5d}: torch {t_torch:8.1f} us ({flops / t_torch / 1e6:4.0f} TF) | dq+mm "
                     f"{t_dq:8.1f} ({t_torch / t_dq:.2f}x) | bnb {t_bnb:8.1f} ({t_torch / t_bnb:.2f}x) | fused best "
                     f"{best:8.1f} ({flops / best / 1e6:4.0f} TF, {t_torch / best:.2f}x torch, {t_bnb / best:.2f}x bnb) | {vs}")

@@ -1,0 +1,49 @@
+#!/bin/bash
+# The wgmma NF4 GEMM (kernels_cuda/bnb_gemm.cu gemm_4bit_wgmma_kernel) on the GPU machine: its time per
+# timing experiment (QUANTCORE_CUDA_TUNE gw_dbg: 1 no decode in the loop, 2 no MMA) and input-row tile
+# beside torch bf16, then ncu (full set, SASS source page with stall samples) of the default kernel at
+# ROWS rows (default 512) of 14336 x 4096. Logs under $OUT.
+. tools/dev/env.sh /tmp/gw_probe
+ROWS="${ROWS:-512}"
+cat > /tmp/gw_one.py <<PY
+import os, sys, torch
+import quantcore as qc
+from quantcore.backends.cuda import plans as cuda_plans
+from quantcore.backends.cuda import runtime as rt
+from quantcore.bench import CudaTimer
+be = qc.get_backend("cuda")
+n, k = 14336, 4096
+ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(3)]
+qs = [qc.quantize_4bit(w, 64, "nf4", True, backend=be) for w in ws]
+def gemv(x, out, p, s):
+    be.gemv_4bit(x, p, s.absmax, out, n=n, k=k, blocksize=64, quant_type="nf4", nested=cuda_plans._state_nested(s))
+if sys.argv[1] == "time":
+    tm = CudaTimer(torch)
+    for rows in (512, 2048):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+        t_torch = tm.kernel([lambda w=w: torch.nn.functional.linear(x, w) for w in ws], 20, warmup=3)
+        res = []
+        for tune in ("", "gw_dbg=1", "gw_dbg=2", "gw_nb=128", "gw_nb=128,gw_dbg=1", "gw_nb=128,gw_dbg=2"):
+            os.environ[rt.ENV_TUNE] = tune
+            res.append((tune or "default", tm.kernel([lambda p=p, s=s: gemv(x, out, p, s) for p, s in qs], 20, warmup=3)))
+        os.environ.pop(rt.ENV_TUNE, None)
+        print(f"rows {rows}: torch {t_torch:.1f} us | " + " | ".join(f"{a} {t:.1f}" for a, t in res), flush=True)
+else:
+    rows = int(sys.argv[2])
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):
+        gemv(x, out, *qs[0])
+    torch.cuda.synchronize()
+    print("ok")
+PY
+timeout 150 python3 /tmp/gw_one.py time | tee "$OUT/time.log"
+timeout 240 ncu --clock-control none --kernel-name regex:gemm_4bit_wgmma --launch-skip 1 --launch-count 1 \
+  --set full --import-source no -o /tmp/gw -f python3 /tmp/gw_one.py ncu "$ROWS" > "$OUT/ncu_run.log" 2>&1
+echo "ncu rc=$?"; tail -3 "$OUT/ncu_run.log"
+ncu -i /tmp/gw.ncu-rep --page details --section WarpStateStats --section SchedulerStats --section SpeedOfLight \
+  --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+  --section Occupancy > "$OUT/details.txt" 2>&1
+ncu -i /tmp/gw.ncu-rep --page source --csv --print-source sass > "$OUT/source_sass.csv" 2>"$OUT/source_err.txt"
+grep -E "Issue Slots Busy|Issued Warp|No Eligible|Active Warps Per|Eligible Warps|Stall|Throughput|Pipe|Bank|Shared" "$OUT/details.txt" | head -60
