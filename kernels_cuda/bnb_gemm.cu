@@ -365,8 +365,11 @@ struct IsF16<F16> {
 // DBG (timing experiments only, QUANTCORE_CUDA_TUNE=gw_dbg=1|2; wrong results by design): 1 decodes
 // only stage 0 (the MMAs reuse its fragments), 2 issues no MMA in the loop (the fragments are XORed
 // into the first accumulator so that their decode stays)
-template <typename T, int QT, bool NESTED, int NB, int S, int DBG = 0>
-__global__ void __launch_bounds__(kGwThreads, 1) gemm_4bit_wgmma_kernel(
+// CL > 1 (sm_90 clusters along grid z): CTA z of a cluster takes stages nst z / CL .. nst (z + 1) / CL
+// of the same tile; CTAs 1 .. CL - 1 leave their fp32 sums in their shared memory, CTA 0 adds them in
+// rank order (distributed shared memory) and writes the tile.
+template <typename T, int QT, bool NESTED, int NB, int S, int CL = 1, int DBG = 0>
+__global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgmma_kernel(
     const u16* __restrict__ a, const u8* __restrict__ packed, const void* __restrict__ absmax,
     const float* __restrict__ absmax2, const float* __restrict__ code2, const float* __restrict__ offset,
     u16* __restrict__ out, i64 ldo, int rows, i64 N, i64 K, int log2bs) {
@@ -417,7 +420,8 @@ __global__ void __launch_bounds__(kGwThreads, 1) gemm_4bit_wgmma_kernel(
 
     const int m0 = blockIdx.x * NB;
     const i64 n0 = (i64)blockIdx.y * G::kRowsW;
-    const int nst = (int)(K >> 6);
+    const int sbeg = (int)((K >> 6) * blockIdx.z / CL);
+    const int nst = (int)((K >> 6) * (blockIdx.z + 1) / CL) - sbeg;  // this CTA's stages
 
     // copies: input rows tid / 8 + 32 i (i < NB / 32), chunk tid % 8, swizzled; code row tid / 2, chunk
     // tid % 2 at chunk ^ bit 2 of the row (the 8 rows of one of the decode's loads on distinct banks).
@@ -425,8 +429,8 @@ __global__ void __launch_bounds__(kGwThreads, 1) gemm_4bit_wgmma_kernel(
     const int ar = tid >> 3, ac = tid & 7, cr = tid >> 1, cc = tid & 1;
     const u32 adst = ar * 128 + ((ac ^ (ar & 7)) << 4);
     const u32 cdst = G::kB + cr * 32 + ((cc ^ ((cr >> 2) & 1)) << 4);
-    const u16* asrc = a + (i64)min(m0 + ar, rows - 1) * K + 8 * ac;
-    const u8* csrc = packed + min(n0 + cr, N - 1) * (K >> 1) + 16 * cc;
+    const u16* asrc = a + (i64)min(m0 + ar, rows - 1) * K + 64 * sbeg + 8 * ac;
+    const u8* csrc = packed + min(n0 + cr, N - 1) * (K >> 1) + 32 * sbeg + 16 * cc;
     const i64 astep = 32 * K;  // elements from input row r to r + 32
     u32 aok = 0;               // bit i: row ar + 32 i inside the input
 #pragma unroll
@@ -458,13 +462,14 @@ __global__ void __launch_bounds__(kGwThreads, 1) gemm_4bit_wgmma_kernel(
     // over the whole weight (rows past N read row N - 1; N K / 64 < 2^31, the launcher checks)
     u32 rch[2];
 #pragma unroll
-    for (int rr = 0; rr < 2; ++rr) rch[rr] = (u32)(min(n0 + wg * 64 + wi * 16 + g + 8 * rr, N - 1) * (K >> 6));
+    for (int rr = 0; rr < 2; ++rr)
+        rch[rr] = (u32)(min(n0 + wg * 64 + wi * 16 + g + 8 * rr, N - 1) * (K >> 6)) + (u32)sbeg;
     const int bsh = log2bs - 6;  // chunks per block, log2
     // the raw scale data of a stage (absmax bits, or the nested byte and absmax2), two stages in flight
     u32 sraw[2][2];
     float ss2[2][2];
     auto load_scales = [&](int st, u32(&raw)[2], float(&s2)[2]) {
-        st = min(st, nst - 1);
+        st = max(min(st, nst - 1), 0);  // (a CTA of a cluster may have no stage when K is short)
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
             const u32 b = (rch[rr] + (u32)st) >> bsh;
@@ -557,7 +562,31 @@ __global__ void __launch_bounds__(kGwThreads, 1) gemm_4bit_wgmma_kernel(
     wgmma_wait<0>();
     fence_acc(acc);
     cp_async_wait<0>();
-    __syncthreads();  // every thread is done with the table: the output is staged there
+    __syncthreads();  // every thread is done with the table and the ring: the output is staged there
+    if constexpr (CL > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        // partial sums: accumulator i of thread tid at base + 4 (256 i + tid) (below code2's copy)
+        static_assert(NA * kGwThreads * 4 + kDynCodes * 4 + 1024 <= QC_GW_SMEM, "the partial sums fit");
+        if (blockIdx.z > 0) {
+#pragma unroll
+            for (int i = 0; i < NA; ++i) gm_sts_f32(base + 4 * (kGwThreads * i + tid), acc[i]);
+        }
+        gm_cluster_sync();  // every CTA's sums are in place
+        if (blockIdx.z == 0)
+            for (u32 q = 1; q < (u32)CL; ++q) {
+#pragma unroll
+                for (int i0 = 0; i0 < NA; i0 += 16) {  // 16 loads in flight, then their adds
+                    float v[16];
+#pragma unroll
+                    for (int i = 0; i < 16; ++i) v[i] = gm_ld_cluster_f32(base + 4 * (kGwThreads * (i0 + i) + tid), q);
+#pragma unroll
+                    for (int i = 0; i < 16; ++i) acc[i0 + i] += v[i];
+                }
+            }
+        gm_cluster_sync();  // no CTA leaves while CTA 0 reads its shared memory
+        if (blockIdx.z > 0) return;
+#endif
+    }
 
     const bool vec = (((u64)out | (u64)(ldo * 2)) & 15u) == 0;
     constexpr int kCh = G::kRowsW / 8;  // 16-byte pieces of a staged row

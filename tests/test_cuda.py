@@ -24,6 +24,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 from quantcore.backends import cuda
+from quantcore.backends.cuda import bnb as _bnb
 from quantcore.backends.cuda import common as cuda_common
 from quantcore.backends.cuda import runtime as rt
 
@@ -47,20 +48,27 @@ def _instances_by_file() -> dict[str, list[str]]:
     return by
 
 
-def test_gemm_4bit_runs_where_its_shared_memory_fits(monkeypatch):
-    """The many-row GEMM is offered per device: sm_80+ with the shared memory per CTA it takes (an
-    H100's 227 KiB, not an A100's 163 KiB); asked once per device."""
+def test_gemm_4bit_rows_by_device(monkeypatch):
+    """linear_4bit's gemv_4bit rows per device: the wgmma GEMM's crossover on compute capability 9.0
+    (the mma.sync GEMM's with gemm4wg=0), the mma.sync GEMM's on other sm_80+ devices with an H100's
+    227 KiB per CTA, 0 on an A100 (163 KiB); asked once per device."""
     import types
 
     props = {0: {"sharedMemPerBlockOptin": 232448, "major": 9, "minor": 0},
-             1: {"sharedMemPerBlockOptin": 166912, "major": 8, "minor": 0}}
+             1: {"sharedMemPerBlockOptin": 166912, "major": 8, "minor": 0},
+             2: {"sharedMemPerBlockOptin": 232448, "major": 12, "minor": 0}}
     monkeypatch.setattr(rt, "device_props", lambda d: props[d])
     monkeypatch.setattr(rt, "device_arch", lambda d: 10 * props[d]["major"] + props[d]["minor"])
-    monkeypatch.setattr(cuda.CudaBackend, "_GEMM4_RUNS", {})
+    monkeypatch.setattr(cuda.CudaBackend, "_GEMM4_ROWS", {})
     be = cuda.CudaBackend()
-    assert be.gemm_4bit_runs(0) is True and be.gemm_4bit_runs(types.SimpleNamespace(type="cuda", index=1)) is False
+    rows = _bnb.LINEAR_GEMM_ROWS
+    assert be.gemm_4bit_rows(0) == rows["wgmma"] == 512
+    assert be.gemm_4bit_rows(types.SimpleNamespace(type="cuda", index=1)) == 0
+    assert be.gemm_4bit_rows(2) == rows["mma"] == 128
     props[1]["sharedMemPerBlockOptin"] = 232448  # cached: not asked again
-    assert be.gemm_4bit_runs(1) is False
+    assert be.gemm_4bit_rows(1) == 0
+    monkeypatch.setenv(rt.ENV_TUNE, "gemm4wg=0")
+    assert _bnb.gemm4_linear_rows(0) == rows["mma"]
 
 
 def test_every_launchable_kernel_has_its_source():
@@ -280,13 +288,22 @@ def test_gemv_4bit_rings_sum_alike(be, rng, monkeypatch):
 
 @gpu
 @needs_torch
-@pytest.mark.parametrize("tile", [f"gm_cfg={i}" for i in range(1, 6)] + ["gm_cfg=5,gm_cl=2", "gm_cfg=5,gm_cl=4"])
+@pytest.mark.parametrize("tile", [f"gm_cfg={i}" for i in range(1, 6)] + ["gm_cfg=5,gm_cl=2", "gm_cfg=5,gm_cl=4"]
+                         + [f"wg:gw_min_rows=1,gw_nb={nb},gw_cl={cl}" for nb in (128, 256) for cl in (1, 2, 4)])
 def test_gemv_4bit_many_rows_every_tile(be, rng, monkeypatch, tile):
-    """The many-row GEMM (bnb_gemm.cu) with each CTA shape (warps along weight rows, input rows and
-    K) and the clusters of 2 and 4 CTAs splitting K further (sm_90): rows and N off the tiles, K of 1 and several chunks, K slices past the last chunk (7 and 5
-    chunks over 2 or 4 slices), blocks larger than a row (bs 256 at K 192), NF4 / FP4, nested or not,
-    fp16 / bf16, a large N with nested statistics over many absmax2 blocks; within the gemv_4bit
-    bound."""
+    """The many-row GEMMs (bnb_gemm.cu): the mma.sync GEMM with each CTA shape (warps along weight
+    rows, input rows and K) and the clusters of 2 and 4 CTAs splitting K further (sm_90); the wgmma
+    GEMM ("wg:", sm_90a) with 128 and 256 input rows per CTA and K split over clusters of 1, 2 and 4
+    (a cluster's CTA with no stage at K = 64). Rows and N off the tiles, K of 1 and several chunks, K
+    slices past the last chunk (7 and 5 chunks over 2 or 4 slices), blocks larger than a row (bs 256 at
+    K 192), NF4 / FP4, nested or not, fp16 / bf16, a large N with nested statistics over many absmax2
+    blocks; within the gemv_4bit bound."""
+    if tile.startswith("wg:"):
+        if rt.device_arch(0) != 90:
+            pytest.skip("the wgmma GEMM runs on compute capability 9.0 only")
+        tile = tile[3:]
+    else:
+        tile = "gemm4wg=0," + tile  # the mma.sync GEMM, whatever the rows
     monkeypatch.setenv(rt.ENV_TUNE, tile)
     for batch, n, k, bs, qt, dtype, nested in [(100, 201, 192, 256, "nf4", "bfloat16", True),
                                                (17, 130, 64 * 7, 64, "fp4", "float16", False),

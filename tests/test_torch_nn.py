@@ -178,26 +178,27 @@ def test_linear_path_fused_gemm_by_rows():
     assert qct.linear_path(qct.W4A8_MAX_ROWS_CUDA + 1, "linear_q4_0", backend=cuda, k=64) == "dequantize+matmul"
 
 
-def test_linear_path_without_the_gemm_on_the_device():
-    """A device where the backend's many-row GEMM does not run (cuda: less shared memory per CTA than it
-    takes, e.g. an A100) keeps the batch kernels' rows and dequantizes above them."""
+def test_linear_path_by_the_device_gemm():
+    """With a device, the backend's many-row GEMM on it sets linear_4bit's gemv rows (cuda: 512 with the
+    wgmma GEMM, 128 with the mma.sync one, 0 where none runs, e.g. an A100): the batch kernels' rows
+    always, dequantize + matmul above."""
 
     class Cuda:
         name = "cuda"
 
-        def __init__(self, runs):
-            self.runs, self.asked = runs, []
+        def __init__(self, rows):
+            self.rows, self.asked = rows, []
 
-        def gemm_4bit_runs(self, device):
+        def gemm_4bit_rows(self, device):
             self.asked.append(device)
-            return self.runs
+            return self.rows
 
-    rows = qct.FUSED_4BIT_MAX_ROWS["cuda"]
-    with_gemm, without = Cuda(True), Cuda(False)
-    assert qct.linear_path(rows, backend=with_gemm, device="cuda:1") == "gemv" and with_gemm.asked == ["cuda:1"]
-    assert qct.linear_path(rows, backend=without, device="cuda:0") == "dequantize+matmul"
+    wgmma, without = Cuda(512), Cuda(0)
+    assert qct.linear_path(512, backend=wgmma, device="cuda:1") == "gemv" and wgmma.asked == ["cuda:1"]
+    assert qct.linear_path(513, backend=wgmma, device="cuda:1") == "dequantize+matmul"
+    assert qct.linear_path(qct.FUSED_4BIT_MAX_ROWS["cuda"], backend=without, device="cuda:0") == "dequantize+matmul"
     assert qct.linear_path(qct.GEMV_MAX_ROWS, backend=without, device="cuda:0") == "gemv"
-    assert qct.linear_path(rows, backend=without) == "gemv"  # no device given: the backend's rule
+    assert qct.linear_path(qct.FUSED_4BIT_MAX_ROWS["cuda"], backend=without) == "gemv"  # no device: the backend's rule
 
 
 # -- modules ---------------------------------------------------------------------------------------------

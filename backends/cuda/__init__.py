@@ -97,20 +97,22 @@ class CudaBackend(BnbOps, GgmlOps, Backend):
         if _torch_cuda():
             _torch().cuda.set_device(int(index))
 
-    _GEMM4_RUNS: dict[int, bool] = {}
+    _GEMM4_ROWS: dict[int, int] = {}
 
-    def gemm_4bit_runs(self, device: Any) -> bool:
-        """Does ``device`` (a torch device or an index; None: the current one) run gemv_4bit's many-row
-        GEMM (kernels_cuda/bnb_gemm.cu: sm_80+ with 227 KiB of shared memory per CTA)? Where it does
-        not, more than 16 rows take 16-row passes of the batch kernels, and ``quantcore.torch``'s
-        linear path dequantizes instead."""
+    def gemm_4bit_rows(self, device: Any) -> int:
+        """Up to how many input rows ``quantcore.torch``'s linear_4bit takes gemv_4bit on ``device`` (a
+        torch device or an index; None: the current one): its many-row GEMM's crossover with dequantize
+        + matmul (kernels_cuda/bnb_gemm.cu: the wgmma GEMM on compute capability 9.0, the mma.sync GEMM
+        on sm_80+ with 227 KiB of shared memory per CTA), 0 where no many-row GEMM runs (more than 16
+        rows would take 16-row passes of the batch kernels: the linear path dequantizes instead).
+        Asked once per device."""
         index = device.index if hasattr(device, "type") else device  # a torch.device, else an index
         if index is None:
             index = rt.cupy().cuda.runtime.getDevice()
-        runs = self._GEMM4_RUNS.get(int(index))
-        if runs is None:
-            runs = self._GEMM4_RUNS[int(index)] = _bnb.gemm4_runs_on(int(index))
-        return runs
+        rows = self._GEMM4_ROWS.get(int(index))
+        if rows is None:
+            rows = self._GEMM4_ROWS[int(index)] = _bnb.gemm4_linear_rows(int(index))
+        return rows
 
     _CAPS: frozenset | None = None
 

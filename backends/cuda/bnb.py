@@ -88,9 +88,10 @@ def _gemm4(tag: str, qt: str, nested: bool, cfg: tuple[int, int, int], cl: int =
             f"{cl}>")
 
 
-def _gemm4wg(tag: str, qt: str, nested: bool, nb: int, dbg: int = 0) -> str:
-    """The wgmma GEMM's instance (``dbg``: a timing experiment, bnb_gemm.cu's DBG)."""
-    return (f"qc::gemm_4bit_wgmma_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}, {_gw_stages(nb)}"
+def _gemm4wg(tag: str, qt: str, nested: bool, nb: int, cl: int = 1, dbg: int = 0) -> str:
+    """The wgmma GEMM's instance: NB input rows per CTA, K split over clusters of ``cl`` CTAs
+    (``dbg``: a timing experiment, bnb_gemm.cu's DBG)."""
+    return (f"qc::gemm_4bit_wgmma_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}, {_gw_stages(nb)}, {cl}"
             + (f", {dbg}>" if dbg else ">"))
 
 
@@ -126,7 +127,7 @@ def instances() -> list[tuple[str, str]]:
                     out += _gemv_tc_instances(tag, qt, nested)
                     out += [(_FM, _gemm4(tag, qt, nested, cfg)) for cfg in _GM_CONFIGS]
                     out += [(_FM, _gemm4(tag, qt, nested, _GM_CONFIGS[-1], cl)) for cl in _GM_CLUSTERS[1:]]
-                    out += [(_FM, _gemm4wg(tag, qt, nested, nb)) for nb in _GW_NB]
+                    out += [(_FM, _gemm4wg(tag, qt, nested, nb, cl)) for nb in _GW_NB for cl in _GW_CLUSTERS]
     for fmt, dts in DECODE_MX_DTYPES.items():
         for dt in dts:
             out += _gemv_tc_instances(TYPE_TAG[dt], fmt, False)
@@ -462,6 +463,21 @@ def _gemm4_takes(device: int, dt: str, a: Any, packed: Any, absmax: Any, rows: i
             and gemm4_runs_on(device) and rt.tune("gemm4", 1) == 1 and rt.tune("gemv_kernel", 0) == 0)
 
 
+#: quantcore.torch's linear_4bit takes gemv_4bit up to this many rows where a many-row GEMM runs,
+#: dequantize + matmul above: the wgmma GEMM (compute capability 9.0) is faster through 512 rows at
+#: 14336 x 4096 and 4096 x 14336 and slower from 1024 (H200, session 22; dequantize + matmul is ~10%
+#: faster at 4096 x 14336 with 128-256 rows), the mma.sync GEMM through 128 (H100, session 16)
+LINEAR_GEMM_ROWS = {"wgmma": 512, "mma": 128}
+
+
+def gemm4_linear_rows(device: int) -> int:
+    """linear_4bit's gemv_4bit rows on ``device`` (LINEAR_GEMM_ROWS), 0 without a many-row GEMM."""
+    if not gemm4_runs_on(device):
+        return 0
+    wg = rt.device_arch(device) == 90 and rt.tune("gemm4wg", 1) == 1
+    return LINEAR_GEMM_ROWS["wgmma" if wg else "mma"]
+
+
 def gemm4_runs_on(device: int) -> bool:
     """Can the many-row GEMM run on ``device``: sm_80+ with the shared memory per CTA it takes."""
     return rt.device_arch(device) >= 80 and int(rt.device_props(device).get("sharedMemPerBlockOptin", 0)) >= _GM_SMEM
@@ -503,6 +519,11 @@ _GW_NB = (128, 256)
 _GW_SMEM, _GW_TABLE = LAUNCH_GEOMETRY["QC_GW_SMEM"], LAUNCH_GEOMETRY["QC_GW_TABLE"]
 _GW_MAX_STAGES = 6
 _GW_MIN_ROWS = 128
+#: its cluster sizes splitting K (grids smaller than the multiprocessors). Clusters of 4 measured ~2x
+#: slower than the same work in one wave without them (H200, session 22: 4096 x 14336 at 256 rows, 32
+#: clusters of 4: 124 us; the same FLOPs at 14336 x 4096 without clusters 60 us), 2 faster (512 rows:
+#: 64 clusters of 2, 110 us against 149 us without): not offered (``gw_cl=4`` forces it)
+_GW_CLUSTERS = (1, 2)
 
 
 @functools.cache
@@ -523,14 +544,25 @@ def _gw_stages(nb: int) -> int:
     return worst
 
 
-def _gw_nb(rows: int, n: int, sms: int) -> int:
-    """The wgmma GEMM's input rows per CTA: 256 (half the decode work per MMA) unless 128 takes fewer
-    waves of CTAs, row tiles counted (``gw_nb`` forces it)."""
-    forced = rt.tune("gw_nb", 0)
-    if forced:
-        return forced
-    waves = {nb: _cdiv(_cdiv(rows, nb) * _cdiv(n, 128), sms) * nb for nb in _GW_NB}
-    return 256 if waves[256] <= waves[128] else 128
+#: the wgmma GEMM's time per multiply-add of the 128-row tile against the 256-row one (H200, session 22:
+#: 14336 x 4096 at 512 rows, 4 waves of 128 x 128 tiles 181.6 us, 2 waves of 128 x 256 tiles 120.7 us)
+_GW_NB128_COST = 1.5
+
+
+def _gw_shape(rows: int, n: int, k: int, sms: int) -> tuple[int, int]:
+    """The wgmma GEMM's (input rows per CTA, CTAs per cluster splitting K): for each tile, the largest
+    of _GW_CLUSTERS whose grid still fits the multiprocessors once (each CTA keeping 8 stages or more),
+    then the tile of least estimated time (waves x the CTA's work: NB / CL, the 128-row tile's per
+    _GW_NB128_COST). ``gw_nb`` / ``gw_cl`` force them."""
+    best = None
+    for nb in _GW_NB:
+        ctas = _cdiv(rows, nb) * _cdiv(n, 128)
+        cl = max(c for c in _GW_CLUSTERS if c == 1 or (ctas * c <= sms and k // 64 >= 8 * c))
+        cost = _cdiv(ctas * cl, sms) * nb / cl * (_GW_NB128_COST if nb == 128 else 1.0)
+        if best is None or cost < best[0]:
+            best = (cost, nb, cl)
+    nb = rt.tune("gw_nb", 0) or best[1]
+    return nb, rt.tune("gw_cl", 0) or (best[2] if nb == best[1] else 1)
 
 
 def _gemm4wg_takes(device: int, rows: int) -> bool:
@@ -542,12 +574,12 @@ def _gemm4wg_takes(device: int, rows: int) -> bool:
 def _gemm4wg_launch(device, a, packed, absmax, nested, out, *, rows, n, k, blocksize, quant_type, ldo):
     """(file, kernel, grid, block, arguments, shared memory, slots) of the wgmma GEMM into ``out``
     [rows, ldo]: grid x the input row blocks (the CTAs of one weight tile run together), y the blocks
-    of 128 weight rows."""
-    nb = _gw_nb(rows, n, rt.sm_count(device))
-    expr = _gemm4wg(_tag(a), quant_type, nested is not None, nb, rt.tune("gw_dbg", 0))
+    of 128 weight rows, z the K slices of a cluster."""
+    nb, cl = _gw_shape(rows, n, k, rt.sm_count(device))
+    expr = _gemm4wg(_tag(a), quant_type, nested is not None, nb, cl, rt.tune("gw_dbg", 0))
     args = kernel_args(expr, a=a, packed=packed, absmax=absmax, **_nested_named(nested), out=out, ldo=ldo, rows=rows,
                        n=n, k=k, log2bs=_log2(blocksize))
-    return _FM, expr, (_cdiv(rows, nb), _cdiv(n, 128)), _GM_THREADS, args, _GW_SMEM, _GEMV_SLOTS
+    return _FM, expr, (_cdiv(rows, nb), _cdiv(n, 128), cl), _GM_THREADS, args, _GW_SMEM, _GEMV_SLOTS
 
 
 def _gemv_launch(device, a, packed, absmax, out, *, rows, n, k, blocksize, quant_type, nested):

@@ -44,10 +44,10 @@ NAMESPACE = "quantcore"
 #: falls to 0.36x at 64, where dequantize + cuBLAS gives 0.50x)
 GEMV_MAX_ROWS = 16
 #: ... except on a backend with a many-row 4-bit GEMM (the cuda backend's bnb_gemm.cu, behind
-#: gemv_4bit): there linear_4bit takes gemv_4bit up to this many rows, dequantize + matmul above
-#: (docs/performance.md, "NF4 prefill", Session 16: on the H100 the fused GEMM wins through 128 rows
-#: at both K = 4096 and K = 14336 and loses from 256; both paths' times grow with N * K, so the
-#: crossover is a row count)
+#: gemv_4bit): there linear_4bit takes gemv_4bit up to this many rows when no device is named, and up
+#: to the backend's ``gemm_4bit_rows(device)`` for a device (cuda: 512 on compute capability 9.0, the
+#: wgmma GEMM; 128 elsewhere; 0 without the GEMM), dequantize + matmul above (docs/performance.md,
+#: "NF4 prefill"; both paths' times grow with N * K, so the crossover is a row count)
 FUSED_4BIT_MAX_ROWS = {"cuda": 128}
 #: gemm_w4a8's stream kernel reads the weight once for up to 8 activation rows
 W4A8_MAX_ROWS = 8
@@ -292,9 +292,9 @@ def linear_path(rows: int, op: str = "linear_4bit", backend: Any = None, k: int 
         limit = GEMV_MAX_ROWS
         if op == "linear_4bit" and name is not None:
             fused = FUSED_4BIT_MAX_ROWS.get(name, 0)
-            runs = getattr(backend, "gemm_4bit_runs", None)
-            if fused and runs is not None and device is not None and not runs(device):
-                fused = 0  # no many-row GEMM on this device (less shared memory per CTA than it takes)
+            rows_on = getattr(backend, "gemm_4bit_rows", None)
+            if fused and rows_on is not None and device is not None:
+                fused = rows_on(device)  # the device's GEMM (0: none, e.g. too little shared memory per CTA)
             limit = max(limit, fused)
     path = "gemv" if 0 < rows <= limit else "dequantize+matmul"
     if DEBUG:
