@@ -63,6 +63,25 @@ __device__ __forceinline__ float gm_lds_f32(u32 addr) {
 __device__ __forceinline__ void gm_sts_f32(u32 addr, float v) {
     asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
 }
+// A ring of S slots of `slot` bytes around a pair table of `table` bytes at a multiple of its size, in
+// [base, end): the table where it leaves the most slots before and after it; tab its address, nf the
+// slots before it (at most S). Traps where fewer than S fit (a launcher bug: it sizes S for the
+// window's worst start).
+__device__ __forceinline__ void place_table(u32 base, u32 end, u32 table, u32 slot, int S, u32& tab, int& nf) {
+    int most = -1;
+    tab = 0;
+    nf = 0;
+    for (u32 b = (base + table - 1) & ~(table - 1); b + table <= end; b += table) {
+        const int f = (int)((b - base) / slot), r = (int)((end - b - table) / slot);
+        if (f + r > most) {
+            most = f + r;
+            tab = b;
+            nf = f;
+        }
+    }
+    if (most < S) __trap();
+    nf = min(nf, S);
+}
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // clusters (sm_90): the K slices of a tile over CL CTAs, added through distributed shared memory
 __device__ __forceinline__ void gm_cluster_sync() {
@@ -97,18 +116,9 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGmThreads, 1) gemm_4bit_ker
     const u32 end = base + kGmSmem;
     // the table at the 64 KiB boundary of the window that leaves the most slots around it; nf slots
     // before it, the rest after it (the launcher sizes S for the worst placement)
-    u32 tab = 0;
-    int nf = 0, most = -1;
-    for (u32 b = (base + 0xffffu) & ~0xffffu; b + kGmTable <= end; b += 0x10000u) {
-        const int f = (int)((b - base) / G::kSlot), r = (int)((end - b - kGmTable) / G::kSlot);
-        if (f + r > most) {
-            most = f + r;
-            tab = b;
-            nf = f;
-        }
-    }
-    if (most < S) __trap();  // launcher bug
-    nf = min(nf, S);
+    u32 tab;
+    int nf;
+    place_table(base, end, kGmTable, G::kSlot, S, tab, nf);
     const u32 tab_end = tab + kGmTable;
     auto slot_addr = [&](int s) -> u32 { return s < nf ? base + s * G::kSlot : tab_end + (s - nf) * G::kSlot; };
 
@@ -384,18 +394,9 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
     // the 32 KiB boundary that leaves the most of them (the launcher sizes S for the worst start)
     const u32 base = (smem_addr(gw_smem) + 1023u) & ~1023u;
     const u32 c2s = (smem_addr(gw_smem) + kGwSmem - 4 * kDynCodes) & ~15u;
-    u32 tab = 0;
-    int nf = 0, most = -1;
-    for (u32 b = (base + kGwTable - 1) & ~(u32)(kGwTable - 1); b + kGwTable <= c2s; b += kGwTable) {
-        const int f = (int)((b - base) / G::kSlot), r = (int)((c2s - b - kGwTable) / G::kSlot);
-        if (f + r > most) {
-            most = f + r;
-            tab = b;
-            nf = f;
-        }
-    }
-    if (most < S) __trap();  // launcher bug
-    nf = min(nf, S);
+    u32 tab;
+    int nf;
+    place_table(base, c2s, kGwTable, G::kSlot, S, tab, nf);
     const u32 tab_end = tab + kGwTable;
     // slots 0 .. nf - 1 before the table, the rest after it: the slot after x
     const u32 first = nf > 0 ? base : tab_end, wrap1 = base + nf * G::kSlot, wrap2 = tab_end + (S - nf) * G::kSlot;

@@ -417,19 +417,27 @@ _GM_MIN_ROWS = 16
 @functools.cache
 def _gm_stages(cfg: tuple[int, int, int]) -> int:
     """Ring stages of a CTA shape: the slots that fit around the 64 KiB-aligned pair table in
-    _GM_SMEM bytes wherever the window starts (16-byte steps; the kernel places the table at the
-    boundary that leaves the most), at most _GM_MAX_STAGES."""
-    slot = gm_slot_bytes(*cfg)
-    worst = _GM_MAX_STAGES
-    for base in range(0, 65536, 16):
-        end, most = base + _GM_SMEM, 0
-        b = (base + 0xFFFF) & ~0xFFFF
-        while b + _GM_TABLE <= end:
-            most = max(most, (b - base) // slot + (end - b - _GM_TABLE) // slot)
-            b += 0x10000
+    _GM_SMEM bytes wherever the window starts (the kernel places the table at the boundary that
+    leaves the most), at most _GM_MAX_STAGES."""
+    return _ring_stages(gm_slot_bytes(*cfg), _GM_TABLE, _GM_SMEM, _GM_MAX_STAGES, f"{cfg}")
+
+
+def _ring_stages(slot: int, table: int, smem: int, most_stages: int, what: str, slot_align: int = 16,
+                 reserve: int = 0) -> int:
+    """bnb_gemm.cu's place_table for every window start (16-byte steps): the fewest slots of ``slot``
+    bytes (from the window's start rounded up to ``slot_align``) that fit around a ``table``-byte table
+    at a multiple of its size below the window's last ``reserve`` bytes (rounded down to 16), at most
+    ``most_stages``; at least 3 or an AssertionError."""
+    worst = most_stages
+    for start in range(0, 65536, 16):
+        base, end, most = -(-start // slot_align) * slot_align, (start + smem - reserve) & ~15, 0
+        b = -(-base // table) * table
+        while b + table <= end:
+            most = max(most, (b - base) // slot + (end - b - table) // slot)
+            b += table
         worst = min(worst, most)
     if worst < 3:
-        raise AssertionError(f"bnb_gemm.cu: {cfg} leaves {worst} ring stages")
+        raise AssertionError(f"bnb_gemm.cu: {what} leaves {worst} ring stages")
     return worst
 
 
@@ -464,9 +472,9 @@ def _gemm4_takes(device: int, dt: str, a: Any, packed: Any, absmax: Any, rows: i
 
 
 #: quantcore.torch's linear_4bit takes gemv_4bit up to this many rows where a many-row GEMM runs,
-#: dequantize + matmul above: the wgmma GEMM (compute capability 9.0) is faster through 512 rows at
-#: 14336 x 4096 and 4096 x 14336 and slower from 1024 (H200, session 22; dequantize + matmul is ~10%
-#: faster at 4096 x 14336 with 128-256 rows), the mma.sync GEMM through 128 (H100, session 16)
+#: dequantize + matmul above: the wgmma GEMM (compute capability 9.0) is faster at 128 .. 512 rows at
+#: 14336 x 4096 and 4096 x 14336 and slower from 1024 (H200, session 22, docs/performance.md "NF4
+#: prefill on wgmma"), the mma.sync GEMM through 128 (H100, session 16)
 LINEAR_GEMM_ROWS = {"wgmma": 512, "mma": 128}
 
 
@@ -528,20 +536,10 @@ _GW_CLUSTERS = (1, 2)
 
 @functools.cache
 def _gw_stages(nb: int) -> int:
-    """Ring stages of the wgmma GEMM's NB tile: the 1024-byte aligned slots around the pair table (at
-    a multiple of its size) below code2's copy at the window's end, wherever the window starts
-    (16-byte steps; the kernel places the table where it leaves the most), at most _GW_MAX_STAGES."""
-    slot, worst = gw_slot_bytes(nb), _GW_MAX_STAGES
-    for start in range(0, 65536, 16):
-        base, end, most = (start + 1023) & ~1023, (start + _GW_SMEM - 4 * bnb.DYNAMIC_MAP.size) & ~15, 0
-        b = (base + _GW_TABLE - 1) & ~(_GW_TABLE - 1)
-        while b + _GW_TABLE <= end:
-            most = max(most, (b - base) // slot + (end - b - _GW_TABLE) // slot)
-            b += _GW_TABLE
-        worst = min(worst, most)
-    if worst < 3:
-        raise AssertionError(f"bnb_gemm.cu: the wgmma GEMM's NB={nb} tile leaves {worst} ring stages")
-    return worst
+    """Ring stages of the wgmma GEMM's NB tile: the 1024-byte aligned slots around its pair table
+    below code2's copy at the window's end, at most _GW_MAX_STAGES."""
+    return _ring_stages(gw_slot_bytes(nb), _GW_TABLE, _GW_SMEM, _GW_MAX_STAGES, f"the wgmma GEMM's NB={nb} tile",
+                        slot_align=1024, reserve=4 * bnb.DYNAMIC_MAP.size)
 
 
 #: the wgmma GEMM's time per multiply-add of the 128-row tile against the 256-row one (H200, session 22:
