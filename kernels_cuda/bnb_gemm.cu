@@ -371,6 +371,19 @@ template <>
 struct IsF16<F16> {
     static constexpr bool value = true;
 };
+// x, opaque to the compiler from here on: kept in a register instead of recomputed where it is used
+template <typename V>
+__device__ __forceinline__ V keep(V x) {
+    if constexpr (sizeof(V) == 8) {
+        u64 v = (u64)x;
+        asm volatile("" : "+l"(v));
+        return (V)v;
+    } else {
+        u32 v = (u32)x;
+        asm volatile("" : "+r"(v));
+        return (V)v;
+    }
+}
 
 // DBG (timing experiments only, QUANTCORE_CUDA_TUNE=gw_dbg=1|2; wrong results by design): 1 decodes
 // only stage 0 (the MMAs reuse its fragments), 2 issues no MMA in the loop (the fragments are XORed
@@ -428,27 +441,26 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
     // tid % 2 at chunk ^ bit 2 of the row (the 8 rows of one of the decode's loads on distinct banks).
     // The sources advance by a stage per issue (pointer increments; the rows' bounds worked out once).
     const int ar = tid >> 3, ac = tid & 7, cr = tid >> 1, cc = tid & 1;
-    const u32 adst = ar * 128 + ((ac ^ (ar & 7)) << 4);
-    const u32 cdst = G::kB + cr * 32 + ((cc ^ ((cr >> 2) & 1)) << 4);
-    const u16* asrc = a + (i64)min(m0 + ar, rows - 1) * K + 64 * sbeg + 8 * ac;
-    const u8* csrc = packed + min(n0 + cr, N - 1) * (K >> 1) + 32 * sbeg + 16 * cc;
+    // (values worked out once are passed through keep(): the compiler would otherwise recompute them
+    // from the thread index in every stage, ~80 of ~270 instructions per warp and stage: ncu, NPW-2)
+    const u32 adst = keep(ar * 128 + ((ac ^ (ar & 7)) << 4));
+    const u32 cdst = keep(G::kB + cr * 32 + ((cc ^ ((cr >> 2) & 1)) << 4));
+    const u16* asrc = keep(a + (i64)min(m0 + ar, rows - 1) * K + 64 * sbeg + 8 * ac);
+    const u8* csrc = keep(packed + min(n0 + cr, N - 1) * (K >> 1) + 32 * sbeg + 16 * cc);
     const i64 astep = 32 * K;  // elements from input row r to r + 32
-    u32 aok = 0;               // bit i: row ar + 32 i inside the input
-#pragma unroll
-    for (int i = 0; i < NB / 32; ++i) aok |= (m0 + ar + 32 * i < rows ? 1u : 0u) << i;
-    constexpr u32 kAll = (1u << (NB / 32)) - 1u;
+    const bool afull = m0 + NB <= rows;  // every input row of the tile inside the input (uniform)
     u32 wslot = first;  // the slot the next issue fills
     int nissued = 0;
     auto issue = [&]() {
         if (nissued < nst) {
             const u16* p = asrc;
-            if (aok == kAll) {
+            if (afull) {
 #pragma unroll
                 for (int i = 0; i < NB / 32; ++i, p += astep) cp_async16(wslot + adst + 4096 * i, p);
             } else {
 #pragma unroll
                 for (int i = 0; i < NB / 32; ++i, p += astep)
-                    cp_async16(wslot + adst + 4096 * i, p, (aok >> i) & 1u ? 16u : 0u);
+                    cp_async16(wslot + adst + 4096 * i, p, m0 + (tid >> 3) + 32 * i < rows ? 16u : 0u);
             }
             cp_async16(wslot + cdst, csrc);
             asrc += 64;
@@ -464,7 +476,7 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
     u32 rch[2];
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr)
-        rch[rr] = (u32)(min(n0 + wg * 64 + wi * 16 + g + 8 * rr, N - 1) * (K >> 6)) + (u32)sbeg;
+        rch[rr] = keep((u32)(min(n0 + wg * 64 + wi * 16 + g + 8 * rr, N - 1) * (K >> 6)) + (u32)sbeg);
     const int bsh = log2bs - 6;  // chunks per block, log2
     // the raw scale data of a stage (absmax bits, or the nested byte and absmax2), two stages in flight
     u32 sraw[2][2];
@@ -484,17 +496,19 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
     };
     // entry address of byte t of a code word w: byte_perm puts the byte at bits 8..15 of
     // (tab << 1) | (lane << 3), one shift halves it
-    const u32 lutx = (tab << 1) | (8u * (u32)lane), sel = 0x7604u | ((u32)t << 4);
+    const u32 lutx = keep((tab << 1) | (8u * (u32)lane)), sel = keep(0x7604u | ((u32)t << 4));
     // the A fragments of the stage in slot `slot`: register (k16 step s, 2 hh + rr) = the pair of byte t
     // of row rr's code word 2 s + hh, times the row's block scale
+    // the shared offsets of row rr's two code chunks (row g and g + 8 share bit 2, so the swizzle)
+    const int drow = wg * 64 + wi * 16 + g;
+    const u32 dsw = ((drow >> 2) & 1) << 4;
+    const u32 dofs0 = keep(G::kB + drow * 32 + dsw), dofs1 = keep(G::kB + drow * 32 + (16 ^ dsw));
     auto decode = [&](u32 slot, const u32(&raw)[2], const float(&s2)[2], u32(&af)[4][4]) {
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
-            const int row = wg * 64 + wi * 16 + g + 8 * rr;
-            const u32 ra = slot + G::kB + row * 32, sw = ((row >> 2) & 1) << 4;
             u32 q[8];
-            lds_v4(ra + sw, q[0], q[1], q[2], q[3]);
-            lds_v4(ra + (16 ^ sw), q[4], q[5], q[6], q[7]);
+            lds_v4(slot + dofs0 + 256 * rr, q[0], q[1], q[2], q[3]);
+            lds_v4(slot + dofs1 + 256 * rr, q[4], q[5], q[6], q[7]);
             const float sc = NESTED ? __fadd_rn(__fmul_rn(gm_lds_f32(c2s + 4 * raw[rr]), s2[rr]), off)
                                     : __uint_as_float(raw[rr]);
             const u32 s2x = T::pack2(sc, sc);

@@ -2,7 +2,7 @@
 # The wgmma NF4 GEMM (kernels_cuda/bnb_gemm.cu gemm_4bit_wgmma_kernel) on the GPU machine: its time per
 # timing experiment (QUANTCORE_CUDA_TUNE gw_dbg: 1 no decode in the loop, 2 no MMA) and input-row tile
 # beside torch bf16, then ncu (full set, SASS source page with stall samples) of the default kernel at
-# ROWS rows (default 512) of 14336 x 4096. Logs under $OUT.
+# ROWS rows (default 512) of 14336 x 4096 (NCU=0: timing only). Logs under $OUT.
 . tools/dev/env.sh /tmp/gw_probe
 ROWS="${ROWS:-512}"
 cat > /tmp/gw_one.py <<PY
@@ -39,6 +39,7 @@ else:
     print("ok")
 PY
 timeout 150 python3 /tmp/gw_one.py time | tee "$OUT/time.log"
+[ "${NCU:-1}" = 0 ] && exit 0
 timeout 240 ncu --clock-control none --kernel-name regex:gemm_4bit_wgmma --launch-skip 1 --launch-count 1 \
   --set full --import-source no -o /tmp/gw -f python3 /tmp/gw_one.py ncu "$ROWS" > "$OUT/ncu_run.log" 2>&1
 echo "ncu rc=$?"; tail -3 "$OUT/ncu_run.log"
