@@ -338,8 +338,9 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGmThreads, 1) gemm_4bit_ker
 // copied raw by cp.async); a CTA is 2 warpgroups = 128 weight rows x NB input rows and walks K in
 // 64-element stages through an S-deep cp.async ring (the stage's input tile and the packed codes of
 // its weight rows). Thread (g, t) of a warp needs, per weight row and stage, byte t of each of the
-// row's 8 code words (the A fragment's k = 16 s + 2 t, 2 t + 1 and 16 s + 8 + 2 t, + 9): a byte_perm
-// and a shift form the address of its entry in a per-lane pair table (32 KiB at a 32 KiB boundary),
+// row's 8 code words (the A fragment's k = 16 s + 2 t, 2 t + 1 and 16 s + 8 + 2 t, + 9): one byte_perm
+// forms the address of its entry in a per-lane pair table (64 KiB at a 64 KiB boundary, whose unused
+// half of each 256 bytes holds the ring's codes),
 // one load gives T(hi), T(lo), one fp16x2 / bf16x2 multiply by the row's block scale in T gives the
 // operand: B = T(code) x T(absmax) rounded in T, the arithmetic bitsandbytes' kernels do (the
 // conformance bound of gemv_4bit allows 4 roundings in T per term; this takes 3, then exact products
@@ -348,18 +349,21 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGmThreads, 1) gemm_4bit_ker
 // table's space) in parts of 64 input rows, stored as 16-byte rows where the output allows.
 constexpr int kGwThreads = QC_GW_THREADS;  // two warpgroups
 constexpr u32 kGwSmem = QC_GW_SMEM;
-constexpr int kGwTable = QC_GW_TABLE;  // the pair table: 256 code bytes x 32 lanes x 4 bytes
-static_assert(kGwThreads == 256 && kGwTable == 32768, "two warpgroups; the table's address arithmetic");
+constexpr int kGwTable = QC_GW_TABLE;  // the pair table: 256 code bytes x 256 bytes (32 lanes x 4 used)
+static_assert(kGwThreads == 256 && kGwTable == 65536, "two warpgroups; the byte_perm table address");
+constexpr int kGwCodeSlot = 8192;  // the address span of a stage's codes: 128 rows x 32 bytes in 32 free halves
 
-// one ring slot of an NB CTA: the input tile (NB rows x 128 bytes, swizzled) then the codes of its
-// 128 weight rows (32 bytes each); quantcore.formats.kernel_defines.gw_slot_bytes. (Two m64 tiles per
-// warpgroup do not fit the registers with the fragments double-buffered: ptxas serializes the MMAs.)
+// one ring slot of an NB CTA: the input tile (NB rows x 128 bytes, swizzled); the codes of its 128
+// weight rows (32 bytes each) go in a code slot of the table's free halves (kGwCodeSlot);
+// quantcore.formats.kernel_defines.gw_slot_bytes. (Two m64 tiles per warpgroup do not fit the
+// registers with the fragments double-buffered: ptxas serializes the MMAs.)
 template <int NB>
 struct GwGeo {
     static_assert(NB == 128 || NB == 256, "m64n128 / m64n256 MMAs");
     static constexpr int kRowsW = 128;
+    static_assert(2 * kRowsW * 32 == kGwCodeSlot && 8 * kGwCodeSlot == kGwTable, "8 code slots in the free halves");
     static constexpr int kB = NB * 128;
-    static constexpr int kSlot = kB + kRowsW * 32;
+    static constexpr int kSlot = kB;  // (the codes live in the pair table's free halves)
     static constexpr int kOPitch = kRowsW * 2 + 16;  // a staged output row (64 of them in the table's space)
     static_assert(kSlot % 1024 == 0 && 64 * kOPitch <= kGwTable, "swizzled tiles 1024-byte aligned");
 };
@@ -400,7 +404,8 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
     using G = GwGeo<NB>;
     constexpr int NA = NB / 2;  // accumulators
     constexpr bool kF16 = IsF16<T>::value;
-    static_assert(S >= 3, "stage j + 1 is decoded while stage j is multiplied and j + S - 1 is copied");
+    static_assert(S >= 3 && S <= 8, "stage j + 1 is decoded while stage j is multiplied and j + S - 1 is copied; "
+                  "the table's free halves hold 8 stages of codes");
     extern __shared__ __align__(1024) u8 gw_smem[];
     require_dynamic_smem(kGwSmem);
     // the window: code2's copy at its end, the ring slots (1024-byte aligned) around the pair table at
@@ -421,11 +426,11 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = lane_id(), g = lane >> 2, t = lane & 3;
     const int wg = warp >> 2, wi = warp & 3;
-    // the pair table: entry (code byte, lane) at tab + 128 byte + 4 lane (each lane its own bank)
+    // the pair table: entry (code byte, lane) at tab + 256 byte + 4 lane (each lane its own bank)
     for (int i = tid; i < 256 * 8; i += kGwThreads) {
         const int byte = i >> 3;
         const u32 v = T::pack2(code_4bit<QT>(byte >> 4), code_4bit<QT>(byte & 15));
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(tab + byte * 128 + (i & 7) * 16), "r"(v)
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(tab + byte * 256 + (i & 7) * 16), "r"(v)
                      : "memory");
     }
     if (NESTED)
@@ -444,12 +449,14 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
     // (values worked out once are passed through keep(): the compiler would otherwise recompute them
     // from the thread index in every stage, ~80 of ~270 instructions per warp and stage: ncu, NPW-2)
     const u32 adst = keep(ar * 128 + ((ac ^ (ar & 7)) << 4));
-    const u32 cdst = keep(G::kB + cr * 32 + ((cc ^ ((cr >> 2) & 1)) << 4));
+    // code row r, chunk c of a stage: half-row r / 4 of its code slot, 32 (r % 4) + 16 (c ^ bit 2 of r)
+    const u32 cdst = keep((cr >> 2) * 256 + (cr & 3) * 32 + ((cc ^ ((cr >> 2) & 1)) << 4));
+    const u32 code0 = tab + 128, code_end = code0 + S * kGwCodeSlot;  // stage s's codes at code0 + 8192 (s % S)
     const u16* asrc = keep(a + (i64)min(m0 + ar, rows - 1) * K + 64 * sbeg + 8 * ac);
     const u8* csrc = keep(packed + min(n0 + cr, N - 1) * (K >> 1) + 32 * sbeg + 16 * cc);
     const i64 astep = 32 * K;  // elements from input row r to r + 32
     const bool afull = m0 + NB <= rows;  // every input row of the tile inside the input (uniform)
-    u32 wslot = first;  // the slot the next issue fills
+    u32 wslot = first, wcode = code0;  // the slots the next issue fills
     int nissued = 0;
     auto issue = [&]() {
         if (nissued < nst) {
@@ -462,10 +469,11 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
                 for (int i = 0; i < NB / 32; ++i, p += astep)
                     cp_async16(wslot + adst + 4096 * i, p, m0 + (tid >> 3) + 32 * i < rows ? 16u : 0u);
             }
-            cp_async16(wslot + cdst, csrc);
+            cp_async16(wcode + cdst, csrc);
             asrc += 64;
             csrc += 32;
             wslot = next_slot(wslot);
+            wcode = wcode + kGwCodeSlot == code_end ? code0 : wcode + kGwCodeSlot;
             ++nissued;
         }
         cp_async_commit();  // one group per stage (empty past the end)
@@ -496,26 +504,27 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
     };
     // entry address of byte t of a code word w: byte_perm puts the byte at bits 8..15 of
     // (tab << 1) | (lane << 3), one shift halves it
-    const u32 lutx = keep((tab << 1) | (8u * (u32)lane)), sel = keep(0x7604u | ((u32)t << 4));
+    const u32 lutx = keep(tab | (4u * (u32)lane)), sel = keep(0x7604u | ((u32)t << 4));
     // the A fragments of the stage in slot `slot`: register (k16 step s, 2 hh + rr) = the pair of byte t
     // of row rr's code word 2 s + hh, times the row's block scale
     // the shared offsets of row rr's two code chunks (row g and g + 8 share bit 2, so the swizzle)
     const int drow = wg * 64 + wi * 16 + g;
     const u32 dsw = ((drow >> 2) & 1) << 4;
-    const u32 dofs0 = keep(G::kB + drow * 32 + dsw), dofs1 = keep(G::kB + drow * 32 + (16 ^ dsw));
+    const u32 dofs0 = keep((drow >> 2) * 256 + (drow & 3) * 32 + dsw);
+    const u32 dofs1 = keep((drow >> 2) * 256 + (drow & 3) * 32 + (16 ^ dsw));
     auto decode = [&](u32 slot, const u32(&raw)[2], const float(&s2)[2], u32(&af)[4][4]) {
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
             u32 q[8];
-            lds_v4(slot + dofs0 + 256 * rr, q[0], q[1], q[2], q[3]);
-            lds_v4(slot + dofs1 + 256 * rr, q[4], q[5], q[6], q[7]);
+            lds_v4(slot + dofs0 + 512 * rr, q[0], q[1], q[2], q[3]);
+            lds_v4(slot + dofs1 + 512 * rr, q[4], q[5], q[6], q[7]);
             const float sc = NESTED ? __fadd_rn(__fmul_rn(gm_lds_f32(c2s + 4 * raw[rr]), s2[rr]), off)
                                     : __uint_as_float(raw[rr]);
             const u32 s2x = T::pack2(sc, sc);
 #pragma unroll
             for (int w = 0; w < 8; ++w) {
                 u32 pr;
-                asm volatile("ld.shared.b32 %0, [%1];" : "=r"(pr) : "r"(__byte_perm(q[w], lutx, sel) >> 1));
+                asm volatile("ld.shared.b32 %0, [%1];" : "=r"(pr) : "r"(__byte_perm(q[w], lutx, sel)));
                 af[w >> 1][2 * (w & 1) + rr] = qcmx::hmul2<!kF16>(pr, s2x);
             }
         }
@@ -534,8 +543,9 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
     fence_proxy_async();
     __syncthreads();  // stage 0 and the tables
     u32 rslot = first;  // stage j's slot (the MMAs), then next_slot(rslot) stage j + 1's (the decode)
-    decode(rslot, sraw[0], ss2[0], af[0]);
-    if (DBG == 1) decode(rslot, sraw[0], ss2[0], af[1]);
+    u32 rcode = code0;  // the codes of the stage decoded next
+    decode(rcode, sraw[0], ss2[0], af[0]);
+    if (DBG == 1) decode(rcode, sraw[0], ss2[0], af[1]);
     load_scales(2, sraw[0], ss2[0]);
 
     // stage j: its MMAs (A from af[j % 2]); then, while they run, stage j + 1 made visible, stage
@@ -555,6 +565,7 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
         wgmma_commit();                                                                                   \
         fence_acc(acc);                                                                                   \
         rslot = next_slot(rslot);                                                                         \
+        rcode = rcode + kGwCodeSlot == code_end ? code0 : rcode + kGwCodeSlot;                            \
         if (j_ + 1 < nst) {                                                                               \
             wgmma_wait<1>(); /* stage j - 1's MMAs: its slot and af[1 - P] are free */                    \
             fence_acc(acc);                                                                               \
@@ -564,7 +575,7 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
             issue();                                                                                      \
             _Pragma("unroll") for (int s = 0; s < 4; ++s) _Pragma("unroll") for (int i = 0; i < 4; ++i)  \
                 asm volatile("" : "+r"(af[1 - P][s][i])::"memory");                                      \
-            if (DBG != 1) decode(rslot, sraw[1 - P], ss2[1 - P], af[1 - P]);                              \
+            if (DBG != 1) decode(rcode, sraw[1 - P], ss2[1 - P], af[1 - P]);                              \
             load_scales(j_ + 3, sraw[1 - P], ss2[1 - P]);                                                 \
         }                                                                                                 \
     }

@@ -525,7 +525,7 @@ def _gemm4_launch(device, a, packed, absmax, nested, out, *, rows, n, k, blocksi
 # m64n128 / m64n256 MMA's N), its dynamic shared memory, the rows from which it takes a call
 _GW_NB = (128, 256)
 _GW_SMEM, _GW_TABLE = LAUNCH_GEOMETRY["QC_GW_SMEM"], LAUNCH_GEOMETRY["QC_GW_TABLE"]
-_GW_MAX_STAGES = 6
+_GW_MAX_STAGES = 8  # (the pair table's free halves hold 8 stages of codes)
 _GW_MIN_ROWS = 128
 #: its cluster sizes splitting K (grids smaller than the multiprocessors). Clusters of 4 measured ~2x
 #: slower than the same work in one wave without them (H200, session 22: 4096 x 14336 at 256 rows, 32
