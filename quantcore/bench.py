@@ -475,7 +475,7 @@ class Bench:
             return qct.linear_4bit_eager(x, p, s.absmax, s2.absmax, s2.code, s.offset, n, k, bs, qt, state=s)
 
         out = be.empty((rows_, n), as_dtype("bfloat16"), like=x)
-        path = qct.linear_path(rows_, backend=be, k=k, device=x.device)  # the input's device decides
+        path = qct.linear_path(rows_, backend=be, k=k, device=x.device, n=n)  # the input's device decides
         rows = [self.measure("linear_4bit", shape, "quantcore", nbytes, [lambda p=p, s=s: layer(p, s) for p, s in qs],
                              note=f"path {path}"),
                 self.measure("linear_4bit", shape, "qc-gemv_4bit", nbytes,

@@ -179,9 +179,9 @@ def test_linear_path_fused_gemm_by_rows():
 
 
 def test_linear_path_by_the_device_gemm():
-    """With a device, the backend's many-row GEMM on it sets linear_4bit's gemv rows (cuda: 512 with the
-    wgmma GEMM, 128 with the mma.sync one, 0 where none runs, e.g. an A100): the batch kernels' rows
-    always, dequantize + matmul above."""
+    """With a device, the backend's many-row GEMM on it sets linear_4bit's gemv rows for the weight's
+    shape (cuda: 512 with the wgmma GEMM for large weights, 128 with the mma.sync one, 0 where none runs,
+    e.g. an A100): the batch kernels' rows always, dequantize + matmul above."""
 
     class Cuda:
         name = "cuda"
@@ -189,12 +189,13 @@ def test_linear_path_by_the_device_gemm():
         def __init__(self, rows):
             self.rows, self.asked = rows, []
 
-        def gemm_4bit_rows(self, device):
-            self.asked.append(device)
+        def gemm_4bit_rows(self, device, n=0, k=0):
+            self.asked.append((device, n, k))
             return self.rows
 
     wgmma, without = Cuda(512), Cuda(0)
-    assert qct.linear_path(512, backend=wgmma, device="cuda:1") == "gemv" and wgmma.asked == ["cuda:1"]
+    assert qct.linear_path(512, backend=wgmma, device="cuda:1", k=4096, n=14336) == "gemv"
+    assert wgmma.asked == [("cuda:1", 14336, 4096)]
     assert qct.linear_path(513, backend=wgmma, device="cuda:1") == "dequantize+matmul"
     assert qct.linear_path(qct.FUSED_4BIT_MAX_ROWS["cuda"], backend=without, device="cuda:0") == "dequantize+matmul"
     assert qct.linear_path(qct.GEMV_MAX_ROWS, backend=without, device="cuda:0") == "gemv"

@@ -97,22 +97,23 @@ class CudaBackend(BnbOps, GgmlOps, Backend):
         if _torch_cuda():
             _torch().cuda.set_device(int(index))
 
-    _GEMM4_ROWS: dict[int, int] = {}
+    _GEMM4_RUNS: dict[int, bool] = {}
 
-    def gemm_4bit_rows(self, device: Any) -> int:
-        """Up to how many input rows ``quantcore.torch``'s linear_4bit takes gemv_4bit on ``device`` (a
-        torch device or an index; None: the current one): its many-row GEMM's crossover with dequantize
-        + matmul (kernels_cuda/bnb_gemm.cu: the wgmma GEMM on compute capability 9.0, the mma.sync GEMM
-        on sm_80+ with 227 KiB of shared memory per CTA), 0 where no many-row GEMM runs (more than 16
-        rows would take 16-row passes of the batch kernels: the linear path dequantizes instead).
-        Asked once per device."""
+    def gemm_4bit_rows(self, device: Any, n: int = 0, k: int = 0) -> int:
+        """Up to how many input rows ``quantcore.torch``'s linear_4bit takes gemv_4bit for an [n, k]
+        weight on ``device`` (a torch device or an index; None: the current one): its many-row GEMM's
+        crossover with dequantize + matmul (kernels_cuda/bnb_gemm.cu: the wgmma GEMM on compute
+        capability 9.0 for weights of ``LINEAR_WGMMA_MIN_WEIGHT`` elements or more, else the mma.sync
+        GEMM: sm_80+ with 227 KiB of shared memory per CTA), 0 where no many-row GEMM runs (more than
+        16 rows would take 16-row passes of the batch kernels: the linear path dequantizes instead).
+        Whether the GEMM runs is asked once per device."""
         index = device.index if hasattr(device, "type") else device  # a torch.device, else an index
         if index is None:
             index = rt.cupy().cuda.runtime.getDevice()
-        rows = self._GEMM4_ROWS.get(int(index))
-        if rows is None:
-            rows = self._GEMM4_ROWS[int(index)] = _bnb.gemm4_linear_rows(int(index))
-        return rows
+        runs = self._GEMM4_RUNS.get(int(index))
+        if runs is None:
+            runs = self._GEMM4_RUNS[int(index)] = _bnb.gemm4_runs_on(int(index))
+        return _bnb.gemm4_linear_rows(int(index), n, k) if runs else 0
 
     _CAPS: frozenset | None = None
 

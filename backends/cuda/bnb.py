@@ -474,15 +474,21 @@ def _gemm4_takes(device: int, dt: str, a: Any, packed: Any, absmax: Any, rows: i
 #: quantcore.torch's linear_4bit takes gemv_4bit up to this many rows where a many-row GEMM runs,
 #: dequantize + matmul above: the wgmma GEMM (compute capability 9.0) is faster at 128 .. 512 rows at
 #: 14336 x 4096 and 4096 x 14336 and slower from 1024 (H200, session 22, docs/performance.md "NF4
-#: prefill on wgmma"), the mma.sync GEMM through 128 (H100, session 16)
+#: prefill on wgmma"), the mma.sync GEMM through 128 (H100, session 16) ...
 LINEAR_GEMM_ROWS = {"wgmma": 512, "mma": 128}
+#: ... the wgmma GEMM's 512 rows for weights of at least this many elements (4096 x 8192), the mma.sync
+#: GEMM's rows below: its grid of 128-row weight tiles is small there (H200, session 22, us at 128 / 512
+#: rows: 1024 x 4096 25.0 / 25.4 against bitsandbytes' dequantize + matmul 21.5 / 24.2; 4096 x 4096 at
+#: 512 rows 36.7, 1.49x bitsandbytes)
+LINEAR_WGMMA_MIN_WEIGHT = 4096 * 8192
 
 
-def gemm4_linear_rows(device: int) -> int:
-    """linear_4bit's gemv_4bit rows on ``device`` (LINEAR_GEMM_ROWS), 0 without a many-row GEMM."""
+def gemm4_linear_rows(device: int, n: int = 0, k: int = 0) -> int:
+    """linear_4bit's gemv_4bit rows on ``device`` for an [n, k] weight (LINEAR_GEMM_ROWS; n, k 0: any
+    weight, the smaller rule), 0 without a many-row GEMM."""
     if not gemm4_runs_on(device):
         return 0
-    wg = rt.device_arch(device) == 90 and rt.tune("gemm4wg", 1) == 1
+    wg = rt.device_arch(device) == 90 and rt.tune("gemm4wg", 1) == 1 and n * k >= LINEAR_WGMMA_MIN_WEIGHT
     return LINEAR_GEMM_ROWS["wgmma" if wg else "mma"]
 
 
@@ -508,7 +514,7 @@ def _gemm4_launch(device, a, packed, absmax, nested, out, *, rows, n, k, blocksi
     """(file, kernel, grid, block, arguments, shared memory, slots) of the many-row GEMM into ``out``
     [rows, ldo]: grid x the CTA's input row blocks (the CTAs of one weight tile run together), y its
     weight row blocks, z the K slices of a cluster. From _GW_MIN_ROWS rows on sm_90a, the wgmma GEMM."""
-    if _gemm4wg_takes(device, rows):
+    if _gemm4wg_takes(device, rows, n):
         return _gemm4wg_launch(device, a, packed, absmax, nested, out, rows=rows, n=n, k=k, blocksize=blocksize,
                                quant_type=quant_type, ldo=ldo)
     cfg = _gm_config(rows, n, rt.sm_count(device))
@@ -526,7 +532,10 @@ def _gemm4_launch(device, a, packed, absmax, nested, out, *, rows, n, k, blocksi
 _GW_NB = (128, 256)
 _GW_SMEM, _GW_TABLE = LAUNCH_GEOMETRY["QC_GW_SMEM"], LAUNCH_GEOMETRY["QC_GW_TABLE"]
 _GW_MAX_STAGES = 8  # (the pair table's free halves hold 8 stages of codes)
-_GW_MIN_ROWS = 128
+# (H200, session 22, us, mma.sync GEMM / wgmma GEMM: 14336 x 4096 at 32 / 64 / 96 rows 39.4 / 41.2, 59.5 /
+# 40.5, 98.1 / 39.7; 4096 x 14336 64.0 / 74.1, 57.4 / 73.3, 103.8 / 72.5: from 96 rows always, from 64 where
+# the weight's 128-row tiles alone fill 3/4 of the multiprocessors)
+_GW_MIN_ROWS, _GW_WIDE_MIN_ROWS = 65, 33
 #: its cluster sizes splitting K (grids smaller than the multiprocessors). Clusters of 4 measured ~2x
 #: slower than the same work in one wave without them (H200, session 22: 4096 x 14336 at 256 rows, 32
 #: clusters of 4: 124 us; the same FLOPs at 14336 x 4096 without clusters 60 us), 2 faster (512 rows:
@@ -563,10 +572,16 @@ def _gw_shape(rows: int, n: int, k: int, sms: int) -> tuple[int, int]:
     return nb, rt.tune("gw_cl", 0) or (best[2] if nb == best[1] else 1)
 
 
-def _gemm4wg_takes(device: int, rows: int) -> bool:
-    """Does the wgmma GEMM take a call the many-row GEMM would take: compute capability 9.0 (sm_90a)
-    and at least _GW_MIN_ROWS rows (``gemm4wg=0`` turns it off: comparisons)."""
-    return rows >= rt.tune("gw_min_rows", _GW_MIN_ROWS) and rt.device_arch(device) == 90 and rt.tune("gemm4wg", 1) == 1
+def _gemm4wg_takes(device: int, rows: int, n: int) -> bool:
+    """Does the wgmma GEMM take a call the many-row GEMM would take: compute capability 9.0 (sm_90a),
+    more than 64 rows, or more than 32 where the grid of 128-row weight tiles fills 3/4 of the
+    multiprocessors (``gemm4wg=0`` turns it off, ``gw_min_rows`` sets the rows: comparisons, tests)."""
+    if rt.device_arch(device) != 90 or rt.tune("gemm4wg", 1) != 1:
+        return False
+    forced = rt.tune("gw_min_rows", 0)
+    if forced:
+        return rows >= forced
+    return rows >= _GW_MIN_ROWS or (rows >= _GW_WIDE_MIN_ROWS and _cdiv(n, 128) >= 0.75 * rt.sm_count(device))
 
 
 def _gemm4wg_launch(device, a, packed, absmax, nested, out, *, rows, n, k, blocksize, quant_type, ldo):

@@ -80,7 +80,8 @@ class LinearGroup:
         """``member``'s output for ``x`` from a grouped call, or None where ``member`` should run alone."""
         op = "linear_fp4" if self._fp4 else "linear_4bit"
         if x.shape[-1] != self.members[0].in_features or qct.linear_path(
-                qct._rows(x), op, backend=qct.backend_for(x.device), k=x.shape[-1], device=x.device) != "gemv":
+                qct._rows(x), op, backend=qct.backend_for(x.device), k=x.shape[-1], device=x.device,
+                n=min(self.sizes)) != "gemv":  # (each member's GEMM is its own launch: the smallest decides)
             return None
         if torch.is_grad_enabled() and (x.requires_grad or any(
                 p is not None and p.requires_grad for m in self.members for p in (m._parameters.get("bias"),))):

@@ -45,8 +45,9 @@ NAMESPACE = "quantcore"
 GEMV_MAX_ROWS = 16
 #: ... except on a backend with a many-row 4-bit GEMM (the cuda backend's bnb_gemm.cu, behind
 #: gemv_4bit): there linear_4bit takes gemv_4bit up to this many rows when no device is named, and up
-#: to the backend's ``gemm_4bit_rows(device)`` for a device (cuda: 512 on compute capability 9.0, the
-#: wgmma GEMM; 128 elsewhere; 0 without the GEMM), dequantize + matmul above (docs/performance.md,
+#: to the backend's ``gemm_4bit_rows(device, n, k)`` for a device (cuda: 512 on compute capability 9.0
+#: for weights of 4096 x 8192 elements or more, the wgmma GEMM; 128 else; 0 without the GEMM),
+#: dequantize + matmul above (docs/performance.md,
 #: "NF4 prefill"; both paths' times grow with N * K, so the crossover is a row count)
 FUSED_4BIT_MAX_ROWS = {"cuda": 128}
 #: gemm_w4a8's stream kernel reads the weight once for up to 8 activation rows
@@ -278,13 +279,14 @@ _define("gemv_4bit_grouped(Tensor A, Tensor[] packed, Tensor[] absmax, Tensor?[]
 
 
 # -- linear_4bit ----------------------------------------------------------------------------------------
-def linear_path(rows: int, op: str = "linear_4bit", backend: Any = None, k: int = 0, device: Any = None) -> str:
+def linear_path(rows: int, op: str = "linear_4bit", backend: Any = None, k: int = 0, device: Any = None,
+                n: int = 0) -> str:
     """The path a linear op takes for ``rows`` input rows of ``k`` elements on ``backend`` (a backend
-    or its name; None: any backend) and ``device`` (a torch device; None: any): "gemv" (the batch
-    kernels, or the fused many-row GEMM where the backend has one on that device, read the weight once
-    for many rows; linear_q4_0: gemm_w4a8) or "dequantize+matmul" (the weight dequantized into a
-    temporary, then torch's matmul on tensor cores). The rule depends on the rows only; ``k`` is
-    accepted for callers that pass the shape."""
+    or its name; None: any backend) and ``device`` (a torch device; None: any) with an [n, k] weight:
+    "gemv" (the batch kernels, or the fused many-row GEMM where the backend has one on that device,
+    read the weight once for many rows; linear_q4_0: gemm_w4a8) or "dequantize+matmul" (the weight
+    dequantized into a temporary, then torch's matmul on tensor cores). The rule is a row count; with a
+    device, the backend's ``gemm_4bit_rows(device, n, k)`` sets it for linear_4bit (n, k 0: any weight)."""
     name = backend if backend is None or isinstance(backend, str) else getattr(backend, "name", None)
     if op == "linear_q4_0":
         limit = W4A8_MAX_ROWS_CUDA if name == "cuda" else W4A8_MAX_ROWS
@@ -294,7 +296,7 @@ def linear_path(rows: int, op: str = "linear_4bit", backend: Any = None, k: int 
             fused = FUSED_4BIT_MAX_ROWS.get(name, 0)
             rows_on = getattr(backend, "gemm_4bit_rows", None)
             if fused and rows_on is not None and device is not None:
-                fused = rows_on(device)  # the device's GEMM (0: none, e.g. too little shared memory per CTA)
+                fused = rows_on(device, n, k)  # the device's GEMM (0: none, e.g. too little shared memory per CTA)
             limit = max(limit, fused)
     path = "gemv" if 0 < rows <= limit else "dequantize+matmul"
     if DEBUG:
@@ -329,7 +331,7 @@ def linear_4bit_eager(x, packed, absmax, absmax2, code2, offset, n, k, blocksize
     if state is None:
         state = state_of(packed, absmax, absmax2, code2, offset, (n, k), blocksize, quant_type)
     rows = _rows(x)
-    if linear_path(rows, backend=backend_for(x.device), k=k, device=x.device) == "gemv":
+    if linear_path(rows, backend=backend_for(x.device), k=k, device=x.device, n=n) == "gemv":
         x2 = x if x.is_contiguous() else x.contiguous()
         return add_bias(_run(x.device, api.gemv_4bit, (x2, packed, state)), bias)
     w = _run(x.device, api.dequantize_4bit, (packed, state), out_dtype=x.dtype)
@@ -340,7 +342,8 @@ def bind_linear_4bit(x: torch.Tensor, packed: torch.Tensor, state: QuantState) -
     """The gemv path's launch bound to these tensors for x's geometry (``quantcore.bind_gemv_4bit``),
     or None (more rows than the gemv path takes, a host route, a backend that binds nothing)."""
     be = backend_for(x.device)
-    if linear_path(_rows(x), backend=be, k=x.shape[-1], device=x.device) != "gemv":
+    if linear_path(_rows(x), backend=be, k=x.shape[-1], device=x.device,
+                   n=state.shape[0] if len(state.shape) == 2 else 0) != "gemv":
         return None
     if _host_route(be, x.device):
         return None

@@ -2,7 +2,7 @@
 against dequantize_4bit + an fp32 matmul, and its time per CTA shape (QUANTCORE_CUDA_TUNE gm_cfg)
 beside dequantize + torch matmul, bitsandbytes' matmul_4bit and torch bf16 F.linear, in one process
 (CUDA events, median of reps, 3 rotating weights).
-Usage: python tools/dev/gemm4_time.py [--quick] [--rows 32,64] [--fused-only]
+Usage: python tools/dev/gemm4_time.py [--quick] [--rows 32,64] [--shapes 1024x4096,...] [--fused-only]
 (--fused-only: the launcher's choice alone, no checks or baselines: run from an older tree's root
 with this file copied there to time its kernel in the same call)
 """
@@ -27,7 +27,8 @@ ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 #: GEMM's CTA shape backends/cuda/bnb.py _GM_CONFIGS[i - 1]; gemm4wg=0 the mma.sync GEMM's default
 #: instead of the wgmma GEMM; gw_nb the wgmma GEMM's input rows per CTA)
 _WG = ["gemm4wg=0", "gw_min_rows=1,gw_nb=128", "gw_min_rows=1,gw_nb=256"]
-VARIANTS = {16: [""], 32: ["", "gm_cfg=3", "gm_cfg=4", "gm_cfg=5"], 64: ["", "gm_cfg=1", "gm_cfg=4", "gm_cfg=5", *_WG[1:]],
+VARIANTS = {16: [""], 32: ["", "gm_cfg=3", "gm_cfg=4", "gm_cfg=5", *_WG[1:]],
+            64: ["", "gm_cfg=1", "gm_cfg=4", "gm_cfg=5", *_WG[1:]], 96: ["", *_WG[1:]],
             128: ["", "gm_cfg=1", "gm_cfg=5", *_WG], 256: ["", *_WG], 512: ["", *_WG], 1024: ["", *_WG],
             2048: ["", *_WG], 4096: ["", *_WG]}
 
@@ -48,6 +49,9 @@ def main() -> None:
     quick = "--quick" in sys.argv
     fused_only = "--fused-only" in sys.argv
     rows_list = ROWS
+    shapes = SHAPES
+    if "--shapes" in sys.argv:  # e.g. --shapes 1024x4096,4096x4096 (N x K)
+        shapes = tuple(tuple(int(v) for v in sh.split("x")) for sh in sys.argv[sys.argv.index("--shapes") + 1].split(","))
     if "--rows" in sys.argv:
         rows_list = tuple(int(r) for r in sys.argv[sys.argv.index("--rows") + 1].split(","))
     t0 = time.time()
@@ -61,7 +65,7 @@ def main() -> None:
 
     lin = torch.nn.functional.linear
     # correctness on the big shapes: fused vs dequantize_4bit + fp32 matmul (rel. Frobenius error)
-    for (n, k) in () if fused_only else SHAPES:
+    for (n, k) in () if fused_only else shapes:
         for rows in (17, 100, 200, 512) if quick else (17, 64, 100, 200, 512, 2048):
             for qt, nested, dt in (("nf4", True, torch.bfloat16), ("fp4", False, torch.float16)):
                 w = torch.randn(n, k, device="cuda", dtype=dt) * 0.05
@@ -76,7 +80,7 @@ def main() -> None:
                       flush=True)
     # timing
     lines = []
-    for (n, k) in SHAPES:
+    for (n, k) in shapes:
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(3)]
         qs = [qc.quantize_4bit(w, 64, "nf4", True, backend=be) for w in ws]
         bq = [] if fused_only else [F.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
