@@ -336,16 +336,15 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGmThreads, 1) gemm_4bit_ker
 // wgmma"). The weight is wgmma's A operand from registers (64 weight rows per warpgroup), the input
 // its B operand from shared memory (NB = 128 or 256 input rows, K-major in the 128-byte swizzle,
 // copied raw by cp.async); a CTA is 2 warpgroups = 128 weight rows x NB input rows and walks K in
-// 64-element stages through an S-deep cp.async ring (the stage's input tile and the packed codes of
-// its weight rows). Thread (g, t) of a warp needs, per weight row and stage, byte t of each of the
+// 64-element stages through an S-deep cp.async ring (the stage's input tile in a slot, the packed codes
+// of its weight rows in the pair table's free halves). Thread (g, t) of a warp needs, per weight row and stage, byte t of each of the
 // row's 8 code words (the A fragment's k = 16 s + 2 t, 2 t + 1 and 16 s + 8 + 2 t, + 9): one byte_perm
-// forms the address of its entry in a per-lane pair table (64 KiB at a 64 KiB boundary, whose unused
-// half of each 256 bytes holds the ring's codes),
-// one load gives T(hi), T(lo), one fp16x2 / bf16x2 multiply by the row's block scale in T gives the
-// operand: B = T(code) x T(absmax) rounded in T, the arithmetic bitsandbytes' kernels do (the
+// forms the address of its entry in a per-lane pair table (64 KiB at a 64 KiB boundary), one load
+// gives T(hi), T(lo), one fp16x2 / bf16x2 multiply by the row's block scale in T gives the operand: B = T(code) x T(absmax) rounded in T, the arithmetic bitsandbytes' kernels do (the
 // conformance bound of gemv_4bit allows 4 roundings in T per term; this takes 3, then exact products
 // summed in fp32). The next stage's operands are decoded while the current stage's MMAs run; scales
-// are loaded from global memory two stages ahead. The epilogue goes through shared memory (the
+// are loaded from global memory two stages ahead (through the ring they measured slower: NPW-4).
+// Values worked out once per CTA go through keep() (NPW-5). The epilogue goes through shared memory (the
 // table's space) in parts of 64 input rows, stored as 16-byte rows where the output allows.
 constexpr int kGwThreads = QC_GW_THREADS;  // two warpgroups
 constexpr u32 kGwSmem = QC_GW_SMEM;
@@ -409,7 +408,7 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
     extern __shared__ __align__(1024) u8 gw_smem[];
     require_dynamic_smem(kGwSmem);
     // the window: code2's copy at its end, the ring slots (1024-byte aligned) around the pair table at
-    // the 32 KiB boundary that leaves the most of them (the launcher sizes S for the worst start)
+    // the 64 KiB boundary that leaves the most of them (the launcher sizes S for the worst start)
     const u32 base = (smem_addr(gw_smem) + 1023u) & ~1023u;
     const u32 c2s = (smem_addr(gw_smem) + kGwSmem - 4 * kDynCodes) & ~15u;
     u32 tab;
