@@ -73,6 +73,25 @@ def test_gemm_4bit_rows_by_device(monkeypatch):
     assert _bnb.gemm4_linear_rows(0, 14336, 4096) == rows["mma"]
 
 
+def test_wgmma_gemm_launch_rules(monkeypatch):
+    """The wgmma GEMM's share of gemv_4bit (compute capability 9.0): from 65 rows, from 33 where the
+    128-row weight tiles fill 3/4 of the SMs; its tile (256 input rows unless 128 takes fewer waves x
+    work) and K split (clusters of 2 where the grid is below the SMs and K keeps 8 stages per CTA) for
+    the measured shapes; rings of 4 / 8 stages; the mma.sync GEMM elsewhere."""
+    monkeypatch.setattr(rt, "device_arch", lambda d: 90)
+    monkeypatch.setattr(rt, "sm_count", lambda d: 132)
+    monkeypatch.delenv(rt.ENV_TUNE, raising=False)
+    takes = _bnb._gemm4wg_takes
+    assert not takes(0, 32, 14336) and takes(0, 33, 14336) and not takes(0, 64, 4096) and takes(0, 65, 4096)
+    shape = _bnb._gw_shape
+    assert shape(128, 14336, 4096, 132) == (128, 1) and shape(512, 14336, 4096, 132) == (256, 1)
+    assert shape(512, 4096, 14336, 132) == (256, 2) and shape(128, 4096, 14336, 132) == (128, 2)
+    assert shape(2048, 4096, 14336, 132) == (256, 1)
+    assert (_bnb._gw_stages(256), _bnb._gw_stages(128)) == (4, 8)
+    monkeypatch.setattr(rt, "device_arch", lambda d: 80)
+    assert not takes(0, 4096, 14336)
+
+
 def test_every_launchable_kernel_has_its_source():
     files = {f for f in os.listdir(rt.kernel_dir()) if f.endswith(".cu")}
     assert {"bnb_4bit.cu", "bnb_8bit.cu", "ggml.cu"} <= set(_instances_by_file()) <= files
