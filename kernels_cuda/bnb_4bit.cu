@@ -363,7 +363,7 @@ __device__ __forceinline__ float block_scale(const void* absmax, const float* ab
                                              float offset, i64 b) {
     if (!NESTED) return ldg_f32(reinterpret_cast<const float*>(absmax) + b);
     const u32 q = ldg_u8(reinterpret_cast<const u8*>(absmax) + b);
-    return __fadd_rn(__fmul_rn(c2[q], ldg_f32(absmax2 + (b >> kNestLog2))), offset);
+    return nested_absmax(c2[q], ldg_f32(absmax2 + (b >> kNestLog2)), offset);
 }
 
 // The format's 16 codes and (nested) the kDynCodes second-level codes into shared memory; returns the
@@ -420,7 +420,7 @@ __global__ void __launch_bounds__(kDequantThreads, 4) dequantize_4bit_kernel(
             if (vec && e0 + 8 <= n) {
                 const u32 w = word[j];
                 const float sc =
-                    NESTED ? __fadd_rn(__fmul_rn(c2[sraw[j]], s2[j]), off) : __uint_as_float(sraw[j]);
+                    NESTED ? nested_absmax(c2[sraw[j]], s2[j], off) : __uint_as_float(sraw[j]);
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     v[2 * i] = __fmul_rn(lut[(w >> (8 * i + 4)) & 15u], sc);
@@ -589,7 +589,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_4bit_mma_kernel(
                     if (NESTED) {
                         const i64 sp = sp0 + c < sp_end ? sp0 + c : sp0;
                         const float a2 = ldg_f32(absmax2 + (((erow[r] + sp * (8 * V)) >> log2bs) >> kNestLog2));
-                        sc[r] = __fadd_rn(__fmul_rn(c2[cur.raw[r]], a2), off);
+                        sc[r] = nested_absmax(c2[cur.raw[r]], a2, off);
                     } else {
                         sc[r] = __uint_as_float(cur.raw[r]);
                     }

@@ -125,12 +125,7 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGmThreads, 1) gemm_4bit_ker
     const int tid = threadIdx.x, warp = tid >> 5, lane = lane_id(), g = lane >> 2, c = lane & 3;
     // the pair table: entry (byte, lane) at tab + 256 byte + 4 lane; the code2 copy in the rows'
     // free halves (value i at row i / 32, byte 128 + 4 (i % 32))
-    for (int i = tid; i < 256 * 8; i += kGmThreads) {
-        const int byte = i >> 3;
-        const u32 v = T::pack2(code_4bit<QT>(byte >> 4), code_4bit<QT>(byte & 15));
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(tab + byte * 256 + (i & 7) * 16), "r"(v)
-                     : "memory");
-    }
+    fill_pair_table<T, QT>(tab, tid, kGmThreads);
     auto c2_addr = [&](u32 i) { return tab + (i >> 5) * 256 + 128 + (i & 31) * 4; };
     if (NESTED)
         for (int i = tid; i < kDynCodes; i += kGmThreads) gm_sts_f32(c2_addr(i), ldg_f32(code2 + i));
@@ -226,7 +221,7 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGmThreads, 1) gemm_4bit_ker
                         gm_lds_v2(sbase + 8 * e, raw, s2);
                         const u32 b = (sent[i] + (u32)(kt * WK)) >> bsh;
                         const float c2v = gm_lds_f32(c2_addr((raw >> (8 * (b & 3u))) & 0xffu));
-                        gm_sts_f32(sbase + 8 * e, __fadd_rn(__fmul_rn(c2v, __uint_as_float(s2)), off));
+                        gm_sts_f32(sbase + 8 * e, nested_absmax(c2v, __uint_as_float(s2), off));
                     }
                 }
             }
@@ -348,8 +343,8 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGmThreads, 1) gemm_4bit_ker
 // table's space) in parts of 64 input rows, stored as 16-byte rows where the output allows.
 constexpr int kGwThreads = QC_GW_THREADS;  // two warpgroups
 constexpr u32 kGwSmem = QC_GW_SMEM;
-constexpr int kGwTable = QC_GW_TABLE;  // the pair table: 256 code bytes x 256 bytes (32 lanes x 4 used)
-static_assert(kGwThreads == 256 && kGwTable == 65536, "two warpgroups; the byte_perm table address");
+constexpr int kGwTable = kGmTable;  // the same pair table as gemm_4bit_kernel's (its free halves: the codes)
+static_assert(kGwThreads == 256, "two warpgroups");
 constexpr int kGwCodeSlot = 8192;  // the address span of a stage's codes: 128 rows x 32 bytes in 32 free halves
 
 // one ring slot of an NB CTA: the input tile (NB rows x 128 bytes, swizzled); the codes of its 128
@@ -365,14 +360,6 @@ struct GwGeo {
     static constexpr int kSlot = kB;  // (the codes live in the pair table's free halves)
     static constexpr int kOPitch = kRowsW * 2 + 16;  // a staged output row (64 of them in the table's space)
     static_assert(kSlot % 1024 == 0 && 64 * kOPitch <= kGwTable, "swizzled tiles 1024-byte aligned");
-};
-template <typename T>
-struct IsF16 {
-    static constexpr bool value = false;
-};
-template <>
-struct IsF16<F16> {
-    static constexpr bool value = true;
 };
 // x, opaque to the compiler from here on: kept in a register instead of recomputed where it is used
 template <typename V>
@@ -402,7 +389,7 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
 #if defined(QC_HAS_WGMMA)
     using G = GwGeo<NB>;
     constexpr int NA = NB / 2;  // accumulators
-    constexpr bool kF16 = IsF16<T>::value;
+    constexpr bool kF16 = !T::kBf16;
     static_assert(S >= 3 && S <= 8, "stage j + 1 is decoded while stage j is multiplied and j + S - 1 is copied; "
                   "the table's free halves hold 8 stages of codes");
     extern __shared__ __align__(1024) u8 gw_smem[];
@@ -425,13 +412,7 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = lane_id(), g = lane >> 2, t = lane & 3;
     const int wg = warp >> 2, wi = warp & 3;
-    // the pair table: entry (code byte, lane) at tab + 256 byte + 4 lane (each lane its own bank)
-    for (int i = tid; i < 256 * 8; i += kGwThreads) {
-        const int byte = i >> 3;
-        const u32 v = T::pack2(code_4bit<QT>(byte >> 4), code_4bit<QT>(byte & 15));
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(tab + byte * 256 + (i & 7) * 16), "r"(v)
-                     : "memory");
-    }
+    fill_pair_table<T, QT>(tab, tid, kGwThreads);  // (its free halves hold the ring's codes)
     if (NESTED)
         for (int i = tid; i < kDynCodes; i += kGwThreads) gm_sts_f32(c2s + 4 * i, ldg_f32(code2 + i));
     const float off = NESTED ? ldg_f32(offset) : 0.0f;
@@ -501,8 +482,7 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
             }
         }
     };
-    // entry address of byte t of a code word w: byte_perm puts the byte at bits 8..15 of
-    // (tab << 1) | (lane << 3), one shift halves it
+    // the pair table's entry of byte t of a code word: pair_lut_sel (qc_common.cuh)
     const u32 lutx = keep(tab | (4u * (u32)lane)), sel = keep(0x7604u | ((u32)t << 4));
     // the A fragments of the stage in slot `slot`: register (k16 step s, 2 hh + rr) = the pair of byte t
     // of row rr's code word 2 s + hh, times the row's block scale
@@ -517,14 +497,11 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
             u32 q[8];
             lds_v4(slot + dofs0 + 512 * rr, q[0], q[1], q[2], q[3]);
             lds_v4(slot + dofs1 + 512 * rr, q[4], q[5], q[6], q[7]);
-            const float sc = NESTED ? __fadd_rn(__fmul_rn(gm_lds_f32(c2s + 4 * raw[rr]), s2[rr]), off)
-                                    : __uint_as_float(raw[rr]);
+            const float sc = NESTED ? nested_absmax(gm_lds_f32(c2s + 4 * raw[rr]), s2[rr], off) : __uint_as_float(raw[rr]);
             const u32 s2x = T::pack2(sc, sc);
 #pragma unroll
             for (int w = 0; w < 8; ++w) {
-                u32 pr;
-                asm volatile("ld.shared.b32 %0, [%1];" : "=r"(pr) : "r"(__byte_perm(q[w], lutx, sel)));
-                af[w >> 1][2 * (w & 1) + rr] = qcmx::hmul2<!kF16>(pr, s2x);
+                af[w >> 1][2 * (w & 1) + rr] = qcmx::hmul2<T::kBf16>(pair_lut_sel(q[w], lutx, sel), s2x);
             }
         }
     };

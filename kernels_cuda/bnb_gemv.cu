@@ -412,7 +412,7 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
         for (int i = 0; i < kGtSc; ++i)
 #pragma unroll
             for (int r = 0; r < 2; ++r)
-                sc[i][r] = NESTED ? __fadd_rn(__fmul_rn(c2[sq[i][r]], s2[i][r]), off) : __uint_as_float(sq[i][r]);  // MX: raw
+                sc[i][r] = NESTED ? nested_absmax(c2[sq[i][r]], s2[i][r], off) : __uint_as_float(sq[i][r]);  // MX: raw
         const int tile = cq.tile, j = cq.j, nch = cq.nch;
         const bool new_tile = advance(cq);  // cq is the next stage now
         if (new_tile && cq.left > 0) consumer_tile(cq.tile);

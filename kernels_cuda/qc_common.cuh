@@ -274,6 +274,12 @@ __device__ __forceinline__ float code_4bit_imm(int q) {
     return v;
 }
 
+// A nested block's absmax from its second-level code's value c2v (code2[q]), its absmax2 a2 and the
+// offset: c2v * a2 + offset, two roundings in that order (dequantize_4bit's rule)
+__device__ __forceinline__ float nested_absmax(float c2v, float a2, float offset) {
+    return __fadd_rn(__fmul_rn(c2v, a2), offset);
+}
+
 // acc += d times its rows' block scales: d an m16n8 fp32 C fragment of one scale block's product
 // (d[0], d[1] on row g, d[2], d[3] on row g + 8), sa row g's scale, sb row g + 8's; one fma each
 __device__ __forceinline__ void fma_rows(float* acc, const float* d, float sa, float sb) {
@@ -286,11 +292,26 @@ __device__ __forceinline__ void fma_rows(float* acc, const float* d, float sa, f
 // -- the 4-bit pair table of the decode gemv and the many-row GEMM (bnb_gemv.cu, bnb_gemm.cu) ----------
 // A per-lane table of T(hi nibble), T(lo nibble) for each code byte, its shared address a multiple of
 // 64 KiB, so that one byte_perm forms an entry's address (lutx: the table's address | 4 lane).
+// The pair of the byte of w that the byte_perm selector sel = 0x7604 | (j << 4) picks (byte j).
+__device__ __forceinline__ u32 pair_lut_sel(u32 w, u32 lutx, u32 sel) {
+    u32 r;
+    asm("ld.shared.b32 %0, [%1];" : "=r"(r) : "r"(__byte_perm(w, lutx, sel)));
+    return r;
+}
 template <int J>
 __device__ __forceinline__ u32 pair_lut(u32 w, u32 lutx) {  // the pair of byte J of w
-    u32 r;
-    asm("ld.shared.b32 %0, [%1];" : "=r"(r) : "r"(__byte_perm(w, lutx, 0x7604u | (J << 4))));
-    return r;
+    return pair_lut_sel(w, lutx, 0x7604u | (J << 4));
+}
+// The table itself at tab (a multiple of 64 KiB): entry (code byte, lane) at tab + 256 byte + 4 lane,
+// T(hi nibble) in its low half; bytes 128..255 of each row are left free. Filled by nthreads threads.
+template <typename T, int QT>
+__device__ __forceinline__ void fill_pair_table(u32 tab, int tid, int nthreads) {
+    for (int i = tid; i < 256 * 8; i += nthreads) {
+        const int byte = i >> 3;
+        const u32 v = T::pack2(code_4bit<QT>(byte >> 4), code_4bit<QT>(byte & 15));
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(tab + byte * 256 + (i & 7) * 16), "r"(v)
+                     : "memory");
+    }
 }
 // The m16n8k16 A fragment of mma step m (0..3) of a 64-element chunk: lane (g, c) holds 8 code bytes of
 // row g (wq[0..1]) and of row g + 8 (wq[2..3]); step m takes its bytes 2m and 2m + 1, so the dot

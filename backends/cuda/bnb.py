@@ -488,8 +488,7 @@ def gemm4_linear_rows(device: int, n: int = 0, k: int = 0) -> int:
     weight, the smaller rule), 0 without a many-row GEMM."""
     if not gemm4_runs_on(device):
         return 0
-    wg = rt.device_arch(device) == 90 and rt.tune("gemm4wg", 1) == 1 and n * k >= LINEAR_WGMMA_MIN_WEIGHT
-    return LINEAR_GEMM_ROWS["wgmma" if wg else "mma"]
+    return LINEAR_GEMM_ROWS["wgmma" if _gw_runs_on(device) and n * k >= LINEAR_WGMMA_MIN_WEIGHT else "mma"]
 
 
 def gemm4_runs_on(device: int) -> bool:
@@ -530,7 +529,7 @@ def _gemm4_launch(device, a, packed, absmax, nested, out, *, rows, n, k, blocksi
 # bnb_gemm.cu's wgmma GEMM (sm_90a; gemv_4bit from _GW_MIN_ROWS rows): input rows per CTA (the
 # m64n128 / m64n256 MMA's N), its dynamic shared memory, the rows from which it takes a call
 _GW_NB = (128, 256)
-_GW_SMEM, _GW_TABLE = LAUNCH_GEOMETRY["QC_GW_SMEM"], LAUNCH_GEOMETRY["QC_GW_TABLE"]
+_GW_SMEM = LAUNCH_GEOMETRY["QC_GW_SMEM"]
 _GW_MAX_STAGES = 8  # (the pair table's free halves hold 8 stages of codes)
 # (H200, session 22, us, mma.sync GEMM / wgmma GEMM: 14336 x 4096 at 32 / 64 / 96 rows 39.4 / 41.2, 59.5 /
 # 40.5, 98.1 / 39.7; 4096 x 14336 64.0 / 74.1, 57.4 / 73.3, 103.8 / 72.5: from 96 rows always, from 64 where
@@ -547,7 +546,7 @@ _GW_CLUSTERS = (1, 2)
 def _gw_stages(nb: int) -> int:
     """Ring stages of the wgmma GEMM's NB tile: the 1024-byte aligned slots around its pair table
     below code2's copy at the window's end, at most _GW_MAX_STAGES."""
-    return _ring_stages(gw_slot_bytes(nb), _GW_TABLE, _GW_SMEM, _GW_MAX_STAGES, f"the wgmma GEMM's NB={nb} tile",
+    return _ring_stages(gw_slot_bytes(nb), _GM_TABLE, _GW_SMEM, _GW_MAX_STAGES, f"the wgmma GEMM's NB={nb} tile",
                         slot_align=1024, reserve=4 * bnb.DYNAMIC_MAP.size)
 
 
@@ -572,11 +571,16 @@ def _gw_shape(rows: int, n: int, k: int, sms: int) -> tuple[int, int]:
     return nb, rt.tune("gw_cl", 0) or (best[2] if nb == best[1] else 1)
 
 
+def _gw_runs_on(device: int) -> bool:
+    """Does the wgmma GEMM run on ``device``: compute capability 9.0 (sm_90a) unless ``gemm4wg=0``."""
+    return rt.device_arch(device) == 90 and rt.tune("gemm4wg", 1) == 1
+
+
 def _gemm4wg_takes(device: int, rows: int, n: int) -> bool:
     """Does the wgmma GEMM take a call the many-row GEMM would take: compute capability 9.0 (sm_90a),
     more than 64 rows, or more than 32 where the grid of 128-row weight tiles fills 3/4 of the
     multiprocessors (``gemm4wg=0`` turns it off, ``gw_min_rows`` sets the rows: comparisons, tests)."""
-    if rt.device_arch(device) != 90 or rt.tune("gemm4wg", 1) != 1:
+    if not _gw_runs_on(device):
         return False
     forced = rt.tune("gw_min_rows", 0)
     if forced:

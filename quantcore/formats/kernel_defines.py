@@ -77,10 +77,9 @@ LAUNCH_GEOMETRY.update({"QC_GM_THREADS": 256, "QC_GM_TABLE": 65536, "QC_GM_APAD"
 
 
 #: kernels_cuda/bnb_gemm.cu's wgmma GEMM (sm_90a, gemv_4bit for many rows): threads per CTA (two
-#: warpgroups), its per-lane pair table's bytes (256 code bytes x 256: the 64 KiB that one byte_perm
-#: addresses; the free half of each 256 bytes holds the ring's codes) and its dynamic shared memory (the
-#: table, the input tiles around it, code2's copy: one CTA per multiprocessor)
-LAUNCH_GEOMETRY.update({"QC_GW_THREADS": 256, "QC_GW_TABLE": 65536, "QC_GW_SMEM": 227 * 1024})
+#: warpgroups) and its dynamic shared memory (the QC_GM_TABLE pair table, whose free half of each 256
+#: bytes holds the ring's codes, the input tiles around it, code2's copy: one CTA per multiprocessor)
+LAUNCH_GEOMETRY.update({"QC_GW_THREADS": 256, "QC_GW_SMEM": 227 * 1024})
 
 
 def gw_slot_bytes(nb: int) -> int:
