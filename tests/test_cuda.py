@@ -52,7 +52,7 @@ def test_gemm_4bit_rows_by_device(monkeypatch):
     """linear_4bit's gemv_4bit rows per device and weight: the wgmma GEMM's crossover on compute
     capability 9.0 for weights of LINEAR_WGMMA_MIN_WEIGHT elements or more (the mma.sync GEMM's below,
     for no weight given, and with gemm4wg=0), the mma.sync GEMM's on other sm_80+ devices with an H100's
-    227 KiB per CTA, 0 on an A100 (163 KiB); whether the GEMM runs is asked once per device."""
+    227 KiB per CTA, 0 on an A100 (163 KiB); the device's rule is worked out once."""
     import types
 
     props = {0: {"sharedMemPerBlockOptin": 232448, "major": 9, "minor": 0},
@@ -60,7 +60,7 @@ def test_gemm_4bit_rows_by_device(monkeypatch):
              2: {"sharedMemPerBlockOptin": 232448, "major": 12, "minor": 0}}
     monkeypatch.setattr(rt, "device_props", lambda d: props[d])
     monkeypatch.setattr(rt, "device_arch", lambda d: 10 * props[d]["major"] + props[d]["minor"])
-    monkeypatch.setattr(cuda.CudaBackend, "_GEMM4_RUNS", {})
+    monkeypatch.setattr(cuda.CudaBackend, "_GEMM4_RULE", {})
     be = cuda.CudaBackend()
     rows = _bnb.LINEAR_GEMM_ROWS
     assert be.gemm_4bit_rows(0, 14336, 4096) == be.gemm_4bit_rows(0, 4096, 8192) == rows["wgmma"] == 512

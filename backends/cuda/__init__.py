@@ -97,7 +97,7 @@ class CudaBackend(BnbOps, GgmlOps, Backend):
         if _torch_cuda():
             _torch().cuda.set_device(int(index))
 
-    _GEMM4_RUNS: dict[int, bool] = {}
+    _GEMM4_RULE: dict[int, tuple[int, int]] = {}
 
     def gemm_4bit_rows(self, device: Any, n: int = 0, k: int = 0) -> int:
         """Up to how many input rows ``quantcore.torch``'s linear_4bit takes gemv_4bit for an [n, k]
@@ -106,14 +106,14 @@ class CudaBackend(BnbOps, GgmlOps, Backend):
         capability 9.0 for weights of ``LINEAR_WGMMA_MIN_WEIGHT`` elements or more, else the mma.sync
         GEMM: sm_80+ with 227 KiB of shared memory per CTA), 0 where no many-row GEMM runs (more than
         16 rows would take 16-row passes of the batch kernels: the linear path dequantizes instead).
-        Whether the GEMM runs is asked once per device."""
+        The device's rule is worked out once (a linear call asks for every call)."""
         index = device.index if hasattr(device, "type") else device  # a torch.device, else an index
         if index is None:
             index = rt.cupy().cuda.runtime.getDevice()
-        runs = self._GEMM4_RUNS.get(int(index))
-        if runs is None:
-            runs = self._GEMM4_RUNS[int(index)] = _bnb.gemm4_runs_on(int(index))
-        return _bnb.gemm4_linear_rows(int(index), n, k) if runs else 0
+        rule = self._GEMM4_RULE.get(int(index))
+        if rule is None:
+            rule = self._GEMM4_RULE[int(index)] = _bnb.gemm4_linear_rule(int(index))
+        return rule[n * k >= _bnb.LINEAR_WGMMA_MIN_WEIGHT]
 
     _CAPS: frozenset | None = None
 

@@ -483,12 +483,19 @@ LINEAR_GEMM_ROWS = {"wgmma": 512, "mma": 128}
 LINEAR_WGMMA_MIN_WEIGHT = 4096 * 8192
 
 
-def gemm4_linear_rows(device: int, n: int = 0, k: int = 0) -> int:
-    """linear_4bit's gemv_4bit rows on ``device`` for an [n, k] weight (LINEAR_GEMM_ROWS; n, k 0: any
-    weight, the smaller rule), 0 without a many-row GEMM."""
+def gemm4_linear_rule(device: int) -> tuple[int, int]:
+    """linear_4bit's gemv_4bit rows on ``device`` (LINEAR_GEMM_ROWS) for weights below and from
+    LINEAR_WGMMA_MIN_WEIGHT elements; (0, 0) without a many-row GEMM."""
     if not gemm4_runs_on(device):
-        return 0
-    return LINEAR_GEMM_ROWS["wgmma" if _gw_runs_on(device) and n * k >= LINEAR_WGMMA_MIN_WEIGHT else "mma"]
+        return 0, 0
+    mma = LINEAR_GEMM_ROWS["mma"]
+    return mma, LINEAR_GEMM_ROWS["wgmma"] if _gw_runs_on(device) else mma
+
+
+def gemm4_linear_rows(device: int, n: int = 0, k: int = 0) -> int:
+    """linear_4bit's gemv_4bit rows on ``device`` for an [n, k] weight (n, k 0: any weight, the smaller
+    rule)."""
+    return gemm4_linear_rule(device)[n * k >= LINEAR_WGMMA_MIN_WEIGHT]
 
 
 def gemm4_runs_on(device: int) -> bool:
