@@ -353,9 +353,11 @@ class _FakeNvrtc:
 
     def __init__(self):
         self.compiles = 0
+        self.programs = []
 
     def compile(self, source, filename, name_expr, options):
         self.compiles += 1
+        self.programs.append(filename)
         return b"cubin of " + name_expr.encode() + b" #%d" % self.compiles, "_Z" + name_expr, ""
 
 
@@ -366,6 +368,9 @@ def test_cuda_cubins_are_cached_verified_and_rebuilt_when_tampered(root, monkeyp
     monkeypatch.setattr(runtime, "nvrtc", lambda: fake)
     first = runtime.KernelCache()._cubin("bnb_4bit.cu", "qc::k<1>", 90)
     assert first == (b"cubin of qc::k<1> #1", "_Zqc::k<1>") and fake.compiles == 1
+    # named by its full path: NVRTC resolves a quoted include next to the program before the include
+    # folders, so a bare name would take a same-named header from the working directory
+    assert fake.programs == [os.path.join(runtime.kernel_dir(), "bnb_4bit.cu")]
     folder = root / "cuda"
     cubins = list(folder.glob("*.cubin"))
     assert len(cubins) == 1 and cache.verified(cubins[0]) and cache.verified(cubins[0].with_suffix(".name"))
@@ -395,7 +400,7 @@ def test_cuda_mx_cubins_are_cached_verified_and_rebuilt_when_tampered(root, monk
     assert mx.compile_cubin("mx_quant.cu", "sm_90") == b"mx cubin #1"
     assert mx.compile_cubin("mx_quant.cu", "sm_90") == b"mx cubin #1" and fake.compiles == 1
     filename, name_expr, options = calls[0]
-    assert filename == "mx_quant.cu" and name_expr is None
+    assert filename == os.path.join(runtime.kernel_dir(), "mx_quant.cu") and name_expr is None
     assert set(runtime.COMPILE_OPTIONS) <= set(options) and "--gpu-architecture=sm_90" in options
     assert f"-I{runtime.header_dir()}" in options and f"-I{runtime.kernel_dir()}" in options
     (path,) = (root / "cuda-mx").glob("mx_quant-sm_90-*.cubin")

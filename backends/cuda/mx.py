@@ -99,7 +99,8 @@ def compile_cubin(source: str, arch: str, use_cache: bool = True, timing: bool =
 
     def build() -> tuple[bytes]:
         includes = [f"-I{rt.header_dir()}", f"-I{rt.kernel_dir()}"]
-        return (comp.compile(text, source, None, options + includes)[0],)
+        # (named by its full path, as runtime.KernelCache does: quoted includes next to it, not in the cwd)
+        return (comp.compile(text, os.path.join(rt.kernel_dir(), source), None, options + includes)[0],)
 
     return cache.cached_bytes(cache.private_dir("cuda-mx") if use_cache else None, (name,), build)[0]
 

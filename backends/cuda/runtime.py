@@ -235,7 +235,9 @@ class KernelCache:
         def build() -> tuple[bytes, bytes]:
             with open(os.path.join(kernel_dir(), filename)) as f:
                 source = f.read()
-            cubin, lowered, _ = comp.compile(source, filename, expr, options)
+            # the program named by its full path: NVRTC looks for a quoted include next to the program
+            # first, so a bare name would take a same-named header from the working directory
+            cubin, lowered, _ = comp.compile(source, os.path.join(kernel_dir(), filename), expr, options)
             return cubin, lowered.encode()
 
         # used only when both files match their sidecar checksums (else compiled afresh)
