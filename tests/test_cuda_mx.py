@@ -709,9 +709,11 @@ def test_div_magic_divides_like_the_kernel():
 @pytest.mark.parametrize("fmt,dtype", [("nvfp4", "bfloat16"), ("mxfp4", "float32"), ("mxfp8", "float16")])
 @pytest.mark.parametrize("rows,cols,capacity", [(300, 512, 8), (256, 256, 3), (1000, 1024, 64), (129, 96, 2),
                                                 (16384, 16384, 1056), (5, 4096, 1056)])
-def test_dequantize_grid_scale_steps(fmt, dtype, rows, cols, capacity):
+@pytest.mark.parametrize("waves", [1, 4])
+def test_dequantize_grid_scale_steps(fmt, dtype, rows, cols, capacity, waves):
     """mx_dequantize's hoisted scale addresses: where dequantize_grid returns a scale step, every
-    chunk a thread takes (t, t + stride, ...) reads the scale the per-chunk swizzle formula gives."""
+    chunk a thread takes (t, t + stride, ...) reads the scale the per-chunk swizzle formula gives;
+    the grid stays within ``waves`` times the CTAs that fit at once."""
     blk = mx.block_size(fmt)
     if cols % blk:
         pytest.skip("not a whole number of blocks")
@@ -721,8 +723,10 @@ def test_dequantize_grid_scale_steps(fmt, dtype, rows, cols, capacity):
     nchr = cols // per_chunk
     pcols = mx.swizzled_shape(rows, ncols)[1]
     trb = pcols // 4 * 512
-    grid, sstep = cmx.dequantize_grid(rows * nchr, nchr, capacity, trb)
-    assert grid >= 1
+    grid, sstep = cmx.dequantize_grid(rows * nchr, nchr, capacity, trb, waves)
+    assert 1 <= grid <= max(1, capacity * waves)
+    if (rows, cols, capacity) == (16384, 16384, 1056):  # the goal shape: more than one wave when asked
+        assert (grid > capacity) == (waves > 1)
     if sstep == 0:
         return
     stride = grid * cmx.DQ_THREADS

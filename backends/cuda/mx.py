@@ -296,6 +296,11 @@ DQ_THREADS = kernel_defines.MX_DEQUANT_GEOMETRY["QC_MXDQ_THREADS"]
 DQ_UNROLL = kernel_defines.MX_DEQUANT_GEOMETRY["QC_MXDQ_UNROLL"]
 #: chunks per launch (the kernel indexes chunks in 32 bits; larger tensors go in row panels)
 DQ_MAX_CHUNKS = 1 << 30
+#: CTAs per launch in multiples of those that fit at once: MXFP8 (two code bytes per output element
+#: pair, the largest reads) streams faster from a grid of ~4 waves of fewer steps each than from one
+#: resident wave (H200, 16384^2, tools/dev/mxdq_grid.py: 83.0-83.6% -> 86.8-86.9% of copy swizzled,
+#: every output dtype); the FP4 formats are best at one wave (docs/performance.md, MXDQ-9)
+DQ_WAVES = {"mxfp8": 4}
 
 
 def div_magic(d: int) -> tuple[int, int]:
@@ -317,12 +322,14 @@ def _occupancy_grid(dev: int, fn, name: str, threads: int, smem: int, work_ctas:
     return max(1, min(work_ctas, rt.sm_count(dev) * per_sm))
 
 
-def dequantize_grid(nchunks: int, chunks_per_row: int, capacity: int, tile_row_bytes: int) -> tuple[int, int]:
-    """(CTAs, scale step) of qc_mx_dequantize_*: as many CTAs as fit at once (``capacity``), at most
-    one per DQ_THREADS * DQ_UNROLL chunks. With swizzled scales (``tile_row_bytes`` > 0) the grid is a
-    multiple of the CTAs that cover 128 rows where that fits, so that a thread's grid-stride steps
-    keep its block column and move by whole 128-row swizzle tiles: the scale step (bytes per step,
-    0 = worked out per chunk) is then constant."""
+def dequantize_grid(nchunks: int, chunks_per_row: int, capacity: int, tile_row_bytes: int,
+                    waves: int = 1) -> tuple[int, int]:
+    """(CTAs, scale step) of qc_mx_dequantize_*: ``waves`` times as many CTAs as fit at once
+    (``capacity``), at most one per DQ_THREADS * DQ_UNROLL chunks. With swizzled scales
+    (``tile_row_bytes`` > 0) the grid is a multiple of the CTAs that cover 128 rows where that fits,
+    so that a thread's grid-stride steps keep its block column and move by whole 128-row swizzle
+    tiles: the scale step (bytes per step, 0 = worked out per chunk) is then constant."""
+    capacity *= waves
     work = -(-nchunks // (DQ_THREADS * DQ_UNROLL))
     tile_chunks = mx.SWIZZLE_ROWS * chunks_per_row
     if tile_row_bytes and tile_chunks % DQ_THREADS == 0 and tile_chunks // DQ_THREADS <= capacity:
@@ -355,7 +362,7 @@ def _dequantize_launch(launcher: rt.Launcher, dev: int, pc: int, ps: int, po: in
         nchunks = prow * chunks_per_row
         s_off = r0 // mx.SWIZZLE_ROWS * tile_row_bytes if swizzled else r0 * ncols
         grid, sstep = dequantize_grid(nchunks, chunks_per_row, _occupancy_grid(dev, fn, name, DQ_THREADS, 0, 1 << 30),
-                                      tile_row_bytes if swizzled else 0)
+                                      tile_row_bytes if swizzled else 0, DQ_WAVES.get(fmt, 1))
         args = kernel_args(name, codes=pc + r0 * cols * code_bytes // per_chunk, scales=ps + s_off,
                            out=po + r0 * cols * item, gscale=pg, nchunks=nchunks, ncols=ncols, div_mul=mul,
                            div_shift=shift, tile_row_bytes=tile_row_bytes, sstep=sstep, swizzled=bool(swizzled),
