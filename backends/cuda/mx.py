@@ -296,10 +296,10 @@ DQ_THREADS = kernel_defines.MX_DEQUANT_GEOMETRY["QC_MXDQ_THREADS"]
 DQ_UNROLL = kernel_defines.MX_DEQUANT_GEOMETRY["QC_MXDQ_UNROLL"]
 #: chunks per launch (the kernel indexes chunks in 32 bits; larger tensors go in row panels)
 DQ_MAX_CHUNKS = 1 << 30
-#: CTAs per launch in multiples of those that fit at once: MXFP8 (two code bytes per output element
-#: pair, the largest reads) streams faster from a grid of ~4 waves of fewer steps each than from one
-#: resident wave (H200, 16384^2, tools/dev/mxdq_grid.py: 83.0-83.6% -> 86.8-86.9% of copy swizzled,
-#: every output dtype); the FP4 formats are best at one wave (docs/performance.md, MXDQ-9)
+#: CTAs per launch in multiples of those that fit at once: MXFP8 (a code byte per element, the largest
+#: reads of the three) streams faster from a grid of ~4 waves of fewer steps each than from one
+#: resident wave (H200, 16384^2, tools/dev/mxdq_grid.py: swizzled 82.8-83.2% -> 86.5-87.2% of copy for
+#: bf16 / fp16 / fp32 out, the same bits); the FP4 formats are best at one wave (docs/performance.md, MXDQ-9)
 DQ_WAVES = {"mxfp8": 4}
 
 
