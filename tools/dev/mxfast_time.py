@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tools/: cuda_mx_bench
-from cuda_mx_bench import timed  # noqa: E402
+from cuda_mx_bench import copy_ceiling, timed  # noqa: E402
 from quantcore.backends.cuda import mx as cmx  # noqa: E402
 
 from quantcore.formats import kernel_defines, mx  # noqa: E402
@@ -63,12 +63,8 @@ def main() -> None:
         kt = cmx.kernel_text
         cmx.kernel_text = lambda name: text if name == "mx_quant_old.cu" else kt(name)
 
-    src = torch.empty(2**31 // 4, dtype=torch.float32, device=dev).uniform_()
-    dst = torch.empty_like(src)
-    t = timed(lambda s=src, d=dst: d.copy_(s), args.reps)
-    copy = 2 * src.numel() * 4 / t / 1e6
+    t, copy = copy_ceiling(args.reps)
     print(f"copy 2 GiB d2d: {t:.4f} ms {copy:.0f} GB/s")
-    del src, dst
 
     # -- bit-exactness against the previous kernel (every scale byte, random codes, odd shapes)
     if args.old:
