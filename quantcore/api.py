@@ -324,6 +324,20 @@ def bind_gemv_4bit(A: Any, packed: Any, state: QuantState, *, backend: str | Bac
     return entry[1].bind(A, packed, state)
 
 
+def bind_dequantize_4bit(packed: Any, state: QuantState, out_dtype: Any = None, *,
+                         backend: str | Backend | None = None) -> Any:
+    """For a caller that repeats one ``dequantize_4bit`` call (a module's eager dequantize +
+    matmul): a callable ``f()`` that gives ``dequantize_4bit(packed, state, out_dtype)`` while
+    nothing about ``packed`` and ``state`` has changed, and None otherwise (then call
+    :func:`dequantize_4bit`). Returns None where the backend binds nothing. Made from the launch
+    plan that a previous ``dequantize_4bit(packed, state, out_dtype)`` call left on the state."""
+    be = _backend(backend)
+    entry = (getattr(state, "_plans", None) or {}).get("dequantize_4bit")
+    if not EAGER_PLANS or entry is None or entry[0] is not be or not hasattr(entry[1], "bind"):
+        return None
+    return entry[1].bind(packed, state, out_dtype)
+
+
 # -- bitsandbytes blockwise 8-bit --------------------------------------------------------------
 def quantize_blockwise(
     x: Any, blocksize: int = 4096, *, backend: str | Backend | None = None

@@ -521,6 +521,32 @@ def test_cuda_eager_forward_binds_its_launch(gen):
 
 
 @needs_cuda
+def test_cuda_eager_forward_binds_the_dequantize_path(gen):
+    """Above the gemv path's rows the module keeps the dequantize + matmul path bound to its tensors
+    (bind_dequantize_4bit, then F.linear, the bias added after): later calls of any such row count
+    run it, bitwise the op's result; rows the gemv path takes, another dtype or changed statistics
+    fall back (and the result follows the change)."""
+    mod = qnn.Linear4bit.from_linear(_linear(gen, 1024, 512, device="cuda"))
+    op = torch.ops.quantcore.linear_4bit
+    rows = qct._gemv_rows("linear_4bit", qct.backend_for(torch.device("cuda")), 1024, torch.device("cuda"), 512)
+    x = _randn(gen, rows + 44, 1024, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        first = mod(x)
+        bound = mod._bound
+        assert isinstance(bound, qct._BoundDequantLinear)
+        assert torch.equal(first, op(x, *mod._state_args(), 512, 1024, 64, "nf4", mod.bias))
+        for _ in range(3):
+            assert torch.equal(mod(x), first) and mod._bound is bound
+        x3 = _randn(gen, 3, rows + 1, 1024, dtype=torch.bfloat16, device="cuda")  # another shape, still bound
+        assert bound(x3) is not None
+        assert torch.equal(mod(x3), op(x3, *mod._state_args(), 512, 1024, 64, "nf4", mod.bias))
+        assert bound(x[:rows]) is None and bound(x.float()) is None  # the gemv path's rows; another dtype
+        mod.absmax.copy_(torch.roll(mod.absmax, 1))
+        assert bound(x) is None  # the statistics changed: declined
+        assert torch.equal(mod(x), op(x, *mod._state_args(), 512, 1024, 64, "nf4", mod.bias))
+
+
+@needs_cuda
 def test_cuda_eager_q4_0_forward_binds_its_launch(gen):
     """LinearQ4_0 keeps the W4A8 stream kernel's launch bound to its weight after one eager call (on
     sm_90, where that kernel runs up to 8 rows): later calls of the same geometry run it, bitwise the

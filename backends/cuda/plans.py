@@ -122,6 +122,14 @@ class _GemvPlan(_StatePlan):
             return None
 
 
+def _unchanged(tensors: tuple, stamps: tuple) -> bool:
+    """Do the bound tensors keep the pointers and version counters they had when bound?"""
+    for t, (ptr, version) in zip(tensors, stamps):
+        if t.data_ptr() != ptr or t._version != version:
+            return False
+    return True
+
+
 class _Bound:
     """A launch bound to one input geometry and to tensors as they are now, for a caller that
     repeats the same call (a module's eager forward). :meth:`_holds` checks the input (exact tensor
@@ -143,10 +151,7 @@ class _Bound:
                 or (not A.data_ptr() & 15) != self.align or not A.is_contiguous()
                 or A.get_device() != self.device):
             return False
-        for t, (ptr, version) in zip(self.tensors, self.stamps):
-            if t.data_ptr() != ptr or t._version != version:
-                return False
-        return rt.tune_spec() == tune
+        return _unchanged(self.tensors, self.stamps) and rt.tune_spec() == tune
 
 
 class _BoundGemv(_Bound):
@@ -182,10 +187,43 @@ class _DequantPlan(_StatePlan):
         entry = self.match(packed, state, out_dtype)
         if entry is None:
             return None
+        return self._run(entry, packed)
+
+    def _run(self, entry: tuple, packed: Any) -> Any:
         out = packed.new_empty(entry[0], dtype=entry[1])
         if out.data_ptr() & 15:  # the launch was set up for 16-byte stores
             return None
         return self._launch(entry[2], packed, out)
+
+    def bind(self, packed: Any, state: Any, out_dtype: Any = None) -> _BoundDequant | None:
+        """This plan's launch for ``out_dtype`` bound to these tensors (see :class:`_BoundDequant`),
+        or None where the plan does not match them or a tensor counts no versions."""
+        entry = self.match(packed, state, out_dtype)
+        if entry is None:
+            return None
+        s2 = state.state2
+        arrays = (packed, state.absmax, state.code, state.offset) + ((s2.absmax, s2.code) if s2 is not None else ())
+        try:
+            return _BoundDequant(self, entry, packed, tuple(t for t in arrays if t is not None))
+        except RuntimeError:  # "Inference tensors do not track version counter"
+            return None
+
+
+class _BoundDequant:
+    """One dequantize plan entry bound to the weight's and the state's tensors as they are now: a
+    call (no arguments) checks their pointers and version counters and the tuning (see
+    :class:`_Bound`), then launches into a new output; None where a check fails."""
+
+    __slots__ = ("plan", "entry", "packed", "tensors", "stamps")
+
+    def __init__(self, plan: _DequantPlan, entry: tuple, packed: Any, tensors: tuple):
+        self.plan, self.entry, self.packed, self.tensors = plan, entry, packed, tensors
+        self.stamps = tuple((t.data_ptr(), t._version) for t in tensors)  # RuntimeError on inference tensors
+
+    def __call__(self) -> Any:
+        if not _unchanged(self.tensors, self.stamps) or rt.tune_spec() != self.plan.tune:
+            return None
+        return self.plan._run(self.entry, self.packed)
 
 
 def _plannable(torch: Any, state: Any, arrays: tuple) -> bool:

@@ -287,21 +287,25 @@ def linear_path(rows: int, op: str = "linear_4bit", backend: Any = None, k: int 
     read the weight once for many rows; linear_q4_0: gemm_w4a8) or "dequantize+matmul" (the weight
     dequantized into a temporary, then torch's matmul on tensor cores). The rule is a row count; with a
     device, the backend's ``gemm_4bit_rows(device, n, k)`` sets it for linear_4bit (n, k 0: any weight)."""
-    name = backend if backend is None or isinstance(backend, str) else getattr(backend, "name", None)
-    if op == "linear_q4_0":
-        limit = W4A8_MAX_ROWS_CUDA if name == "cuda" else W4A8_MAX_ROWS
-    else:
-        limit = GEMV_MAX_ROWS
-        if op == "linear_4bit" and name is not None:
-            fused = FUSED_4BIT_MAX_ROWS.get(name, 0)
-            rows_on = getattr(backend, "gemm_4bit_rows", None)
-            if fused and rows_on is not None and device is not None:
-                fused = rows_on(device, n, k)  # the device's GEMM (0: none, e.g. too little shared memory per CTA)
-            limit = max(limit, fused)
-    path = "gemv" if 0 < rows <= limit else "dequantize+matmul"
+    path = "gemv" if 0 < rows <= _gemv_rows(op, backend, k, device, n) else "dequantize+matmul"
     if DEBUG:
         print(f"quantcore.torch: {op} rows={rows} -> {path}", file=sys.stderr)
     return path
+
+
+def _gemv_rows(op: str, backend: Any, k: int, device: Any, n: int) -> int:
+    """The most input rows for which ``linear_path`` says "gemv" (its arguments)."""
+    name = backend if backend is None or isinstance(backend, str) else getattr(backend, "name", None)
+    if op == "linear_q4_0":
+        return W4A8_MAX_ROWS_CUDA if name == "cuda" else W4A8_MAX_ROWS
+    limit = GEMV_MAX_ROWS
+    if op == "linear_4bit" and name is not None:
+        fused = FUSED_4BIT_MAX_ROWS.get(name, 0)
+        rows_on = getattr(backend, "gemm_4bit_rows", None)
+        if fused and rows_on is not None and device is not None:
+            fused = rows_on(device, n, k)  # the device's GEMM (0: none, e.g. too little shared memory per CTA)
+        limit = max(limit, fused)
+    return limit
 
 
 def _rows(x: torch.Tensor) -> int:
@@ -335,18 +339,45 @@ def linear_4bit_eager(x, packed, absmax, absmax2, code2, offset, n, k, blocksize
         x2 = x if x.is_contiguous() else x.contiguous()
         return add_bias(_run(x.device, api.gemv_4bit, (x2, packed, state)), bias)
     w = _run(x.device, api.dequantize_4bit, (packed, state), out_dtype=x.dtype)
-    return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+    # (the bias added after the product in x's dtype, as on the gemv path: the same bits either way)
+    return add_bias(torch.nn.functional.linear(x, w), bias)
+
+
+class _BoundDequantLinear:
+    """The dequantize + matmul path bound to a module's weight (``quantcore.api.bind_dequantize_4bit``),
+    then ``F.linear``; the bias is the caller's (added after, as the unbound path does). None for an
+    input this binding does not serve (another dtype, device or K, rows the gemv path takes) or where
+    the bound launch declines (the weight's tensors changed, the tuning, the thread's context)."""
+
+    __slots__ = ("dequantize", "dtype", "device", "k", "gemv_rows")
+
+    def __init__(self, dequantize: Any, x: torch.Tensor, gemv_rows: int):
+        self.dequantize, self.dtype, self.device = dequantize, x.dtype, x.get_device()
+        self.k, self.gemv_rows = x.shape[-1], gemv_rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        if (type(x) is not torch.Tensor or x.dtype != self.dtype or x.get_device() != self.device or not x.dim()
+                or x.shape[-1] != self.k or x.numel() // self.k <= self.gemv_rows):
+            return None
+        w = self.dequantize()
+        return None if w is None else torch.nn.functional.linear(x, w)
 
 
 def bind_linear_4bit(x: torch.Tensor, packed: torch.Tensor, state: QuantState) -> Any:
-    """The gemv path's launch bound to these tensors for x's geometry (``quantcore.bind_gemv_4bit``),
-    or None (more rows than the gemv path takes, a host route, a backend that binds nothing)."""
+    """The path's launch bound to these tensors for x's geometry: the gemv's (``quantcore.bind_gemv_4bit``),
+    or the dequantize + matmul path's (``quantcore.api.bind_dequantize_4bit``, then ``F.linear``); a
+    callable ``f(x)`` giving the linear without its bias, or None (a host route, a backend that binds
+    nothing, no launch plan for it yet)."""
     be = backend_for(x.device)
-    if linear_path(_rows(x), backend=be, k=x.shape[-1], device=x.device,
-                   n=state.shape[0] if len(state.shape) == 2 else 0) != "gemv":
-        return None
     if _host_route(be, x.device):
         return None
+    n, k = (state.shape[0], x.shape[-1]) if len(state.shape) == 2 else (0, x.shape[-1])
+    if linear_path(_rows(x), backend=be, k=k, device=x.device, n=n) != "gemv":
+        from ..api import bind_dequantize_4bit
+
+        dq = bind_dequantize_4bit(packed, state, x.dtype, backend=be)
+        # (the bound call serves any input of more rows than the gemv path takes here)
+        return None if dq is None else _BoundDequantLinear(dq, x, _gemv_rows("linear_4bit", be, k, x.device, n))
     from ..api import bind_gemv_4bit
 
     return bind_gemv_4bit(x if x.is_contiguous() else x.contiguous(), packed, state, backend=be)

@@ -55,12 +55,12 @@ def interleaved(fns: dict, calls: int = 200, rounds: int = 9) -> dict[str, float
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def measure_shape(shape: str, bnb, profile: bool, q4_only: bool = False) -> dict[str, float]:
-    """Host us per call of each implementation at ``shape`` ("NxK"), batch 1, bf16 (``q4_only``:
-    F.linear and LinearQ4_0 alone)."""
+def measure_shape(shape: str, bnb, profile: bool, q4_only: bool = False, rows: int = 1) -> dict[str, float]:
+    """Host us per call of each implementation at ``shape`` ("NxK"), ``rows`` input rows (batch 1:
+    decode; 512: a prefill's), bf16 (``q4_only``: F.linear and LinearQ4_0 alone)."""
     n, k = (int(s) for s in shape.split("x"))
     lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     w = lin.weight.detach()
     fns, mods = {}, []
     with torch.no_grad():
@@ -226,6 +226,7 @@ def main() -> None:
     p.add_argument("--breakdown-q4", action="store_true", help="also time each layer of LinearQ4_0's bound path")
     p.add_argument("--gpu-time", action="store_true", help="also the GPU time per call of LinearQ4_0's forward")
     p.add_argument("--q4-only", action="store_true", help="time F.linear and LinearQ4_0 only")
+    p.add_argument("--rows", type=int, default=1, help="input rows of the module calls (default 1)")
     args = p.parse_args()
     if args.breakdown:
         for name, us in breakdown(args.shapes.split(",")[0]).items():
@@ -242,7 +243,8 @@ def main() -> None:
         bnb = None
     rows = []
     for i, shape in enumerate(args.shapes.split(",")):
-        res = measure_shape(shape, bnb, profile=(i == 0 and bool(os.environ.get("OUT"))), q4_only=args.q4_only)
+        res = measure_shape(shape, bnb, profile=(i == 0 and bool(os.environ.get("OUT"))), q4_only=args.q4_only,
+                            rows=args.rows)
         base = res["torch F.linear bf16"]
         rows += [(shape, name, us, us / base) for name, us in res.items()]
     print(f"{'shape':>12}  {'call':34}  {'us/call':>8}  {'x F.linear':>10}")
