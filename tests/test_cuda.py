@@ -51,8 +51,10 @@ def _instances_by_file() -> dict[str, list[str]]:
 def test_gemm_4bit_rows_by_device(monkeypatch):
     """linear_4bit's gemv_4bit rows per device and weight: the wgmma GEMM's crossover on compute
     capability 9.0 for weights of LINEAR_WGMMA_MIN_WEIGHT elements or more (the mma.sync GEMM's below,
-    for no weight given, and with gemm4wg=0), the mma.sync GEMM's on other sm_80+ devices with an H100's
-    227 KiB per CTA, 0 on an A100 (163 KiB); the device's rule is worked out once."""
+    for no weight given, and with gemm4wg=0), and above it the calls whose rows fill the wgmma GEMM's
+    waves (the measured shapes at 1024 rows on 132 SMs: 4096 x 14336, 8192 x 28672, 28672 x 8192 yes,
+    14336 x 4096 no, nor 896 / 1280 / 2048 rows); the mma.sync GEMM's on other sm_80+ devices with an
+    H100's 227 KiB per CTA, 0 on an A100 (163 KiB); the device's rule is worked out once."""
     import types
 
     props = {0: {"sharedMemPerBlockOptin": 232448, "major": 9, "minor": 0},
@@ -60,17 +62,22 @@ def test_gemm_4bit_rows_by_device(monkeypatch):
              2: {"sharedMemPerBlockOptin": 232448, "major": 12, "minor": 0}}
     monkeypatch.setattr(rt, "device_props", lambda d: props[d])
     monkeypatch.setattr(rt, "device_arch", lambda d: 10 * props[d]["major"] + props[d]["minor"])
+    monkeypatch.setattr(rt, "sm_count", lambda d: 132)
     monkeypatch.setattr(cuda.CudaBackend, "_GEMM4_RULE", {})
     be = cuda.CudaBackend()
     rows = _bnb.LINEAR_GEMM_ROWS
     assert be.gemm_4bit_rows(0, 14336, 4096) == be.gemm_4bit_rows(0, 4096, 8192) == rows["wgmma"] == 512
+    for n, k in ((4096, 14336), (8192, 28672), (28672, 8192)):
+        assert be.gemm_4bit_rows(0, n, k, 1024) == 1024 and be.gemm_4bit_rows(0, n, k, 2048) == 512, (n, k)
+    assert be.gemm_4bit_rows(0, 14336, 4096, 1024) == 512 and be.gemm_4bit_rows(0, 1024, 4096, 1024) == 128
+    assert be.gemm_4bit_rows(0, 4096, 14336, 896) == be.gemm_4bit_rows(0, 4096, 14336, 1280) == 512
     assert be.gemm_4bit_rows(0, 1024, 4096) == be.gemm_4bit_rows(0) == rows["mma"] == 128
     assert be.gemm_4bit_rows(types.SimpleNamespace(type="cuda", index=1), 14336, 4096) == 0
     assert be.gemm_4bit_rows(2, 14336, 4096) == rows["mma"]
     props[1]["sharedMemPerBlockOptin"] = 232448  # cached: not asked again
     assert be.gemm_4bit_rows(1) == 0
     monkeypatch.setenv(rt.ENV_TUNE, "gemm4wg=0")
-    assert _bnb.gemm4_linear_rows(0, 14336, 4096) == rows["mma"]
+    assert _bnb.gemm4_linear_rows(_bnb.gemm4_linear_rule(0), 4096, 14336, 1024) == rows["mma"]
 
 
 def test_wgmma_gemm_launch_rules(monkeypatch):

@@ -189,7 +189,7 @@ def test_linear_path_by_the_device_gemm():
         def __init__(self, rows):
             self.rows, self.asked = rows, []
 
-        def gemm_4bit_rows(self, device, n=0, k=0):
+        def gemm_4bit_rows(self, device, n=0, k=0, rows=0):
             self.asked.append((device, n, k))
             return self.rows
 
@@ -529,6 +529,8 @@ def test_cuda_eager_forward_binds_the_dequantize_path(gen):
     mod = qnn.Linear4bit.from_linear(_linear(gen, 1024, 512, device="cuda"))
     op = torch.ops.quantcore.linear_4bit
     rows = qct._gemv_rows("linear_4bit", qct.backend_for(torch.device("cuda")), 1024, torch.device("cuda"), 512)
+    assert qct.linear_path(rows + 44, backend=qct.backend_for(torch.device("cuda")), k=1024, device=torch.device("cuda"),
+                           n=512) == "dequantize+matmul"
     x = _randn(gen, rows + 44, 1024, dtype=torch.bfloat16, device="cuda")
     with torch.no_grad():
         first = mod(x)

@@ -99,21 +99,23 @@ class CudaBackend(BnbOps, GgmlOps, Backend):
 
     _GEMM4_RULE: dict[int, tuple[int, int]] = {}
 
-    def gemm_4bit_rows(self, device: Any, n: int = 0, k: int = 0) -> int:
+    def gemm_4bit_rows(self, device: Any, n: int = 0, k: int = 0, rows: int = 0) -> int:
         """Up to how many input rows ``quantcore.torch``'s linear_4bit takes gemv_4bit for an [n, k]
         weight on ``device`` (a torch device or an index; None: the current one): its many-row GEMM's
         crossover with dequantize + matmul (kernels_cuda/bnb_gemm.cu: the wgmma GEMM on compute
         capability 9.0 for weights of ``LINEAR_WGMMA_MIN_WEIGHT`` elements or more, else the mma.sync
         GEMM: sm_80+ with 227 KiB of shared memory per CTA), 0 where no many-row GEMM runs (more than
         16 rows would take 16-row passes of the batch kernels: the linear path dequantizes instead).
-        The device's rule is worked out once (a linear call asks for every call)."""
+        With ``rows`` (a call's), the answer for that call: above 512 rows the wgmma GEMM takes row
+        counts that fill its waves (``bnb.gemm4_linear_rows``). The device's rule is worked out once (a
+        linear call asks for every call)."""
         index = device.index if hasattr(device, "type") else device  # a torch.device, else an index
         if index is None:
             index = rt.cupy().cuda.runtime.getDevice()
         rule = self._GEMM4_RULE.get(int(index))
         if rule is None:
             rule = self._GEMM4_RULE[int(index)] = _bnb.gemm4_linear_rule(int(index))
-        return rule[n * k >= _bnb.LINEAR_WGMMA_MIN_WEIGHT]
+        return _bnb.gemm4_linear_rows(rule, n, k, rows)
 
     _CAPS: frozenset | None = None
 

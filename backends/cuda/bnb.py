@@ -473,29 +473,48 @@ def _gemm4_takes(device: int, dt: str, a: Any, packed: Any, absmax: Any, rows: i
 
 #: quantcore.torch's linear_4bit takes gemv_4bit up to this many rows where a many-row GEMM runs,
 #: dequantize + matmul above: the wgmma GEMM (compute capability 9.0) is faster at 128 .. 512 rows at
-#: 14336 x 4096 and 4096 x 14336 and slower from 1024 (H200, session 22, docs/performance.md "NF4
-#: prefill on wgmma"), the mma.sync GEMM through 128 (H100, session 16) ...
+#: 14336 x 4096 and 4096 x 14336 and, but for the wave rule below, slower from 1024 (H200, session 22,
+#: docs/performance.md "NF4 prefill on wgmma"), the mma.sync GEMM through 128 (H100, session 16) ...
 LINEAR_GEMM_ROWS = {"wgmma": 512, "mma": 128}
 #: ... the wgmma GEMM's 512 rows for weights of at least this many elements (4096 x 8192), the mma.sync
 #: GEMM's rows below: its grid of 128-row weight tiles is small there (H200, session 22, us at 128 / 512
 #: rows: 1024 x 4096 25.0 / 25.4 against bitsandbytes' dequantize + matmul 21.5 / 24.2; 4096 x 4096 at
 #: 512 rows 36.7, 1.49x bitsandbytes)
 LINEAR_WGMMA_MIN_WEIGHT = 4096 * 8192
+#: ... and above those 512 rows, up to LINEAR_WGMMA_MAX_ROWS, for a call whose rows fill the wgmma
+#: GEMM's waves of 256 x 128 tiles to LINEAR_WGMMA_FILL or more (rows x n against waves x SMs x 256 x
+#: 128): H200, session 23, us, wgmma GEMM / dequantize + matmul: 1024 rows 4096 x 14336 179.2 / 195.6,
+#: 8192 x 28672 691.9 / 764.7, 28672 x 8192 715.1 / 778.9 (fill 0.97); 14336 x 4096 211.1 / 200.0 (fill
+#: 0.85), 4096 x 14336 at 896 rows 186.2 / 192.9 (0.85), at 1280 337.5 / 233.1 (0.61), 28672 x 8192 at 768
+#: 601.6 / 648.7 (0.73) and 1280 918.2 / 932.0 (0.94): not a clean line below 0.95, so only fills above it
+LINEAR_WGMMA_MAX_ROWS = 1280
+LINEAR_WGMMA_FILL = 0.95
 
 
-def gemm4_linear_rule(device: int) -> tuple[int, int]:
+def gemm4_linear_rule(device: int) -> tuple[int, int, int]:
     """linear_4bit's gemv_4bit rows on ``device`` (LINEAR_GEMM_ROWS) for weights below and from
-    LINEAR_WGMMA_MIN_WEIGHT elements; (0, 0) without a many-row GEMM."""
+    LINEAR_WGMMA_MIN_WEIGHT elements, and the multiprocessors of the wgmma GEMM's wave rule (0 where it
+    does not run); (0, 0, 0) without a many-row GEMM."""
     if not gemm4_runs_on(device):
-        return 0, 0
+        return 0, 0, 0
     mma = LINEAR_GEMM_ROWS["mma"]
-    return mma, LINEAR_GEMM_ROWS["wgmma"] if _gw_runs_on(device) else mma
+    if not _gw_runs_on(device):
+        return mma, mma, 0
+    return mma, LINEAR_GEMM_ROWS["wgmma"], rt.sm_count(device)
 
 
-def gemm4_linear_rows(device: int, n: int = 0, k: int = 0) -> int:
-    """linear_4bit's gemv_4bit rows on ``device`` for an [n, k] weight (n, k 0: any weight, the smaller
-    rule)."""
-    return gemm4_linear_rule(device)[n * k >= LINEAR_WGMMA_MIN_WEIGHT]
+def gemm4_linear_rows(rule: tuple[int, int, int], n: int = 0, k: int = 0, rows: int = 0) -> int:
+    """linear_4bit's gemv_4bit rows under a device's ``rule`` (:func:`gemm4_linear_rule`) for an [n, k]
+    weight (n, k 0: any weight, the smaller rule); with ``rows``, for a call of that many rows: ``rows``
+    itself where the wgmma GEMM takes it above its plain limit (the wave rule above)."""
+    small, big, sms = rule
+    if n * k < LINEAR_WGMMA_MIN_WEIGHT:
+        return small
+    if sms and big < rows <= LINEAR_WGMMA_MAX_ROWS:
+        waves = _cdiv(_cdiv(rows, 256) * _cdiv(n, 128), sms)
+        if rows * n >= LINEAR_WGMMA_FILL * waves * sms * 256 * 128:
+            return rows
+    return big
 
 
 def gemm4_runs_on(device: int) -> bool:

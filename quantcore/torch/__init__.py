@@ -45,8 +45,9 @@ NAMESPACE = "quantcore"
 GEMV_MAX_ROWS = 16
 #: ... except on a backend with a many-row 4-bit GEMM (the cuda backend's bnb_gemm.cu, behind
 #: gemv_4bit): there linear_4bit takes gemv_4bit up to this many rows when no device is named, and up
-#: to the backend's ``gemm_4bit_rows(device, n, k)`` for a device (cuda: 512 on compute capability 9.0
-#: for weights of 4096 x 8192 elements or more, the wgmma GEMM; 128 else; 0 without the GEMM),
+#: to the backend's ``gemm_4bit_rows(device, n, k, rows)`` for a device (cuda: 512 on compute capability
+#: 9.0 for weights of 4096 x 8192 elements or more, the wgmma GEMM, and up to 1280 rows where the call's
+#: rows fill its waves; 128 else; 0 without the GEMM),
 #: dequantize + matmul above (docs/performance.md,
 #: "NF4 prefill"; both paths' times grow with N * K, so the crossover is a row count)
 FUSED_4BIT_MAX_ROWS = {"cuda": 128}
@@ -286,15 +287,17 @@ def linear_path(rows: int, op: str = "linear_4bit", backend: Any = None, k: int 
     "gemv" (the batch kernels, or the fused many-row GEMM where the backend has one on that device,
     read the weight once for many rows; linear_q4_0: gemm_w4a8) or "dequantize+matmul" (the weight
     dequantized into a temporary, then torch's matmul on tensor cores). The rule is a row count; with a
-    device, the backend's ``gemm_4bit_rows(device, n, k)`` sets it for linear_4bit (n, k 0: any weight)."""
-    path = "gemv" if 0 < rows <= _gemv_rows(op, backend, k, device, n) else "dequantize+matmul"
+    device, the backend's ``gemm_4bit_rows(device, n, k, rows)`` sets it for linear_4bit (n, k 0: any
+    weight)."""
+    path = "gemv" if 0 < rows <= _gemv_rows(op, backend, k, device, n, rows) else "dequantize+matmul"
     if DEBUG:
         print(f"quantcore.torch: {op} rows={rows} -> {path}", file=sys.stderr)
     return path
 
 
-def _gemv_rows(op: str, backend: Any, k: int, device: Any, n: int) -> int:
-    """The most input rows for which ``linear_path`` says "gemv" (its arguments)."""
+def _gemv_rows(op: str, backend: Any, k: int, device: Any, n: int, rows: int = 0) -> int:
+    """The most input rows for which ``linear_path`` says "gemv" (its arguments; ``rows``: for a call of
+    that many rows, which a backend's rule may take above its plain limit)."""
     name = backend if backend is None or isinstance(backend, str) else getattr(backend, "name", None)
     if op == "linear_q4_0":
         return W4A8_MAX_ROWS_CUDA if name == "cuda" else W4A8_MAX_ROWS
@@ -303,7 +306,7 @@ def _gemv_rows(op: str, backend: Any, k: int, device: Any, n: int) -> int:
         fused = FUSED_4BIT_MAX_ROWS.get(name, 0)
         rows_on = getattr(backend, "gemm_4bit_rows", None)
         if fused and rows_on is not None and device is not None:
-            fused = rows_on(device, n, k)  # the device's GEMM (0: none, e.g. too little shared memory per CTA)
+            fused = rows_on(device, n, k, rows)  # the device's GEMM (0: none, e.g. too little shared memory per CTA)
         limit = max(limit, fused)
     return limit
 
@@ -349,15 +352,18 @@ class _BoundDequantLinear:
     input this binding does not serve (another dtype, device or K, rows the gemv path takes) or where
     the bound launch declines (the weight's tensors changed, the tuning, the thread's context)."""
 
-    __slots__ = ("dequantize", "dtype", "device", "k", "gemv_rows")
+    __slots__ = ("dequantize", "dtype", "device", "k", "n", "backend", "where")
 
-    def __init__(self, dequantize: Any, x: torch.Tensor, gemv_rows: int):
+    def __init__(self, dequantize: Any, x: torch.Tensor, n: int, backend: Any):
         self.dequantize, self.dtype, self.device = dequantize, x.dtype, x.get_device()
-        self.k, self.gemv_rows = x.shape[-1], gemv_rows
+        self.k, self.n, self.backend, self.where = x.shape[-1], n, backend, x.device
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         if (type(x) is not torch.Tensor or x.dtype != self.dtype or x.get_device() != self.device or not x.dim()
-                or x.shape[-1] != self.k or x.numel() // self.k <= self.gemv_rows):
+                or x.shape[-1] != self.k):
+            return None
+        rows = x.numel() // self.k
+        if rows <= _gemv_rows("linear_4bit", self.backend, self.k, self.where, self.n, rows):
             return None
         w = self.dequantize()
         return None if w is None else torch.nn.functional.linear(x, w)
@@ -376,8 +382,8 @@ def bind_linear_4bit(x: torch.Tensor, packed: torch.Tensor, state: QuantState) -
         from ..api import bind_dequantize_4bit
 
         dq = bind_dequantize_4bit(packed, state, x.dtype, backend=be)
-        # (the bound call serves any input of more rows than the gemv path takes here)
-        return None if dq is None else _BoundDequantLinear(dq, x, _gemv_rows("linear_4bit", be, k, x.device, n))
+        # (the bound call serves any input that takes this path: the path asked per call)
+        return None if dq is None else _BoundDequantLinear(dq, x, n, be)
     from ..api import bind_gemv_4bit
 
     return bind_gemv_4bit(x if x.is_contiguous() else x.contiguous(), packed, state, backend=be)
