@@ -317,11 +317,8 @@ def bind_gemv_4bit(A: Any, packed: Any, state: QuantState, *, backend: str | Bac
     about ``packed`` and ``state`` has changed, and None otherwise (then call :func:`gemv_4bit`,
     which validates everything). Returns None where the backend binds nothing. Made from the launch
     plan that a previous ``gemv_4bit(A, packed, state)`` call left on the state."""
-    be = _backend(backend)
-    entry = (getattr(state, "_plans", None) or {}).get("gemv_4bit")
-    if not EAGER_PLANS or entry is None or entry[0] is not be or not hasattr(entry[1], "bind"):
-        return None
-    return entry[1].bind(A, packed, state)
+    plan = _bindable_plan("gemv_4bit", _backend(backend), state)
+    return None if plan is None else plan.bind(A, packed, state)
 
 
 def bind_dequantize_4bit(packed: Any, state: QuantState, out_dtype: Any = None, *,
@@ -331,11 +328,16 @@ def bind_dequantize_4bit(packed: Any, state: QuantState, out_dtype: Any = None, 
     nothing about ``packed`` and ``state`` has changed, and None otherwise (then call
     :func:`dequantize_4bit`). Returns None where the backend binds nothing. Made from the launch
     plan that a previous ``dequantize_4bit(packed, state, out_dtype)`` call left on the state."""
-    be = _backend(backend)
-    entry = (getattr(state, "_plans", None) or {}).get("dequantize_4bit")
+    plan = _bindable_plan("dequantize_4bit", _backend(backend), state)
+    return None if plan is None else plan.bind(packed, state, out_dtype)
+
+
+def _bindable_plan(op: str, be: Backend, state: Any) -> Any:
+    """The launch plan of ``op`` that ``be`` left on ``state``, where it can bind (else None)."""
+    entry = (getattr(state, "_plans", None) or {}).get(op)
     if not EAGER_PLANS or entry is None or entry[0] is not be or not hasattr(entry[1], "bind"):
         return None
-    return entry[1].bind(packed, state, out_dtype)
+    return entry[1]
 
 
 # -- bitsandbytes blockwise 8-bit --------------------------------------------------------------

@@ -114,12 +114,18 @@ class _GemvPlan(_StatePlan):
         entry = self.match(A, packed, state)
         if entry is None:
             return None
-        s2 = state.state2
-        arrays = (packed, state.absmax, state.code, state.offset) + ((s2.absmax, s2.code) if s2 is not None else ())
         try:
-            return _BoundGemv(self, self.key(A), entry, tuple(t for t in arrays if t is not None))
+            return _BoundGemv(self, self.key(A), entry, _bound_tensors(packed, state))
         except RuntimeError:  # "Inference tensors do not track version counter"
             return None
+
+
+def _bound_tensors(packed: Any, state: Any) -> tuple:
+    """The tensors a bound launch reads besides its input and output: the packed weight and the
+    state's arrays (those present)."""
+    s2 = state.state2
+    arrays = (packed, state.absmax, state.code, state.offset) + ((s2.absmax, s2.code) if s2 is not None else ())
+    return tuple(t for t in arrays if t is not None)
 
 
 def _unchanged(tensors: tuple, stamps: tuple) -> bool:
@@ -201,10 +207,8 @@ class _DequantPlan(_StatePlan):
         entry = self.match(packed, state, out_dtype)
         if entry is None:
             return None
-        s2 = state.state2
-        arrays = (packed, state.absmax, state.code, state.offset) + ((s2.absmax, s2.code) if s2 is not None else ())
         try:
-            return _BoundDequant(self, entry, packed, tuple(t for t in arrays if t is not None))
+            return _BoundDequant(self, entry, packed, _bound_tensors(packed, state))
         except RuntimeError:  # "Inference tensors do not track version counter"
             return None
 
