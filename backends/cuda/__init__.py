@@ -97,7 +97,7 @@ class CudaBackend(BnbOps, GgmlOps, Backend):
         if _torch_cuda():
             _torch().cuda.set_device(int(index))
 
-    _GEMM4_RULE: dict[int, tuple[int, int]] = {}
+    _GEMM4_RULE: dict[int, tuple[int, int, int]] = {}
 
     def gemm_4bit_rows(self, device: Any, n: int = 0, k: int = 0, rows: int = 0) -> int:
         """Up to how many input rows ``quantcore.torch``'s linear_4bit takes gemv_4bit for an [n, k]

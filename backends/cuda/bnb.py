@@ -511,8 +511,9 @@ def gemm4_linear_rows(rule: tuple[int, int, int], n: int = 0, k: int = 0, rows: 
     if n * k < LINEAR_WGMMA_MIN_WEIGHT:
         return small
     if sms and big < rows <= LINEAR_WGMMA_MAX_ROWS:
-        waves = _cdiv(_cdiv(rows, 256) * _cdiv(n, 128), sms)
-        if rows * n >= LINEAR_WGMMA_FILL * waves * sms * 256 * 128:
+        tile_rows = max(_GW_NB)  # (input rows x 128 weight rows: the tile at these rows)
+        waves = _cdiv(_cdiv(rows, tile_rows) * _cdiv(n, 128), sms)
+        if rows * n >= LINEAR_WGMMA_FILL * waves * sms * tile_rows * 128:
             return rows
     return big
 
