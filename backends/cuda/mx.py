@@ -98,9 +98,7 @@ def compile_cubin(source: str, arch: str, use_cache: bool = True, timing: bool =
     name = f"{os.path.splitext(source)[0]}{'-timing' if timing else ''}-{arch}-{key}.cubin"
 
     def build() -> tuple[bytes]:
-        includes = [f"-I{rt.header_dir()}", f"-I{rt.kernel_dir()}"]
-        # (named by its full path, as runtime.KernelCache does: quoted includes next to it, not in the cwd)
-        return (comp.compile(text, os.path.join(rt.kernel_dir(), source), None, options + includes)[0],)
+        return (rt.compile_source(comp, text, source, None, options)[0],)
 
     return cache.cached_bytes(cache.private_dir("cuda-mx") if use_cache else None, (name,), build)[0]
 

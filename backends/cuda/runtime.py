@@ -213,6 +213,16 @@ def kernel_target(expr: str, arch: int) -> str:
     return "sm_90a" if arch == 90 and "wgmma" in expr else f"sm_{arch}"
 
 
+def compile_source(comp: Nvrtc, source: str, filename: str, name_expr: str | None,
+                   options: list[str]) -> tuple[bytes, str, str]:
+    """NVRTC build of ``kernels_cuda/<filename>`` (its text ``source``) with ``options`` and the include
+    folders (the generated header's, kernels_cuda); the program is named by its full path, since NVRTC
+    looks for a quoted include next to the program first: a bare name would take a same-named header
+    from the working directory. -> (cubin, lowered name, log), as :meth:`Nvrtc.compile`."""
+    return comp.compile(source, os.path.join(kernel_dir(), filename), name_expr,
+                        list(options) + [f"-I{header_dir()}", f"-I{kernel_dir()}"])
+
+
 # -- compiled kernels ----------------------------------------------------------------------------------
 class KernelCache:
     """cubin per (source file, name expression, architecture): compiled once (disk cache), loaded
@@ -227,17 +237,14 @@ class KernelCache:
         comp = nvrtc()
         if self._digest is None:
             self._digest = _sources_digest()
-        options = list(COMPILE_OPTIONS) + [f"--gpu-architecture={kernel_target(expr, arch)}", f"-I{header_dir()}",
-                                           f"-I{kernel_dir()}"]
+        options = list(COMPILE_OPTIONS) + [f"--gpu-architecture={kernel_target(expr, arch)}"]
         key = cache.digest(self._digest, filename, expr, str(arch), str(comp.version), *COMPILE_OPTIONS,
                            length=40)
 
         def build() -> tuple[bytes, bytes]:
             with open(os.path.join(kernel_dir(), filename)) as f:
                 source = f.read()
-            # the program named by its full path: NVRTC looks for a quoted include next to the program
-            # first, so a bare name would take a same-named header from the working directory
-            cubin, lowered, _ = comp.compile(source, os.path.join(kernel_dir(), filename), expr, options)
+            cubin, lowered, _ = compile_source(comp, source, filename, expr, options)
             return cubin, lowered.encode()
 
         # used only when both files match their sidecar checksums (else compiled afresh)
