@@ -4,25 +4,21 @@ Arguments: [--fmt nf4|mxfp4|nvfp4] [--reps R] N K pairs (default 16384 16384 143
 --fmt mxfp4 / nvfp4 times linear_mx on that format instead (the same decode kernel); --reps R
 launches each shape R times (tools/dev/gemv_ncu.sh profiles the fourth of five)."""
 
-import sys
+import argparse
 
 import torch
 
 import quantcore as qc
 from quantcore.backend import Nested
 
+ap = argparse.ArgumentParser()
+ap.add_argument("--fmt", default="nf4", choices=("nf4", "mxfp4", "nvfp4"))
+ap.add_argument("--reps", type=int, default=1)
+ap.add_argument("dims", nargs="*", type=int)
+args = ap.parse_args()
+fmt, reps = args.fmt, args.reps
+dims = args.dims or [16384, 16384, 14336, 4096]
 be = qc.get_backend("cuda")
-args = sys.argv[1:]
-fmt, reps = "nf4", 1
-while args and args[0].startswith("--"):
-    opt, val, args = args[0], args[1], args[2:]
-    if opt == "--fmt":
-        fmt = val
-    elif opt == "--reps":
-        reps = int(val)
-    else:
-        raise SystemExit(f"unknown option {opt}")
-dims = [int(v) for v in args] or [16384, 16384, 14336, 4096]
 for n, k in zip(dims[::2], dims[1::2]):
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     a = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)

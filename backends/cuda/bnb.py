@@ -511,9 +511,9 @@ def gemm4_linear_rows(rule: tuple[int, int, int], n: int = 0, k: int = 0, rows: 
     if n * k < LINEAR_WGMMA_MIN_WEIGHT:
         return small
     if sms and big < rows <= LINEAR_WGMMA_MAX_ROWS:
-        tile_rows = max(_GW_NB)  # (input rows x 128 weight rows: the tile at these rows)
-        waves = _cdiv(_cdiv(rows, tile_rows) * _cdiv(n, 128), sms)
-        if rows * n >= LINEAR_WGMMA_FILL * waves * sms * tile_rows * 128:
+        tile_rows = max(_GW_NB)  # (input rows of the tile at these rows)
+        waves = _cdiv(_cdiv(rows, tile_rows) * _cdiv(n, _GW_WEIGHT_ROWS), sms)
+        if rows * n >= LINEAR_WGMMA_FILL * waves * sms * tile_rows * _GW_WEIGHT_ROWS:
             return rows
     return big
 
@@ -556,6 +556,7 @@ def _gemm4_launch(device, a, packed, absmax, nested, out, *, rows, n, k, blocksi
 # bnb_gemm.cu's wgmma GEMM (sm_90a; gemv_4bit from _GW_MIN_ROWS rows): input rows per CTA (the
 # m64n128 / m64n256 MMA's N), its dynamic shared memory, the rows from which it takes a call
 _GW_NB = (128, 256)
+_GW_WEIGHT_ROWS = 128  # a CTA's weight rows: 2 warpgroups x m64 (bnb_gemm.cu GwGeo::kRowsW)
 _GW_SMEM = LAUNCH_GEOMETRY["QC_GW_SMEM"]
 _GW_MAX_STAGES = 8  # (the pair table's free halves hold 8 stages of codes)
 # (H200, session 22, us, mma.sync GEMM / wgmma GEMM: 14336 x 4096 at 32 / 64 / 96 rows 39.4 / 41.2, 59.5 /
@@ -589,7 +590,7 @@ def _gw_shape(rows: int, n: int, k: int, sms: int) -> tuple[int, int]:
     _GW_NB128_COST). ``gw_nb`` / ``gw_cl`` force them."""
     best = None
     for nb in _GW_NB:
-        ctas = _cdiv(rows, nb) * _cdiv(n, 128)
+        ctas = _cdiv(rows, nb) * _cdiv(n, _GW_WEIGHT_ROWS)
         cl = max(c for c in _GW_CLUSTERS if c == 1 or (ctas * c <= sms and k // 64 >= 8 * c))
         cost = _cdiv(ctas * cl, sms) * nb / cl * (_GW_NB128_COST if nb == 128 else 1.0)
         if best is None or cost < best[0]:
@@ -612,7 +613,7 @@ def _gemm4wg_takes(device: int, rows: int, n: int) -> bool:
     forced = rt.tune("gw_min_rows", 0)
     if forced:
         return rows >= forced
-    return rows >= _GW_MIN_ROWS or (rows >= _GW_WIDE_MIN_ROWS and _cdiv(n, 128) >= 0.75 * rt.sm_count(device))
+    return rows >= _GW_MIN_ROWS or (rows >= _GW_WIDE_MIN_ROWS and _cdiv(n, _GW_WEIGHT_ROWS) >= 0.75 * rt.sm_count(device))
 
 
 def _gemm4wg_launch(device, a, packed, absmax, nested, out, *, rows, n, k, blocksize, quant_type, ldo):
@@ -623,7 +624,7 @@ def _gemm4wg_launch(device, a, packed, absmax, nested, out, *, rows, n, k, block
     expr = _gemm4wg(_tag(a), quant_type, nested is not None, nb, cl, rt.tune("gw_dbg", 0))
     args = kernel_args(expr, a=a, packed=packed, absmax=absmax, **_nested_named(nested), out=out, ldo=ldo, rows=rows,
                        n=n, k=k, log2bs=_log2(blocksize))
-    return _FM, expr, (_cdiv(rows, nb), _cdiv(n, 128), cl), _GM_THREADS, args, _GW_SMEM, _GEMV_SLOTS
+    return _FM, expr, (_cdiv(rows, nb), _cdiv(n, _GW_WEIGHT_ROWS), cl), _GM_THREADS, args, _GW_SMEM, _GEMV_SLOTS
 
 
 def _gemv_launch(device, a, packed, absmax, out, *, rows, n, k, blocksize, quant_type, nested):
