@@ -128,15 +128,25 @@ def _bound_tensors(packed: Any, state: Any) -> tuple:
     return tuple(t for t in arrays if t is not None)
 
 
-def _unchanged(tensors: tuple, stamps: tuple) -> bool:
-    """Do the bound tensors keep the pointers and version counters they had when bound?"""
-    for t, (ptr, version) in zip(tensors, stamps):
-        if t.data_ptr() != ptr or t._version != version:
-            return False
-    return True
+class _Stamped:
+    """Tensors bound as they are now: their pointers and version counters (every in-place change,
+    set_ / resize_ included, bumps a version; ``.data =`` gives another pointer)."""
+
+    __slots__ = ("tensors", "stamps")
+
+    def __init__(self, tensors: tuple):
+        self.tensors = tensors
+        self.stamps = tuple((t.data_ptr(), t._version) for t in tensors)  # RuntimeError on inference tensors
+
+    def _unchanged(self) -> bool:
+        """Do the bound tensors keep the pointers and version counters they had when bound?"""
+        for t, (ptr, version) in zip(self.tensors, self.stamps):
+            if t.data_ptr() != ptr or t._version != version:
+                return False
+        return True
 
 
-class _Bound:
+class _Bound(_Stamped):
     """A launch bound to one input geometry and to tensors as they are now, for a caller that
     repeats the same call (a module's eager forward). :meth:`_holds` checks the input (exact tensor
     type, shape, dtype, device, contiguity, 16-byte alignment), that the bound tensors keep their
@@ -144,20 +154,19 @@ class _Bound:
     ``.data =`` gives another pointer) and the tuning; a call that fails them returns None and the
     caller takes the public path."""
 
-    __slots__ = ("shape", "dtype", "align", "device", "out_shape", "launch", "tensors", "stamps")
+    __slots__ = ("shape", "dtype", "align", "device", "out_shape", "launch")
 
     def __init__(self, key: tuple, device: int, out_shape: tuple, launch: Any, tensors: tuple):
+        super().__init__(tensors)
         self.shape, self.dtype, self.align = key
         self.device, self.out_shape, self.launch = device, out_shape, launch
-        self.tensors = tensors
-        self.stamps = tuple((t.data_ptr(), t._version) for t in tensors)  # RuntimeError on inference tensors
 
     def _holds(self, A: Any, tune: Any) -> bool:
         if (type(A) is not _TENSOR or A.shape != self.shape or A.dtype != self.dtype
                 or (not A.data_ptr() & 15) != self.align or not A.is_contiguous()
                 or A.get_device() != self.device):
             return False
-        return _unchanged(self.tensors, self.stamps) and rt.tune_spec() == tune
+        return self._unchanged() and rt.tune_spec() == tune
 
 
 class _BoundGemv(_Bound):
@@ -213,19 +222,19 @@ class _DequantPlan(_StatePlan):
             return None
 
 
-class _BoundDequant:
+class _BoundDequant(_Stamped):
     """One dequantize plan entry bound to the weight's and the state's tensors as they are now: a
     call (no arguments) checks their pointers and version counters and the tuning (see
     :class:`_Bound`), then launches into a new output; None where a check fails."""
 
-    __slots__ = ("plan", "entry", "packed", "tensors", "stamps")
+    __slots__ = ("plan", "entry", "packed")
 
     def __init__(self, plan: _DequantPlan, entry: tuple, packed: Any, tensors: tuple):
-        self.plan, self.entry, self.packed, self.tensors = plan, entry, packed, tensors
-        self.stamps = tuple((t.data_ptr(), t._version) for t in tensors)  # RuntimeError on inference tensors
+        super().__init__(tensors)
+        self.plan, self.entry, self.packed = plan, entry, packed
 
     def __call__(self) -> Any:
-        if not _unchanged(self.tensors, self.stamps) or rt.tune_spec() != self.plan.tune:
+        if not self._unchanged() or rt.tune_spec() != self.plan.tune:
             return None
         return self.plan._run(self.entry, self.packed)
 
