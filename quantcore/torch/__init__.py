@@ -48,8 +48,8 @@ GEMV_MAX_ROWS = 16
 #: to the backend's ``gemm_4bit_rows(device, n, k, rows)`` for a device (cuda: 512 on compute capability
 #: 9.0 for weights of 4096 x 8192 elements or more, the wgmma GEMM, and up to 1280 rows where the call's
 #: rows fill its waves; 128 else; 0 without the GEMM),
-#: dequantize + matmul above (docs/performance.md,
-#: "NF4 prefill"; both paths' times grow with N * K, so the crossover is a row count)
+#: dequantize + matmul above (docs/performance.md, "NF4 prefill"; both paths' times grow with N * K,
+#: so the crossover is mostly a row count; above 512 rows the wgmma GEMM's wave fill decides per call)
 FUSED_4BIT_MAX_ROWS = {"cuda": 128}
 #: gemm_w4a8's stream kernel reads the weight once for up to 8 activation rows
 W4A8_MAX_ROWS = 8
