@@ -375,9 +375,10 @@ __device__ __forceinline__ V keep(V x) {
     }
 }
 
-// DBG (timing experiments only, QUANTCORE_CUDA_TUNE=gw_dbg=1|2; wrong results by design): 1 decodes
+// DBG (timing experiments only, QUANTCORE_CUDA_TUNE=gw_dbg=1..4; wrong results by design): 1 decodes
 // only stage 0 (the MMAs reuse its fragments), 2 issues no MMA in the loop (the fragments are XORed
-// into the first accumulator so that their decode stays)
+// into the first accumulator so that their decode stays), 3 / 4 copy half / none of the input tile
+// (full tiles only)
 // CL > 1 (sm_90 clusters along grid z): CTA z of a cluster takes stages nst z / CL .. nst (z + 1) / CL
 // of the same tile; CTAs 1 .. CL - 1 leave their fp32 sums in their shared memory, CTA 0 adds them in
 // rank order (distributed shared memory) and writes the tile.
@@ -441,9 +442,11 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
     auto issue = [&]() {
         if (nissued < nst) {
             const u16* p = asrc;
+            // DBG 3 / 4: half / none of the input tile copied (the L2 traffic's share of the time)
+            constexpr int kCopies = DBG == 3 ? NB / 64 : DBG == 4 ? 0 : NB / 32;
             if (afull) {
 #pragma unroll
-                for (int i = 0; i < NB / 32; ++i, p += astep) cp_async16(wslot + adst + 4096 * i, p);
+                for (int i = 0; i < kCopies; ++i, p += astep) cp_async16(wslot + adst + 4096 * i, p);
             } else {
 #pragma unroll
                 for (int i = 0; i < NB / 32; ++i, p += astep)

@@ -66,7 +66,10 @@ def test_gemm_4bit_rows_by_device(monkeypatch):
     monkeypatch.setattr(cuda.CudaBackend, "_GEMM4_RULE", {})
     be = cuda.CudaBackend()
     rows = _bnb.LINEAR_GEMM_ROWS
-    assert be.gemm_4bit_rows(0, 14336, 4096) == be.gemm_4bit_rows(0, 4096, 8192) == rows["wgmma"] == 512
+    assert be.gemm_4bit_rows(0, 14336, 4096) == be.gemm_4bit_rows(0, 4096, 4096) == rows["wgmma"] == 512
+    # smaller weights: the mma.sync GEMM's rows when captured, the wgmma GEMM's in an eager call
+    assert be.gemm_4bit_rows(0, 1024, 4096, 512) == 128 and be.gemm_4bit_rows(0, 1024, 4096, 512, True) == 512
+    assert be.gemm_4bit_rows(0, 1024, 4096, 1024, True) == 512 and be.gemm_4bit_rows(0, 4096, 4096, 1024) == 1024
     for n, k in ((4096, 14336), (8192, 28672), (28672, 8192)):
         assert be.gemm_4bit_rows(0, n, k, 1024) == 1024 and be.gemm_4bit_rows(0, n, k, 2048) == 512, (n, k)
     assert be.gemm_4bit_rows(0, 14336, 4096, 1024) == 512 and be.gemm_4bit_rows(0, 1024, 4096, 1024) == 128
@@ -76,8 +79,11 @@ def test_gemm_4bit_rows_by_device(monkeypatch):
     assert be.gemm_4bit_rows(2, 14336, 4096) == rows["mma"]
     props[1]["sharedMemPerBlockOptin"] = 232448  # cached: not asked again
     assert be.gemm_4bit_rows(1) == 0
+    assert be.gemm_4bit_rows(2, 1024, 4096, 512, True) == rows["mma"]  # no wgmma GEMM: one rule
     monkeypatch.setenv(rt.ENV_TUNE, "gemm4wg=0")
     assert _bnb.gemm4_linear_rows(_bnb.gemm4_linear_rule(0), 4096, 14336, 1024) == rows["mma"]
+    monkeypatch.setenv(rt.ENV_TUNE, "gw_eager=0")
+    assert _bnb.gemm4_linear_rows(_bnb.gemm4_linear_rule(0), 1024, 4096, 512, True) == rows["mma"]
 
 
 def test_wgmma_gemm_launch_rules(monkeypatch):

@@ -189,8 +189,8 @@ def test_linear_path_by_the_device_gemm():
         def __init__(self, rows):
             self.rows, self.asked = rows, []
 
-        def gemm_4bit_rows(self, device, n=0, k=0, rows=0):
-            self.asked.append((device, n, k))
+        def gemm_4bit_rows(self, device, n=0, k=0, rows=0, eager=False):
+            self.asked.append((device, n, k) + ((eager,) if eager else ()))
             return self.rows
 
     wgmma, without = Cuda(512), Cuda(0)
@@ -200,6 +200,34 @@ def test_linear_path_by_the_device_gemm():
     assert qct.linear_path(qct.FUSED_4BIT_MAX_ROWS["cuda"], backend=without, device="cuda:0") == "dequantize+matmul"
     assert qct.linear_path(qct.GEMV_MAX_ROWS, backend=without, device="cuda:0") == "gemv"
     assert qct.linear_path(qct.FUSED_4BIT_MAX_ROWS["cuda"], backend=without) == "gemv"  # no device: the backend's rule
+
+
+def test_linear_path_eager_or_captured(monkeypatch):
+    """Above a weight's rows for calls captured in a CUDA graph, the backend's rows for eager calls
+    (cuda: the wgmma GEMM's 512 for small weights too) apply where the stream is not being captured;
+    the eager rows are asked only then."""
+
+    class Cuda:
+        name = "cuda"
+
+        def __init__(self):
+            self.asked = []
+
+        def gemm_4bit_rows(self, device, n=0, k=0, rows=0, eager=False):
+            self.asked.append(eager)
+            return 512 if eager else 128
+
+    be = Cuda()
+    capturing = [False]
+    monkeypatch.setattr(qct, "_capturing", lambda: capturing[0])
+    assert qct.linear_path(128, backend=be, device="cuda:0", k=4096, n=1024) == "gemv" and be.asked == [False]
+    assert qct.linear_path(512, backend=be, device="cuda:0", k=4096, n=1024) == "gemv"
+    assert qct.linear_path(513, backend=be, device="cuda:0", k=4096, n=1024) == "dequantize+matmul"
+    capturing[0] = True
+    assert qct.linear_path(512, backend=be, device="cuda:0", k=4096, n=1024) == "dequantize+matmul"
+    assert qct._capturing() is True  # (the patched probe)
+    monkeypatch.undo()
+    assert qct._capturing() in (False, True)  # a torch without CUDA answers False
 
 
 # -- modules ---------------------------------------------------------------------------------------------
@@ -528,7 +556,8 @@ def test_cuda_eager_forward_binds_the_dequantize_path(gen):
     fall back (and the result follows the change)."""
     mod = qnn.Linear4bit.from_linear(_linear(gen, 1024, 512, device="cuda"))
     op = torch.ops.quantcore.linear_4bit
-    rows = qct._gemv_rows("linear_4bit", qct.backend_for(torch.device("cuda")), 1024, torch.device("cuda"), 512)
+    # (the most rows the gemv path takes for this weight in an eager call: asked for a call of many rows)
+    rows = qct._gemv_rows("linear_4bit", qct.backend_for(torch.device("cuda")), 1024, torch.device("cuda"), 512, 1 << 20)
     assert qct.linear_path(rows + 44, backend=qct.backend_for(torch.device("cuda")), k=1024, device=torch.device("cuda"),
                            n=512) == "dequantize+matmul"
     x = _randn(gen, rows + 44, 1024, dtype=torch.bfloat16, device="cuda")
@@ -836,3 +865,32 @@ def test_cuda_grouped_gemv_matches_single_gemvs_within_the_bound():
             assert (abs(err) <= bound.max_abs).all()
             col += n
 
+
+
+@needs_cuda
+def test_cuda_linear_path_in_a_graph_capture(gen):
+    """On the wgmma GEMM's device, a small weight's 512-row call takes the GEMM eagerly and dequantize +
+    matmul while the stream is being captured; the captured op's replay gives what its eager run of the
+    same path gives (dequantize + matmul: the same kernels)."""
+    from quantcore.backends.cuda import runtime as rt
+
+    if rt.device_arch(torch.cuda.current_device()) != 90:
+        pytest.skip("the eager rule differs from the captured one only with the wgmma GEMM (compute capability 9.0)")
+    be = qc.get_backend("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    assert qct.linear_path(512, backend=be, device=dev, k=4096, n=1024) == "gemv"
+    mod = qnn.Linear4bit.from_linear(_linear(gen, 4096, 1024, dtype=torch.bfloat16, device="cuda"))
+    x = _randn(gen, 512, 4096, dtype=torch.bfloat16, device="cuda")
+    op = torch.ops.quantcore.linear_4bit
+    args = (*mod._state_args(), 1024, 4096, mod.blocksize, mod.quant_type, None)
+    with torch.no_grad():
+        want = torch.nn.functional.linear(x, mod.dequantize())  # the dequantize + matmul path's bits
+        op(x, *args)  # warm-up outside the capture (kernels loaded, plans made)
+        torch.cuda.synchronize()
+        graph, paths = torch.cuda.CUDAGraph(), []
+        with torch.cuda.graph(graph):
+            paths.append(qct.linear_path(512, backend=be, device=dev, k=4096, n=1024))
+            y = op(x, *args)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert paths == ["dequantize+matmul"] and torch.equal(y, want)

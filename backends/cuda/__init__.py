@@ -97,9 +97,9 @@ class CudaBackend(BnbOps, GgmlOps, Backend):
         if _torch_cuda():
             _torch().cuda.set_device(int(index))
 
-    _GEMM4_RULE: dict[int, tuple[int, int, int]] = {}
+    _GEMM4_RULE: dict[int, _bnb.LinearRule] = {}
 
-    def gemm_4bit_rows(self, device: Any, n: int = 0, k: int = 0, rows: int = 0) -> int:
+    def gemm_4bit_rows(self, device: Any, n: int = 0, k: int = 0, rows: int = 0, eager: bool = False) -> int:
         """Up to how many input rows ``quantcore.torch``'s linear_4bit takes gemv_4bit for an [n, k]
         weight on ``device`` (a torch device or an index; None: the current one): its many-row GEMM's
         crossover with dequantize + matmul (kernels_cuda/bnb_gemm.cu: the wgmma GEMM on compute
@@ -115,7 +115,7 @@ class CudaBackend(BnbOps, GgmlOps, Backend):
         rule = self._GEMM4_RULE.get(int(index))
         if rule is None:
             rule = self._GEMM4_RULE[int(index)] = _bnb.gemm4_linear_rule(int(index))
-        return _bnb.gemm4_linear_rows(rule, n, k, rows)
+        return _bnb.gemm4_linear_rows(rule, n, k, rows, eager)
 
     _CAPS: frozenset | None = None
 

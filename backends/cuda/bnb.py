@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from quantcore.arrays import as_dtype, dtype_name
 from quantcore.backend import Nested, grouped_run_end
@@ -476,11 +476,15 @@ def _gemm4_takes(device: int, dt: str, a: Any, packed: Any, absmax: Any, rows: i
 #: 14336 x 4096 and 4096 x 14336 and, but for the wave rule below, slower from 1024 (H200, session 22,
 #: docs/performance.md "NF4 prefill on wgmma"), the mma.sync GEMM through 128 (H100, session 16) ...
 LINEAR_GEMM_ROWS = {"wgmma": 512, "mma": 128}
-#: ... the wgmma GEMM's 512 rows for weights of at least this many elements (4096 x 8192), the mma.sync
-#: GEMM's rows below: its grid of 128-row weight tiles is small there (H200, session 22, us at 128 / 512
-#: rows: 1024 x 4096 25.0 / 25.4 against bitsandbytes' dequantize + matmul 21.5 / 24.2; 4096 x 4096 at
-#: 512 rows 36.7, 1.49x bitsandbytes)
-LINEAR_WGMMA_MIN_WEIGHT = 4096 * 8192
+#: ... the wgmma GEMM's 512 rows for weights of at least this many elements (4096 x 4096), the mma.sync
+#: GEMM's rows below: its grid of 128-row weight tiles is small there (H200, session 24, kernel us,
+#: wgmma GEMM / dequantize + matmul: 4096 x 4096 at 256 / 512 / 1024 rows 25.8 / 34.0, 36.5 / 41.7, 54.3 /
+#: 62.5; 1024 x 4096 at 256 / 512 rows 25.3 / 16.8, 25.7 / 18.0: tools/dev/eager_layer_wall.py) ...
+LINEAR_WGMMA_MIN_WEIGHT = 4096 * 4096
+#: ... except for eager calls (not captured in a CUDA graph), which take the wgmma GEMM's 512 rows for
+#: every weight: their time is the host's, and the GEMM is one bound launch where dequantize + matmul
+#: are two launches, an allocation and F.linear (the same call, wall time per call of back-to-back eager
+#: calls: 1024 x 4096 at 512 rows 24.0 against 57.5 us; session 24)
 #: ... and above those 512 rows, up to LINEAR_WGMMA_MAX_ROWS, for a call whose rows fill the wgmma
 #: GEMM's waves of 256 x 128 tiles to LINEAR_WGMMA_FILL or more (rows x n against waves x SMs x 256 x
 #: 128): H200, session 23, us, wgmma GEMM / dequantize + matmul: 1024 rows 4096 x 14336 179.2 / 195.6,
@@ -491,25 +495,36 @@ LINEAR_WGMMA_MAX_ROWS = 1280
 LINEAR_WGMMA_FILL = 0.95
 
 
-def gemm4_linear_rule(device: int) -> tuple[int, int, int]:
-    """linear_4bit's gemv_4bit rows on ``device`` (LINEAR_GEMM_ROWS) for weights below and from
-    LINEAR_WGMMA_MIN_WEIGHT elements, and the multiprocessors of the wgmma GEMM's wave rule (0 where it
-    does not run); (0, 0, 0) without a many-row GEMM."""
+class LinearRule(NamedTuple):
+    """linear_4bit's row rule on one device (:func:`gemm4_linear_rule`)."""
+
+    small: int  #: gemv_4bit rows for weights below min_weight in captured calls
+    eager_small: int  #: ... in eager calls (``gw_eager=0``: small; comparisons)
+    big: int  #: ... for weights from min_weight on
+    min_weight: int  #: LINEAR_WGMMA_MIN_WEIGHT (``gw_min_weight`` overrides it; 0 without the wgmma GEMM)
+    sms: int  #: multiprocessors of the wgmma GEMM's wave rule (0 where it does not run)
+
+
+def gemm4_linear_rule(device: int) -> LinearRule:
+    """linear_4bit's gemv_4bit rows on ``device`` (LINEAR_GEMM_ROWS); zeros without a many-row GEMM."""
     if not gemm4_runs_on(device):
-        return 0, 0, 0
+        return LinearRule(0, 0, 0, 0, 0)
     mma = LINEAR_GEMM_ROWS["mma"]
     if not _gw_runs_on(device):
-        return mma, mma, 0
-    return mma, LINEAR_GEMM_ROWS["wgmma"], rt.sm_count(device)
+        return LinearRule(mma, mma, mma, 0, 0)
+    big = LINEAR_GEMM_ROWS["wgmma"]
+    return LinearRule(mma, big if rt.tune("gw_eager", 1) else mma, big,
+                      rt.tune("gw_min_weight", LINEAR_WGMMA_MIN_WEIGHT), rt.sm_count(device))
 
 
-def gemm4_linear_rows(rule: tuple[int, int, int], n: int = 0, k: int = 0, rows: int = 0) -> int:
+def gemm4_linear_rows(rule: LinearRule, n: int = 0, k: int = 0, rows: int = 0, eager: bool = False) -> int:
     """linear_4bit's gemv_4bit rows under a device's ``rule`` (:func:`gemm4_linear_rule`) for an [n, k]
     weight (n, k 0: any weight, the smaller rule); with ``rows``, for a call of that many rows: ``rows``
-    itself where the wgmma GEMM takes it above its plain limit (the wave rule above)."""
-    small, big, sms = rule
-    if n * k < LINEAR_WGMMA_MIN_WEIGHT:
-        return small
+    itself where the wgmma GEMM takes it above its plain limit (the wave rule above); ``eager``: for a
+    call not captured in a CUDA graph (the wgmma GEMM's rows for every weight)."""
+    small, eager_small, big, min_weight, sms = rule
+    if n * k < min_weight:
+        return eager_small if eager else small
     if sms and big < rows <= LINEAR_WGMMA_MAX_ROWS:
         tile_rows = max(_GW_NB)  # (input rows of the tile at these rows)
         waves = _cdiv(_cdiv(rows, tile_rows) * _cdiv(n, _GW_WEIGHT_ROWS), sms)

@@ -45,9 +45,10 @@ NAMESPACE = "quantcore"
 GEMV_MAX_ROWS = 16
 #: ... except on a backend with a many-row 4-bit GEMM (the cuda backend's bnb_gemm.cu, behind
 #: gemv_4bit): there linear_4bit takes gemv_4bit up to this many rows when no device is named, and up
-#: to the backend's ``gemm_4bit_rows(device, n, k, rows)`` for a device (cuda: 512 on compute capability
-#: 9.0 for weights of 4096 x 8192 elements or more, the wgmma GEMM, and up to 1280 rows where the call's
-#: rows fill its waves; 128 else; 0 without the GEMM),
+#: to the backend's ``gemm_4bit_rows(device, n, k, rows, eager)`` for a device (cuda: 512 on compute
+#: capability 9.0 for weights of 4096 x 4096 elements or more, the wgmma GEMM, and up to 1280 rows where
+#: the call's rows fill its waves; 128 for smaller weights in a call captured in a CUDA graph, 512 in an
+#: eager one, whose time is the host's; 0 without the GEMM),
 #: dequantize + matmul above (docs/performance.md, "NF4 prefill"; both paths' times grow with N * K,
 #: so the crossover is mostly a row count; above 512 rows the wgmma GEMM's wave fill decides per call)
 FUSED_4BIT_MAX_ROWS = {"cuda": 128}
@@ -287,8 +288,8 @@ def linear_path(rows: int, op: str = "linear_4bit", backend: Any = None, k: int 
     "gemv" (the batch kernels, or the fused many-row GEMM where the backend has one on that device,
     read the weight once for many rows; linear_q4_0: gemm_w4a8) or "dequantize+matmul" (the weight
     dequantized into a temporary, then torch's matmul on tensor cores). The rule is a row count; with a
-    device, the backend's ``gemm_4bit_rows(device, n, k, rows)`` sets it for linear_4bit (n, k 0: any
-    weight)."""
+    device, the backend's ``gemm_4bit_rows(device, n, k, rows, eager)`` sets it for linear_4bit (n, k 0:
+    any weight; ``eager``: the call is not being captured in a CUDA graph, so its host time counts)."""
     path = "gemv" if 0 < rows <= _gemv_rows(op, backend, k, device, n, rows) else "dequantize+matmul"
     if DEBUG:
         print(f"quantcore.torch: {op} rows={rows} -> {path}", file=sys.stderr)
@@ -307,8 +308,20 @@ def _gemv_rows(op: str, backend: Any, k: int, device: Any, n: int, rows: int = 0
         rows_on = getattr(backend, "gemm_4bit_rows", None)
         if fused and rows_on is not None and device is not None:
             fused = rows_on(device, n, k, rows)  # the device's GEMM (0: none, e.g. too little shared memory per CTA)
+            if rows > fused:  # an eager call may take the GEMM further: its time is the host's
+                eager = rows_on(device, n, k, rows, True)
+                if eager > fused and not _capturing():
+                    fused = eager
         limit = max(limit, fused)
     return limit
+
+
+def _capturing() -> bool:
+    """Is the current CUDA stream being captured into a graph (False on a torch without CUDA)?"""
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:  # torch built without CUDA
+        return False
 
 
 def _rows(x: torch.Tensor) -> int:

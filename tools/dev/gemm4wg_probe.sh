@@ -1,8 +1,9 @@
 #!/bin/bash
 # The wgmma NF4 GEMM (kernels_cuda/bnb_gemm.cu gemm_4bit_wgmma_kernel) on the GPU machine: its time per
-# timing experiment (QUANTCORE_CUDA_TUNE gw_dbg: 1 no decode in the loop, 2 no MMA) and input-row tile
-# beside torch bf16, then ncu (full set, SASS source page with stall samples) of the default kernel at
-# ROWS rows (default 512) of 14336 x 4096 (NCU=0: timing only). Logs under $OUT.
+# timing experiment (QUANTCORE_CUDA_TUNE gw_dbg: 1 no decode in the loop, 2 no MMA, 3 / 4 half / none of
+# the input copied; TUNES="a;b" picks them) and input-row tile beside torch bf16, then ncu (full set, SASS
+# source page with stall samples) of the default kernel at ROWS rows (default 512) of 14336 x 4096
+# (NCU=0: timing only; NCU=mem: the memory sections of the wgmma GEMM and of torch's bf16 GEMM). Logs under $OUT.
 . tools/dev/env.sh /tmp/gw_probe
 ROWS="${ROWS:-512}"
 cat > /tmp/gw_one.py <<PY
@@ -24,7 +25,7 @@ if sys.argv[1] == "time":
         out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
         t_torch = tm.kernel([lambda w=w: torch.nn.functional.linear(x, w) for w in ws], 20, warmup=3)
         res = []
-        for tune in ("", "gw_dbg=1", "gw_dbg=2", "gw_nb=128", "gw_nb=128,gw_dbg=1", "gw_nb=128,gw_dbg=2"):
+        for tune in os.environ.get("TUNES", ";gw_dbg=1;gw_dbg=2;gw_nb=128;gw_nb=128,gw_dbg=1;gw_nb=128,gw_dbg=2").split(";"):
             os.environ[rt.ENV_TUNE] = tune
             res.append((tune or "default", tm.kernel([lambda p=p, s=s: gemv(x, out, p, s) for p, s in qs], 20, warmup=3)))
         os.environ.pop(rt.ENV_TUNE, None)
@@ -34,12 +35,26 @@ else:
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
     for _ in range(2):
-        gemv(x, out, *qs[0])
+        if sys.argv[1] == "torch":
+            torch.nn.functional.linear(x, ws[0])
+        else:
+            gemv(x, out, *qs[0])
     torch.cuda.synchronize()
     print("ok")
 PY
 timeout 150 python3 /tmp/gw_one.py time | tee "$OUT/time.log"
 [ "${NCU:-1}" = 0 ] && exit 0
+if [ "${NCU:-1}" = mem ]; then
+  for who in ncu torch; do
+    name=$([ $who = ncu ] && echo regex:gemm_4bit_wgmma || echo "regex:nvjet|gemm|cutlass")
+    timeout 120 ncu --clock-control none --kernel-name "$name" --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+      --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+      --metrics lts__t_bytes.sum.per_second,lts__t_sectors_srcunit_tex_op_read.sum,dram__bytes_read.sum,gpc__cycles_elapsed.avg.per_second \
+      python3 /tmp/gw_one.py $who "$ROWS" > "$OUT/ncu_mem_$who.txt" 2>&1
+    echo "== $who rc=$?"; grep -E "Duration|Throughput|lts__|dram__bytes|gpc__cycles|Hit Rate|L2 Compression|Frequency" "$OUT/ncu_mem_$who.txt" | head -24
+  done
+  exit 0
+fi
 timeout 240 ncu --clock-control none --kernel-name regex:gemm_4bit_wgmma --launch-skip 1 --launch-count 1 \
   --set full --import-source no -o /tmp/gw -f python3 /tmp/gw_one.py ncu "$ROWS" > "$OUT/ncu_run.log" 2>&1
 echo "ncu rc=$?"; tail -3 "$OUT/ncu_run.log"
