@@ -19,7 +19,7 @@ cp "$OLD" "/tmp/oldtree/$AS"
 run() {  # tag tree cache [script args]
   local tag=$1 tree=$2 cache=$3
   shift 3
-  (cd /tmp && PYTHONPATH=$tree QUANTCORE_CACHE_DIR=$cache timeout "${AB_LIMIT:-150}" python3 "$SCRIPT" "$@") 2>&1 \
+  (cd /tmp && PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} QUANTCORE_CACHE_DIR=$cache timeout "${AB_LIMIT:-150}" python3 "$SCRIPT" "$@") 2>&1 \
     | sed "s/^/[$tag] /" | tee -a "$OUT/ab.log"
 }
 : > "$OUT/ab.log"
