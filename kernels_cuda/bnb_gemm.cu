@@ -449,7 +449,7 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
                 for (int i = 0; i < kCopies; ++i, p += astep) cp_async16(wslot + adst + 4096 * i, p);
             } else {
 #pragma unroll
-                for (int i = 0; i < NB / 32; ++i, p += astep)
+                for (int i = 0; i < kCopies; ++i, p += astep)
                     cp_async16(wslot + adst + 4096 * i, p, m0 + (tid >> 3) + 32 * i < rows ? 16u : 0u);
             }
             cp_async16(wcode + cdst, csrc);
