@@ -51,7 +51,8 @@ def _instances_by_file() -> dict[str, list[str]]:
 def test_gemm_4bit_rows_by_device(monkeypatch):
     """linear_4bit's gemv_4bit rows per device and weight: the wgmma GEMM's crossover on compute
     capability 9.0 for weights of LINEAR_WGMMA_MIN_WEIGHT elements or more (the mma.sync GEMM's below,
-    for no weight given, and with gemm4wg=0), and above it the calls whose rows fill the wgmma GEMM's
+    for no weight given, and with gemm4wg=0; the wgmma GEMM's for smaller weights in an eager call unless
+    gw_eager=0), and above it the calls whose rows fill the wgmma GEMM's
     waves (the measured shapes at 1024 rows on 132 SMs: 4096 x 14336, 8192 x 28672, 28672 x 8192 yes,
     14336 x 4096 no, nor 896 / 1280 / 2048 rows); the mma.sync GEMM's on other sm_80+ devices with an
     H100's 227 KiB per CTA, 0 on an A100 (163 KiB); the device's rule is worked out once."""

@@ -107,8 +107,10 @@ class CudaBackend(BnbOps, GgmlOps, Backend):
         GEMM: sm_80+ with 227 KiB of shared memory per CTA), 0 where no many-row GEMM runs (more than
         16 rows would take 16-row passes of the batch kernels: the linear path dequantizes instead).
         With ``rows`` (a call's), the answer for that call: above 512 rows the wgmma GEMM takes row
-        counts that fill its waves (``bnb.gemm4_linear_rows``). The device's rule is worked out once (a
-        linear call asks for every call)."""
+        counts that fill its waves (``bnb.gemm4_linear_rows``). ``eager``: for a call that is not being
+        captured in a CUDA graph, whose host time counts: the wgmma GEMM's 512 rows for smaller weights
+        too (one bound launch against dequantize + matmul's two launches, allocation and F.linear). The
+        device's rule is worked out once (a linear call asks for every call)."""
         index = device.index if hasattr(device, "type") else device  # a torch.device, else an index
         if index is None:
             index = rt.cupy().cuda.runtime.getDevice()
