@@ -31,6 +31,7 @@ LAYER = (("q", 4096, 4096), ("k", 1024, 4096), ("v", 1024, 4096), ("o", 4096, 40
 
 
 def set_rule(spec: str) -> None:
+    """QUANTCORE_CUDA_TUNE = spec (unset for ""), and linear_4bit's device rule read again."""
     if spec:
         os.environ[rt.ENV_TUNE] = spec
     else:

@@ -11,24 +11,14 @@ tokens at batch 1 (synchronized), median over rounds x 3 forwards; and, once, th
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
-from quantcore.backends import cuda
-from quantcore.backends.cuda import runtime as rt
+from eager_layer_wall import set_rule  # (this folder: the script's own)
 
 from quantcore import bench_e2e
 from quantcore.bench import CudaTimer
-
-
-def set_rule(spec: str) -> None:
-    if spec:
-        os.environ[rt.ENV_TUNE] = spec
-    else:
-        os.environ.pop(rt.ENV_TUNE, None)
-    cuda.CudaBackend._GEMM4_RULE.clear()
 
 
 def main() -> None:
