@@ -354,7 +354,7 @@ constexpr int kGwCodeSlot = 8192;  // the address span of a stage's codes: 128 r
 template <int NB>
 struct GwGeo {
     static_assert(NB == 128 || NB == 256, "m64n128 / m64n256 MMAs");
-    static constexpr int kRowsW = 128;
+    static constexpr int kRowsW = QC_GW_ROWS;  // 2 warpgroups x m64
     static_assert(2 * kRowsW * 32 == kGwCodeSlot && 8 * kGwCodeSlot == kGwTable, "8 code slots in the free halves");
     static constexpr int kB = NB * 128;
     static constexpr int kSlot = kB;  // (the codes live in the pair table's free halves)

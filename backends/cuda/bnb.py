@@ -571,8 +571,8 @@ def _gemm4_launch(device, a, packed, absmax, nested, out, *, rows, n, k, blocksi
 # bnb_gemm.cu's wgmma GEMM (sm_90a; gemv_4bit from _GW_MIN_ROWS rows): input rows per CTA (the
 # m64n128 / m64n256 MMA's N), its dynamic shared memory, the rows from which it takes a call
 _GW_NB = (128, 256)
-_GW_WEIGHT_ROWS = 128  # a CTA's weight rows: 2 warpgroups x m64 (bnb_gemm.cu GwGeo::kRowsW)
-_GW_SMEM = LAUNCH_GEOMETRY["QC_GW_SMEM"]
+# (threads and weight rows per CTA, shared memory)
+_GW_THREADS, _GW_WEIGHT_ROWS, _GW_SMEM = (LAUNCH_GEOMETRY[k] for k in ("QC_GW_THREADS", "QC_GW_ROWS", "QC_GW_SMEM"))
 _GW_MAX_STAGES = 8  # (the pair table's free halves hold 8 stages of codes)
 # (H200, session 22, us, mma.sync GEMM / wgmma GEMM: 14336 x 4096 at 32 / 64 / 96 rows 39.4 / 41.2, 59.5 /
 # 40.5, 98.1 / 39.7; 4096 x 14336 64.0 / 74.1, 57.4 / 73.3, 103.8 / 72.5: from 96 rows always, from 64 where
@@ -639,7 +639,7 @@ def _gemm4wg_launch(device, a, packed, absmax, nested, out, *, rows, n, k, block
     expr = _gemm4wg(_tag(a), quant_type, nested is not None, nb, cl, rt.tune("gw_dbg", 0))
     args = kernel_args(expr, a=a, packed=packed, absmax=absmax, **_nested_named(nested), out=out, ldo=ldo, rows=rows,
                        n=n, k=k, log2bs=_log2(blocksize))
-    return _FM, expr, (_cdiv(rows, nb), _cdiv(n, _GW_WEIGHT_ROWS), cl), _GM_THREADS, args, _GW_SMEM, _GEMV_SLOTS
+    return _FM, expr, (_cdiv(rows, nb), _cdiv(n, _GW_WEIGHT_ROWS), cl), _GW_THREADS, args, _GW_SMEM, _GEMV_SLOTS
 
 
 def _gemv_launch(device, a, packed, absmax, out, *, rows, n, k, blocksize, quant_type, nested):

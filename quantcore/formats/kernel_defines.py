@@ -77,9 +77,10 @@ LAUNCH_GEOMETRY.update({"QC_GM_THREADS": 256, "QC_GM_TABLE": 65536, "QC_GM_APAD"
 
 
 #: kernels_cuda/bnb_gemm.cu's wgmma GEMM (sm_90a, gemv_4bit for many rows): threads per CTA (two
-#: warpgroups) and its dynamic shared memory (the QC_GM_TABLE pair table, whose free half of each 256
-#: bytes holds the ring's codes, the input tiles around it, code2's copy: one CTA per multiprocessor)
-LAUNCH_GEOMETRY.update({"QC_GW_THREADS": 256, "QC_GW_SMEM": 227 * 1024})
+#: warpgroups), its weight rows per CTA (the two warpgroups' m64 tiles) and its dynamic shared memory
+#: (the QC_GM_TABLE pair table, whose free half of each 256 bytes holds the ring's codes, the input
+#: tiles around it, code2's copy: one CTA per multiprocessor)
+LAUNCH_GEOMETRY.update({"QC_GW_THREADS": 256, "QC_GW_ROWS": 128, "QC_GW_SMEM": 227 * 1024})
 
 
 def gw_slot_bytes(nb: int) -> int:
