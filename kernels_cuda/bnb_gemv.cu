@@ -587,37 +587,11 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
     // the pieces go to the warp's ring, drained now
     cp_async_wait<0>();
     __syncwarp();
-    {
-        float* part = reinterpret_cast<float*>(wring_p);
-#pragma unroll
-        for (int h = 0; h < NB; ++h)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                if (have_keep) part[h * 128 + 4 * lane + r] = keep[h][r];
-                if (last_slot >= 0) part[last_slot * G::kPart + h * 128 + 4 * lane + r] = acc[h][r];
-            }
-    }
+    stash_tile_pieces<NB>(reinterpret_cast<float*>(wring_p), G::kPart, have_keep, last_slot, keep, acc);
     __syncthreads();
-    // tiles shared by warps: the pieces added in warp order. A tile's pieces are the entries of
-    // consecutive warps (unused entries hold -1); entry k links to the tile's next piece.
-    int* link = reinterpret_cast<int*>(ptile + 2 * kGtWarps);  // [2 kGtWarps]: next piece, or -1
-    if (threadIdx.x < 2 * kGtWarps) {
-        const int k = threadIdx.x;
-        const i64 tile = ptile[k];
-        int nx = -1;
-        for (int q = k + 1; q < 2 * kGtWarps && tile >= 0; ++q) {
-            const i64 tq = ptile[q];
-            if (tq == tile) {
-                nx = q;
-                break;
-            }
-            if (tq >= 0) break;
-        }
-        int prev = k - 1;
-        while (prev >= 0 && ptile[prev] < 0) --prev;
-        const bool lead = tile >= 0 && !(prev >= 0 && ptile[prev] == tile);
-        link[k] = tile < 0 ? -1 : (lead ? nx | 0x100 : nx);  // bit 8: the tile's first piece
-    }
+    // tiles shared by warps: the pieces added in warp order
+    int* link = reinterpret_cast<int*>(ptile + 2 * kGtWarps);  // [2 kGtWarps]
+    link_tile_pieces(ptile, link, 2 * kGtWarps);
     __syncthreads();
     auto part_of = [&](int k, int e) {
         const int w = k >> 1;
@@ -628,12 +602,7 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
         const int ws = idx / G::kPart, e = idx % G::kPart;
         const int l = link[ws];
         if (l < 0 || !(l & 0x100)) continue;  // not the first piece of a tile
-        float sum = part_of(ws, e);
-        for (int k = (l & 0xff) == 0xff ? -1 : l & 0xff; k >= 0;) {
-            sum += part_of(k, e);
-            const int lk = link[k] & 0xff;
-            k = lk == 0xff ? -1 : lk;
-        }
+        const float sum = sum_tile_pieces(link, ws, l, e, part_of);
         const i64 tile = ptile[ws];
         const GtW wt = weight_of(tile);
         const int h = e >> 7, ln = (e >> 2) & 31, r = e & 3;

@@ -740,41 +740,14 @@ __device__ __forceinline__ void mx_gemv_tc_impl(const u16* __restrict__ x, const
             seg_j0 = 0;
         }
     }
-    // the pieces go to the warp's ring (drained now): slot i at float i * kPart, element
-    // h * 128 + 4 lane + r
+    // the pieces go to the warp's ring (drained now)
     cp_async_wait<0>();
     __syncwarp();
-    {
-        float* part = reinterpret_cast<float*>(wring_p);
-#pragma unroll
-        for (int h = 0; h < H; ++h)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                if (have_keep) part[h * 128 + 4 * lane + r] = keep[h][r];
-                if (last_slot >= 0) part[last_slot * kPart + h * 128 + 4 * lane + r] = acc[h][r];
-            }
-    }
+    qc::stash_tile_pieces<H>(reinterpret_cast<float*>(wring_p), kPart, have_keep, last_slot, keep, acc);
     qc::grid_dep_launch();
     __syncthreads();
-    // tiles shared by warps: a tile's pieces are entries of consecutive warps (unused entries -1);
-    // link[i]: the next piece of entry i's tile (0xff: none), bit 8 set on a tile's first piece
-    if (threadIdx.x < 2 * kTcWarps) {
-        const int i = threadIdx.x;
-        const int tile = ptile[i];
-        int nx = 0xff;
-        for (int q = i + 1; q < 2 * kTcWarps && tile >= 0; ++q) {
-            const int tq = ptile[q];
-            if (tq == tile) {
-                nx = q;
-                break;
-            }
-            if (tq >= 0) break;
-        }
-        int prev = i - 1;
-        while (prev >= 0 && ptile[prev] < 0) --prev;
-        const bool lead = tile >= 0 && !(prev >= 0 && ptile[prev] == tile);
-        link[i] = tile < 0 ? -1 : (lead ? nx | 0x100 : nx);
-    }
+    // tiles shared by warps: the pieces added in warp order
+    qc::link_tile_pieces(ptile, link, 2 * kTcWarps);
     __syncthreads();
     auto part_of = [&](int i, int e) {
         return reinterpret_cast<const float*>(tc_smem + (i >> 1) * kTcWarpBytes)[(i & 1) * kPart + e];
@@ -783,8 +756,7 @@ __device__ __forceinline__ void mx_gemv_tc_impl(const u16* __restrict__ x, const
         const int i = idx / kPart, e = idx % kPart;
         const int l = link[i];
         if (l < 0 || !(l & 0x100)) continue;  // not the first piece of a tile
-        float sum = part_of(i, e);
-        for (int q = l & 0xff; q != 0xff; q = link[q] & 0xff) sum += part_of(q, e);
+        const float sum = qc::sum_tile_pieces(link, i, l, e, part_of);
         const int h = e >> 7, ln = (e >> 2) & 31, r = e & 3;
         store(8 * h + 2 * (ln & 3) + (r & 1), ptile[i] * 16 + (ln >> 2) + 8 * (r >> 1), sum);
     }

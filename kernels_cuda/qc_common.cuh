@@ -232,6 +232,55 @@ __device__ __forceinline__ float group_absmax(float m, int G, float* red) {
     return m;
 }
 
+// -- the decode gemvs' tiles shared by warps (bnb_gemv.cu, mx_gemv.cu) -----------------------------
+// A warp's range of chunks cuts at most two tiles (16 weight rows x H blocks of 8 input rows): the
+// piece of its first tile that an earlier warp began (kept) and the piece of its last tile that a
+// later warp ends (acc). The warp leaves them in its ring (`part`, drained): slot s at float
+// s * part_len, element h * 128 + 4 lane + r (the m16n8 C fragment of block h); last_slot < 0: none.
+template <int H>
+__device__ __forceinline__ void stash_tile_pieces(float* part, int part_len, bool have_keep, int last_slot,
+                                                  const float (&keep)[H][4], const float (&acc)[H][4]) {
+    const int lane = lane_id();
+#pragma unroll
+    for (int h = 0; h < H; ++h)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            if (have_keep) part[h * 128 + 4 * lane + r] = keep[h][r];
+            if (last_slot >= 0) part[last_slot * part_len + h * 128 + 4 * lane + r] = acc[h][r];
+        }
+}
+// ptile[0 .. n): the tile of piece entry i (warp i / 2, slot i % 2), -1 unused; a tile's pieces are the
+// entries of consecutive warps. Threads 0 .. n - 1 write link[i]: the entry of the tile's next piece
+// (0xff: none), bit 8 set on the tile's first piece, -1 for an unused entry. (The caller syncs.)
+template <typename I>
+__device__ __forceinline__ void link_tile_pieces(const I* ptile, int* link, int n) {
+    if ((int)threadIdx.x < n) {
+        const int i = threadIdx.x;
+        const I tile = ptile[i];
+        int nx = 0xff;
+        for (int q = i + 1; q < n && tile >= 0; ++q) {
+            const I tq = ptile[q];
+            if (tq == tile) {
+                nx = q;
+                break;
+            }
+            if (tq >= 0) break;
+        }
+        int prev = i - 1;
+        while (prev >= 0 && ptile[prev] < 0) --prev;
+        const bool lead = tile >= 0 && !(prev >= 0 && ptile[prev] == tile);
+        link[i] = tile < 0 ? -1 : (lead ? nx | 0x100 : nx);
+    }
+}
+// The sum of a tile's pieces, element e, for its first piece's entry i (link[i] = l, bit 8 set), added
+// in entry order (the same bits on every run); part(i, e) reads entry i's element e.
+template <typename F>
+__device__ __forceinline__ float sum_tile_pieces(const int* link, int i, int l, int e, const F& part) {
+    float sum = part(i, e);
+    for (int q = l & 0xff; q != 0xff; q = link[q] & 0xff) sum += part(q, e);
+    return sum;
+}
+
 __device__ __forceinline__ double shfl_xor_f64(double v, int mask) {
     int lo = __double2loint(v), hi = __double2hiint(v);
     lo = __shfl_xor_sync(kFullMask, lo, mask);
