@@ -5,7 +5,8 @@
 # into its own kernel cache. Usage, from the repository root (carry the old file):
 #   OLD=.scratch/mx_gemm_old.cu AS=kernels_cuda/mx_gemm.cu bash tools/dev/ab_tree.sh tools/dev/mxgemm_time.py
 #   OLD=.scratch/ggml_old.cu AS=kernels_cuda/ggml.cu bash tools/dev/ab_tree.sh tools/dev/w4a8_time.py ""
-# (git show HEAD:kernels_cuda/ggml.cu > .scratch/ggml_old.cu makes the old file.)
+# (git show HEAD:kernels_cuda/ggml.cu > .scratch/ggml_old.cu makes the old file; OLD may be a folder:
+# mkdir .scratch/k && git archive HEAD~1 kernels_cuda | tar -x -C .scratch/k, then OLD=.scratch/k/kernels_cuda AS=kernels_cuda.)
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/ab_out}"
@@ -15,7 +16,7 @@ SCRIPT=$ROOT/$1
 shift
 rm -rf /tmp/oldtree && mkdir -p /tmp/oldtree
 cp -r quantcore backends kernels_cuda kernels_sycl kernels_maca /tmp/oldtree/
-cp "$OLD" "/tmp/oldtree/$AS"
+cp -rT "$OLD" "/tmp/oldtree/$AS"  # (a file, or a folder such as kernels_cuda)
 run() {  # tag tree cache [script args]
   local tag=$1 tree=$2 cache=$3
   shift 3
