@@ -614,6 +614,30 @@ def _gw_shape(rows: int, n: int, k: int, sms: int) -> tuple[int, int]:
     return nb, rt.tune("gw_cl", 0) or (best[2] if nb == best[1] else 1)
 
 
+_GP_MAX_STAGES = 8  # bnb_gemm.cu kGpMaxStages
+#: (experiment, branch gwpw) the device address of the two CUtensorMaps the producer-warp kernel reads
+#: (input, codes); set by tools/dev/gwpw_time.py before a call with QUANTCORE_CUDA_TUNE=gw_pw=1
+PW_TMAPS = 0
+
+
+@functools.cache
+def _gp_stages(nb: int) -> int:
+    """Ring stages of the producer-warp GEMM: the input slots around the pair table below the stages'
+    codes (4 KiB each, 1024-byte aligned), the barriers and code2's copy."""
+    for s in range(_GP_MAX_STAGES, 2, -1):
+        reserve = 4 * bnb.DYNAMIC_MAP.size + 15 + 16 * _GP_MAX_STAGES + s * 4096 + 1023
+        try:
+            if _ring_stages(gw_slot_bytes(nb), _GM_TABLE, _GW_SMEM, s, "", slot_align=1024, reserve=reserve) >= s:
+                return s
+        except AssertionError:
+            pass
+    raise AssertionError(f"bnb_gemm.cu: the producer-warp GEMM's NB={nb} tile leaves fewer than 3 stages")
+
+
+def _gemm4wg_pw(tag: str, qt: str, nested: bool, nb: int) -> str:
+    return f"qc::gemm_4bit_wgmma_pw_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}, {_gp_stages(nb)}>"
+
+
 def _gw_runs_on(device: int) -> bool:
     """Does the wgmma GEMM run on ``device``: compute capability 9.0 (sm_90a) unless ``gemm4wg=0``."""
     return rt.device_arch(device) == 90 and rt.tune("gemm4wg", 1) == 1
@@ -636,6 +660,11 @@ def _gemm4wg_launch(device, a, packed, absmax, nested, out, *, rows, n, k, block
     [rows, ldo]: grid x the input row blocks (the CTAs of one weight tile run together), y the blocks
     of 128 weight rows, z the K slices of a cluster."""
     nb, cl = _gw_shape(rows, n, k, rt.sm_count(device))
+    if rt.tune("gw_pw", 0) and cl == 1:  # (experiment: the producer-warp kernel, tensor maps from PW_TMAPS)
+        expr = _gemm4wg_pw(_tag(a), quant_type, nested is not None, nb)
+        args = kernel_args(expr, a=a, packed=packed, absmax=absmax, **_nested_named(nested), out=out, ldo=ldo,
+                           rows=rows, n=n, k=k, log2bs=_log2(blocksize), tmaps=PW_TMAPS)
+        return _FM, expr, (_cdiv(rows, nb), _cdiv(n, _GW_WEIGHT_ROWS), 1), _GW_THREADS, args, _GW_SMEM, _GEMV_SLOTS
     expr = _gemm4wg(_tag(a), quant_type, nested is not None, nb, cl, rt.tune("gw_dbg", 0))
     args = kernel_args(expr, a=a, packed=packed, absmax=absmax, **_nested_named(nested), out=out, ldo=ldo, rows=rows,
                        n=n, k=k, log2bs=_log2(blocksize))

@@ -314,6 +314,9 @@ CUDA_KERNELS: dict[str, tuple[Arg, ...]] = {name: args(spec) for name, spec in {
                         "i64 k, i32 log2bs",
     "gemm_4bit_wgmma_kernel": f"const u16* a, const u8* packed, {_NESTED}, u16* out, i64 ldo, i32 rows, i64 n, "
                               "i64 k, i32 log2bs",
+    # (experiment, branch gwpw) tmaps: the input's and the codes' CUtensorMaps, 128 bytes each
+    "gemm_4bit_wgmma_pw_kernel": f"const u16* a, const u8* packed, {_NESTED}, u16* out, i64 ldo, i32 rows, i64 n, "
+                                 "i64 k, i32 log2bs, const u8* tmaps",
     # bnb_gemv.cu: the input, GEMV_TC_GROUPS weights, the output (scols: an MX weight's swizzled scale columns, 0 otherwise)
     "gemv_4bit_tc_kernel": "const u16* a, " + _GEMV_WEIGHTS
         + ", u16* out, i64 ldo, i32 rows, i64 k, i32 log2bs, i32 ngroups, i32 scols",
