@@ -676,17 +676,17 @@ __global__ void __launch_bounds__(kGpThreads, 1) gemm_4bit_wgmma_pw_kernel(
     static_assert(S >= 3 && S <= kGpMaxStages, "stages");
     extern __shared__ __align__(1024) u8 gw_smem[];
     require_dynamic_smem(kGwSmem);
-    // the window: code2's copy at its end, below it the barriers, below them the stages' codes (1024-byte
-    // aligned), the input slots around the pair table below those (the launcher sizes S for the worst start)
+    // the window: the stages' codes at its start (1024-byte aligned), then the input slots around the pair
+    // table, the barriers, code2's copy at its end (the launcher sizes S for the worst start)
     const u32 base = (smem_addr(gw_smem) + 1023u) & ~1023u;
     const u32 c2s = (smem_addr(gw_smem) + kGwSmem - 4 * kDynCodes) & ~15u;
     const u32 full = c2s - 16 * kGpMaxStages, empty = full + 8 * kGpMaxStages;
-    const u32 codes = (full - S * kGpCodes) & ~1023u;
-    u32 tab;
+    const u32 codes = base, sbase = base + S * kGpCodes;  // (the codes first: the table's alignment
+    u32 tab;                                                // wastes less space after them)
     int nf;
-    place_table(base, codes, kGwTable, G::kSlot, S, tab, nf);
+    place_table(sbase, full & ~15u, kGwTable, G::kSlot, S, tab, nf);
     const u32 tab_end = tab + kGwTable;
-    auto slot_of = [&](int i) -> u32 { return i < nf ? base + i * G::kSlot : tab_end + (i - nf) * G::kSlot; };
+    auto slot_of = [&](int i) -> u32 { return i < nf ? sbase + i * G::kSlot : tab_end + (i - nf) * G::kSlot; };
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = lane_id(), g = lane >> 2, t = lane & 3;
     fill_pair_table<T, QT>(tab, tid, kGpThreads);

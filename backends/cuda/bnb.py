@@ -423,14 +423,14 @@ def _gm_stages(cfg: tuple[int, int, int]) -> int:
 
 
 def _ring_stages(slot: int, table: int, smem: int, most_stages: int, what: str, slot_align: int = 16,
-                 reserve: int = 0) -> int:
+                 reserve: int = 0, lead: int = 0) -> int:
     """bnb_gemm.cu's place_table for every window start (16-byte steps): the fewest slots of ``slot``
     bytes (from the window's start rounded up to ``slot_align``) that fit around a ``table``-byte table
     at a multiple of its size below the window's last ``reserve`` bytes (rounded down to 16), at most
     ``most_stages``; at least 3 or an AssertionError."""
     worst = most_stages
     for start in range(0, 65536, 16):
-        base, end, most = -(-start // slot_align) * slot_align, (start + smem - reserve) & ~15, 0
+        base, end, most = -(-start // slot_align) * slot_align + lead, (start + smem - reserve) & ~15, 0
         b = -(-base // table) * table
         while b + table <= end:
             most = max(most, (b - base) // slot + (end - b - table) // slot)
@@ -625,9 +625,10 @@ def _gp_stages(nb: int) -> int:
     """Ring stages of the producer-warp GEMM: the input slots around the pair table below the stages'
     codes (4 KiB each, 1024-byte aligned), the barriers and code2's copy."""
     for s in range(_GP_MAX_STAGES, 2, -1):
-        reserve = 4 * bnb.DYNAMIC_MAP.size + 15 + 16 * _GP_MAX_STAGES + s * 4096 + 1023
+        reserve = 4 * bnb.DYNAMIC_MAP.size + 15 + 16 * _GP_MAX_STAGES
         try:
-            if _ring_stages(gw_slot_bytes(nb), _GM_TABLE, _GW_SMEM, s, "", slot_align=1024, reserve=reserve) >= s:
+            if _ring_stages(gw_slot_bytes(nb), _GM_TABLE, _GW_SMEM, s, "", slot_align=1024, reserve=reserve,
+                            lead=s * 4096) >= s:
                 return s
         except AssertionError:
             pass
@@ -635,7 +636,8 @@ def _gp_stages(nb: int) -> int:
 
 
 def _gemm4wg_pw(tag: str, qt: str, nested: bool, nb: int) -> str:
-    return f"qc::gemm_4bit_wgmma_pw_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}, {_gp_stages(nb)}>"
+    stages = rt.tune("gw_pw_s", 0) or _gp_stages(nb)  # (a forced depth: the kernel traps where it does not fit)
+    return f"qc::gemm_4bit_wgmma_pw_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}, {stages}>"
 
 
 def _gw_runs_on(device: int) -> bool:

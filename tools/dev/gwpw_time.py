@@ -57,6 +57,7 @@ def main() -> None:
     p.add_argument("--shapes", default="14336x4096,4096x14336")
     p.add_argument("--rows", default="512,2048")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--pw-stages", default="", help="also time these forced ring depths (gw_pw_s), e.g. 4")
     args = p.parse_args()
     be = qc.get_backend("cuda")
     tm = CudaTimer(torch)
@@ -65,6 +66,11 @@ def main() -> None:
     inst = set()
     for nb in (128, 256):
         inst.add(("bnb_gemm.cu", cbnb._gemm4wg_pw(TYPE_TAG[args.dtype], "nf4", True, nb)))
+        for s in (args.pw_stages or "").split(","):
+            if s:
+                os.environ[rt.ENV_TUNE] = f"gw_pw_s={s}"
+                inst.add(("bnb_gemm.cu", cbnb._gemm4wg_pw(TYPE_TAG[args.dtype], "nf4", True, nb)))
+                os.environ.pop(rt.ENV_TUNE)
         inst.add(("bnb_gemm.cu", cbnb._gemm4wg(TYPE_TAG[args.dtype], "nf4", True, nb, 1, 0)))
         inst.add(("bnb_gemm.cu", cbnb._gemm4wg(TYPE_TAG[args.dtype], "nf4", True, nb, 2, 0)))
     print(f"precompiled {rt.precompile(sorted(inst), dev, workers=8)}", flush=True)
@@ -97,8 +103,18 @@ def main() -> None:
                         d = (outs[0].float() - outs[1].float()).abs()
                         print(f"  MISMATCH weight {i} call {rep}: max |diff| {d.max().item():.3g}, rows differing "
                               f"{(d.amax(1) > 0).sum().item()} of {rows}", flush=True)
+            for st in (args.pw_stages or "").split(","):
+                for i in range(3) if st else ():
+                    call(i, "gw_cl=1" if cl != 1 else "", outs[0])
+                    call(i, f"{pw},gw_pw_s={st}", outs[1])
+                    torch.cuda.synchronize()
+                    if not torch.equal(outs[0], outs[1]):
+                        same = False
+                        print(f"  MISMATCH weight {i} with {st} stages", flush=True)
             res = {}
-            for tag, tune in (("default", ""), ("cl1", "gw_cl=1"), ("pw", pw), ("default2", ""), ("pw2", pw)):
+            runs = [("default", ""), ("cl1", "gw_cl=1"), ("pw", pw), ("default2", ""), ("pw2", pw)]
+            runs += [(f"pw_s{s}", f"{pw},gw_pw_s={s}") for s in (args.pw_stages or "").split(",") if s]
+            for tag, tune in runs:
                 res[tag] = tm.kernel([lambda i=i, tune=tune: call(i, tune, outs[1]) for i in range(3)], 20, warmup=3)
             os.environ.pop(rt.ENV_TUNE, None)
             t_torch = tm.kernel([lambda w=w: torch.nn.functional.linear(x, w) for w in ws], 20, warmup=3)
