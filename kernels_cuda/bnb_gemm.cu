@@ -664,8 +664,8 @@ __device__ __forceinline__ void gp_tma2d(u32 dst, const void* map, int c0, int c
                  ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
 #endif
-template <typename T, int QT, bool NESTED, int NB, int S>
-__global__ void __launch_bounds__(kGpThreads, 1) gemm_4bit_wgmma_pw_kernel(
+template <typename T, int QT, bool NESTED, int NB, int S, int CL = 1>
+__global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGpThreads, 1) gemm_4bit_wgmma_pw_kernel(
     const u16* __restrict__ a, const u8* __restrict__ packed, const void* __restrict__ absmax,
     const float* __restrict__ absmax2, const float* __restrict__ code2, const float* __restrict__ offset,
     u16* __restrict__ out, i64 ldo, int rows, i64 N, i64 K, int log2bs, const u8* __restrict__ tmaps) {
@@ -694,15 +694,16 @@ __global__ void __launch_bounds__(kGpThreads, 1) gemm_4bit_wgmma_pw_kernel(
         for (int i = tid; i < kDynCodes; i += kGpThreads) gm_sts_f32(c2s + 4 * i, ldg_f32(code2 + i));
     const int m0 = blockIdx.x * NB;
     const i64 n0 = (i64)blockIdx.y * G::kRowsW;
-    const int nst = (int)(K >> 6);
+    const int sbeg = (int)((K >> 6) * blockIdx.z / CL);
+    const int nst = (int)((K >> 6) * (blockIdx.z + 1) / CL) - sbeg;  // this CTA's stages
     const void* tma = tmaps;
     const void* tmc = tmaps + 128;
     auto load = [&](int q, int i) {  // stage q into ring entry i (thread 0)
         const u32 bar = full + 8 * i;
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(G::kB + kGpCodes)
                      : "memory");
-        gp_tma2d(slot_of(i), tma, 64 * q, m0, bar);
-        gp_tma2d(codes + i * kGpCodes, tmc, 32 * q, (int)n0, bar);
+        gp_tma2d(slot_of(i), tma, 64 * (sbeg + q), m0, bar);
+        gp_tma2d(codes + i * kGpCodes, tmc, 32 * (sbeg + q), (int)n0, bar);
     };
     if (tid == 0) {
         for (int i = 0; i < S; ++i) {
@@ -723,12 +724,12 @@ __global__ void __launch_bounds__(kGpThreads, 1) gemm_4bit_wgmma_pw_kernel(
         u32 rch[2];
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr)
-            rch[rr] = keep((u32)(min(n0 + wg * 64 + wi * 16 + g + 8 * rr, N - 1) * (K >> 6)));
+            rch[rr] = keep((u32)(min(n0 + wg * 64 + wi * 16 + g + 8 * rr, N - 1) * (K >> 6)) + (u32)sbeg);
         const int bsh = log2bs - 6;
         u32 sraw[2][2];
         float ss2[2][2];
         auto load_scales = [&](int st, u32(&raw)[2], float(&s2)[2]) {
-            st = min(st, nst - 1);
+            st = max(min(st, nst - 1), 0);  // (a CTA of a cluster may have no stage when K is short)
 #pragma unroll
             for (int rr = 0; rr < 2; ++rr) {
                 const u32 b = (rch[rr] + (u32)st) >> bsh;
@@ -761,7 +762,7 @@ __global__ void __launch_bounds__(kGpThreads, 1) gemm_4bit_wgmma_pw_kernel(
         u32 af[2][4][4];
         load_scales(0, sraw[0], ss2[0]);
         load_scales(1, sraw[1], ss2[1]);
-        gp_mbar_wait(full, 0u);
+        if (nst > 0) gp_mbar_wait(full, 0u);
         decode(codes, sraw[0], ss2[0], af[0]);
         load_scales(2, sraw[0], ss2[0]);
         int ri = 0;      // stage j's ring index
@@ -809,6 +810,29 @@ __global__ void __launch_bounds__(kGpThreads, 1) gemm_4bit_wgmma_pw_kernel(
         fence_acc(acc);
     }
     __syncthreads();  // every stage consumed: the table's space takes the output
+    if constexpr (CL > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        // partial sums: accumulator i of thread tid at base + 4 (256 i + tid) (the ring's space)
+        if (blockIdx.z > 0) {
+#pragma unroll
+            for (int i = 0; i < NA; ++i) gm_sts_f32(base + 4 * (kGpThreads * i + tid), acc[i]);
+        }
+        gm_cluster_sync();  // every CTA's sums are in place
+        if (blockIdx.z == 0)
+            for (u32 q = 1; q < (u32)CL; ++q) {
+#pragma unroll
+                for (int i0 = 0; i0 < NA; i0 += 16) {
+                    float v[16];
+#pragma unroll
+                    for (int i = 0; i < 16; ++i) v[i] = gm_ld_cluster_f32(base + 4 * (kGpThreads * (i0 + i) + tid), q);
+#pragma unroll
+                    for (int i = 0; i < 16; ++i) acc[i0 + i] += v[i];
+                }
+            }
+        gm_cluster_sync();  // no CTA leaves while CTA 0 reads its shared memory
+        if (blockIdx.z > 0) return;
+#endif
+    }
 
     const bool vec = (((u64)out | (u64)(ldo * 2)) & 15u) == 0;
     constexpr int kCh = G::kRowsW / 8;

@@ -635,9 +635,9 @@ def _gp_stages(nb: int) -> int:
     raise AssertionError(f"bnb_gemm.cu: the producer-warp GEMM's NB={nb} tile leaves fewer than 3 stages")
 
 
-def _gemm4wg_pw(tag: str, qt: str, nested: bool, nb: int) -> str:
+def _gemm4wg_pw(tag: str, qt: str, nested: bool, nb: int, cl: int = 1) -> str:
     stages = rt.tune("gw_pw_s", 0) or _gp_stages(nb)  # (a forced depth: the kernel traps where it does not fit)
-    return f"qc::gemm_4bit_wgmma_pw_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}, {stages}>"
+    return f"qc::gemm_4bit_wgmma_pw_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}, {stages}, {cl}>"
 
 
 def _gw_runs_on(device: int) -> bool:
@@ -662,11 +662,11 @@ def _gemm4wg_launch(device, a, packed, absmax, nested, out, *, rows, n, k, block
     [rows, ldo]: grid x the input row blocks (the CTAs of one weight tile run together), y the blocks
     of 128 weight rows, z the K slices of a cluster."""
     nb, cl = _gw_shape(rows, n, k, rt.sm_count(device))
-    if rt.tune("gw_pw", 0) and cl == 1:  # (experiment: the producer-warp kernel, tensor maps from PW_TMAPS)
-        expr = _gemm4wg_pw(_tag(a), quant_type, nested is not None, nb)
+    if rt.tune("gw_pw", 0):  # (experiment: the TMA kernel, tensor maps from PW_TMAPS)
+        expr = _gemm4wg_pw(_tag(a), quant_type, nested is not None, nb, cl)
         args = kernel_args(expr, a=a, packed=packed, absmax=absmax, **_nested_named(nested), out=out, ldo=ldo,
                            rows=rows, n=n, k=k, log2bs=_log2(blocksize), tmaps=PW_TMAPS)
-        return _FM, expr, (_cdiv(rows, nb), _cdiv(n, _GW_WEIGHT_ROWS), 1), _GW_THREADS, args, _GW_SMEM, _GEMV_SLOTS
+        return _FM, expr, (_cdiv(rows, nb), _cdiv(n, _GW_WEIGHT_ROWS), cl), _GW_THREADS, args, _GW_SMEM, _GEMV_SLOTS
     expr = _gemm4wg(_tag(a), quant_type, nested is not None, nb, cl, rt.tune("gw_dbg", 0))
     args = kernel_args(expr, a=a, packed=packed, absmax=absmax, **_nested_named(nested), out=out, ldo=ldo, rows=rows,
                        n=n, k=k, log2bs=_log2(blocksize))

@@ -65,12 +65,13 @@ def main() -> None:
     dt = getattr(torch, args.dtype)
     inst = set()
     for nb in (128, 256):
-        inst.add(("bnb_gemm.cu", cbnb._gemm4wg_pw(TYPE_TAG[args.dtype], "nf4", True, nb)))
-        for s in (args.pw_stages or "").split(","):
-            if s:
-                os.environ[rt.ENV_TUNE] = f"gw_pw_s={s}"
-                inst.add(("bnb_gemm.cu", cbnb._gemm4wg_pw(TYPE_TAG[args.dtype], "nf4", True, nb)))
-                os.environ.pop(rt.ENV_TUNE)
+        for cl in (1, 2):
+            inst.add(("bnb_gemm.cu", cbnb._gemm4wg_pw(TYPE_TAG[args.dtype], "nf4", True, nb, cl)))
+            for s in (args.pw_stages or "").split(","):
+                if s:
+                    os.environ[rt.ENV_TUNE] = f"gw_pw_s={s}"
+                    inst.add(("bnb_gemm.cu", cbnb._gemm4wg_pw(TYPE_TAG[args.dtype], "nf4", True, nb, cl)))
+                    os.environ.pop(rt.ENV_TUNE)
         inst.add(("bnb_gemm.cu", cbnb._gemm4wg(TYPE_TAG[args.dtype], "nf4", True, nb, 1, 0)))
         inst.add(("bnb_gemm.cu", cbnb._gemm4wg(TYPE_TAG[args.dtype], "nf4", True, nb, 2, 0)))
     print(f"precompiled {rt.precompile(sorted(inst), dev, workers=8)}", flush=True)
@@ -91,11 +92,11 @@ def main() -> None:
                 be.gemv_4bit(x, p_, s_.absmax, out, n=n, k=k, blocksize=64, quant_type="nf4",
                              nested=cuda_plans._state_nested(s_))
 
-            pw = "gw_pw=1,gw_cl=1" if cl != 1 else "gw_pw=1"
+            pw = "gw_pw=1"
             same = True
             for rep in range(3):
                 for i in range(3):
-                    call(i, "gw_cl=1" if cl != 1 else "", outs[0])
+                    call(i, "", outs[0])
                     call(i, pw, outs[1])
                     torch.cuda.synchronize()
                     if not torch.equal(outs[0], outs[1]):
@@ -105,14 +106,14 @@ def main() -> None:
                               f"{(d.amax(1) > 0).sum().item()} of {rows}", flush=True)
             for st in (args.pw_stages or "").split(","):
                 for i in range(3) if st else ():
-                    call(i, "gw_cl=1" if cl != 1 else "", outs[0])
+                    call(i, "", outs[0])
                     call(i, f"{pw},gw_pw_s={st}", outs[1])
                     torch.cuda.synchronize()
                     if not torch.equal(outs[0], outs[1]):
                         same = False
                         print(f"  MISMATCH weight {i} with {st} stages", flush=True)
             res = {}
-            runs = [("default", ""), ("cl1", "gw_cl=1"), ("pw", pw), ("default2", ""), ("pw2", pw)]
+            runs = [("default", ""), ("pw", pw), ("default2", ""), ("pw2", pw)]
             runs += [(f"pw_s{s}", f"{pw},gw_pw_s={s}") for s in (args.pw_stages or "").split(",") if s]
             for tag, tune in runs:
                 res[tag] = tm.kernel([lambda i=i, tune=tune: call(i, tune, outs[1]) for i in range(3)], 20, warmup=3)
