@@ -640,9 +640,14 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
 // gemm_4bit_wgmma_kernel does (the same sums in the same order: the same bits), and release a slot (one
 // arrival per warp) once their MMAs of it are done; thread 0 refills it once all have (a producer warp of
 // its own would be a ninth warp: 3 warps on one scheduler leave 168 registers a thread, and the MMA warps
-// spill there). No cp.async and no CTA barrier in the loop. tmaps: the two CUtensorMaps (input [rows, K]
-// u16, box 64 x NB; codes [N, K / 2] u8, box 32 x 128), 128 bytes each, in global memory. No K split.
+// spill there). No cp.async and no CTA barrier in the loop. maps: the two CUtensorMaps (input [rows, K]
+// u16, box 64 x NB; codes [N, K / 2] u8, box 32 x 128) by value (backends/cuda/runtime.tensor_map_2d).
 constexpr int kGpThreads = kGwThreads;
+// two CUtensorMaps passed by value (a __grid_constant__ parameter: the TMAs read them in parameter space)
+struct alignas(64) TmaMaps2 {
+    u64 m0[16];
+    u64 m1[16];
+};
 constexpr int kGpCodes = 128 * 32;  // a stage's codes
 constexpr int kGpMaxStages = 8;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -668,7 +673,7 @@ template <typename T, int QT, bool NESTED, int NB, int S, int CL = 1>
 __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGpThreads, 1) gemm_4bit_wgmma_pw_kernel(
     const u16* __restrict__ a, const u8* __restrict__ packed, const void* __restrict__ absmax,
     const float* __restrict__ absmax2, const float* __restrict__ code2, const float* __restrict__ offset,
-    u16* __restrict__ out, i64 ldo, int rows, i64 N, i64 K, int log2bs, const u8* __restrict__ tmaps) {
+    u16* __restrict__ out, i64 ldo, int rows, i64 N, i64 K, int log2bs, const __grid_constant__ TmaMaps2 maps) {
 #if defined(QC_HAS_WGMMA)
     using G = GwGeo<NB>;
     constexpr int NA = NB / 2;
@@ -696,8 +701,8 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGpThreads, 1) gemm_4bit_wgm
     const i64 n0 = (i64)blockIdx.y * G::kRowsW;
     const int sbeg = (int)((K >> 6) * blockIdx.z / CL);
     const int nst = (int)((K >> 6) * (blockIdx.z + 1) / CL) - sbeg;  // this CTA's stages
-    const void* tma = tmaps;
-    const void* tmc = tmaps + 128;
+    const void* tma = &maps.m0;
+    const void* tmc = &maps.m1;
     auto load = [&](int q, int i) {  // stage q into ring entry i (thread 0)
         const u32 bar = full + 8 * i;
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(G::kB + kGpCodes)

@@ -310,7 +310,7 @@ class BnbOps:
 #: positions of a and out in the other gemv kernels' parameter lists (the per-call slots of a plan)
 _GEMV_SLOTS = tuple(arg_index("gemv_4bit_simple_kernel", a) for a in ("a", "out"))
 assert all(tuple(arg_index(k, a) for a in ("a", "out")) == _GEMV_SLOTS
-           for k in ("gemv_4bit_mma_kernel", "gemm_4bit_kernel"))
+           for k in ("gemv_4bit_mma_kernel", "gemm_4bit_kernel", "gemm_4bit_wgmma_kernel", "gemm_4bit_wgmma_pw_kernel"))
 # bnb_gemv.cu: warps per CTA, weights per launch, the bytes of a warp's ring (the generated header's
 # QC_GV_*, which the kernel compiles with; QC_GV_XS_BYTES: the input bytes its decode table's free halves hold)
 _GT_WARPS, _GT_GROUPS, _GT_RING, _GT_XS, _GT_SHORT_MAX = (
@@ -615,29 +615,52 @@ def _gw_shape(rows: int, n: int, k: int, sms: int) -> tuple[int, int]:
 
 
 _GP_MAX_STAGES = 8  # bnb_gemm.cu kGpMaxStages
-#: (experiment, branch gwpw) the device address of the two CUtensorMaps the producer-warp kernel reads
-#: (input, codes); set by tools/dev/gwpw_time.py before a call with QUANTCORE_CUDA_TUNE=gw_pw=1
-PW_TMAPS = 0
+_GP_CODES = 128 * 32  # a stage's codes (bnb_gemm.cu kGpCodes)
+#: where a CTA's dynamic shared memory starts (the kernel has no static shared memory): 0 or the 1 KiB
+#: the system reserves. The kernel traps where its ring does not fit (tests/test_cuda.py runs every tile).
+_GP_WINDOW_STARTS = (0, 1024)
 
 
 @functools.cache
 def _gp_stages(nb: int) -> int:
-    """Ring stages of the producer-warp GEMM: the input slots around the pair table below the stages'
-    codes (4 KiB each, 1024-byte aligned), the barriers and code2's copy."""
+    """Ring stages of the TMA GEMM's NB tile: the stages' codes (4 KiB each) at the window's start, then
+    the input slots around the pair table, the barriers and code2's copy at its end."""
+    reserve = 4 * bnb.DYNAMIC_MAP.size + 15 + 16 * _GP_MAX_STAGES
     for s in range(_GP_MAX_STAGES, 2, -1):
-        reserve = 4 * bnb.DYNAMIC_MAP.size + 15 + 16 * _GP_MAX_STAGES
-        try:
-            if _ring_stages(gw_slot_bytes(nb), _GM_TABLE, _GW_SMEM, s, "", slot_align=1024, reserve=reserve,
-                            lead=s * 4096) >= s:
-                return s
-        except AssertionError:
-            pass
-    raise AssertionError(f"bnb_gemm.cu: the producer-warp GEMM's NB={nb} tile leaves fewer than 3 stages")
+        fits = True
+        for start in _GP_WINDOW_STARTS:
+            base = -(-start // 1024) * 1024 + s * _GP_CODES
+            end = (start + _GW_SMEM - reserve) & ~15
+            most, b = 0, -(-base // _GM_TABLE) * _GM_TABLE
+            while b + _GM_TABLE <= end:
+                most = max(most, (b - base) // gw_slot_bytes(nb) + (end - b - _GM_TABLE) // gw_slot_bytes(nb))
+                b += _GM_TABLE
+            fits = fits and most >= s
+        if fits:
+            return s
+    raise AssertionError(f"bnb_gemm.cu: the TMA GEMM's NB={nb} tile leaves fewer than 3 stages")
 
 
 def _gemm4wg_pw(tag: str, qt: str, nested: bool, nb: int, cl: int = 1) -> str:
     stages = rt.tune("gw_pw_s", 0) or _gp_stages(nb)  # (a forced depth: the kernel traps where it does not fit)
     return f"qc::gemm_4bit_wgmma_pw_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}, {stages}, {cl}>"
+
+
+@functools.lru_cache(maxsize=256)
+def _input_map(address: int, rows: int, k: int, nb: int) -> bytes:
+    """The TMA GEMM's input map: [rows, k] 16-bit, boxes of 64 x nb, the 128-byte swizzle."""
+    return rt.tensor_map_2d(address, "u16", k, rows, 2 * k, (64, nb), 128)
+
+
+@functools.lru_cache(maxsize=256)
+def _codes_map(address: int, n: int, k: int) -> bytes:
+    """The TMA GEMM's codes map: [n, k / 2] bytes, boxes of 32 x 128 rows, the 32-byte swizzle."""
+    return rt.tensor_map_2d(address, "u8", k // 2, n, k // 2, (32, 128), 32)
+
+
+#: the TMA GEMM's maps argument (its position) and the input map in it (byte 0), re-pointed at each
+#: call's input by a planned launch (slot 0 of _GEMV_SLOTS: the input)
+_GP_MAPS = ((arg_index("gemm_4bit_wgmma_pw_kernel", "maps"), 0, 0),)
 
 
 def _gw_runs_on(device: int) -> bool:
@@ -662,11 +685,13 @@ def _gemm4wg_launch(device, a, packed, absmax, nested, out, *, rows, n, k, block
     [rows, ldo]: grid x the input row blocks (the CTAs of one weight tile run together), y the blocks
     of 128 weight rows, z the K slices of a cluster."""
     nb, cl = _gw_shape(rows, n, k, rt.sm_count(device))
-    if rt.tune("gw_pw", 0):  # (experiment: the TMA kernel, tensor maps from PW_TMAPS)
+    if rt.tune("gw_tma", 1):  # the stages by TMA (gw_tma=0: the cp.async kernel, for comparisons)
         expr = _gemm4wg_pw(_tag(a), quant_type, nested is not None, nb, cl)
+        maps = _input_map(rt.pointer(a), rows, k, nb) + _codes_map(rt.pointer(packed), n, k)
         args = kernel_args(expr, a=a, packed=packed, absmax=absmax, **_nested_named(nested), out=out, ldo=ldo,
-                           rows=rows, n=n, k=k, log2bs=_log2(blocksize), tmaps=PW_TMAPS)
-        return _FM, expr, (_cdiv(rows, nb), _cdiv(n, _GW_WEIGHT_ROWS), cl), _GW_THREADS, args, _GW_SMEM, _GEMV_SLOTS
+                           rows=rows, n=n, k=k, log2bs=_log2(blocksize), maps=maps)
+        return (_FM, expr, (_cdiv(rows, nb), _cdiv(n, _GW_WEIGHT_ROWS), cl), _GW_THREADS, args, _GW_SMEM,
+                _GEMV_SLOTS, _GP_MAPS)
     expr = _gemm4wg(_tag(a), quant_type, nested is not None, nb, cl, rt.tune("gw_dbg", 0))
     args = kernel_args(expr, a=a, packed=packed, absmax=absmax, **_nested_named(nested), out=out, ldo=ldo, rows=rows,
                        n=n, k=k, log2bs=_log2(blocksize))
