@@ -128,6 +128,7 @@ def instances() -> list[tuple[str, str]]:
                     out += [(_FM, _gemm4(tag, qt, nested, cfg)) for cfg in _GM_CONFIGS]
                     out += [(_FM, _gemm4(tag, qt, nested, _GM_CONFIGS[-1], cl)) for cl in _GM_CLUSTERS[1:]]
                     out += [(_FM, _gemm4wg(tag, qt, nested, nb, cl)) for nb in _GW_NB for cl in _GW_CLUSTERS]
+                    out += [(_FM, _gemm4wg_pw(tag, qt, nested, nb, cl)) for nb in _GW_NB for cl in _GW_CLUSTERS]
     for fmt, dts in DECODE_MX_DTYPES.items():
         for dt in dts:
             out += _gemv_tc_instances(TYPE_TAG[dt], fmt, False)
