@@ -372,7 +372,7 @@ def test_gemv_4bit_wgmma_tma_sums_as_the_cp_async_kernel(be, rng, monkeypatch):
         packed, st, a, _ = _gemv_case(rng, n, k, 64, qt, dtype, batch, True)
         state = _gemv_state(st, n, k, 64, qt, dtype, True)
         outs = []
-        for tma in ("gw_tma=1", "gw_tma=1,gw_pw_s=3", "gw_tma=0"):
+        for tma in ("gw_tma=1", "gw_tma=1,gw_tma_s=3", "gw_tma=0"):
             monkeypatch.setenv(rt.ENV_TUNE, f"{tma},gw_min_rows=1,gw_nb={nb},gw_cl={cl}")
             outs.append(_n(qc.gemv_4bit(_t(a), _t(packed), state, backend="cuda")).view(np.uint16))
         assert np.array_equal(outs[0], outs[2]) and np.array_equal(outs[1], outs[2]), (batch, n, k, nb, cl)

@@ -317,8 +317,8 @@ CUDA_KERNELS: dict[str, tuple[Arg, ...]] = {name: args(spec) for name, spec in {
                         "i64 k, i32 log2bs",
     "gemm_4bit_wgmma_kernel": f"const u16* a, const u8* packed, {_NESTED}, u16* out, i64 ldo, i32 rows, i64 n, "
                               "i64 k, i32 log2bs",
-    # (experiment, branch gwpw) maps: the input's and the codes' CUtensorMaps
-    "gemm_4bit_wgmma_pw_kernel": f"const u16* a, const u8* packed, {_NESTED}, u16* out, i64 ldo, i32 rows, i64 n, "
+    # maps: the input's and the codes' CUtensorMaps (TMA), by value
+    "gemm_4bit_wgmma_tma_kernel": f"const u16* a, const u8* packed, {_NESTED}, u16* out, i64 ldo, i32 rows, i64 n, "
                                  "i64 k, i32 log2bs, tmap2 maps",
     # bnb_gemv.cu: the input, GEMV_TC_GROUPS weights, the output (scols: an MX weight's swizzled scale columns, 0 otherwise)
     "gemv_4bit_tc_kernel": "const u16* a, " + _GEMV_WEIGHTS
