@@ -680,7 +680,8 @@ def _gemm4wg_launch(device, a, packed, absmax, nested, out, *, rows, n, k, block
     [rows, ldo]: grid x the input row blocks (the CTAs of one weight tile run together), y the blocks
     of 128 weight rows, z the K slices of a cluster."""
     nb, cl = _gw_shape(rows, n, k, rt.sm_count(device))
-    if rt.tune("gw_tma", 1):  # the stages by TMA (gw_tma=0: the cp.async kernel, for comparisons)
+    if rt.tune("gw_tma", 1) and not rt.tune("gw_dbg", 0):  # the stages by TMA (gw_tma=0: the cp.async
+        # kernel, for comparisons; its timing experiments gw_dbg run on it)
         expr = _gemm4wg_tma(_tag(a), quant_type, nested is not None, nb, cl)
         maps = _input_map(rt.pointer(a), rows, k, nb) + _codes_map(rt.pointer(packed), n, k)
         args = kernel_args(expr, a=a, packed=packed, absmax=absmax, **_nested_named(nested), out=out, ldo=ldo,
