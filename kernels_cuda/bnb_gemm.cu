@@ -632,4 +632,255 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
 #endif
 }
 
+// gemm_4bit_wgmma_tma_kernel (the default on sm_90a; QUANTCORE_CUDA_TUNE=gw_tma=0 takes
+// gemm_4bit_wgmma_kernel above instead, for comparisons): the same GEMM with its stages loaded by TMA
+// (docs/performance.md NPW-13). Thread 0 issues, per stage, one TMA of the input tile (the 128-byte
+// swizzle the cp.async copies write) and one of the stage's codes of the 128 weight rows (32 bytes a row,
+// 32-byte swizzle: row r's 16-byte half c at 32 r + 16 (c ^ bit 2 of r)) into an S-deep ring of full /
+// empty mbarriers. The warps wait for a stage's full barrier, decode and multiply as
+// gemm_4bit_wgmma_kernel does (the same sums in the same order: the same bits), and release a slot (one
+// arrival per warp) once their MMAs of it are done; thread 0 refills it once all have (a producer warp of
+// its own would be a ninth warp: 3 warps on one scheduler leave 168 registers a thread, and the MMA warps
+// spill there). No cp.async and no CTA barrier in the loop: 4-7% faster than the cp.async ring. maps: the
+// two CUtensorMaps (input [rows, K] u16, box 64 x NB; codes [N, K / 2] u8, box 32 x 128) by value
+// (backends/cuda/bnb.py _input_map / _codes_map, runtime.tensor_map_2d).
+constexpr int kWtThreads = kGwThreads;
+// two CUtensorMaps passed by value (a __grid_constant__ parameter: the TMAs read them in parameter space)
+struct alignas(64) TmaMaps2 {
+    u64 m0[16];
+    u64 m1[16];
+};
+constexpr int kWtCodes = 128 * 32;  // a stage's codes
+constexpr int kWtMaxStages = 8;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void wt_mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void wt_mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void wt_mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void wt_tma2d(u32 dst, const void* map, int c0, int c1, u32 bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+                 ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+#endif
+template <typename T, int QT, bool NESTED, int NB, int S, int CL = 1>
+__global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kWtThreads, 1) gemm_4bit_wgmma_tma_kernel(
+    const u16* __restrict__ a, const u8* __restrict__ packed, const void* __restrict__ absmax,
+    const float* __restrict__ absmax2, const float* __restrict__ code2, const float* __restrict__ offset,
+    u16* __restrict__ out, i64 ldo, int rows, i64 N, i64 K, int log2bs, const __grid_constant__ TmaMaps2 maps) {
+#if defined(QC_HAS_WGMMA)
+    using G = GwGeo<NB>;
+    constexpr int NA = NB / 2;
+    constexpr bool kF16 = !T::kBf16;
+    static_assert(S >= 3 && S <= kWtMaxStages, "stages");
+    extern __shared__ __align__(1024) u8 gw_smem[];
+    require_dynamic_smem(kGwSmem);
+    // the window: the stages' codes at its start (1024-byte aligned), then the input slots around the pair
+    // table, the barriers, code2's copy at its end (the launcher sizes S for the worst start)
+    const u32 base = (smem_addr(gw_smem) + 1023u) & ~1023u;
+    const u32 c2s = (smem_addr(gw_smem) + kGwSmem - 4 * kDynCodes) & ~15u;
+    const u32 full = c2s - 16 * kWtMaxStages, empty = full + 8 * kWtMaxStages;
+    const u32 codes = base, sbase = base + S * kWtCodes;  // (the codes first: the table's alignment
+    u32 tab;                                                // wastes less space after them)
+    int nf;
+    place_table(sbase, full & ~15u, kGwTable, G::kSlot, S, tab, nf);
+    const u32 tab_end = tab + kGwTable;
+    auto slot_of = [&](int i) -> u32 { return i < nf ? sbase + i * G::kSlot : tab_end + (i - nf) * G::kSlot; };
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = lane_id(), g = lane >> 2, t = lane & 3;
+    fill_pair_table<T, QT>(tab, tid, kWtThreads);
+    if (NESTED)
+        for (int i = tid; i < kDynCodes; i += kWtThreads) gm_sts_f32(c2s + 4 * i, ldg_f32(code2 + i));
+    const int m0 = blockIdx.x * NB;
+    const i64 n0 = (i64)blockIdx.y * G::kRowsW;
+    const int sbeg = (int)((K >> 6) * blockIdx.z / CL);
+    const int nst = (int)((K >> 6) * (blockIdx.z + 1) / CL) - sbeg;  // this CTA's stages
+    const void* tma = &maps.m0;
+    const void* tmc = &maps.m1;
+    auto load = [&](int q, int i) {  // stage q into ring entry i (thread 0)
+        const u32 bar = full + 8 * i;
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(G::kB + kWtCodes)
+                     : "memory");
+        wt_tma2d(slot_of(i), tma, 64 * (sbeg + q), m0, bar);
+        wt_tma2d(codes + i * kWtCodes, tmc, 32 * (sbeg + q), (int)n0, bar);
+    };
+    if (tid == 0) {
+        for (int i = 0; i < S; ++i) {
+            wt_mbar_init(full + 8 * i, 1);   // thread 0's arrival (and the stage's bytes)
+            wt_mbar_init(empty + 8 * i, 8);  // the warps'
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        for (int q = 0; q < S && q < nst; ++q) load(q, q);
+    }
+    __syncthreads();  // the tables, code2 and the barriers
+    float acc[NA];
+#pragma unroll
+    for (int i = 0; i < NA; ++i) acc[i] = 0.0f;
+
+    {
+        // -- the MMA warps
+        const int wg = warp >> 2, wi = warp & 3;
+        u32 rch[2];
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr)
+            rch[rr] = keep((u32)(min(n0 + wg * 64 + wi * 16 + g + 8 * rr, N - 1) * (K >> 6)) + (u32)sbeg);
+        const int bsh = log2bs - 6;
+        u32 sraw[2][2];
+        float ss2[2][2];
+        auto load_scales = [&](int st, u32(&raw)[2], float(&s2)[2]) {
+            st = max(min(st, nst - 1), 0);  // (a CTA of a cluster may have no stage when K is short)
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                const u32 b = (rch[rr] + (u32)st) >> bsh;
+                if constexpr (NESTED) {
+                    raw[rr] = ldg_u8(reinterpret_cast<const u8*>(absmax) + b);
+                    s2[rr] = ldg_f32(absmax2 + (b >> kNestLog2));
+                } else {
+                    raw[rr] = ldg_u32(reinterpret_cast<const float*>(absmax) + b);
+                }
+            }
+        };
+        const float off = NESTED ? ldg_f32(offset) : 0.0f;
+        const u32 lutx = keep(tab | (4u * (u32)lane)), sel = keep(0x7604u | ((u32)t << 4));
+        const int drow = wg * 64 + wi * 16 + g;
+        const u32 dsw = ((drow >> 2) & 1) << 4;
+        const u32 dofs0 = keep(drow * 32 + dsw), dofs1 = keep(drow * 32 + (16 ^ dsw));
+        auto decode = [&](u32 cslot, const u32(&raw)[2], const float(&s2)[2], u32(&af)[4][4]) {
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                u32 q[8];
+                lds_v4(cslot + dofs0 + 256 * rr, q[0], q[1], q[2], q[3]);
+                lds_v4(cslot + dofs1 + 256 * rr, q[4], q[5], q[6], q[7]);
+                const float sc = NESTED ? nested_absmax(gm_lds_f32(c2s + 4 * raw[rr]), s2[rr], off) : __uint_as_float(raw[rr]);
+                const u32 s2x = T::pack2(sc, sc);
+#pragma unroll
+                for (int w = 0; w < 8; ++w)
+                    af[w >> 1][2 * (w & 1) + rr] = qcmx::hmul2<T::kBf16>(pair_lut_sel(q[w], lutx, sel), s2x);
+            }
+        };
+        u32 af[2][4][4];
+        load_scales(0, sraw[0], ss2[0]);
+        load_scales(1, sraw[1], ss2[1]);
+        if (nst > 0) wt_mbar_wait(full, 0u);
+        decode(codes, sraw[0], ss2[0], af[0]);
+        load_scales(2, sraw[0], ss2[0]);
+        int ri = 0;      // stage j's ring index
+        u32 rph = 0;     // its full barrier's parity
+#define QC_GWT_STEP(P, J)                                                                                  \
+    {                                                                                                     \
+        const int j_ = (J);                                                                               \
+        fence_acc(acc);                                                                                   \
+        wgmma_fence();                                                                                    \
+        const u64 desc0 = desc_sw128(slot_of(ri));                                                        \
+        _Pragma("unroll") for (int s = 0; s < 4; ++s) wgmma_rs<kF16>(acc, af[P][s], desc0 + 2u * s);      \
+        wgmma_commit();                                                                                   \
+        fence_acc(acc);                                                                                   \
+        const int pi = ri;                                                                                \
+        if (++ri == S) {                                                                                  \
+            ri = 0;                                                                                       \
+            rph ^= 1u;                                                                                    \
+        }                                                                                                 \
+        if (j_ + 1 < nst) {                                                                               \
+            wgmma_wait<1>(); /* stage j - 1's MMAs: its slot is free */                                   \
+            fence_acc(acc);                                                                               \
+            if (j_ > 0) {                                                                                 \
+                const int qi = pi == 0 ? S - 1 : pi - 1; /* stage j - 1's entry */                        \
+                __syncwarp();                                                                             \
+                if (lane == 0) wt_mbar_arrive(empty + 8 * qi);                                            \
+                if (tid == 0 && j_ - 1 + S < nst) { /* refill it with stage j - 1 + S */                  \
+                    wt_mbar_wait(empty + 8 * qi, (u32)((j_ - 1) / S) & 1u);                               \
+                    load(j_ - 1 + S, qi);                                                                 \
+                }                                                                                         \
+                __syncwarp();                                                                             \
+            }                                                                                             \
+            wt_mbar_wait(full + 8 * ri, rph);                                                             \
+            _Pragma("unroll") for (int s = 0; s < 4; ++s) _Pragma("unroll") for (int i = 0; i < 4; ++i)  \
+                asm volatile("" : "+r"(af[1 - P][s][i])::"memory");                                      \
+            decode(codes + ri * kWtCodes, sraw[1 - P], ss2[1 - P], af[1 - P]);                            \
+            load_scales(j_ + 3, sraw[1 - P], ss2[1 - P]);                                                 \
+        }                                                                                                 \
+    }
+        for (int j = 0; j < nst; j += 2) {
+            QC_GWT_STEP(0, j)
+            if (j + 1 < nst) QC_GWT_STEP(1, j + 1)
+        }
+#undef QC_GWT_STEP
+        wgmma_wait<0>();
+        fence_acc(acc);
+    }
+    __syncthreads();  // every stage consumed: the table's space takes the output
+    if constexpr (CL > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        // partial sums: accumulator i of thread tid at base + 4 (256 i + tid) (the ring's space)
+        if (blockIdx.z > 0) {
+#pragma unroll
+            for (int i = 0; i < NA; ++i) gm_sts_f32(base + 4 * (kWtThreads * i + tid), acc[i]);
+        }
+        gm_cluster_sync();  // every CTA's sums are in place
+        if (blockIdx.z == 0)
+            for (u32 q = 1; q < (u32)CL; ++q) {
+#pragma unroll
+                for (int i0 = 0; i0 < NA; i0 += 16) {
+                    float v[16];
+#pragma unroll
+                    for (int i = 0; i < 16; ++i) v[i] = gm_ld_cluster_f32(base + 4 * (kWtThreads * (i0 + i) + tid), q);
+#pragma unroll
+                    for (int i = 0; i < 16; ++i) acc[i0 + i] += v[i];
+                }
+            }
+        gm_cluster_sync();  // no CTA leaves while CTA 0 reads its shared memory
+        if (blockIdx.z > 0) return;
+#endif
+    }
+
+    const bool vec = (((u64)out | (u64)(ldo * 2)) & 15u) == 0;
+    constexpr int kCh = G::kRowsW / 8;
+#pragma unroll
+    for (int h = 0; h < NB / 64; ++h) {
+        {
+            const int wg = warp >> 2, wi = warp & 3;
+#pragma unroll
+            for (int jn = 8 * h; jn < 8 * h + 8; ++jn)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = 8 * jn + 2 * t + (e & 1) - 64 * h;
+                    const int n = wg * 64 + wi * 16 + g + 8 * (e >> 1);
+                    const u32 v = T::from_f(acc[4 * jn + e]);
+                    asm volatile("st.shared.u16 [%0], %1;" ::"r"(tab + r * G::kOPitch + 2 * n), "h"((unsigned short)v)
+                                 : "memory");
+                }
+        }
+        __syncthreads();
+        for (int i = tid; i < 64 * kCh; i += kWtThreads) {
+            const int r = i / kCh, c = i % kCh;
+            const int gr = m0 + 64 * h + r;
+            const i64 gn = n0 + 8 * c;
+            if (gr >= rows || gn >= N) continue;
+            u32 w0, w1, w2, w3;
+            lds_v4(tab + r * G::kOPitch + 16 * c, w0, w1, w2, w3);
+            u16* o = out + (i64)gr * ldo + gn;
+            if (vec && gn + 8 <= N) {
+                stg_v4(o, w0, w1, w2, w3);
+            } else {
+                const u32 w[4] = {w0, w1, w2, w3};
+#pragma unroll
+                for (int k = 0; k < 8; ++k)
+                    if (gn + k < N) o[k] = (u16)(w[k >> 1] >> (16 * (k & 1)));
+            }
+        }
+        __syncthreads();
+    }
+#else
+    __trap();
+#endif
+}
+
 }  // namespace qc

@@ -356,6 +356,28 @@ def test_gemv_4bit_many_rows_every_tile(be, rng, monkeypatch, tile):
         assert float((err ** 2).sum() / max((ref ** 2).sum(), 1e-300)) <= bound.nmse, (tile, batch, n, k)
 
 
+@gpu
+@needs_torch
+def test_gemv_4bit_wgmma_tma_sums_as_the_cp_async_kernel(be, rng, monkeypatch):
+    """The wgmma GEMM's stages by TMA (the default: two tensor maps, an mbarrier ring) multiply the same
+    operands in the same order as its cp.async ring (gw_tma=0): the same bits, per tile, cluster and
+    ring depth; input rows and weight rows off the tiles, an odd stage count."""
+    if rt.device_arch(0) != 90:
+        pytest.skip("the wgmma GEMM runs on compute capability 9.0 only")
+    for batch, n, k, nb, cl, qt, dtype in [(300, 520, 1024, 256, 1, "nf4", "bfloat16"),
+                                           (200, 260, 2048, 128, 1, "fp4", "float16"),
+                                           (257, 130, 64 * 9, 256, 2, "nf4", "bfloat16"),
+                                           (777, 400, 64 * 65, 256, 1, "nf4", "float16"),
+                                           (129, 1000, 64 * 7, 128, 4, "nf4", "bfloat16")]:
+        packed, st, a, _ = _gemv_case(rng, n, k, 64, qt, dtype, batch, True)
+        state = _gemv_state(st, n, k, 64, qt, dtype, True)
+        outs = []
+        for tma in ("gw_tma=1", "gw_tma=1,gw_tma_s=3", "gw_tma=0"):
+            monkeypatch.setenv(rt.ENV_TUNE, f"{tma},gw_min_rows=1,gw_nb={nb},gw_cl={cl}")
+            outs.append(_n(qc.gemv_4bit(_t(a), _t(packed), state, backend="cuda")).view(np.uint16))
+        assert np.array_equal(outs[0], outs[2]) and np.array_equal(outs[1], outs[2]), (batch, n, k, nb, cl)
+
+
 def _gemm_check(wq, aq, got):
     d4, q4 = ggml.unpack_q4_0(wq)
     d8, q8, s8 = ggml.unpack_q8(aq, "q8_1")

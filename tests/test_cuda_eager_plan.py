@@ -31,6 +31,7 @@ from quantcore.backends.cuda import runtime as rt
 import quantcore as qc
 from quantcore import api
 from quantcore.errors import KernelError, QuantcoreError
+from quantcore.formats import kernel_interface as qc_interface
 
 from .cuda_arrays import TUNE, needs_cuda
 
@@ -374,6 +375,33 @@ def test_planned_launch_buffer_and_slots(monkeypatch):
         rt.PlannedLaunch(0, "f.cu", "qc::k", (1,), 32, (5,))  # a Python int: its width is unknown
 
 
+def test_planned_launch_by_value_structs_and_their_maps(monkeypatch):
+    """A by-value struct argument (two tensor maps) sits at a 64-byte boundary of the buffer with its
+    bytes; a call re-points the map at byte 0 of it at the pointer of its slot before launching."""
+    import ctypes
+
+    launched, replaced = [], []
+
+    def launch_kernel(*args):
+        ptrs = (ctypes.c_void_p * 3).from_address(args[9])
+        launched.append([ptrs[i] for i in range(3)])
+
+    monkeypatch.setattr(rt.KERNELS, "function", lambda device, filename, expr: types.SimpleNamespace(ptr=1))
+    monkeypatch.setattr(rt, "cupy", lambda: types.SimpleNamespace(
+        cuda=types.SimpleNamespace(driver=types.SimpleNamespace(launchKernel=launch_kernel))))
+    monkeypatch.setattr(rt, "replace_tensor_map_address", lambda addr, p: replaced.append((addr, p)))
+    maps = rt._by_value_converter("k", qc_interface.Arg("maps", "tmap2"))(bytes(range(256)))
+    pl = rt.PlannedLaunch(0, "f.cu", "qc::k", (1,), 32, (np.uint64(0x10), np.int32(7), maps), slots=(0,),
+                          maps=((2, 0, 0),))
+    pl(0, 0x5000)
+    (p0, p1, p2), = launched
+    assert p2 % 64 == 0 and ctypes.string_at(p2, 256) == bytes(range(256))
+    assert replaced == [(p2, 0x5000)] and ctypes.c_uint64.from_address(p0).value == 0x5000
+    assert ctypes.c_int32.from_address(p1).value == 7
+    with pytest.raises(TypeError):
+        rt._by_value_converter("k", qc_interface.Arg("maps", "tmap2"))(bytes(128))  # not the struct's size
+
+
 def test_tune_spec_follows_the_environment(monkeypatch):
     monkeypatch.delenv(TUNE, raising=False)
     assert rt.tune_spec() is None
@@ -432,7 +460,9 @@ def test_planned_equals_full_path_and_is_reused(torch_cuda, monkeypatch, dtype, 
     dt = getattr(torch, dtype)
     # 4096^2 (streaming kernel on sm_90), a 16-byte-unaligned input (mma or simple kernel), K not a
     # multiple of 64 (4-byte lanes), a batch over 8 (a second grid row), a 1-D input
-    for rows, n, k, bs in [(1, 4096, 4096, 64), (3, 100, 512, 128), (2, 48, 64 * 5 + 32, 32), (11, 70, 1024, 64)]:
+    # ... and 300 rows (the many-row GEMM; on sm_90 its input's TMA map follows each call's input)
+    for rows, n, k, bs in [(1, 4096, 4096, 64), (3, 100, 512, 128), (2, 48, 64 * 5 + 32, 32), (11, 70, 1024, 64),
+                           (300, 520, 1024, 64)]:
         packed, st = _gpu_case(torch, n, k, bs, nested, dt)
         A = torch.randn(rows, k, device="cuda", dtype=dt)
         ref = _full(A, packed, st, monkeypatch)

@@ -25,7 +25,7 @@ KERNELS_CUDA = Path(__file__).resolve().parents[1] / "kernels_cuda"
 #: C spellings of the CUDA sources -> the interface's types
 _C_BASE = {"u8": "u8", "uint8_t": "u8", "u16": "u16", "u32": "u32", "float": "f32", "double": "f64", "void": "void",
            "int": "i32", "i64": "i64", "long long": "i64", "unsigned": "u32", "unsigned int": "u32",
-           "unsigned long long": "u64", "typename T::S": "elem", "T::S": "elem"}
+           "unsigned long long": "u64", "typename T::S": "elem", "T::S": "elem", "TmaMaps2": "tmap2"}
 
 
 def _strip(text: str) -> str:
@@ -73,7 +73,7 @@ def _expand(params: str, macros) -> str:
 
 
 def _type(param: str) -> str:
-    p = re.sub(r"__restrict__|qcmx::|qc::|__attribute__\(\(.*?\)\)", " ", param)
+    p = re.sub(r"__restrict__|__grid_constant__|qcmx::|qc::|__attribute__\(\(.*?\)\)", " ", param)
     pointer = "*" in p
     const = bool(re.search(r"\bconst\b", p))
     words = re.sub(r"\bconst\b", " ", p.replace("*", " ")).split()
@@ -260,6 +260,7 @@ def test_every_cuda_launch_path_builds_its_arguments(monkeypatch):
                                                        "multiProcessorCount": 132, "name": "stand-in"})
     monkeypatch.setattr(rt, "sm_count", lambda d: 132)
     monkeypatch.setattr(rt, "device_arch", lambda d: 90)
+    monkeypatch.setattr(rt, "tensor_map_2d", lambda *a, **k: bytes(128))  # (the driver encodes them)
     monkeypatch.setattr(cmx, "function", lambda *a, **k: types.SimpleNamespace(ptr=1))
     monkeypatch.setattr(cmx, "_check", lambda *a: 0)
     monkeypatch.setattr(cmx, "_occupancy_grid", lambda *a, **k: 264)
@@ -276,9 +277,13 @@ def test_every_cuda_launch_path_builds_its_arguments(monkeypatch):
         for nst in (None, nested):
             am = A((512,), np.float32 if nst is None else np.uint8)
             be.dequantize_4bit(A((16384,), np.uint8), am, A((32768,), dt), blocksize=64, quant_type="nf4", nested=nst)
-            for rows in (1, 5, 40, 200):  # the decode gemv, the mma.sync GEMM, the wgmma GEMM
+            for rows in (1, 5, 40, 200):  # the decode gemv, the mma.sync GEMM, the wgmma GEMM (TMA)
                 be.gemv_4bit(A((rows, 512), dt), A((32 * 512,), np.uint8), am, A((rows, 64), dt), n=64, k=512,
                              blocksize=64, quant_type="nf4", nested=nst)
+            monkeypatch.setenv(rt.ENV_TUNE, "gw_tma=0")  # the wgmma GEMM's cp.async ring
+            be.gemv_4bit(A((200, 512), dt), A((32 * 512,), np.uint8), am, A((200, 64), dt), n=64, k=512,
+                         blocksize=64, quant_type="nf4", nested=nst)
+            monkeypatch.delenv(rt.ENV_TUNE)
         be.quantize_blockwise(A((5000,), dt), A((255,), np.float32), A((5000,), np.uint8), A((20,), np.float32),
                               blocksize=256)
         be.dequantize_blockwise(A((5000,), np.uint8), A((20,), np.float32), A((256,), np.float32), A((5000,), dt),
@@ -341,7 +346,7 @@ def test_every_cuda_launch_path_builds_its_arguments(monkeypatch):
     cmx.unswizzle_scales(be, A((256, 8), np.uint8), A((200, 8), np.uint8), rows=200, cols=8)
 
     width = {"ptr": np.uint64, "i32": np.int32, "i64": np.int64, "u32": np.uint32, "u64": np.uint64,
-             "f32": np.float32}
+             "f32": np.float32, "tmap2": np.void}
     kernels = set()
     for name, args_ in launches:
         key = cuda_kernel(name)

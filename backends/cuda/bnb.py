@@ -128,6 +128,7 @@ def instances() -> list[tuple[str, str]]:
                     out += [(_FM, _gemm4(tag, qt, nested, cfg)) for cfg in _GM_CONFIGS]
                     out += [(_FM, _gemm4(tag, qt, nested, _GM_CONFIGS[-1], cl)) for cl in _GM_CLUSTERS[1:]]
                     out += [(_FM, _gemm4wg(tag, qt, nested, nb, cl)) for nb in _GW_NB for cl in _GW_CLUSTERS]
+                    out += [(_FM, _gemm4wg_tma(tag, qt, nested, nb, cl)) for nb in _GW_NB for cl in _GW_CLUSTERS]
     for fmt, dts in DECODE_MX_DTYPES.items():
         for dt in dts:
             out += _gemv_tc_instances(TYPE_TAG[dt], fmt, False)
@@ -310,7 +311,7 @@ class BnbOps:
 #: positions of a and out in the other gemv kernels' parameter lists (the per-call slots of a plan)
 _GEMV_SLOTS = tuple(arg_index("gemv_4bit_simple_kernel", a) for a in ("a", "out"))
 assert all(tuple(arg_index(k, a) for a in ("a", "out")) == _GEMV_SLOTS
-           for k in ("gemv_4bit_mma_kernel", "gemm_4bit_kernel"))
+           for k in ("gemv_4bit_mma_kernel", "gemm_4bit_kernel", "gemm_4bit_wgmma_kernel", "gemm_4bit_wgmma_tma_kernel"))
 # bnb_gemv.cu: warps per CTA, weights per launch, the bytes of a warp's ring (the generated header's
 # QC_GV_*, which the kernel compiles with; QC_GV_XS_BYTES: the input bytes its decode table's free halves hold)
 _GT_WARPS, _GT_GROUPS, _GT_RING, _GT_XS, _GT_SHORT_MAX = (
@@ -423,20 +424,21 @@ def _gm_stages(cfg: tuple[int, int, int]) -> int:
 
 
 def _ring_stages(slot: int, table: int, smem: int, most_stages: int, what: str, slot_align: int = 16,
-                 reserve: int = 0) -> int:
-    """bnb_gemm.cu's place_table for every window start (16-byte steps): the fewest slots of ``slot``
-    bytes (from the window's start rounded up to ``slot_align``) that fit around a ``table``-byte table
-    at a multiple of its size below the window's last ``reserve`` bytes (rounded down to 16), at most
-    ``most_stages``; at least 3 or an AssertionError."""
+                 reserve: int = 0, lead: int = 0, starts: Any = range(0, 65536, 16), least: int = 3) -> int:
+    """bnb_gemm.cu's place_table for every window start in ``starts`` (default: any 16-byte step): the
+    fewest slots of ``slot`` bytes (from the window's start rounded up to ``slot_align``, plus ``lead``
+    bytes) that fit around a ``table``-byte table at a multiple of its size below the window's last
+    ``reserve`` bytes (rounded down to 16), at most ``most_stages``; at least ``least`` or an
+    AssertionError."""
     worst = most_stages
-    for start in range(0, 65536, 16):
-        base, end, most = -(-start // slot_align) * slot_align, (start + smem - reserve) & ~15, 0
+    for start in starts:
+        base, end, most = -(-start // slot_align) * slot_align + lead, (start + smem - reserve) & ~15, 0
         b = -(-base // table) * table
         while b + table <= end:
             most = max(most, (b - base) // slot + (end - b - table) // slot)
             b += table
         worst = min(worst, most)
-    if worst < 3:
+    if worst < least:
         raise AssertionError(f"bnb_gemm.cu: {what} leaves {worst} ring stages")
     return worst
 
@@ -614,6 +616,48 @@ def _gw_shape(rows: int, n: int, k: int, sms: int) -> tuple[int, int]:
     return nb, rt.tune("gw_cl", 0) or (best[2] if nb == best[1] else 1)
 
 
+_GWT_MAX_STAGES = 8  # bnb_gemm.cu kWtMaxStages
+_GWT_CODES = 128 * 32  # a stage's codes (bnb_gemm.cu kWtCodes)
+#: where a CTA's dynamic shared memory starts (the kernel has no static shared memory): 0 or the 1 KiB
+#: the system reserves. The kernel traps where its ring does not fit (tests/test_cuda.py runs every tile).
+_GWT_WINDOW_STARTS = (0, 1024)
+
+
+@functools.cache
+def _gwt_stages(nb: int) -> int:
+    """Ring stages of the TMA GEMM's NB tile: the stages' codes (4 KiB each) at the window's start, then
+    the input slots around the pair table, the barriers and code2's copy at its end; the most stages
+    whose codes and slots fit at the window starts of _GWT_WINDOW_STARTS."""
+    reserve = 4 * bnb.DYNAMIC_MAP.size + 15 + 16 * _GWT_MAX_STAGES
+    for s in range(_GWT_MAX_STAGES, 2, -1):
+        if _ring_stages(gw_slot_bytes(nb), _GM_TABLE, _GW_SMEM, s, "", slot_align=1024, reserve=reserve,
+                        lead=s * _GWT_CODES, starts=_GWT_WINDOW_STARTS, least=0) >= s:
+            return s
+    raise AssertionError(f"bnb_gemm.cu: the TMA GEMM's NB={nb} tile leaves fewer than 3 stages")
+
+
+def _gemm4wg_tma(tag: str, qt: str, nested: bool, nb: int, cl: int = 1) -> str:
+    stages = rt.tune("gw_tma_s", 0) or _gwt_stages(nb)  # (a forced depth: the kernel traps where it does not fit)
+    return f"qc::gemm_4bit_wgmma_tma_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}, {stages}, {cl}>"
+
+
+@functools.lru_cache(maxsize=256)
+def _input_map(address: int, rows: int, k: int, nb: int) -> bytes:
+    """The TMA GEMM's input map: [rows, k] 16-bit, boxes of 64 x nb, the 128-byte swizzle."""
+    return rt.tensor_map_2d(address, "u16", k, rows, 2 * k, (64, nb), 128)
+
+
+@functools.lru_cache(maxsize=256)
+def _codes_map(address: int, n: int, k: int) -> bytes:
+    """The TMA GEMM's codes map: [n, k / 2] bytes, boxes of 32 x 128 rows, the 32-byte swizzle."""
+    return rt.tensor_map_2d(address, "u8", k // 2, n, k // 2, (32, 128), 32)
+
+
+#: the TMA GEMM's maps argument (its position) and the input map in it (byte 0), re-pointed at each
+#: call's input by a planned launch (slot 0 of _GEMV_SLOTS: the input)
+_GWT_MAPS = ((arg_index("gemm_4bit_wgmma_tma_kernel", "maps"), 0, 0),)
+
+
 def _gw_runs_on(device: int) -> bool:
     """Does the wgmma GEMM run on ``device``: compute capability 9.0 (sm_90a) unless ``gemm4wg=0``."""
     return rt.device_arch(device) == 90 and rt.tune("gemm4wg", 1) == 1
@@ -636,6 +680,14 @@ def _gemm4wg_launch(device, a, packed, absmax, nested, out, *, rows, n, k, block
     [rows, ldo]: grid x the input row blocks (the CTAs of one weight tile run together), y the blocks
     of 128 weight rows, z the K slices of a cluster."""
     nb, cl = _gw_shape(rows, n, k, rt.sm_count(device))
+    if rt.tune("gw_tma", 1) and not rt.tune("gw_dbg", 0):  # the stages by TMA (gw_tma=0: the cp.async
+        # kernel, for comparisons; its timing experiments gw_dbg run on it)
+        expr = _gemm4wg_tma(_tag(a), quant_type, nested is not None, nb, cl)
+        maps = _input_map(rt.pointer(a), rows, k, nb) + _codes_map(rt.pointer(packed), n, k)
+        args = kernel_args(expr, a=a, packed=packed, absmax=absmax, **_nested_named(nested), out=out, ldo=ldo,
+                           rows=rows, n=n, k=k, log2bs=_log2(blocksize), maps=maps)
+        return (_FM, expr, (_cdiv(rows, nb), _cdiv(n, _GW_WEIGHT_ROWS), cl), _GW_THREADS, args, _GW_SMEM,
+                _GEMV_SLOTS, _GWT_MAPS)
     expr = _gemm4wg(_tag(a), quant_type, nested is not None, nb, cl, rt.tune("gw_dbg", 0))
     args = kernel_args(expr, a=a, packed=packed, absmax=absmax, **_nested_named(nested), out=out, ldo=ldo, rows=rows,
                        n=n, k=k, log2bs=_log2(blocksize))

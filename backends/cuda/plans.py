@@ -280,7 +280,8 @@ def _plan_gemv_4bit(A: Any, packed: Any, state: Any, previous: Any, n: int, k: i
         return plan  # it had this call: the thread's current context was another device's
     spec = _gemv_launch(device, A, packed, state.absmax, None, rows=rows, n=n, k=k, blocksize=state.blocksize,
                         quant_type=state.quant_type, nested=_state_nested(state))
-    launch = rt.PlannedLaunch(device, *spec[:5], shared_mem=spec[5], slots=spec[6], pdl=spec[0] == _FV)
+    launch = rt.PlannedLaunch(device, *spec[:5], shared_mem=spec[5], slots=spec[6], pdl=spec[0] == _FV,
+                              maps=spec[7] if len(spec) > 7 else ())
     plan.add(_GemvPlan.key(A), (tuple(A.shape[:-1]) + (n,), launch))
     return plan
 

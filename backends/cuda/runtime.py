@@ -408,6 +408,14 @@ class Launcher:
 
     def __call__(self, filename: str, expr: str, grid: tuple[int, ...], block: int, args: tuple,
                  shared_mem: int = 0, pdl: bool = False) -> None:
+        if any(isinstance(v, np.void) for v in args):  # a by-value struct: CuPy's launch takes scalars only
+            if self._switch:
+                with cupy().cuda.Device(self.device):
+                    PlannedLaunch(self.device, filename, expr, grid, block, args, shared_mem, pdl=pdl)(
+                        self.stream_handle())
+            else:
+                PlannedLaunch(self.device, filename, expr, grid, block, args, shared_mem, pdl=pdl)(self.stream_handle())
+            return
         stream = self.raw_stream() if pdl else None
         if stream is not None:  # a programmatic dependent launch (see launch_pdl)
             PlannedLaunch(self.device, filename, expr, grid, block, args, shared_mem, pdl=True)(stream)
@@ -482,7 +490,23 @@ def _pointer_value(v: Any) -> np.uint64:
     return np.uint64(v) if isinstance(v, _INTS) else np.uint64(pointer(v))  # an address, or an array
 
 
+def _by_value_converter(kernel: str, arg: kernel_interface.Arg):
+    size = kernel_interface.BY_VALUE[arg.kind]
+    dtype = np.dtype((np.void, size))
+
+    def convert(v: Any) -> np.generic:
+        if isinstance(v, np.void) and v.dtype == dtype:
+            return v
+        if isinstance(v, (bytes, bytearray)) and len(v) == size:
+            return np.frombuffer(bytes(v), dtype=dtype)[0]
+        raise TypeError(f"{kernel}: argument {arg.name} ({arg.type}) takes {size} bytes, got {type(v).__name__}")
+
+    return convert
+
+
 def _scalar_converter(kernel: str, arg: kernel_interface.Arg):
+    if arg.kind in kernel_interface.BY_VALUE:
+        return _by_value_converter(kernel, arg)
     to = _TO_NUMPY[arg.kind]
     if arg.kind == "f32":
         return to
@@ -593,11 +617,13 @@ class PlannedLaunch:
     context current (see :func:`device_context`)."""
 
     __slots__ = ("expr", "grid", "block", "shared_mem", "_fn", "_buf", "_params", "_params_ptr",
-                 "_slots", "_lock", "_launch", "pdl")
+                 "_slots", "_lock", "_launch", "pdl", "_offsets", "_maps")
 
     def __init__(self, device: int, filename: str, expr: str, grid: tuple[int, ...], block: int,
                  args: tuple, shared_mem: int = 0, slots: tuple[int, ...] = (), pdl: bool = False,
-                 function: Any = None):
+                 function: Any = None, maps: tuple[tuple[int, int, int], ...] = ()):
+        # ``maps``: (argument, byte offset in it, position in ``slots``): a tensor map in a by-value
+        # argument whose global address is the pointer a call writes into that slot
         # ``function``: a kernel already loaded (a module of several entry points, such as the MX
         # family's), allowed ``shared_mem``; else ``filename`` / ``expr`` name it
         fn = function if function is not None else kernel_function(device, filename, expr, shared_mem)
@@ -607,29 +633,43 @@ class PlannedLaunch:
         self.shared_mem = int(shared_mem)
         self._fn = int(fn.ptr)
         n = max(1, len(args))
-        self._buf = ctypes.create_string_buffer(8 * n)
+        # each argument at its own offset: 8 bytes for a scalar or pointer, a by-value struct (np.void)
+        # at a 64-byte boundary (a CUtensorMap's alignment)
+        offsets, end = [], 0
+        for v in args:
+            if not isinstance(v, np.generic) or (len(np.asarray(v).tobytes()) > 8 and not isinstance(v, np.void)):
+                raise TypeError(f"PlannedLaunch takes numpy scalars of at most 8 bytes or np.void structs, got {v!r}")
+            size = len(np.asarray(v).tobytes())
+            align = 64 if isinstance(v, np.void) else 8
+            end = -(-end // align) * align
+            offsets.append(end)
+            end += max(8, size)
+        self._buf = ctypes.create_string_buffer(max(8, end) + 64)
+        shift = -ctypes.addressof(self._buf) % 64
+        self._offsets = tuple(shift + o for o in offsets) or (shift,)
         base = ctypes.addressof(self._buf)
-        for i, v in enumerate(args):
+        for o, v in zip(self._offsets, args):
             raw = np.asarray(v).tobytes()
-            if len(raw) > 8 or not isinstance(v, np.generic):
-                raise TypeError(f"PlannedLaunch takes numpy scalars of at most 8 bytes, got {v!r}")
-            ctypes.memmove(base + 8 * i, raw, len(raw))
-        self._params = (ctypes.c_void_p * n)(*(base + 8 * i for i in range(n)))
+            ctypes.memmove(base + o, raw, len(raw))
+        self._params = (ctypes.c_void_p * n)(*(base + o for o in self._offsets[:n]))
         self._params_ptr = ctypes.addressof(self._params)
-        self._slots = tuple(ctypes.c_uint64.from_buffer(self._buf, 8 * i) for i in slots)
+        self._slots = tuple(ctypes.c_uint64.from_buffer(self._buf, self._offsets[i]) for i in slots)
+        self._maps = tuple((base + self._offsets[a] + off, pos) for a, off, pos in maps)
         self._lock = threading.Lock()  # the buffer is shared: fill and launch as one step
         self._launch = cupy().cuda.driver.launchKernel
         self.pdl = pdl and pdl_available()
 
     def args(self) -> tuple[int, ...]:
         """The argument slots as unsigned 64-bit values (tests)."""
-        return tuple(ctypes.c_uint64.from_buffer(self._buf, 8 * i).value for i in range(len(self._params)))
+        return tuple(ctypes.c_uint64.from_buffer(self._buf, o).value for o in self._offsets[:len(self._params)])
 
     def __call__(self, stream: int, *pointers: int) -> None:
         gx, gy, gz = self.grid
         with self._lock:
             for slot, p in zip(self._slots, pointers):
                 slot.value = p
+            for addr, pos in self._maps:
+                replace_tensor_map_address(addr, pointers[pos])
             try:
                 if self.pdl:
                     launch_pdl(self._fn, self.grid, self.block, self.shared_mem, stream, self._params_ptr)
@@ -639,6 +679,57 @@ class PlannedLaunch:
             except Exception as exc:  # noqa: BLE001 - the same report as Launcher's
                 raise KernelError(f"launch of {self.expr} (grid {self.grid}, block {self.block}, shared "
                                   f"{self.shared_mem} B) failed: {type(exc).__name__}: {exc}") from exc
+
+
+# -- TMA tensor maps (sm_90) -----------------------------------------------------------------------
+# Encoded on the host by the driver (cuTensorMapEncodeTiled) and passed to a kernel by value; a planned
+# launch re-points a map at each call's array with cuTensorMapReplaceAddress.
+_TMAP_ELEM = {"u8": 0, "u16": 1}  # CU_TENSOR_MAP_DATA_TYPE_UINT8 / UINT16
+_TMAP_SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}
+_tmap_driver: list = []
+
+
+def _tmap_functions() -> tuple:
+    if not _tmap_driver:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            enc, rep = lib.cuTensorMapEncodeTiled, lib.cuTensorMapReplaceAddress
+        except (OSError, AttributeError) as exc:
+            raise KernelError(f"TMA tensor maps need a driver with cuTensorMapEncodeTiled: {exc}") from exc
+        enc.restype = rep.restype = ctypes.c_int
+        enc.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p,
+                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                        ctypes.c_int]
+        rep.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        _tmap_driver[:] = [enc, rep]
+    return tuple(_tmap_driver)
+
+
+def tensor_map_2d(address: int, elem: str, inner: int, outer: int, row_bytes: int, box: tuple[int, int],
+                  swizzle: int) -> bytes:
+    """A CUtensorMap (128 bytes) of the row-major 2-D array at ``address``: ``outer`` rows of ``inner``
+    ``elem`` ("u8" / "u16") elements, ``row_bytes`` apart; boxes of box[0] x box[1] elements, the
+    shared-memory swizzle of ``swizzle`` bytes (0, 32, 64, 128); L2 promotion 256 bytes; elements
+    outside the array read as zeros."""
+    enc, _ = _tmap_functions()
+    buf = (ctypes.c_uint8 * 192)()
+    addr = (ctypes.addressof(buf) + 63) & ~63
+    dims = (ctypes.c_uint64 * 2)(inner, outer)
+    strides = (ctypes.c_uint64 * 1)(row_bytes)
+    boxd = (ctypes.c_uint32 * 2)(*box)
+    one = (ctypes.c_uint32 * 2)(1, 1)
+    res = enc(addr, _TMAP_ELEM[elem], 2, address, dims, strides, boxd, one, 0, _TMAP_SWIZZLE[swizzle], 3, 0)
+    if res != 0:
+        raise KernelError(f"cuTensorMapEncodeTiled failed with CUresult {res} (address {address:#x}, "
+                          f"{outer} x {inner} {elem}, row {row_bytes} B, box {box}, swizzle {swizzle})")
+    return bytes((ctypes.c_uint8 * 128).from_address(addr))
+
+
+def replace_tensor_map_address(map_address: int, address: int) -> None:
+    """Point the CUtensorMap at ``map_address`` (64-byte aligned, host memory) at ``address``."""
+    res = _tmap_functions()[1](map_address, address)
+    if res != 0:
+        raise KernelError(f"cuTensorMapReplaceAddress failed with CUresult {res} (address {address:#x})")
 
 
 # -- programmatic dependent launch (sm_90) ----------------------------------------------------------

@@ -33,6 +33,9 @@ from typing import NamedTuple
 #: Element types a pointer may point to, and the scalar types.
 POINTEES = ("u8", "u16", "u32", "f32", "f64", "bf16", "i32", "i64", "elem", "void")
 SCALARS = ("i32", "i64", "u32", "u64", "f32")
+#: values passed by value that are not scalars: ``tmap2``, two CUtensorMaps (2 x 128 bytes, 64-byte
+#: aligned; CUDA only: a ``__grid_constant__`` parameter the kernel's TMAs read)
+BY_VALUE = {"tmap2": 256}
 
 
 class Arg(NamedTuple):
@@ -58,7 +61,7 @@ def args(spec: str) -> tuple[Arg, ...]:
             raise ValueError(f"argument {item!r}: expected '<type> <name>'")
         type_, name = " ".join(words[:-1]).replace(" *", "*"), words[-1]
         base = type_.removeprefix("const ").rstrip("*")
-        if (base not in POINTEES) if type_.endswith("*") else (type_ not in SCALARS):
+        if (base not in POINTEES) if type_.endswith("*") else (type_ not in SCALARS and type_ not in BY_VALUE):
             raise ValueError(f"argument {item!r}: unknown type {type_!r}")
         out.append(Arg(name, type_))
     return tuple(out)
@@ -314,6 +317,9 @@ CUDA_KERNELS: dict[str, tuple[Arg, ...]] = {name: args(spec) for name, spec in {
                         "i64 k, i32 log2bs",
     "gemm_4bit_wgmma_kernel": f"const u16* a, const u8* packed, {_NESTED}, u16* out, i64 ldo, i32 rows, i64 n, "
                               "i64 k, i32 log2bs",
+    # maps: the input's and the codes' CUtensorMaps (TMA), by value
+    "gemm_4bit_wgmma_tma_kernel": f"const u16* a, const u8* packed, {_NESTED}, u16* out, i64 ldo, i32 rows, i64 n, "
+                                 "i64 k, i32 log2bs, tmap2 maps",
     # bnb_gemv.cu: the input, GEMV_TC_GROUPS weights, the output (scols: an MX weight's swizzled scale columns, 0 otherwise)
     "gemv_4bit_tc_kernel": "const u16* a, " + _GEMV_WEIGHTS
         + ", u16* out, i64 ldo, i32 rows, i64 k, i32 log2bs, i32 ngroups, i32 scols",
