@@ -375,6 +375,76 @@ __device__ __forceinline__ V keep(V x) {
     }
 }
 
+// The wgmma GEMMs' end, after every stage is consumed (the ring and the table's space are free): with
+// CL > 1 the K slices' fp32 sums added in CTA 0 in rank order (CTAs 1 .. CL - 1 leave theirs at base + 4
+// (256 i + tid) and return), then the tile staged through the table's space (tab) in parts of 64 input
+// rows and stored as 16-byte rows where the output allows.
+template <typename T, int NB, int CL>
+__device__ __forceinline__ void gw_finish(float (&acc)[NB / 2], u32 base, u32 tab, u16* __restrict__ out, i64 ldo,
+                                          int rows, i64 N, int m0, i64 n0) {
+    using G = GwGeo<NB>;
+    constexpr int NA = NB / 2;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = lane_id(), g = lane >> 2, t = lane & 3;
+    const int wg = warp >> 2, wi = warp & 3;
+    if constexpr (CL > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        static_assert(NA * kGwThreads * 4 + kDynCodes * 4 + 1024 <= QC_GW_SMEM, "the partial sums fit");
+        if (blockIdx.z > 0) {
+#pragma unroll
+            for (int i = 0; i < NA; ++i) gm_sts_f32(base + 4 * (kGwThreads * i + tid), acc[i]);
+        }
+        gm_cluster_sync();  // every CTA's sums are in place
+        if (blockIdx.z == 0)
+            for (u32 q = 1; q < (u32)CL; ++q) {
+#pragma unroll
+                for (int i0 = 0; i0 < NA; i0 += 16) {  // 16 loads in flight, then their adds
+                    float v[16];
+#pragma unroll
+                    for (int i = 0; i < 16; ++i) v[i] = gm_ld_cluster_f32(base + 4 * (kGwThreads * (i0 + i) + tid), q);
+#pragma unroll
+                    for (int i = 0; i < 16; ++i) acc[i0 + i] += v[i];
+                }
+            }
+        gm_cluster_sync();  // no CTA leaves while CTA 0 reads its shared memory
+        if (blockIdx.z > 0) return;
+#endif
+    }
+    const bool vec = (((u64)out | (u64)(ldo * 2)) & 15u) == 0;
+    constexpr int kCh = G::kRowsW / 8;  // 16-byte pieces of a staged row
+#pragma unroll
+    for (int h = 0; h < NB / 64; ++h) {
+#pragma unroll
+        for (int jn = 8 * h; jn < 8 * h + 8; ++jn)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = 8 * jn + 2 * t + (e & 1) - 64 * h;
+                const int n = wg * 64 + wi * 16 + g + 8 * (e >> 1);
+                const u32 v = T::from_f(acc[4 * jn + e]);
+                asm volatile("st.shared.u16 [%0], %1;" ::"r"(tab + r * G::kOPitch + 2 * n), "h"((unsigned short)v)
+                             : "memory");
+            }
+        __syncthreads();
+        for (int i = tid; i < 64 * kCh; i += kGwThreads) {
+            const int r = i / kCh, c = i % kCh;
+            const int gr = m0 + 64 * h + r;
+            const i64 gn = n0 + 8 * c;
+            if (gr >= rows || gn >= N) continue;
+            u32 w0, w1, w2, w3;
+            lds_v4(tab + r * G::kOPitch + 16 * c, w0, w1, w2, w3);
+            u16* o = out + (i64)gr * ldo + gn;
+            if (vec && gn + 8 <= N) {
+                stg_v4(o, w0, w1, w2, w3);
+            } else {
+                const u32 w[4] = {w0, w1, w2, w3};
+#pragma unroll
+                for (int k = 0; k < 8; ++k)
+                    if (gn + k < N) o[k] = (u16)(w[k >> 1] >> (16 * (k & 1)));
+            }
+        }
+        __syncthreads();
+    }
+}
+
 // DBG (timing experiments only, QUANTCORE_CUDA_TUNE=gw_dbg=1..4; wrong results by design): 1 decodes
 // only stage 0 (the MMAs reuse its fragments), 2 issues no MMA in the loop (the fragments are XORed
 // into the first accumulator so that their decode stays), 3 / 4 copy half / none of the input tile
@@ -568,65 +638,7 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
     fence_acc(acc);
     cp_async_wait<0>();
     __syncthreads();  // every thread is done with the table and the ring: the output is staged there
-    if constexpr (CL > 1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        // partial sums: accumulator i of thread tid at base + 4 (256 i + tid) (below code2's copy)
-        static_assert(NA * kGwThreads * 4 + kDynCodes * 4 + 1024 <= QC_GW_SMEM, "the partial sums fit");
-        if (blockIdx.z > 0) {
-#pragma unroll
-            for (int i = 0; i < NA; ++i) gm_sts_f32(base + 4 * (kGwThreads * i + tid), acc[i]);
-        }
-        gm_cluster_sync();  // every CTA's sums are in place
-        if (blockIdx.z == 0)
-            for (u32 q = 1; q < (u32)CL; ++q) {
-#pragma unroll
-                for (int i0 = 0; i0 < NA; i0 += 16) {  // 16 loads in flight, then their adds
-                    float v[16];
-#pragma unroll
-                    for (int i = 0; i < 16; ++i) v[i] = gm_ld_cluster_f32(base + 4 * (kGwThreads * (i0 + i) + tid), q);
-#pragma unroll
-                    for (int i = 0; i < 16; ++i) acc[i0 + i] += v[i];
-                }
-            }
-        gm_cluster_sync();  // no CTA leaves while CTA 0 reads its shared memory
-        if (blockIdx.z > 0) return;
-#endif
-    }
-
-    const bool vec = (((u64)out | (u64)(ldo * 2)) & 15u) == 0;
-    constexpr int kCh = G::kRowsW / 8;  // 16-byte pieces of a staged row
-#pragma unroll
-    for (int h = 0; h < NB / 64; ++h) {
-#pragma unroll
-        for (int jn = 8 * h; jn < 8 * h + 8; ++jn)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = 8 * jn + 2 * t + (e & 1) - 64 * h;
-                const int n = wg * 64 + wi * 16 + g + 8 * (e >> 1);
-                const u32 v = T::from_f(acc[4 * jn + e]);
-                asm volatile("st.shared.u16 [%0], %1;" ::"r"(tab + r * G::kOPitch + 2 * n), "h"((unsigned short)v)
-                             : "memory");
-            }
-        __syncthreads();
-        for (int i = tid; i < 64 * kCh; i += kGwThreads) {
-            const int r = i / kCh, c = i % kCh;
-            const int gr = m0 + 64 * h + r;
-            const i64 gn = n0 + 8 * c;
-            if (gr >= rows || gn >= N) continue;
-            u32 w0, w1, w2, w3;
-            lds_v4(tab + r * G::kOPitch + 16 * c, w0, w1, w2, w3);
-            u16* o = out + (i64)gr * ldo + gn;
-            if (vec && gn + 8 <= N) {
-                stg_v4(o, w0, w1, w2, w3);
-            } else {
-                const u32 w[4] = {w0, w1, w2, w3};
-#pragma unroll
-                for (int k = 0; k < 8; ++k)
-                    if (gn + k < N) o[k] = (u16)(w[k >> 1] >> (16 * (k & 1)));
-            }
-        }
-        __syncthreads();
-    }
+    gw_finish<T, NB, CL>(acc, base, tab, out, ldo, rows, N, m0, n0);
 #else
     __trap();  // built without sm_90a features: the launcher never takes this kernel there
 #endif
@@ -816,68 +828,8 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kWtThreads, 1) gemm_4bit_wgm
         wgmma_wait<0>();
         fence_acc(acc);
     }
-    __syncthreads();  // every stage consumed: the table's space takes the output
-    if constexpr (CL > 1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        // partial sums: accumulator i of thread tid at base + 4 (256 i + tid) (the ring's space)
-        if (blockIdx.z > 0) {
-#pragma unroll
-            for (int i = 0; i < NA; ++i) gm_sts_f32(base + 4 * (kWtThreads * i + tid), acc[i]);
-        }
-        gm_cluster_sync();  // every CTA's sums are in place
-        if (blockIdx.z == 0)
-            for (u32 q = 1; q < (u32)CL; ++q) {
-#pragma unroll
-                for (int i0 = 0; i0 < NA; i0 += 16) {
-                    float v[16];
-#pragma unroll
-                    for (int i = 0; i < 16; ++i) v[i] = gm_ld_cluster_f32(base + 4 * (kWtThreads * (i0 + i) + tid), q);
-#pragma unroll
-                    for (int i = 0; i < 16; ++i) acc[i0 + i] += v[i];
-                }
-            }
-        gm_cluster_sync();  // no CTA leaves while CTA 0 reads its shared memory
-        if (blockIdx.z > 0) return;
-#endif
-    }
-
-    const bool vec = (((u64)out | (u64)(ldo * 2)) & 15u) == 0;
-    constexpr int kCh = G::kRowsW / 8;
-#pragma unroll
-    for (int h = 0; h < NB / 64; ++h) {
-        {
-            const int wg = warp >> 2, wi = warp & 3;
-#pragma unroll
-            for (int jn = 8 * h; jn < 8 * h + 8; ++jn)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = 8 * jn + 2 * t + (e & 1) - 64 * h;
-                    const int n = wg * 64 + wi * 16 + g + 8 * (e >> 1);
-                    const u32 v = T::from_f(acc[4 * jn + e]);
-                    asm volatile("st.shared.u16 [%0], %1;" ::"r"(tab + r * G::kOPitch + 2 * n), "h"((unsigned short)v)
-                                 : "memory");
-                }
-        }
-        __syncthreads();
-        for (int i = tid; i < 64 * kCh; i += kWtThreads) {
-            const int r = i / kCh, c = i % kCh;
-            const int gr = m0 + 64 * h + r;
-            const i64 gn = n0 + 8 * c;
-            if (gr >= rows || gn >= N) continue;
-            u32 w0, w1, w2, w3;
-            lds_v4(tab + r * G::kOPitch + 16 * c, w0, w1, w2, w3);
-            u16* o = out + (i64)gr * ldo + gn;
-            if (vec && gn + 8 <= N) {
-                stg_v4(o, w0, w1, w2, w3);
-            } else {
-                const u32 w[4] = {w0, w1, w2, w3};
-#pragma unroll
-                for (int k = 0; k < 8; ++k)
-                    if (gn + k < N) o[k] = (u16)(w[k >> 1] >> (16 * (k & 1)));
-            }
-        }
-        __syncthreads();
-    }
+    __syncthreads();  // every stage consumed: the table's space takes the output (and the partial sums)
+    gw_finish<T, NB, CL>(acc, base, tab, out, ldo, rows, N, m0, n0);
 #else
     __trap();
 #endif
