@@ -445,6 +445,43 @@ __device__ __forceinline__ void gw_finish(float (&acc)[NB / 2], u32 base, u32 ta
     }
 }
 
+// The raw scale data of stage st (clamped to the CTA's nst stages; a CTA of a cluster may have none when
+// K is short) of a thread's two weight rows, whose first chunk indices are rch: the absmax bits, or the
+// nested byte and its absmax2.
+template <bool NESTED>
+__device__ __forceinline__ void gw_load_scales(int st, int nst, const u32 (&rch)[2], int bsh, const void* absmax,
+                                               const float* absmax2, u32 (&raw)[2], float (&s2)[2]) {
+    st = max(min(st, nst - 1), 0);
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const u32 b = (rch[rr] + (u32)st) >> bsh;
+        if constexpr (NESTED) {
+            raw[rr] = ldg_u8(reinterpret_cast<const u8*>(absmax) + b);
+            s2[rr] = ldg_f32(absmax2 + (b >> kNestLog2));
+        } else {
+            raw[rr] = ldg_u32(reinterpret_cast<const float*>(absmax) + b);
+        }
+    }
+}
+
+// The A fragments of a stage from its codes in shared memory: register (k16 step s, 2 hh + rr) = the pair
+// of byte t of row rr's code word 2 s + hh (row rr's two 16-byte chunks at slot + dofs0 / dofs1 + ROW8 rr:
+// rows g and g + 8 of the warp's 16), times the row's block scale (raw / s2: gw_load_scales).
+template <typename T, bool NESTED, int ROW8>
+__device__ __forceinline__ void gw_decode(u32 slot, u32 dofs0, u32 dofs1, const u32 (&raw)[2], const float (&s2)[2],
+                                          float off, u32 c2s, u32 lutx, u32 sel, u32 (&af)[4][4]) {
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        u32 q[8];
+        lds_v4(slot + dofs0 + ROW8 * rr, q[0], q[1], q[2], q[3]);
+        lds_v4(slot + dofs1 + ROW8 * rr, q[4], q[5], q[6], q[7]);
+        const float sc = NESTED ? nested_absmax(gm_lds_f32(c2s + 4 * raw[rr]), s2[rr], off) : __uint_as_float(raw[rr]);
+        const u32 s2x = T::pack2(sc, sc);
+#pragma unroll
+        for (int w = 0; w < 8; ++w) af[w >> 1][2 * (w & 1) + rr] = qcmx::hmul2<T::kBf16>(pair_lut_sel(q[w], lutx, sel), s2x);
+    }
+}
+
 // DBG (timing experiments only, QUANTCORE_CUDA_TUNE=gw_dbg=1..4; wrong results by design): 1 decodes
 // only stage 0 (the MMAs reuse its fragments), 2 issues no MMA in the loop (the fragments are XORed
 // into the first accumulator so that their decode stays), 3 / 4 copy half / none of the input tile
@@ -543,17 +580,7 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
     u32 sraw[2][2];
     float ss2[2][2];
     auto load_scales = [&](int st, u32(&raw)[2], float(&s2)[2]) {
-        st = max(min(st, nst - 1), 0);  // (a CTA of a cluster may have no stage when K is short)
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            const u32 b = (rch[rr] + (u32)st) >> bsh;
-            if constexpr (NESTED) {
-                raw[rr] = ldg_u8(reinterpret_cast<const u8*>(absmax) + b);
-                s2[rr] = ldg_f32(absmax2 + (b >> kNestLog2));
-            } else {
-                raw[rr] = ldg_u32(reinterpret_cast<const float*>(absmax) + b);
-            }
-        }
+        gw_load_scales<NESTED>(st, nst, rch, bsh, absmax, absmax2, raw, s2);
     };
     // the pair table's entry of byte t of a code word: pair_lut_sel (qc_common.cuh)
     const u32 lutx = keep(tab | (4u * (u32)lane)), sel = keep(0x7604u | ((u32)t << 4));
@@ -565,18 +592,7 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgm
     const u32 dofs0 = keep((drow >> 2) * 256 + (drow & 3) * 32 + dsw);
     const u32 dofs1 = keep((drow >> 2) * 256 + (drow & 3) * 32 + (16 ^ dsw));
     auto decode = [&](u32 slot, const u32(&raw)[2], const float(&s2)[2], u32(&af)[4][4]) {
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            u32 q[8];
-            lds_v4(slot + dofs0 + 512 * rr, q[0], q[1], q[2], q[3]);
-            lds_v4(slot + dofs1 + 512 * rr, q[4], q[5], q[6], q[7]);
-            const float sc = NESTED ? nested_absmax(gm_lds_f32(c2s + 4 * raw[rr]), s2[rr], off) : __uint_as_float(raw[rr]);
-            const u32 s2x = T::pack2(sc, sc);
-#pragma unroll
-            for (int w = 0; w < 8; ++w) {
-                af[w >> 1][2 * (w & 1) + rr] = qcmx::hmul2<T::kBf16>(pair_lut_sel(q[w], lutx, sel), s2x);
-            }
-        }
+        gw_decode<T, NESTED, 512>(slot, dofs0, dofs1, raw, s2, off, c2s, lutx, sel, af);  // (row g + 8: 2 half rows on)
     };
 
     float acc[NA];
@@ -748,17 +764,7 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kWtThreads, 1) gemm_4bit_wgm
         u32 sraw[2][2];
         float ss2[2][2];
         auto load_scales = [&](int st, u32(&raw)[2], float(&s2)[2]) {
-            st = max(min(st, nst - 1), 0);  // (a CTA of a cluster may have no stage when K is short)
-#pragma unroll
-            for (int rr = 0; rr < 2; ++rr) {
-                const u32 b = (rch[rr] + (u32)st) >> bsh;
-                if constexpr (NESTED) {
-                    raw[rr] = ldg_u8(reinterpret_cast<const u8*>(absmax) + b);
-                    s2[rr] = ldg_f32(absmax2 + (b >> kNestLog2));
-                } else {
-                    raw[rr] = ldg_u32(reinterpret_cast<const float*>(absmax) + b);
-                }
-            }
+            gw_load_scales<NESTED>(st, nst, rch, bsh, absmax, absmax2, raw, s2);
         };
         const float off = NESTED ? ldg_f32(offset) : 0.0f;
         const u32 lutx = keep(tab | (4u * (u32)lane)), sel = keep(0x7604u | ((u32)t << 4));
@@ -766,17 +772,7 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kWtThreads, 1) gemm_4bit_wgm
         const u32 dsw = ((drow >> 2) & 1) << 4;
         const u32 dofs0 = keep(drow * 32 + dsw), dofs1 = keep(drow * 32 + (16 ^ dsw));
         auto decode = [&](u32 cslot, const u32(&raw)[2], const float(&s2)[2], u32(&af)[4][4]) {
-#pragma unroll
-            for (int rr = 0; rr < 2; ++rr) {
-                u32 q[8];
-                lds_v4(cslot + dofs0 + 256 * rr, q[0], q[1], q[2], q[3]);
-                lds_v4(cslot + dofs1 + 256 * rr, q[4], q[5], q[6], q[7]);
-                const float sc = NESTED ? nested_absmax(gm_lds_f32(c2s + 4 * raw[rr]), s2[rr], off) : __uint_as_float(raw[rr]);
-                const u32 s2x = T::pack2(sc, sc);
-#pragma unroll
-                for (int w = 0; w < 8; ++w)
-                    af[w >> 1][2 * (w & 1) + rr] = qcmx::hmul2<T::kBf16>(pair_lut_sel(q[w], lutx, sel), s2x);
-            }
+            gw_decode<T, NESTED, 256>(cslot, dofs0, dofs1, raw, s2, off, c2s, lutx, sel, af);  // (row g + 8: 8 rows on)
         };
         u32 af[2][4][4];
         load_scales(0, sraw[0], ss2[0]);
