@@ -637,6 +637,7 @@ def _gwt_stages(nb: int) -> int:
 
 
 def _gemm4wg_tma(tag: str, qt: str, nested: bool, nb: int, cl: int = 1) -> str:
+    """The TMA wgmma GEMM's instance (bnb_gemm.cu gemm_4bit_wgmma_tma_kernel) for an NB tile, clusters of cl."""
     stages = rt.tune("gw_tma_s", 0) or _gwt_stages(nb)  # (a forced depth: the kernel traps where it does not fit)
     return f"qc::gemm_4bit_wgmma_tma_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}, {stages}, {cl}>"
 
