@@ -678,22 +678,9 @@ struct alignas(64) TmaMaps2 {
     u64 m0[16];
     u64 m1[16];
 };
-constexpr int kWtCodes = 128 * 32;  // a stage's codes
-constexpr int kWtMaxStages = 8;
+constexpr int kWtCodes = QC_GW_ROWS * 32;  // a stage's codes: 64 elements of each weight row
+constexpr int kWtMaxStages = QC_GWT_MAX_STAGES;  // (the barriers' space: 16 bytes a stage)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void wt_mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void wt_mbar_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void wt_mbar_wait(u32 bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
 __device__ __forceinline__ void wt_tma2d(u32 dst, const void* map, int c0, int c1, u32 bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
                  ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
@@ -735,15 +722,14 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kWtThreads, 1) gemm_4bit_wgm
     const void* tmc = &maps.m1;
     auto load = [&](int q, int i) {  // stage q into ring entry i (thread 0)
         const u32 bar = full + 8 * i;
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(G::kB + kWtCodes)
-                     : "memory");
+        mbar_expect_tx(bar, G::kB + kWtCodes);
         wt_tma2d(slot_of(i), tma, 64 * (sbeg + q), m0, bar);
         wt_tma2d(codes + i * kWtCodes, tmc, 32 * (sbeg + q), (int)n0, bar);
     };
     if (tid == 0) {
         for (int i = 0; i < S; ++i) {
-            wt_mbar_init(full + 8 * i, 1);   // thread 0's arrival (and the stage's bytes)
-            wt_mbar_init(empty + 8 * i, 8);  // the warps'
+            mbar_init(full + 8 * i, 1);   // thread 0's arrival (and the stage's bytes)
+            mbar_init(empty + 8 * i, 8);  // the warps'
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         for (int q = 0; q < S && q < nst; ++q) load(q, q);
@@ -777,7 +763,7 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kWtThreads, 1) gemm_4bit_wgm
         u32 af[2][4][4];
         load_scales(0, sraw[0], ss2[0]);
         load_scales(1, sraw[1], ss2[1]);
-        if (nst > 0) wt_mbar_wait(full, 0u);
+        if (nst > 0) mbar_wait(full, 0u);
         decode(codes, sraw[0], ss2[0], af[0]);
         load_scales(2, sraw[0], ss2[0]);
         int ri = 0;      // stage j's ring index
@@ -802,16 +788,16 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kWtThreads, 1) gemm_4bit_wgm
             if (j_ > 0) {                                                                                 \
                 const int qi = pi == 0 ? S - 1 : pi - 1; /* stage j - 1's entry */                        \
                 __syncwarp();                                                                             \
-                if (lane == 0) wt_mbar_arrive(empty + 8 * qi);                                            \
+                if (lane == 0) mbar_arrive(empty + 8 * qi);                                               \
                 if (tid == 0 && j_ - 1 + S < nst) { /* refill it with stage j - 1 + S */                  \
-                    wt_mbar_wait(empty + 8 * qi, (u32)((j_ - 1) / S) & 1u);                               \
+                    mbar_wait(empty + 8 * qi, (u32)((j_ - 1) / S) & 1u);                                  \
                     load(j_ - 1 + S, qi);                                                                 \
                 }                                                                                         \
                 __syncwarp();                                                                             \
             }                                                                                             \
-            wt_mbar_wait(full + 8 * ri, rph);                                                             \
-            _Pragma("unroll") for (int s = 0; s < 4; ++s) _Pragma("unroll") for (int i = 0; i < 4; ++i)  \
-                asm volatile("" : "+r"(af[1 - P][s][i])::"memory");                                      \
+            mbar_wait(full + 8 * ri, rph);                                                                \
+            _Pragma("unroll") for (int s = 0; s < 4; ++s) _Pragma("unroll") for (int i = 0; i < 4; ++i)   \
+                asm volatile("" : "+r"(af[1 - P][s][i])::"memory");                                       \
             decode(codes + ri * kWtCodes, sraw[1 - P], ss2[1 - P], af[1 - P]);                            \
             load_scales(j_ + 3, sraw[1 - P], ss2[1 - P]);                                                 \
         }                                                                                                 \

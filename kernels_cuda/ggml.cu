@@ -227,20 +227,10 @@ __device__ __forceinline__ int dp4a(u32 a, u32 b, int c) {
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(bar)), "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
-    } while (!done);
-}
+// (the mbarriers of qc_common.cuh, by pointer)
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) { mbar_init(smem_addr(bar), count); }
+__device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) { mbar_expect_tx(smem_addr(bar), bytes); }
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) { mbar_wait(smem_addr(bar), parity); }
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
@@ -363,9 +353,7 @@ __device__ __forceinline__ void mma_s8_16832_magic(int (&d)[4], const u32 (&a)[4
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void mbar_arrive(u64* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_addr(bar)) : "memory");
-}
+__device__ __forceinline__ void mbar_arrive(u64* bar) { mbar_arrive(smem_addr(bar)); }
 __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 1, %0;" :: "r"(kWsWarps * 32) : "memory");
 }

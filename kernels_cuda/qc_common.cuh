@@ -394,6 +394,26 @@ __device__ __forceinline__ float pos_inf() { return __uint_as_float(0x7f800000u)
 // -- asynchronous copies (sm_80+) --------------------------------------------------------------------
 // the shared-window address of a pointer into shared memory
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// mbarriers (sm_90), by shared-memory address: init with an arrival count, one arrival (with the bytes a
+// stage's asynchronous copies will complete), a wait for the phase of a parity to complete
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+#endif
 
 // A kernel whose launcher sizes its dynamic shared memory states the bytes its own layout needs: a
 // launch given fewer stops the kernel (a launcher bug; the launch reports an illegal instruction)

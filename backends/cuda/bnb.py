@@ -616,8 +616,8 @@ def _gw_shape(rows: int, n: int, k: int, sms: int) -> tuple[int, int]:
     return nb, rt.tune("gw_cl", 0) or (best[2] if nb == best[1] else 1)
 
 
-_GWT_MAX_STAGES = 8  # bnb_gemm.cu kWtMaxStages
-_GWT_CODES = 128 * 32  # a stage's codes (bnb_gemm.cu kWtCodes)
+_GWT_MAX_STAGES = LAUNCH_GEOMETRY["QC_GWT_MAX_STAGES"]
+_GWT_CODES = _GW_WEIGHT_ROWS * 32  # a stage's codes: 64 elements of each weight row (bnb_gemm.cu kWtCodes)
 #: where a CTA's dynamic shared memory starts (the kernel has no static shared memory): 0 or the 1 KiB
 #: the system reserves. The kernel traps where its ring does not fit (tests/test_cuda.py runs every tile).
 _GWT_WINDOW_STARTS = (0, 1024)
@@ -651,7 +651,7 @@ def _input_map(address: int, rows: int, k: int, nb: int) -> bytes:
 @functools.lru_cache(maxsize=256)
 def _codes_map(address: int, n: int, k: int) -> bytes:
     """The TMA GEMM's codes map: [n, k / 2] bytes, boxes of 32 x 128 rows, the 32-byte swizzle."""
-    return rt.tensor_map_2d(address, "u8", k // 2, n, k // 2, (32, 128), 32)
+    return rt.tensor_map_2d(address, "u8", k // 2, n, k // 2, (32, _GW_WEIGHT_ROWS), 32)
 
 
 #: the TMA GEMM's maps argument (its position) and the input map in it (byte 0), re-pointed at each

@@ -14,6 +14,7 @@ Nothing here imports cupy or torch at module import; they are imported on first 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import glob
@@ -409,11 +410,7 @@ class Launcher:
     def __call__(self, filename: str, expr: str, grid: tuple[int, ...], block: int, args: tuple,
                  shared_mem: int = 0, pdl: bool = False) -> None:
         if any(isinstance(v, np.void) for v in args):  # a by-value struct: CuPy's launch takes scalars only
-            if self._switch:
-                with cupy().cuda.Device(self.device):
-                    PlannedLaunch(self.device, filename, expr, grid, block, args, shared_mem, pdl=pdl)(
-                        self.stream_handle())
-            else:
+            with cupy().cuda.Device(self.device) if self._switch else contextlib.nullcontext():
                 PlannedLaunch(self.device, filename, expr, grid, block, args, shared_mem, pdl=pdl)(self.stream_handle())
             return
         stream = self.raw_stream() if pdl else None

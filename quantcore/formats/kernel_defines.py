@@ -81,6 +81,8 @@ LAUNCH_GEOMETRY.update({"QC_GM_THREADS": 256, "QC_GM_TABLE": 65536, "QC_GM_APAD"
 #: (the QC_GM_TABLE pair table, whose free half of each 256 bytes holds the ring's codes, the input
 #: tiles around it, code2's copy: one CTA per multiprocessor)
 LAUNCH_GEOMETRY.update({"QC_GW_THREADS": 256, "QC_GW_ROWS": 128, "QC_GW_SMEM": 227 * 1024})
+#: ... and its TMA form's deepest ring (gemm_4bit_wgmma_tma_kernel: the space of its full / empty barriers)
+LAUNCH_GEOMETRY["QC_GWT_MAX_STAGES"] = 8
 
 
 def gw_slot_bytes(nb: int) -> int:
