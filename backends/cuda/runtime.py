@@ -632,21 +632,20 @@ class PlannedLaunch:
         n = max(1, len(args))
         # each argument at its own offset: 8 bytes for a scalar or pointer, a by-value struct (np.void)
         # at a 64-byte boundary (a CUtensorMap's alignment)
-        offsets, end = [], 0
+        raws, offsets, end = [], [], 0
         for v in args:
-            if not isinstance(v, np.generic) or (len(np.asarray(v).tobytes()) > 8 and not isinstance(v, np.void)):
+            raw = np.asarray(v).tobytes() if isinstance(v, np.generic) else b""
+            if not raw or (len(raw) > 8 and not isinstance(v, np.void)):
                 raise TypeError(f"PlannedLaunch takes numpy scalars of at most 8 bytes or np.void structs, got {v!r}")
-            size = len(np.asarray(v).tobytes())
-            align = 64 if isinstance(v, np.void) else 8
-            end = -(-end // align) * align
+            end = -(-end // 64) * 64 if isinstance(v, np.void) else end
+            raws.append(raw)
             offsets.append(end)
-            end += max(8, size)
+            end += max(8, len(raw))
         self._buf = ctypes.create_string_buffer(max(8, end) + 64)
         shift = -ctypes.addressof(self._buf) % 64
         self._offsets = tuple(shift + o for o in offsets) or (shift,)
         base = ctypes.addressof(self._buf)
-        for o, v in zip(self._offsets, args):
-            raw = np.asarray(v).tobytes()
+        for o, raw in zip(self._offsets, raws):
             ctypes.memmove(base + o, raw, len(raw))
         self._params = (ctypes.c_void_p * n)(*(base + o for o in self._offsets[:n]))
         self._params_ptr = ctypes.addressof(self._params)
