@@ -327,37 +327,38 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGmThreads, 1) gemm_4bit_ker
 
 
 // -- many rows on Hopper's warpgroup MMA (sm_90a) ------------------------------------------------------
-// gemm_4bit_wgmma_kernel: the same operation for 128+ input rows (docs/performance.md, "NF4 prefill on
-// wgmma"). The weight is wgmma's A operand from registers (64 weight rows per warpgroup), the input
-// its B operand from shared memory (NB = 128 or 256 input rows, K-major in the 128-byte swizzle,
-// copied raw by cp.async); a CTA is 2 warpgroups = 128 weight rows x NB input rows and walks K in
-// 64-element stages through an S-deep cp.async ring (the stage's input tile in a slot, the packed codes
-// of its weight rows in the pair table's free halves). Thread (g, t) of a warp needs, per weight row and stage, byte t of each of the
-// row's 8 code words (the A fragment's k = 16 s + 2 t, 2 t + 1 and 16 s + 8 + 2 t, + 9): one byte_perm
-// forms the address of its entry in a per-lane pair table (64 KiB at a 64 KiB boundary), one load
-// gives T(hi), T(lo), one fp16x2 / bf16x2 multiply by the row's block scale in T gives the operand: B = T(code) x T(absmax) rounded in T, the arithmetic bitsandbytes' kernels do (the
-// conformance bound of gemv_4bit allows 4 roundings in T per term; this takes 3, then exact products
-// summed in fp32). The next stage's operands are decoded while the current stage's MMAs run; scales
-// are loaded from global memory two stages ahead (through the ring they measured slower: NPW-4).
-// Values worked out once per CTA go through keep() (NPW-5). The epilogue goes through shared memory (the
-// table's space) in parts of 64 input rows, stored as 16-byte rows where the output allows.
+// gemm_4bit_wgmma_tma_kernel (below): the same operation for 128+ input rows (docs/performance.md, "NF4
+// prefill on wgmma" and NPW-13). The weight is wgmma's A operand from registers (64 weight rows per
+// warpgroup), the input its B operand from shared memory (NB = 128 or 256 input rows, K-major in the
+// 128-byte swizzle, copied raw); a CTA is 2 warpgroups = 128 weight rows x NB input rows and walks K in
+// 64-element stages through an S-deep ring loaded by TMA (the stage's input tile in a slot, the packed
+// codes of its weight rows in a code slot). Thread (g, t) of a warp needs, per weight row and stage, byte t
+// of each of the row's 8 code words (the A fragment's k = 16 s + 2 t, 2 t + 1 and 16 s + 8 + 2 t, + 9): one
+// byte_perm forms the address of its entry in a per-lane pair table (64 KiB at a 64 KiB boundary), one
+// load gives T(hi), T(lo), one fp16x2 / bf16x2 multiply by the row's block scale in T gives the operand:
+// B = T(code) x T(absmax) rounded in T, the arithmetic bitsandbytes' kernels do (the conformance bound of
+// gemv_4bit allows 4 roundings in T per term; this takes 3, then exact products summed in fp32). The next
+// stage's operands are decoded while the current stage's MMAs run; scales are loaded from global memory
+// two stages ahead (through the ring they measured slower: NPW-4). Values worked out once per CTA go
+// through keep() (NPW-5). The epilogue goes through shared memory (the table's space) in parts of 64
+// input rows, stored as 16-byte rows where the output allows. (The first form of this kernel, session 22,
+// copied the stages by cp.async behind a CTA barrier per stage; the TMA ring, 4-7% faster with the same
+// bits, replaced it in session 25 and it was deleted in session 26.)
 constexpr int kGwThreads = QC_GW_THREADS;  // two warpgroups
 constexpr u32 kGwSmem = QC_GW_SMEM;
 constexpr int kGwTable = kGmTable;  // the same pair table as gemm_4bit_kernel's (its free halves: the codes)
 static_assert(kGwThreads == 256, "two warpgroups");
-constexpr int kGwCodeSlot = 8192;  // the address span of a stage's codes: 128 rows x 32 bytes in 32 free halves
 
 // one ring slot of an NB CTA: the input tile (NB rows x 128 bytes, swizzled); the codes of its 128
-// weight rows (32 bytes each) go in a code slot of the table's free halves (kGwCodeSlot);
+// weight rows (32 bytes each) go in a code slot of their own (kWtCodes);
 // quantcore.formats.kernel_defines.gw_slot_bytes. (Two m64 tiles per warpgroup do not fit the
 // registers with the fragments double-buffered: ptxas serializes the MMAs.)
 template <int NB>
 struct GwGeo {
     static_assert(NB == 128 || NB == 256, "m64n128 / m64n256 MMAs");
     static constexpr int kRowsW = QC_GW_ROWS;  // 2 warpgroups x m64
-    static_assert(2 * kRowsW * 32 == kGwCodeSlot && 8 * kGwCodeSlot == kGwTable, "8 code slots in the free halves");
     static constexpr int kB = NB * 128;
-    static constexpr int kSlot = kB;  // (the codes live in the pair table's free halves)
+    static constexpr int kSlot = kB;
     static constexpr int kOPitch = kRowsW * 2 + 16;  // a staged output row (64 of them in the table's space)
     static_assert(kSlot % 1024 == 0 && 64 * kOPitch <= kGwTable, "swizzled tiles 1024-byte aligned");
 };
@@ -465,16 +466,16 @@ __device__ __forceinline__ void gw_load_scales(int st, int nst, const u32 (&rch)
 }
 
 // The A fragments of a stage from its codes in shared memory: register (k16 step s, 2 hh + rr) = the pair
-// of byte t of row rr's code word 2 s + hh (row rr's two 16-byte chunks at slot + dofs0 / dofs1 + ROW8 rr:
+// of byte t of row rr's code word 2 s + hh (row rr's two 16-byte chunks at slot + dofs0 / dofs1 + 256 rr:
 // rows g and g + 8 of the warp's 16), times the row's block scale (raw / s2: gw_load_scales).
-template <typename T, bool NESTED, int ROW8>
+template <typename T, bool NESTED>
 __device__ __forceinline__ void gw_decode(u32 slot, u32 dofs0, u32 dofs1, const u32 (&raw)[2], const float (&s2)[2],
                                           float off, u32 c2s, u32 lutx, u32 sel, u32 (&af)[4][4]) {
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
         u32 q[8];
-        lds_v4(slot + dofs0 + ROW8 * rr, q[0], q[1], q[2], q[3]);
-        lds_v4(slot + dofs1 + ROW8 * rr, q[4], q[5], q[6], q[7]);
+        lds_v4(slot + dofs0 + 256 * rr, q[0], q[1], q[2], q[3]);
+        lds_v4(slot + dofs1 + 256 * rr, q[4], q[5], q[6], q[7]);
         const float sc = NESTED ? nested_absmax(gm_lds_f32(c2s + 4 * raw[rr]), s2[rr], off) : __uint_as_float(raw[rr]);
         const u32 s2x = T::pack2(sc, sc);
 #pragma unroll
@@ -482,196 +483,14 @@ __device__ __forceinline__ void gw_decode(u32 slot, u32 dofs0, u32 dofs1, const 
     }
 }
 
-// DBG (timing experiments only, QUANTCORE_CUDA_TUNE=gw_dbg=1..4; wrong results by design): 1 decodes
-// only stage 0 (the MMAs reuse its fragments), 2 issues no MMA in the loop (the fragments are XORed
-// into the first accumulator so that their decode stays), 3 / 4 copy half / none of the input tile
-// (full tiles only)
-// CL > 1 (sm_90 clusters along grid z): CTA z of a cluster takes stages nst z / CL .. nst (z + 1) / CL
-// of the same tile; CTAs 1 .. CL - 1 leave their fp32 sums in their shared memory, CTA 0 adds them in
-// rank order (distributed shared memory) and writes the tile.
-template <typename T, int QT, bool NESTED, int NB, int S, int CL = 1, int DBG = 0>
-__global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGwThreads, 1) gemm_4bit_wgmma_kernel(
-    const u16* __restrict__ a, const u8* __restrict__ packed, const void* __restrict__ absmax,
-    const float* __restrict__ absmax2, const float* __restrict__ code2, const float* __restrict__ offset,
-    u16* __restrict__ out, i64 ldo, int rows, i64 N, i64 K, int log2bs) {
-#if defined(QC_HAS_WGMMA)
-    using G = GwGeo<NB>;
-    constexpr int NA = NB / 2;  // accumulators
-    constexpr bool kF16 = !T::kBf16;
-    static_assert(S >= 3 && S <= 8, "stage j + 1 is decoded while stage j is multiplied and j + S - 1 is copied; "
-                  "the table's free halves hold 8 stages of codes");
-    extern __shared__ __align__(1024) u8 gw_smem[];
-    require_dynamic_smem(kGwSmem);
-    // the window: code2's copy at its end, the ring slots (1024-byte aligned) around the pair table at
-    // the 64 KiB boundary that leaves the most of them (the launcher sizes S for the worst start)
-    const u32 base = (smem_addr(gw_smem) + 1023u) & ~1023u;
-    const u32 c2s = (smem_addr(gw_smem) + kGwSmem - 4 * kDynCodes) & ~15u;
-    u32 tab;
-    int nf;
-    place_table(base, c2s, kGwTable, G::kSlot, S, tab, nf);
-    const u32 tab_end = tab + kGwTable;
-    // slots 0 .. nf - 1 before the table, the rest after it: the slot after x
-    const u32 first = nf > 0 ? base : tab_end, wrap1 = base + nf * G::kSlot, wrap2 = tab_end + (S - nf) * G::kSlot;
-    auto next_slot = [&](u32 x) -> u32 {
-        x += G::kSlot;
-        x = x == wrap1 ? tab_end : x;
-        return x == wrap2 ? first : x;
-    };
-
-    const int tid = threadIdx.x, warp = tid >> 5, lane = lane_id(), g = lane >> 2, t = lane & 3;
-    const int wg = warp >> 2, wi = warp & 3;
-    fill_pair_table<T, QT>(tab, tid, kGwThreads);  // (its free halves hold the ring's codes)
-    if (NESTED)
-        for (int i = tid; i < kDynCodes; i += kGwThreads) gm_sts_f32(c2s + 4 * i, ldg_f32(code2 + i));
-    const float off = NESTED ? ldg_f32(offset) : 0.0f;
-
-    const int m0 = blockIdx.x * NB;
-    const i64 n0 = (i64)blockIdx.y * G::kRowsW;
-    const int sbeg = (int)((K >> 6) * blockIdx.z / CL);
-    const int nst = (int)((K >> 6) * (blockIdx.z + 1) / CL) - sbeg;  // this CTA's stages
-
-    // copies: input rows tid / 8 + 32 i (i < NB / 32), chunk tid % 8, swizzled; code row tid / 2, chunk
-    // tid % 2 at chunk ^ bit 2 of the row (the 8 rows of one of the decode's loads on distinct banks).
-    // The sources advance by a stage per issue (pointer increments; the rows' bounds worked out once).
-    const int ar = tid >> 3, ac = tid & 7, cr = tid >> 1, cc = tid & 1;
-    // (values worked out once are passed through keep(): the compiler would otherwise recompute them
-    // from the thread index in every stage, ~80 of ~270 instructions per warp and stage: ncu, NPW-2)
-    const u32 adst = keep(ar * 128 + ((ac ^ (ar & 7)) << 4));
-    // code row r, chunk c of a stage: half-row r / 4 of its code slot, 32 (r % 4) + 16 (c ^ bit 2 of r)
-    const u32 cdst = keep((cr >> 2) * 256 + (cr & 3) * 32 + ((cc ^ ((cr >> 2) & 1)) << 4));
-    const u32 code0 = tab + 128, code_end = code0 + S * kGwCodeSlot;  // stage s's codes at code0 + 8192 (s % S)
-    const u16* asrc = keep(a + (i64)min(m0 + ar, rows - 1) * K + 64 * sbeg + 8 * ac);
-    const u8* csrc = keep(packed + min(n0 + cr, N - 1) * (K >> 1) + 32 * sbeg + 16 * cc);
-    const i64 astep = 32 * K;  // elements from input row r to r + 32
-    const bool afull = m0 + NB <= rows;  // every input row of the tile inside the input (uniform)
-    u32 wslot = first, wcode = code0;  // the slots the next issue fills
-    int nissued = 0;
-    auto issue = [&]() {
-        if (nissued < nst) {
-            const u16* p = asrc;
-            // DBG 3 / 4: half / none of the input tile copied (the L2 traffic's share of the time)
-            constexpr int kCopies = DBG == 3 ? NB / 64 : DBG == 4 ? 0 : NB / 32;
-            if (afull) {
-#pragma unroll
-                for (int i = 0; i < kCopies; ++i, p += astep) cp_async16(wslot + adst + 4096 * i, p);
-            } else {
-#pragma unroll
-                for (int i = 0; i < kCopies; ++i, p += astep)
-                    cp_async16(wslot + adst + 4096 * i, p, m0 + (tid >> 3) + 32 * i < rows ? 16u : 0u);
-            }
-            cp_async16(wcode + cdst, csrc);
-            asrc += 64;
-            csrc += 32;
-            wslot = next_slot(wslot);
-            wcode = wcode + kGwCodeSlot == code_end ? code0 : wcode + kGwCodeSlot;
-            ++nissued;
-        }
-        cp_async_commit();  // one group per stage (empty past the end)
-    };
-
-    // this thread's weight rows: rr -> CTA row wg 64 + wi 16 + g + 8 rr; its first 64-element chunk
-    // over the whole weight (rows past N read row N - 1; N K / 64 < 2^31, the launcher checks)
-    u32 rch[2];
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr)
-        rch[rr] = keep((u32)(min(n0 + wg * 64 + wi * 16 + g + 8 * rr, N - 1) * (K >> 6)) + (u32)sbeg);
-    const int bsh = log2bs - 6;  // chunks per block, log2
-    // the raw scale data of a stage (absmax bits, or the nested byte and absmax2), two stages in flight
-    u32 sraw[2][2];
-    float ss2[2][2];
-    auto load_scales = [&](int st, u32(&raw)[2], float(&s2)[2]) {
-        gw_load_scales<NESTED>(st, nst, rch, bsh, absmax, absmax2, raw, s2);
-    };
-    // the pair table's entry of byte t of a code word: pair_lut_sel (qc_common.cuh)
-    const u32 lutx = keep(tab | (4u * (u32)lane)), sel = keep(0x7604u | ((u32)t << 4));
-    // the A fragments of the stage in slot `slot`: register (k16 step s, 2 hh + rr) = the pair of byte t
-    // of row rr's code word 2 s + hh, times the row's block scale
-    // the shared offsets of row rr's two code chunks (row g and g + 8 share bit 2, so the swizzle)
-    const int drow = wg * 64 + wi * 16 + g;
-    const u32 dsw = ((drow >> 2) & 1) << 4;
-    const u32 dofs0 = keep((drow >> 2) * 256 + (drow & 3) * 32 + dsw);
-    const u32 dofs1 = keep((drow >> 2) * 256 + (drow & 3) * 32 + (16 ^ dsw));
-    auto decode = [&](u32 slot, const u32(&raw)[2], const float(&s2)[2], u32(&af)[4][4]) {
-        gw_decode<T, NESTED, 512>(slot, dofs0, dofs1, raw, s2, off, c2s, lutx, sel, af);  // (row g + 8: 2 half rows on)
-    };
-
-    float acc[NA];
-#pragma unroll
-    for (int i = 0; i < NA; ++i) acc[i] = 0.0f;
-    u32 af[2][4][4];
-    u32 sink = 0;  // DBG 2
-
-    load_scales(0, sraw[0], ss2[0]);
-    load_scales(1, sraw[1], ss2[1]);
-    for (int s = 0; s < S - 1; ++s) issue();
-    cp_async_wait<S - 2>();  // stage 0
-    fence_proxy_async();
-    __syncthreads();  // stage 0 and the tables
-    u32 rslot = first;  // stage j's slot (the MMAs), then next_slot(rslot) stage j + 1's (the decode)
-    u32 rcode = code0;  // the codes of the stage decoded next
-    decode(rcode, sraw[0], ss2[0], af[0]);
-    if (DBG == 1) decode(rcode, sraw[0], ss2[0], af[1]);
-    load_scales(2, sraw[0], ss2[0]);
-
-    // stage j: its MMAs (A from af[j % 2]); then, while they run, stage j + 1 made visible, stage
-    // j + S - 1 copied into the slot stage j - 1 left, stage j + 1 decoded into the other fragments
-    // (a macro: the fragment buffer index must be a constant, and NVRTC takes no generic lambdas)
-#define QC_GW_STEP(P, J)                                                                                  \
-    {                                                                                                     \
-        const int j_ = (J);                                                                               \
-        fence_acc(acc);                                                                                   \
-        wgmma_fence();                                                                                    \
-        const u64 desc0 = desc_sw128(rslot);                                                              \
-        if (DBG != 2) {                                                                                   \
-            _Pragma("unroll") for (int s = 0; s < 4; ++s) wgmma_rs<kF16>(acc, af[P][s], desc0 + 2u * s);  \
-        } else {                                                                                          \
-            _Pragma("unroll") for (int s = 0; s < 16; ++s) sink ^= af[P][s >> 2][s & 3];                  \
-        }                                                                                                 \
-        wgmma_commit();                                                                                   \
-        fence_acc(acc);                                                                                   \
-        rslot = next_slot(rslot);                                                                         \
-        rcode = rcode + kGwCodeSlot == code_end ? code0 : rcode + kGwCodeSlot;                            \
-        if (j_ + 1 < nst) {                                                                               \
-            wgmma_wait<1>(); /* stage j - 1's MMAs: its slot and af[1 - P] are free */                    \
-            fence_acc(acc);                                                                               \
-            cp_async_wait<S - 3>(); /* this thread's copies of stage j + 1 */                             \
-            fence_proxy_async();                                                                          \
-            __syncthreads();                                                                              \
-            issue();                                                                                      \
-            _Pragma("unroll") for (int s = 0; s < 4; ++s) _Pragma("unroll") for (int i = 0; i < 4; ++i)  \
-                asm volatile("" : "+r"(af[1 - P][s][i])::"memory");                                      \
-            if (DBG != 1) decode(rcode, sraw[1 - P], ss2[1 - P], af[1 - P]);                              \
-            load_scales(j_ + 3, sraw[1 - P], ss2[1 - P]);                                                 \
-        }                                                                                                 \
-    }
-    for (int j = 0; j < nst; j += 2) {
-        QC_GW_STEP(0, j)
-        if (j + 1 < nst) QC_GW_STEP(1, j + 1)
-    }
-#undef QC_GW_STEP
-    if (DBG == 2) acc[0] += (float)sink;
-    wgmma_wait<0>();
-    fence_acc(acc);
-    cp_async_wait<0>();
-    __syncthreads();  // every thread is done with the table and the ring: the output is staged there
-    gw_finish<T, NB, CL>(acc, base, tab, out, ldo, rows, N, m0, n0);
-#else
-    __trap();  // built without sm_90a features: the launcher never takes this kernel there
-#endif
-}
-
-// gemm_4bit_wgmma_tma_kernel (the default on sm_90a; QUANTCORE_CUDA_TUNE=gw_tma=0 takes
-// gemm_4bit_wgmma_kernel above instead, for comparisons): the same GEMM with its stages loaded by TMA
-// (docs/performance.md NPW-13). Thread 0 issues, per stage, one TMA of the input tile (the 128-byte
-// swizzle the cp.async copies write) and one of the stage's codes of the 128 weight rows (32 bytes a row,
-// 32-byte swizzle: row r's 16-byte half c at 32 r + 16 (c ^ bit 2 of r)) into an S-deep ring of full /
-// empty mbarriers. The warps wait for a stage's full barrier, decode and multiply as
-// gemm_4bit_wgmma_kernel does (the same sums in the same order: the same bits), and release a slot (one
-// arrival per warp) once their MMAs of it are done; thread 0 refills it once all have (a producer warp of
-// its own would be a ninth warp: 3 warps on one scheduler leave 168 registers a thread, and the MMA warps
-// spill there). No cp.async and no CTA barrier in the loop: 4-7% faster than the cp.async ring. maps: the
-// two CUtensorMaps (input [rows, K] u16, box 64 x NB; codes [N, K / 2] u8, box 32 x 128) by value
-// (backends/cuda/bnb.py _input_map / _codes_map, runtime.tensor_map_2d).
+// The stages by TMA: thread 0 issues, per stage, one TMA of the input tile (128-byte swizzle) and one of
+// the stage's codes of the 128 weight rows (32 bytes a row, 32-byte swizzle: row r's 16-byte half c at
+// 32 r + 16 (c ^ bit 2 of r)) into an S-deep ring of full / empty mbarriers. The warps wait for a stage's
+// full barrier, decode and multiply, and release a slot (one arrival per warp) once their MMAs of it are
+// done; thread 0 refills it once all have (a producer warp of its own would be a ninth warp: 3 warps on
+// one scheduler leave 168 registers a thread, and the MMA warps spill there). No cp.async and no CTA
+// barrier in the loop. maps: the two CUtensorMaps (input [rows, K] u16, box 64 x NB; codes [N, K / 2] u8,
+// box 32 x 128) by value (backends/cuda/bnb.py _input_map / _codes_map, runtime.tensor_map_2d).
 constexpr int kWtThreads = kGwThreads;
 // two CUtensorMaps passed by value (a __grid_constant__ parameter: the TMAs read them in parameter space)
 struct alignas(64) TmaMaps2 {
@@ -758,7 +577,7 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kWtThreads, 1) gemm_4bit_wgm
         const u32 dsw = ((drow >> 2) & 1) << 4;
         const u32 dofs0 = keep(drow * 32 + dsw), dofs1 = keep(drow * 32 + (16 ^ dsw));
         auto decode = [&](u32 cslot, const u32(&raw)[2], const float(&s2)[2], u32(&af)[4][4]) {
-            gw_decode<T, NESTED, 256>(cslot, dofs0, dofs1, raw, s2, off, c2s, lutx, sel, af);  // (row g + 8: 8 rows on)
+            gw_decode<T, NESTED>(cslot, dofs0, dofs1, raw, s2, off, c2s, lutx, sel, af);  // (row g + 8: 8 rows on)
         };
         u32 af[2][4][4];
         load_scales(0, sraw[0], ss2[0]);

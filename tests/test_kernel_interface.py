@@ -280,10 +280,6 @@ def test_every_cuda_launch_path_builds_its_arguments(monkeypatch):
             for rows in (1, 5, 40, 200):  # the decode gemv, the mma.sync GEMM, the wgmma GEMM (TMA)
                 be.gemv_4bit(A((rows, 512), dt), A((32 * 512,), np.uint8), am, A((rows, 64), dt), n=64, k=512,
                              blocksize=64, quant_type="nf4", nested=nst)
-            monkeypatch.setenv(rt.ENV_TUNE, "gw_tma=0")  # the wgmma GEMM's cp.async ring
-            be.gemv_4bit(A((200, 512), dt), A((32 * 512,), np.uint8), am, A((200, 64), dt), n=64, k=512,
-                         blocksize=64, quant_type="nf4", nested=nst)
-            monkeypatch.delenv(rt.ENV_TUNE)
         be.quantize_blockwise(A((5000,), dt), A((255,), np.float32), A((5000,), np.uint8), A((20,), np.float32),
                               blocksize=256)
         be.dequantize_blockwise(A((5000,), np.uint8), A((20,), np.float32), A((256,), np.float32), A((5000,), dt),

@@ -88,13 +88,6 @@ def _gemm4(tag: str, qt: str, nested: bool, cfg: tuple[int, int, int], cl: int =
             f"{cl}>")
 
 
-def _gemm4wg(tag: str, qt: str, nested: bool, nb: int, cl: int = 1, dbg: int = 0) -> str:
-    """The wgmma GEMM's instance: NB input rows per CTA, K split over clusters of ``cl`` CTAs
-    (``dbg``: a timing experiment, bnb_gemm.cu's DBG)."""
-    return (f"qc::gemm_4bit_wgmma_kernel<{tag}, {QUANT_TYPE_CODE[qt]}, {_b(nested)}, {nb}, {_gw_stages(nb)}, {cl}"
-            + (f", {dbg}>" if dbg else ">"))
-
-
 def _qbw(tag: str, cells: bool = True) -> str:
     """quantize_blockwise's default kernel (by cells), or (cells False) the one that subtracts a
     center read from device memory (double_quantize below its chunk-sum size)."""
@@ -127,7 +120,6 @@ def instances() -> list[tuple[str, str]]:
                     out += _gemv_tc_instances(tag, qt, nested)
                     out += [(_FM, _gemm4(tag, qt, nested, cfg)) for cfg in _GM_CONFIGS]
                     out += [(_FM, _gemm4(tag, qt, nested, _GM_CONFIGS[-1], cl)) for cl in _GM_CLUSTERS[1:]]
-                    out += [(_FM, _gemm4wg(tag, qt, nested, nb, cl)) for nb in _GW_NB for cl in _GW_CLUSTERS]
                     out += [(_FM, _gemm4wg_tma(tag, qt, nested, nb, cl)) for nb in _GW_NB for cl in _GW_CLUSTERS]
     for fmt, dts in DECODE_MX_DTYPES.items():
         for dt in dts:
@@ -311,7 +303,7 @@ class BnbOps:
 #: positions of a and out in the other gemv kernels' parameter lists (the per-call slots of a plan)
 _GEMV_SLOTS = tuple(arg_index("gemv_4bit_simple_kernel", a) for a in ("a", "out"))
 assert all(tuple(arg_index(k, a) for a in ("a", "out")) == _GEMV_SLOTS
-           for k in ("gemv_4bit_mma_kernel", "gemm_4bit_kernel", "gemm_4bit_wgmma_kernel", "gemm_4bit_wgmma_tma_kernel"))
+           for k in ("gemv_4bit_mma_kernel", "gemm_4bit_kernel", "gemm_4bit_wgmma_tma_kernel"))
 # bnb_gemv.cu: warps per CTA, weights per launch, the bytes of a warp's ring (the generated header's
 # QC_GV_*, which the kernel compiles with; QC_GV_XS_BYTES: the input bytes its decode table's free halves hold)
 _GT_WARPS, _GT_GROUPS, _GT_RING, _GT_XS, _GT_SHORT_MAX = (
@@ -489,12 +481,15 @@ LINEAR_WGMMA_MIN_WEIGHT = 4096 * 4096
 #: calls: 1024 x 4096 at 512 rows 24.0 against 57.5 us; session 24)
 #: ... and above those 512 rows, up to LINEAR_WGMMA_MAX_ROWS, for a call whose rows fill the wgmma
 #: GEMM's waves of 256 x 128 tiles to LINEAR_WGMMA_FILL or more (rows x n against waves x SMs x 256 x
-#: 128): H200, session 23, us, wgmma GEMM / dequantize + matmul: 1024 rows 4096 x 14336 179.2 / 195.6,
-#: 8192 x 28672 691.9 / 764.7, 28672 x 8192 715.1 / 778.9 (fill 0.97); 14336 x 4096 211.1 / 200.0 (fill
-#: 0.85), 4096 x 14336 at 896 rows 186.2 / 192.9 (0.85), at 1280 337.5 / 233.1 (0.61), 28672 x 8192 at 768
-#: 601.6 / 648.7 (0.73) and 1280 918.2 / 932.0 (0.94): not a clean line below 0.95, so only fills above it
-LINEAR_WGMMA_MAX_ROWS = 1280
-LINEAR_WGMMA_FILL = 0.95
+#: 128). H100, session 26 (the TMA GEMM; tools/dev/linear_rows_rule.py, us, GEMM / dequantize + matmul,
+#: eight Llama-3 8B / 70B weights at 256..4096 rows): fill 0.97 GEMM faster through 2048 rows (4096 x
+#: 4096 at 2048 104.2 / 109.2, 28672 x 8192 1324 / 1405), a tie or slower from 3072 (28672 x 8192 at 3072
+#: 2018 / 2017, 4096 rows 2784 / 2596); fill 0.85 faster (14336 x 4096 at 1024 / 1536 200.7 / 211.6, 293.5
+#: / 298.5); fill 0.73 faster in one wave or at 768 rows, slower at 1536 in two waves (4096 x 14336 318.4
+#: / 284.2): these limits take the faster path on all but four 768-row calls (4-9% slower there), 0.85%
+#: over the faster on average where the session-23 limits (0.95, 1280 rows) gave 3.3%
+LINEAR_WGMMA_MAX_ROWS = 2048
+LINEAR_WGMMA_FILL = 0.8
 
 
 class LinearRule(NamedTuple):
@@ -575,7 +570,6 @@ def _gemm4_launch(device, a, packed, absmax, nested, out, *, rows, n, k, blocksi
 _GW_NB = (128, 256)
 # (threads and weight rows per CTA, shared memory)
 _GW_THREADS, _GW_WEIGHT_ROWS, _GW_SMEM = (LAUNCH_GEOMETRY[k] for k in ("QC_GW_THREADS", "QC_GW_ROWS", "QC_GW_SMEM"))
-_GW_MAX_STAGES = 8  # (the pair table's free halves hold 8 stages of codes)
 # (H200, session 22, us, mma.sync GEMM / wgmma GEMM: 14336 x 4096 at 32 / 64 / 96 rows 39.4 / 41.2, 59.5 /
 # 40.5, 98.1 / 39.7; 4096 x 14336 64.0 / 74.1, 57.4 / 73.3, 103.8 / 72.5: from 96 rows always, from 64 where
 # the weight's 128-row tiles alone fill 3/4 of the multiprocessors)
@@ -585,14 +579,6 @@ _GW_MIN_ROWS, _GW_WIDE_MIN_ROWS = 65, 33
 #: clusters of 4: 124 us; the same FLOPs at 14336 x 4096 without clusters 60 us), 2 faster (512 rows:
 #: 64 clusters of 2, 110 us against 149 us without): not offered (``gw_cl=4`` forces it)
 _GW_CLUSTERS = (1, 2)
-
-
-@functools.cache
-def _gw_stages(nb: int) -> int:
-    """Ring stages of the wgmma GEMM's NB tile: the 1024-byte aligned slots around its pair table
-    below code2's copy at the window's end, at most _GW_MAX_STAGES."""
-    return _ring_stages(gw_slot_bytes(nb), _GM_TABLE, _GW_SMEM, _GW_MAX_STAGES, f"the wgmma GEMM's NB={nb} tile",
-                        slot_align=1024, reserve=4 * bnb.DYNAMIC_MAP.size)
 
 
 #: the wgmma GEMM's time per multiply-add of the 128-row tile against the 256-row one (H200, session 22:
@@ -681,18 +667,12 @@ def _gemm4wg_launch(device, a, packed, absmax, nested, out, *, rows, n, k, block
     [rows, ldo]: grid x the input row blocks (the CTAs of one weight tile run together), y the blocks
     of 128 weight rows, z the K slices of a cluster."""
     nb, cl = _gw_shape(rows, n, k, rt.sm_count(device))
-    if rt.tune("gw_tma", 1) and not rt.tune("gw_dbg", 0):  # the stages by TMA (gw_tma=0: the cp.async
-        # kernel, for comparisons; its timing experiments gw_dbg run on it)
-        expr = _gemm4wg_tma(_tag(a), quant_type, nested is not None, nb, cl)
-        maps = _input_map(rt.pointer(a), rows, k, nb) + _codes_map(rt.pointer(packed), n, k)
-        args = kernel_args(expr, a=a, packed=packed, absmax=absmax, **_nested_named(nested), out=out, ldo=ldo,
-                           rows=rows, n=n, k=k, log2bs=_log2(blocksize), maps=maps)
-        return (_FM, expr, (_cdiv(rows, nb), _cdiv(n, _GW_WEIGHT_ROWS), cl), _GW_THREADS, args, _GW_SMEM,
-                _GEMV_SLOTS, _GWT_MAPS)
-    expr = _gemm4wg(_tag(a), quant_type, nested is not None, nb, cl, rt.tune("gw_dbg", 0))
-    args = kernel_args(expr, a=a, packed=packed, absmax=absmax, **_nested_named(nested), out=out, ldo=ldo, rows=rows,
-                       n=n, k=k, log2bs=_log2(blocksize))
-    return _FM, expr, (_cdiv(rows, nb), _cdiv(n, _GW_WEIGHT_ROWS), cl), _GW_THREADS, args, _GW_SMEM, _GEMV_SLOTS
+    expr = _gemm4wg_tma(_tag(a), quant_type, nested is not None, nb, cl)
+    maps = _input_map(rt.pointer(a), rows, k, nb) + _codes_map(rt.pointer(packed), n, k)
+    args = kernel_args(expr, a=a, packed=packed, absmax=absmax, **_nested_named(nested), out=out, ldo=ldo,
+                       rows=rows, n=n, k=k, log2bs=_log2(blocksize), maps=maps)
+    return (_FM, expr, (_cdiv(rows, nb), _cdiv(n, _GW_WEIGHT_ROWS), cl), _GW_THREADS, args, _GW_SMEM,
+            _GEMV_SLOTS, _GWT_MAPS)
 
 
 def _gemv_launch(device, a, packed, absmax, out, *, rows, n, k, blocksize, quant_type, nested):

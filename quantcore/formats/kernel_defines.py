@@ -78,16 +78,16 @@ LAUNCH_GEOMETRY.update({"QC_GM_THREADS": 256, "QC_GM_TABLE": 65536, "QC_GM_APAD"
 
 #: kernels_cuda/bnb_gemm.cu's wgmma GEMM (sm_90a, gemv_4bit for many rows): threads per CTA (two
 #: warpgroups), its weight rows per CTA (the two warpgroups' m64 tiles) and its dynamic shared memory
-#: (the QC_GM_TABLE pair table, whose free half of each 256 bytes holds the ring's codes, the input
-#: tiles around it, code2's copy: one CTA per multiprocessor)
+#: (the ring's codes, the QC_GM_TABLE pair table with the input tiles around it, the ring's barriers,
+#: code2's copy: one CTA per multiprocessor)
 LAUNCH_GEOMETRY.update({"QC_GW_THREADS": 256, "QC_GW_ROWS": 128, "QC_GW_SMEM": 227 * 1024})
-#: ... and its TMA form's deepest ring (gemm_4bit_wgmma_tma_kernel: the space of its full / empty barriers)
+#: ... and its deepest ring (gemm_4bit_wgmma_tma_kernel: the space of its full / empty barriers)
 LAUNCH_GEOMETRY["QC_GWT_MAX_STAGES"] = 8
 
 
 def gw_slot_bytes(nb: int) -> int:
     """One ring slot of bnb_gemm.cu's wgmma GEMM with NB input rows per CTA (GwGeo::kSlot): the input
-    tile (NB rows x 64 16-bit elements; the codes are in the pair table's free halves)."""
+    tile (NB rows x 64 16-bit elements; the stage's codes have a slot of their own, bnb_gemm.cu kWtCodes)."""
     return nb * 128
 
 

@@ -315,8 +315,6 @@ CUDA_KERNELS: dict[str, tuple[Arg, ...]] = {name: args(spec) for name, spec in {
     # bnb_gemm.cu
     "gemm_4bit_kernel": f"const u16* a, const u8* packed, {_NESTED}, u16* out, i64 ldo, i32 rows, i64 n, "
                         "i64 k, i32 log2bs",
-    "gemm_4bit_wgmma_kernel": f"const u16* a, const u8* packed, {_NESTED}, u16* out, i64 ldo, i32 rows, i64 n, "
-                              "i64 k, i32 log2bs",
     # maps: the input's and the codes' CUtensorMaps (TMA), by value
     "gemm_4bit_wgmma_tma_kernel": f"const u16* a, const u8* packed, {_NESTED}, u16* out, i64 ldo, i32 rows, i64 n, "
                                  "i64 k, i32 log2bs, tmap2 maps",

@@ -46,7 +46,7 @@ GEMV_MAX_ROWS = 16
 #: ... except on a backend with a many-row 4-bit GEMM (the cuda backend's bnb_gemm.cu, behind
 #: gemv_4bit): there linear_4bit takes gemv_4bit up to this many rows when no device is named, and up
 #: to the backend's ``gemm_4bit_rows(device, n, k, rows, eager)`` for a device (cuda: 512 on compute
-#: capability 9.0 for weights of 4096 x 4096 elements or more, the wgmma GEMM, and up to 1280 rows where
+#: capability 9.0 for weights of 4096 x 4096 elements or more, the wgmma GEMM, and up to 2048 rows where
 #: the call's rows fill its waves; 128 for smaller weights in a call captured in a CUDA graph, 512 in an
 #: eager one, whose time is the host's; 0 without the GEMM),
 #: dequantize + matmul above (docs/performance.md, "NF4 prefill"; both paths' times grow with N * K,

@@ -1,7 +1,7 @@
 #!/bin/bash
-# The wgmma NF4 GEMM (kernels_cuda/bnb_gemm.cu gemm_4bit_wgmma_kernel) on the GPU machine: its time per
-# timing experiment (QUANTCORE_CUDA_TUNE gw_dbg: 1 no decode in the loop, 2 no MMA, 3 / 4 half / none of
-# the input copied; TUNES="a;b" picks them) and input-row tile beside torch bf16, then ncu (full set, SASS
+# The wgmma NF4 GEMM (kernels_cuda/bnb_gemm.cu gemm_4bit_wgmma_tma_kernel) on the GPU machine: its time per
+# QUANTCORE_CUDA_TUNE setting (TUNES="a;b": the input-row tile gw_nb, the ring depth gw_tma_s, the cluster
+# gw_cl) beside torch bf16, then ncu (full set, SASS
 # source page with stall samples) of the default kernel at ROWS rows (default 512) of 14336 x 4096
 # (NCU=0: timing only; NCU=mem: the memory sections of the wgmma GEMM and of torch's bf16 GEMM). Logs under $OUT.
 . tools/dev/env.sh /tmp/gw_probe
@@ -25,7 +25,7 @@ if sys.argv[1] == "time":
         out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
         t_torch = tm.kernel([lambda w=w: torch.nn.functional.linear(x, w) for w in ws], 20, warmup=3)
         res = []
-        for tune in os.environ.get("TUNES", ";gw_dbg=1;gw_dbg=2;gw_nb=128;gw_nb=128,gw_dbg=1;gw_nb=128,gw_dbg=2").split(";"):
+        for tune in os.environ.get("TUNES", ";gw_nb=128;gw_tma_s=3").split(";"):
             os.environ[rt.ENV_TUNE] = tune
             res.append((tune or "default", tm.kernel([lambda p=p, s=s: gemv(x, out, p, s) for p, s in qs], 20, warmup=3)))
         os.environ.pop(rt.ENV_TUNE, None)
