@@ -94,6 +94,12 @@ __device__ __forceinline__ float gm_ld_cluster_f32(u32 addr, u32 rank) {
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
     return v;
 }
+__device__ __forceinline__ void gm_ld_cluster_v4(u32 addr, u32 rank, float (&v)[4]) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
+                 : "r"(remote) : "memory");
+}
 #define QC_GM_CLUSTER(CL) __cluster_dims__(1, 1, CL)
 #else
 #define QC_GM_CLUSTER(CL)  // CL > 1 only on sm_90 (the launcher's choice); the body traps below it
@@ -376,10 +382,12 @@ __device__ __forceinline__ V keep(V x) {
     }
 }
 
-// The wgmma GEMMs' end, after every stage is consumed (the ring and the table's space are free): with
-// CL > 1 the K slices' fp32 sums added in CTA 0 in rank order (CTAs 1 .. CL - 1 leave theirs at base + 4
-// (256 i + tid) and return), then the tile staged through the table's space (tab) in parts of 64 input
-// rows and stored as 16-byte rows where the output allows.
+// The wgmma GEMM's end, after every stage is consumed (the ring and the table's space are free): the tile
+// staged through the table's space (tab) in parts of 64 input rows and stored as 16-byte rows where the
+// output allows. With CL > 1 the CTAs of a cluster share the parts (part h is CTA h CL / parts' own): each
+// leaves the sums of the parts it does not own at base + 16 (256 jn + tid) (a thread's 4 sums of fragment
+// column block jn), then adds the K slices' sums of its own parts in rank order (the same fp32 additions
+// in the same order whichever CTA makes them: the same bits) and stores them.
 template <typename T, int NB, int CL>
 __device__ __forceinline__ void gw_finish(float (&acc)[NB / 2], u32 base, u32 tab, u16* __restrict__ out, i64 ldo,
                                           int rows, i64 N, int m0, i64 n0) {
@@ -387,33 +395,60 @@ __device__ __forceinline__ void gw_finish(float (&acc)[NB / 2], u32 base, u32 ta
     constexpr int NA = NB / 2;
     const int tid = threadIdx.x, warp = tid >> 5, lane = lane_id(), g = lane >> 2, t = lane & 3;
     const int wg = warp >> 2, wi = warp & 3;
+    constexpr int kParts = NB / 64;  // staged parts of 64 input rows: fragment column blocks 8 h .. 8 h + 7
+    const int rank = CL > 1 ? (int)blockIdx.z : 0;
+    auto owns = [&](int h) { return h * CL / kParts == rank; };
     if constexpr (CL > 1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         static_assert(NA * kGwThreads * 4 + kDynCodes * 4 + 1024 <= QC_GW_SMEM, "the partial sums fit");
-        if (blockIdx.z > 0) {
 #pragma unroll
-            for (int i = 0; i < NA; ++i) gm_sts_f32(base + 4 * (kGwThreads * i + tid), acc[i]);
-        }
+        for (int jn = 0; jn < NB / 8; ++jn)
+            if (!owns(jn / 8))
+                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(base + 16 * (kGwThreads * jn + tid)),
+                             "f"(acc[4 * jn]), "f"(acc[4 * jn + 1]), "f"(acc[4 * jn + 2]), "f"(acc[4 * jn + 3])
+                             : "memory");
         gm_cluster_sync();  // every CTA's sums are in place
-        if (blockIdx.z == 0)
-            for (u32 q = 1; q < (u32)CL; ++q) {
 #pragma unroll
-                for (int i0 = 0; i0 < NA; i0 += 16) {  // 16 loads in flight, then their adds
-                    float v[16];
+        for (int h = 0; h < kParts; ++h) {
+            if (!owns(h)) continue;
+            // the part's sums in rank order: ((p0 + p1) + ...) + p_rank (its own, in acc: t + acc is acc + t,
+            // bit for bit) + p_rank+1 + ...; 8 remote loads in flight
+            auto load = [&](int q, float(&v)[8][4]) {
 #pragma unroll
-                    for (int i = 0; i < 16; ++i) v[i] = gm_ld_cluster_f32(base + 4 * (kGwThreads * (i0 + i) + tid), q);
+                for (int x = 0; x < 8; ++x) gm_ld_cluster_v4(base + 16 * (kGwThreads * (8 * h + x) + tid), (u32)q, v[x]);
+            };
+            float v[8][4];
+            if (rank > 0) {
+                float t[8][4];
+                load(0, t);
+                for (int q = 1; q < rank; ++q) {
+                    load(q, v);
 #pragma unroll
-                    for (int i = 0; i < 16; ++i) acc[i0 + i] += v[i];
+                    for (int x = 0; x < 8; ++x)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) t[x][e] += v[x][e];
                 }
+#pragma unroll
+                for (int x = 0; x < 8; ++x)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[4 * (8 * h + x) + e] = t[x][e] + acc[4 * (8 * h + x) + e];
             }
-        gm_cluster_sync();  // no CTA leaves while CTA 0 reads its shared memory
-        if (blockIdx.z > 0) return;
+            for (int q = rank + 1; q < CL; ++q) {
+                load(q, v);
+#pragma unroll
+                for (int x = 0; x < 8; ++x)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[4 * (8 * h + x) + e] += v[x][e];
+            }
+        }
+        gm_cluster_sync();  // no CTA leaves or stages while another reads its shared memory
 #endif
     }
     const bool vec = (((u64)out | (u64)(ldo * 2)) & 15u) == 0;
     constexpr int kCh = G::kRowsW / 8;  // 16-byte pieces of a staged row
 #pragma unroll
-    for (int h = 0; h < NB / 64; ++h) {
+    for (int h = 0; h < kParts; ++h) {
+        if (!owns(h)) continue;  // (uniform: the CTA's rank)
 #pragma unroll
         for (int jn = 8 * h; jn < 8 * h + 8; ++jn)
 #pragma unroll

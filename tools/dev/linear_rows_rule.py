@@ -9,7 +9,8 @@ of the two.
         [--gemm-tunes ";gw_persist=1"]
 
 --gemm-tunes times the GEMM under each QUANTCORE_CUDA_TUNE setting (added to gw_min_rows=1), taken in
-turn, and checks that their outputs are bitwise equal to the first's.
+turn, and checks that their outputs are bitwise equal to the first's; --checksum prints a checksum of the
+GEMM's output per case (seeded inputs: two trees' runs compare bit for bit, tools/dev/ab_tree.sh).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def time_row(be, timer, ws, qs, n: int, k: int, rows: int, reps: int, tunes: lis
     out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
     t_torch = timer.kernel([lambda w=w: lin(x, w) for w in ws], reps, warmup=3)
     t_dq = timer.kernel([lambda p=p, s=s: lin(x, qc.dequantize_4bit(p, s, backend=be)) for p, s in qs], reps, warmup=3)
-    t_gws, first = [], None
+    t_gws, first = [], None  # (first: the first setting's output)
     for tune in tunes:
         os.environ[rt.ENV_TUNE] = "gw_min_rows=1" + ("," + tune if tune else "")
         call = [lambda p=p, s=s: be.gemv_4bit(x, p, s.absmax, out, n=n, k=k, blocksize=64, quant_type="nf4",
@@ -48,7 +49,7 @@ def time_row(be, timer, ws, qs, n: int, k: int, rows: int, reps: int, tunes: lis
         elif not torch.equal(first.view(torch.int16), out.view(torch.int16)):
             print(f"  OUTPUT DIFFERS under {tune!r}", flush=True)
     os.environ.pop(rt.ENV_TUNE, None)
-    return t_torch, t_dq, t_gws
+    return t_torch, t_dq, t_gws, int(first.view(torch.int16).to(torch.int64).sum())
 
 
 def main() -> None:
@@ -57,6 +58,7 @@ def main() -> None:
     p.add_argument("--rows", default=ROWS)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--gemm-tunes", default="", help="';'-separated GEMM settings timed side by side")
+    p.add_argument("--checksum", action="store_true", help="print a checksum of the GEMM's output per case")
     args = p.parse_args()
     be = qc.get_backend("cuda")
     timer = CudaTimer(torch)
@@ -67,17 +69,20 @@ def main() -> None:
           "linear_4bit takes (graph / eager) | faster | the GEMM under the other --gemm-tunes", flush=True)
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
+        torch.manual_seed(n * 7 + k)
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(3)]
         qs = [qc.quantize_4bit(w, 64, "nf4", True, backend=be) for w in ws]
         for rows in (int(r) for r in args.rows.split(",")):
-            t_torch, t_dq, t_gws = time_row(be, timer, ws, qs, n, k, rows, args.reps, tunes)
+            torch.manual_seed(rows)
+            t_torch, t_dq, t_gws, check = time_row(be, timer, ws, qs, n, k, rows, args.reps, tunes)
             t_gw = t_gws[0]
             others = "".join(f" | [{tn}] {tg:8.1f} ({t_torch / tg:.2f}x)" for tn, tg in zip(tunes[1:], t_gws[1:]))
             takes = ["gemm" if rows <= be.gemm_4bit_rows(0, n, k, rows, eager) else "dq+mm" for eager in (False, True)]
             faster = "gemm" if t_gw < t_dq else "dq+mm"
             print(f"{n}x{k} {rows:5d}: torch {t_torch:8.1f} | gemm {t_gw:8.1f} ({t_torch / t_gw:.2f}x) | dq+mm "
                   f"{t_dq:8.1f} ({t_torch / t_dq:.2f}x) | takes {takes[0]} / {takes[1]} | {faster}"
-                  f"{'' if takes[0] == faster else '  <- rule differs'}{others}", flush=True)
+                  f"{'' if takes[0] == faster else '  <- rule differs'}{others}"
+                  + (f" | checksum {check}" if args.checksum else ""), flush=True)
         del ws, qs
         torch.cuda.empty_cache()
 
