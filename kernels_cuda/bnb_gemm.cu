@@ -365,8 +365,7 @@ struct GwGeo {
     static constexpr int kRowsW = QC_GW_ROWS;  // 2 warpgroups x m64
     static constexpr int kB = NB * 128;
     static constexpr int kSlot = kB;
-    static constexpr int kOPitch = kRowsW * 2 + 16;  // a staged output row (64 of them in the table's space)
-    static_assert(kSlot % 1024 == 0 && 64 * kOPitch <= kGwTable, "swizzled tiles 1024-byte aligned");
+    static_assert(kSlot % 1024 == 0, "swizzled tiles 1024-byte aligned");
 };
 // x, opaque to the compiler from here on: kept in a register instead of recomputed where it is used
 template <typename V>
@@ -382,9 +381,9 @@ __device__ __forceinline__ V keep(V x) {
     }
 }
 
-// The wgmma GEMM's end, after every stage is consumed (the ring and the table's space are free): the tile
-// staged through the table's space (tab) in parts of 64 input rows and stored as 16-byte rows where the
-// output allows. With CL > 1 the CTAs of a cluster share the parts (part h is CTA h CL / parts' own): each
+// The wgmma GEMM's end of a tile, after its stages are consumed: the tile staged through the pair table's
+// free halves in parts of 64 input rows and stored as 16-byte rows where the output allows (the ring may
+// hold the next tile's stages already: a persistent grid). With CL > 1 (one tile a CTA) the CTAs of a cluster share the parts (part h is CTA h CL / parts' own): each
 // leaves the sums of the parts it does not own at base + 16 (256 jn + tid) (a thread's 4 sums of fragment
 // column block jn), then adds the K slices' sums of its own parts in rank order (the same fp32 additions
 // in the same order whichever CTA makes them: the same bits) and stores them.
@@ -401,6 +400,7 @@ __device__ __forceinline__ void gw_finish(float (&acc)[NB / 2], u32 base, u32 ta
     if constexpr (CL > 1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         static_assert(NA * kGwThreads * 4 + kDynCodes * 4 + 1024 <= QC_GW_SMEM, "the partial sums fit");
+        __syncthreads();  // every warpgroup's MMAs done: the partial sums overwrite the ring
 #pragma unroll
         for (int jn = 0; jn < NB / 8; ++jn)
             if (!owns(jn / 8))
@@ -444,29 +444,41 @@ __device__ __forceinline__ void gw_finish(float (&acc)[NB / 2], u32 base, u32 ta
         gm_cluster_sync();  // no CTA leaves or stages while another reads its shared memory
 #endif
     }
+    // staging: part h's 64 input rows x 128 weight rows (16 columns of 16 bytes a row) in the table's free
+    // halves (byte 128 .. 255 of each 256, untouched by the decode), row r's column c in free half
+    // 128 (h & 1) + 2 r + c / 8 at column (c % 8) ^ (r % 8): conflict-free both ways; alternate parts in
+    // alternate halves of the table, so one barrier a part (a part's staging waits for nobody still
+    // reading the part before it). stmatrix.trans writes the accumulator's 8 x 8 blocks (weight rows g,
+    // input rows 2 t, 2 t + 1 of a thread) transposed: input row major.
+    auto staged = [&](int h, int r, int c) -> u32 {
+        return tab + 256u * (u32)(128 * (h & 1) + 2 * r + (c >> 3)) + 128u + 16u * (u32)((c & 7) ^ (r & 7));
+    };
     const bool vec = (((u64)out | (u64)(ldo * 2)) & 15u) == 0;
-    constexpr int kCh = G::kRowsW / 8;  // 16-byte pieces of a staged row
 #pragma unroll
     for (int h = 0; h < kParts; ++h) {
         if (!owns(h)) continue;  // (uniform: the CTA's rank)
+        {
+            const int mm = lane >> 3, j = lane & 7;  // the block and row this lane addresses
 #pragma unroll
-        for (int jn = 8 * h; jn < 8 * h + 8; ++jn)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = 8 * jn + 2 * t + (e & 1) - 64 * h;
-                const int n = wg * 64 + wi * 16 + g + 8 * (e >> 1);
-                const u32 v = T::from_f(acc[4 * jn + e]);
-                asm volatile("st.shared.u16 [%0], %1;" ::"r"(tab + r * G::kOPitch + 2 * n), "h"((unsigned short)v)
-                             : "memory");
+            for (int p = 0; p < 4; ++p) {  // fragment column blocks jn = 8 h + 2 p, + 1; weight row halves 0, 1
+                const int jn = 8 * h + 2 * p;
+                const u32 addr = staged(h, 8 * (2 * p + (mm >> 1)) + j, wg * 8 + wi * 2 + (mm & 1));
+                asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+                             ::"r"(addr), "r"(T::pack2(acc[4 * jn], acc[4 * jn + 1])),
+                             "r"(T::pack2(acc[4 * jn + 2], acc[4 * jn + 3])),
+                             "r"(T::pack2(acc[4 * jn + 4], acc[4 * jn + 5])),
+                             "r"(T::pack2(acc[4 * jn + 6], acc[4 * jn + 7])) : "memory");
             }
+        }
         __syncthreads();
-        for (int i = tid; i < 64 * kCh; i += kGwThreads) {
-            const int r = i / kCh, c = i % kCh;
+#pragma unroll
+        for (int i = tid; i < 64 * 16; i += kGwThreads) {
+            const int r = i >> 4, c = i & 15;
             const int gr = m0 + 64 * h + r;
             const i64 gn = n0 + 8 * c;
             if (gr >= rows || gn >= N) continue;
             u32 w0, w1, w2, w3;
-            lds_v4(tab + r * G::kOPitch + 16 * c, w0, w1, w2, w3);
+            lds_v4(staged(h, r, c), w0, w1, w2, w3);
             u16* o = out + (i64)gr * ldo + gn;
             if (vec && gn + 8 <= N) {
                 stg_v4(o, w0, w1, w2, w3);
@@ -477,7 +489,6 @@ __device__ __forceinline__ void gw_finish(float (&acc)[NB / 2], u32 base, u32 ta
                     if (gn + k < N) o[k] = (u16)(w[k >> 1] >> (16 * (k & 1)));
             }
         }
-        __syncthreads();
     }
 }
 
@@ -568,17 +579,35 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kWtThreads, 1) gemm_4bit_wgm
     fill_pair_table<T, QT>(tab, tid, kWtThreads);
     if (NESTED)
         for (int i = tid; i < kDynCodes; i += kWtThreads) gm_sts_f32(c2s + 4 * i, ldg_f32(code2 + i));
-    const int m0 = blockIdx.x * NB;
-    const i64 n0 = (i64)blockIdx.y * G::kRowsW;
+    // the tiles (NB input rows x 128 weight rows), x fastest: CTA x takes tiles x, x + gridDim.x, ... (a
+    // grid of one CTA per tile, or a persistent one: then its ring runs on from one tile's stages into
+    // the next's, and the table is filled once)
+    const int mt = (rows + NB - 1) / NB;
+    const int ntiles = mt * (int)((N + G::kRowsW - 1) / G::kRowsW);
+    // (a cluster's CTAs take one tile each: the launcher's grid; known here, so the loop compiles out)
+    const int mine = CL > 1 ? 1 : (int)blockIdx.x < ntiles ? (ntiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
     const int sbeg = (int)((K >> 6) * blockIdx.z / CL);
-    const int nst = (int)((K >> 6) * (blockIdx.z + 1) / CL) - sbeg;  // this CTA's stages
+    const int nst = (int)((K >> 6) * (blockIdx.z + 1) / CL) - sbeg;  // a tile's stages in this CTA
+    const int total = mine * nst;                                    // the ring's items: tile i stage s = i nst + s
+    auto tile_m0 = [&](int i) -> int { return ((int)blockIdx.x + i * (int)gridDim.x) % mt * NB; };
+    auto tile_n0 = [&](int i) -> i64 { return (i64)(((int)blockIdx.x + i * (int)gridDim.x) / mt) * G::kRowsW; };
     const void* tma = &maps.m0;
     const void* tmc = &maps.m1;
-    auto load = [&](int q, int i) {  // stage q into ring entry i (thread 0)
-        const u32 bar = full + 8 * i;
+    // thread 0's next item to load (tile li, stage ls), loaded in order
+    int li = 0, ls = 0, lm0 = tile_m0(0);
+    i64 ln0 = tile_n0(0);
+    auto load_next = [&]() {  // item li nst + ls into ring entry (li nst + ls) % S
+        const int e = (li * nst + ls) % S;
+        const u32 bar = full + 8 * e;
         mbar_expect_tx(bar, G::kB + kWtCodes);
-        wt_tma2d(slot_of(i), tma, 64 * (sbeg + q), m0, bar);
-        wt_tma2d(codes + i * kWtCodes, tmc, 32 * (sbeg + q), (int)n0, bar);
+        wt_tma2d(slot_of(e), tma, 64 * (sbeg + ls), lm0, bar);
+        wt_tma2d(codes + e * kWtCodes, tmc, 32 * (sbeg + ls), (int)ln0, bar);
+        if (++ls == nst) {
+            ls = 0;
+            ++li;
+            lm0 = tile_m0(li);
+            ln0 = tile_n0(li);
+        }
     };
     if (tid == 0) {
         for (int i = 0; i < S; ++i) {
@@ -586,42 +615,63 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kWtThreads, 1) gemm_4bit_wgm
             mbar_init(empty + 8 * i, 8);  // the warps'
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        for (int q = 0; q < S && q < nst; ++q) load(q, q);
+        for (int q = 0; q < S && q < total; ++q) load_next();
     }
     __syncthreads();  // the tables, code2 and the barriers
     float acc[NA];
-#pragma unroll
-    for (int i = 0; i < NA; ++i) acc[i] = 0.0f;
-
-    {
-        // -- the MMA warps
-        const int wg = warp >> 2, wi = warp & 3;
-        u32 rch[2];
+    const int wg = warp >> 2, wi = warp & 3;
+    const int bsh = log2bs - 6;
+    const float off = NESTED ? ldg_f32(offset) : 0.0f;
+    const u32 lutx = keep(tab | (4u * (u32)lane)), sel = keep(0x7604u | ((u32)t << 4));
+    const int drow = wg * 64 + wi * 16 + g;
+    const u32 dsw = ((drow >> 2) & 1) << 4;
+    const u32 dofs0 = keep(drow * 32 + dsw), dofs1 = keep(drow * 32 + (16 ^ dsw));
+    auto decode = [&](u32 cslot, const u32(&raw)[2], const float(&s2)[2], u32(&af)[4][4]) {
+        gw_decode<T, NESTED>(cslot, dofs0, dofs1, raw, s2, off, c2s, lutx, sel, af);  // (row g + 8: 8 rows on)
+    };
+    // an item's release (one arrival per warp) and, by thread 0 once every warp's is in, its entry's
+    // refill with the item S on
+    auto release = [&](int q) {
+        const int e = q % S;
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + 8 * e);
+        if (tid == 0 && q + S < total) {
+            mbar_wait(empty + 8 * e, (u32)(q / S) & 1u);
+            load_next();
+        }
+        __syncwarp();
+    };
+    int ri = 0;   // the ring entry of the stage multiplied next
+    u32 rph = 0;  // its full barrier's parity
+    // this thread's weight rows of tile i: rr -> tile row wg 64 + wi 16 + g + 8 rr; their first 64-element
+    // chunks over the whole weight (rows past N read row N - 1; N K / 64 < 2^31, the launcher checks)
+    u32 rch[2];
+    auto set_rows = [&](int i) {
+        const i64 n0 = tile_n0(i);
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr)
             rch[rr] = keep((u32)(min(n0 + wg * 64 + wi * 16 + g + 8 * rr, N - 1) * (K >> 6)) + (u32)sbeg);
-        const int bsh = log2bs - 6;
-        u32 sraw[2][2];
-        float ss2[2][2];
-        auto load_scales = [&](int st, u32(&raw)[2], float(&s2)[2]) {
-            gw_load_scales<NESTED>(st, nst, rch, bsh, absmax, absmax2, raw, s2);
-        };
-        const float off = NESTED ? ldg_f32(offset) : 0.0f;
-        const u32 lutx = keep(tab | (4u * (u32)lane)), sel = keep(0x7604u | ((u32)t << 4));
-        const int drow = wg * 64 + wi * 16 + g;
-        const u32 dsw = ((drow >> 2) & 1) << 4;
-        const u32 dofs0 = keep(drow * 32 + dsw), dofs1 = keep(drow * 32 + (16 ^ dsw));
-        auto decode = [&](u32 cslot, const u32(&raw)[2], const float(&s2)[2], u32(&af)[4][4]) {
-            gw_decode<T, NESTED>(cslot, dofs0, dofs1, raw, s2, off, c2s, lutx, sel, af);  // (row g + 8: 8 rows on)
-        };
+    };
+    // the raw scale data of a stage (absmax bits, or the nested byte and absmax2), two stages in flight;
+    // a tile's first two are loaded before it starts (the next tile's while this one's end is stored)
+    u32 sraw[2][2];
+    float ss2[2][2];
+    auto load_scales = [&](int st, u32(&raw)[2], float(&s2)[2]) {
+        gw_load_scales<NESTED>(st, nst, rch, bsh, absmax, absmax2, raw, s2);
+    };
+    set_rows(0);
+    load_scales(0, sraw[0], ss2[0]);
+    load_scales(1, sraw[1], ss2[1]);
+    for (int i = 0; i < mine; ++i) {
+        const int m0 = tile_m0(i);
+        const i64 n0 = tile_n0(i);
+        const int q0 = i * nst;  // the tile's first item
+#pragma unroll
+        for (int x = 0; x < NA; ++x) acc[x] = 0.0f;
         u32 af[2][4][4];
-        load_scales(0, sraw[0], ss2[0]);
-        load_scales(1, sraw[1], ss2[1]);
-        if (nst > 0) mbar_wait(full, 0u);
-        decode(codes, sraw[0], ss2[0], af[0]);
+        if (nst > 0) mbar_wait(full + 8 * ri, rph);
+        decode(codes + ri * kWtCodes, sraw[0], ss2[0], af[0]);
         load_scales(2, sraw[0], ss2[0]);
-        int ri = 0;      // stage j's ring index
-        u32 rph = 0;     // its full barrier's parity
 #define QC_GWT_STEP(P, J)                                                                                  \
     {                                                                                                     \
         const int j_ = (J);                                                                               \
@@ -631,7 +681,6 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kWtThreads, 1) gemm_4bit_wgm
         _Pragma("unroll") for (int s = 0; s < 4; ++s) wgmma_rs<kF16>(acc, af[P][s], desc0 + 2u * s);      \
         wgmma_commit();                                                                                   \
         fence_acc(acc);                                                                                   \
-        const int pi = ri;                                                                                \
         if (++ri == S) {                                                                                  \
             ri = 0;                                                                                       \
             rph ^= 1u;                                                                                    \
@@ -639,19 +688,10 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kWtThreads, 1) gemm_4bit_wgm
         if (j_ + 1 < nst) {                                                                               \
             wgmma_wait<1>(); /* stage j - 1's MMAs: its slot is free */                                   \
             fence_acc(acc);                                                                               \
-            if (j_ > 0) {                                                                                 \
-                const int qi = pi == 0 ? S - 1 : pi - 1; /* stage j - 1's entry */                        \
-                __syncwarp();                                                                             \
-                if (lane == 0) mbar_arrive(empty + 8 * qi);                                               \
-                if (tid == 0 && j_ - 1 + S < nst) { /* refill it with stage j - 1 + S */                  \
-                    mbar_wait(empty + 8 * qi, (u32)((j_ - 1) / S) & 1u);                                  \
-                    load(j_ - 1 + S, qi);                                                                 \
-                }                                                                                         \
-                __syncwarp();                                                                             \
-            }                                                                                             \
+            if (j_ > 0) release(q0 + j_ - 1);                                                             \
             mbar_wait(full + 8 * ri, rph);                                                                \
-            _Pragma("unroll") for (int s = 0; s < 4; ++s) _Pragma("unroll") for (int i = 0; i < 4; ++i)   \
-                asm volatile("" : "+r"(af[1 - P][s][i])::"memory");                                       \
+            _Pragma("unroll") for (int s = 0; s < 4; ++s) _Pragma("unroll") for (int x = 0; x < 4; ++x)   \
+                asm volatile("" : "+r"(af[1 - P][s][x])::"memory");                                       \
             decode(codes + ri * kWtCodes, sraw[1 - P], ss2[1 - P], af[1 - P]);                            \
             load_scales(j_ + 3, sraw[1 - P], ss2[1 - P]);                                                 \
         }                                                                                                 \
@@ -663,9 +703,15 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kWtThreads, 1) gemm_4bit_wgm
 #undef QC_GWT_STEP
         wgmma_wait<0>();
         fence_acc(acc);
+        if (i + 1 < mine) {  // (persistent) the next tile's first scales; the tile's last two items released:
+            set_rows(i + 1);  // the next tile's stages load
+            load_scales(0, sraw[0], ss2[0]);
+            load_scales(1, sraw[1], ss2[1]);
+            if (nst > 1) release(q0 + nst - 2);
+            if (nst > 0) release(q0 + nst - 1);
+        }
+        gw_finish<T, NB, CL>(acc, base, tab, out, ldo, rows, N, m0, n0);
     }
-    __syncthreads();  // every stage consumed: the table's space takes the output (and the partial sums)
-    gw_finish<T, NB, CL>(acc, base, tab, out, ldo, rows, N, m0, n0);
 #else
     __trap();
 #endif

@@ -363,26 +363,32 @@ def test_gemv_4bit_many_rows_every_tile(be, rng, monkeypatch, tile):
 @needs_torch
 def test_gemv_4bit_wgmma_ring_depths_sum_alike(be, rng, monkeypatch):
     """The wgmma GEMM's TMA ring at its default depth and at 3 stages (an odd count, the ring wrapping
-    at another stage) multiplies the same operands in the same order: the same bits, per tile and
-    cluster, input rows and weight rows off the tiles; both within the gemv_4bit bound."""
+    at another stage), a persistent grid (the default: one CTA per multiprocessor; gw_persist=7 / 3: 7 /
+    3 CTAs, each taking many tiles, its ring running on across them) or one CTA per tile (gw_persist=0;
+    clusters keep one tile a CTA)
+    multiplies the same operands in the same order: the same bits, per tile and cluster, input rows and
+    weight rows off the tiles, more tiles than multiprocessors; all within the gemv_4bit bound."""
     if rt.device_arch(0) != 90:
         pytest.skip("the wgmma GEMM runs on compute capability 9.0 only")
     for batch, n, k, nb, cl, qt, dtype in [(300, 520, 1024, 256, 1, "nf4", "bfloat16"),
                                            (200, 260, 2048, 128, 1, "fp4", "float16"),
                                            (257, 130, 64 * 9, 256, 2, "nf4", "bfloat16"),
                                            (777, 400, 64 * 65, 256, 1, "nf4", "float16"),
-                                           (129, 1000, 64 * 7, 128, 4, "nf4", "bfloat16")]:
+                                           (129, 1000, 64 * 7, 128, 4, "nf4", "bfloat16"),
+                                           (1100, 4200, 64 * 5, 256, 1, "nf4", "bfloat16"),
+                                           (300, 2000, 64, 128, 1, "fp4", "bfloat16")]:
         packed, st, a, w_eff = _gemv_case(rng, n, k, 64, qt, dtype, batch, True)
         state = _gemv_state(st, n, k, 64, qt, dtype, True)
         ref, bound = bounds.gemv_4bit(a.astype(np.float64), w_eff, dtype)
         outs = []
-        for depth in ("", ",gw_tma_s=3"):
+        for depth in ("", ",gw_tma_s=3", ",gw_persist=0", ",gw_persist=7", ",gw_persist=3,gw_tma_s=3"):
             monkeypatch.setenv(rt.ENV_TUNE, f"gw_min_rows=1,gw_nb={nb},gw_cl={cl}{depth}")
             out = _n(qc.gemv_4bit(_t(a), _t(packed), state, backend="cuda"))
             err = np.abs(out.astype(np.float64).reshape(ref.shape) - ref)
             assert (err <= bound.max_abs).all(), (batch, n, k, nb, cl, depth, float((err / bound.max_abs).max()))
             outs.append(out.view(np.uint16))
-        assert np.array_equal(outs[0], outs[1]), (batch, n, k, nb, cl)
+        for i, o in enumerate(outs[1:]):
+            assert np.array_equal(outs[0], o), (batch, n, k, nb, cl, i)
 
 
 def _gemm_check(wq, aq, got):
