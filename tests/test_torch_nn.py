@@ -701,6 +701,24 @@ def test_group_linears_keeps_results_and_checkpoint_keys():
         assert torch.equal(model(ids[:, :1]).logits, ref_decode)
 
 
+def test_grouped_members_run_alone_above_the_batch_kernels_rows(monkeypatch):
+    """Above GEMV_MAX_ROWS rows a group's members run alone even where linear_4bit keeps the gemv path
+    (a backend whose many-row GEMM sits behind gemv_4bit: one launch per weight either way, and the
+    member's own call is bound to its tensors); at GEMV_MAX_ROWS rows the grouped op runs."""
+    model = _tiny_llama()
+    qnn.group_linears(model)
+    monkeypatch.setattr(qct, "linear_path", lambda *a, **k: "gemv")  # (as the cuda backend on Hopper)
+    with torch.no_grad():
+        for rows, grouped in ((qct.GEMV_MAX_ROWS, True), (qct.GEMV_MAX_ROWS + 1, False)):
+            ids = torch.randint(0, 100, (1, rows))
+            with _spied("gemv_4bit_grouped", lambda a: a[6]) as calls:
+                got = model(ids).logits
+            assert (calls == [[128, 64, 64], [256, 256]] * 2) == grouped, (rows, calls)
+            qnn.ungroup_linears(model)
+            assert torch.equal(got, model(ids).logits)
+            qnn.group_linears(model)
+
+
 def test_grouped_member_called_alone_or_twice_gives_its_own_result():
     model = _tiny_llama()
     qnn.group_linears(model)

@@ -7,8 +7,9 @@ The first member called with an input computes every member's output with
 ``torch.ops.quantcore.gemv_4bit_grouped`` (LinearFP4: ``linear_mx_grouped``; the cuda backend reads
 the weights in one kernel) and keeps the others' outputs for that same input tensor; each following
 member called with the same tensor takes its part. Anything else (another input, more rows than the
-gemv path takes, an input that needs gradients) runs the member alone, so results never depend on
-call order: each column block is the member's own gemv_4bit / linear_mx result within the tolerance
+batch kernels take - ``quantcore.torch.GEMV_MAX_ROWS``: above it each member's GEMM or dequantize +
+matmul is a launch of its own anyway, and the member's own call is bound to its tensors -, an input
+that needs gradients) runs the member alone, so results never depend on call order: each column block is the member's own gemv_4bit / linear_mx result within the tolerance
 tier (on the cuda backend the grouped kernel splits K across warps by the group's total size, so the
 bits may differ from a single-weight launch).
 """
@@ -79,9 +80,10 @@ class LinearGroup:
     def forward(self, member: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """``member``'s output for ``x`` from a grouped call, or None where ``member`` should run alone."""
         op = "linear_fp4" if self._fp4 else "linear_4bit"
-        if x.shape[-1] != self.members[0].in_features or qct.linear_path(
-                qct._rows(x), op, backend=qct.backend_for(x.device), k=x.shape[-1], device=x.device,
-                n=min(self.sizes)) != "gemv":  # (each member's GEMM is its own launch: the smallest decides)
+        rows = qct._rows(x)
+        if x.shape[-1] != self.members[0].in_features or rows > qct.GEMV_MAX_ROWS or qct.linear_path(
+                rows, op, backend=qct.backend_for(x.device), k=x.shape[-1], device=x.device,
+                n=min(self.sizes)) != "gemv":
             return None
         if torch.is_grad_enabled() and (x.requires_grad or any(
                 p is not None and p.requires_grad for m in self.members for p in (m._parameters.get("bias"),))):
