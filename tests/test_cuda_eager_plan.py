@@ -402,6 +402,39 @@ def test_planned_launch_by_value_structs_and_their_maps(monkeypatch):
         rt._by_value_converter("k", qc_interface.Arg("maps", "tmap2"))(bytes(128))  # not the struct's size
 
 
+def test_launch_once_sets_a_launch_up_once_and_gives_it_each_calls_arguments(monkeypatch):
+    """rt.launch_once (Launcher's programmatic dependent launches and by-value struct launches) sets a
+    planned launch up once per kernel, geometry and argument types and writes each call's arguments
+    into it: a second call with other values launches them without a new set-up; other argument types
+    or another grid get their own."""
+    import ctypes
+
+    launched, made = [], []
+
+    def launch_kernel(*args):
+        ptrs = (ctypes.c_void_p * 2).from_address(args[9])
+        launched.append((args[1:4], ctypes.c_uint64.from_address(ptrs[0]).value,
+                         ctypes.c_int32.from_address(ptrs[1]).value))
+
+    init = rt.PlannedLaunch.__init__
+
+    def counting_init(self, *a, **kw):
+        made.append(a[2])
+        init(self, *a, **kw)
+
+    monkeypatch.setattr(rt.KERNELS, "function", lambda device, filename, expr: types.SimpleNamespace(ptr=1))
+    monkeypatch.setattr(rt, "cupy", lambda: types.SimpleNamespace(
+        cuda=types.SimpleNamespace(driver=types.SimpleNamespace(launchKernel=launch_kernel))))
+    monkeypatch.setattr(rt.PlannedLaunch, "__init__", counting_init)
+    monkeypatch.setattr(rt, "_ONCE", {})
+    rt.launch_once(0, "f.cu", "qc::k", (3,), 64, (np.uint64(0x1000), np.int32(5)), 0, False, 0)
+    rt.launch_once(0, "f.cu", "qc::k", (3,), 64, (np.uint64(0x2000), np.int32(-7)), 0, False, 0)
+    assert made == ["qc::k"] and launched == [((3, 1, 1), 0x1000, 5), ((3, 1, 1), 0x2000, -7)]
+    rt.launch_once(0, "f.cu", "qc::k", (4,), 64, (np.uint64(0x3000), np.int32(1)), 0, False, 0)  # another grid
+    rt.launch_once(0, "f.cu", "qc::k", (3,), 64, (np.uint64(0x3000), np.int64(1)), 0, False, 0)  # another type
+    assert made == ["qc::k"] * 3 and launched[2] == ((4, 1, 1), 0x3000, 1)
+
+
 def test_tune_spec_follows_the_environment(monkeypatch):
     monkeypatch.delenv(TUNE, raising=False)
     assert rt.tune_spec() is None

@@ -865,6 +865,35 @@ def test_cuda_linear_mx_grouped_matches_single_within_the_bound(swizzled):
 
 
 @needs_cuda
+def test_cuda_grouped_linear4bit_runs_alone_eagerly_and_grouped_when_captured(gen):
+    """On a CUDA device an eager grouped Linear4bit call runs each member alone (its launch bound to its
+    tensors: less host time than the grouped op), with the ungrouped members' bits; calls captured in
+    a CUDA graph run the grouped op (its kernel may split K otherwise: close, not equal)."""
+    parent = torch.nn.Module()
+    for name, n in (("q_proj", 256), ("k_proj", 64), ("v_proj", 64)):
+        lin = _linear(gen, 512, n, dtype=torch.bfloat16, bias=False, device="cuda")
+        setattr(parent, name, qnn.Linear4bit.from_linear(lin))
+    members = (parent.q_proj, parent.k_proj, parent.v_proj)
+    x = _randn(gen, 1, 512, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        ref = [m(x) for m in members]
+        assert qnn.group_linears(parent) == 1
+        with _spied("gemv_4bit_grouped", lambda a: a[6]) as calls:
+            eager = [m(x) for m in members]
+        assert calls == [] and all(torch.equal(e, r) for e, r in zip(eager, ref))
+        parent.q_proj._qc_group._compute(x)  # (the grouped kernel loaded outside the capture)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with _spied("gemv_4bit_grouped", lambda a: a[6]) as calls, torch.cuda.graph(graph):
+            captured = [m(x) for m in members]
+        graph.replay()
+        torch.cuda.synchronize()
+    assert calls == [[256, 64, 64]]
+    for c, r in zip(captured, ref):
+        assert torch.allclose(c.float(), r.float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_cuda
 def test_cuda_grouped_gemv_matches_single_gemvs_within_the_bound():
     from quantcore.conformance import bounds
 

@@ -411,11 +411,11 @@ class Launcher:
                  shared_mem: int = 0, pdl: bool = False) -> None:
         if any(isinstance(v, np.void) for v in args):  # a by-value struct: CuPy's launch takes scalars only
             with cupy().cuda.Device(self.device) if self._switch else contextlib.nullcontext():
-                PlannedLaunch(self.device, filename, expr, grid, block, args, shared_mem, pdl=pdl)(self.stream_handle())
+                launch_once(self.device, filename, expr, grid, block, args, shared_mem, pdl, self.stream_handle())
             return
         stream = self.raw_stream() if pdl else None
         if stream is not None:  # a programmatic dependent launch (see launch_pdl)
-            PlannedLaunch(self.device, filename, expr, grid, block, args, shared_mem, pdl=True)(stream)
+            launch_once(self.device, filename, expr, grid, block, args, shared_mem, True, stream)
             return
         self.run(kernel_function(self.device, filename, expr, shared_mem), expr, grid, block, args, shared_mem)
 
@@ -426,7 +426,7 @@ class Launcher:
         before it reads its arguments."""
         stream = self.raw_stream() if pdl_available() else None
         if stream is not None:
-            PlannedLaunch(self.device, "", what, grid, block, args, shared_mem, pdl=True, function=fn)(stream)
+            launch_once(self.device, "", what, grid, block, args, shared_mem, True, stream, function=fn)
             return
         self.run(fn, what, grid, block, args, shared_mem)
 
@@ -660,21 +660,59 @@ class PlannedLaunch:
         return tuple(ctypes.c_uint64.from_buffer(self._buf, o).value for o in self._offsets[:len(self._params)])
 
     def __call__(self, stream: int, *pointers: int) -> None:
-        gx, gy, gz = self.grid
         with self._lock:
             for slot, p in zip(self._slots, pointers):
                 slot.value = p
             for addr, pos in self._maps:
                 replace_tensor_map_address(addr, pointers[pos])
-            try:
-                if self.pdl:
-                    launch_pdl(self._fn, self.grid, self.block, self.shared_mem, stream, self._params_ptr)
-                else:
-                    self._launch(self._fn, gx, gy, gz, self.block, 1, 1, self.shared_mem, stream,
-                                 self._params_ptr, 0)
-            except Exception as exc:  # noqa: BLE001 - the same report as Launcher's
-                raise KernelError(f"launch of {self.expr} (grid {self.grid}, block {self.block}, shared "
-                                  f"{self.shared_mem} B) failed: {type(exc).__name__}: {exc}") from exc
+            self._go(stream)
+
+    def with_args(self, stream: int, args: tuple) -> None:
+        """Launch with every argument replaced by ``args`` (of the types the launch was set up with:
+        :func:`launch_once`)."""
+        base = ctypes.addressof(self._buf)
+        with self._lock:
+            for o, v in zip(self._offsets, args):
+                raw = v.tobytes()
+                ctypes.memmove(base + o, raw, len(raw))
+            self._go(stream)
+
+    def _go(self, stream: int) -> None:  # (the caller holds the lock)
+        gx, gy, gz = self.grid
+        try:
+            if self.pdl:
+                launch_pdl(self._fn, self.grid, self.block, self.shared_mem, stream, self._params_ptr)
+            else:
+                self._launch(self._fn, gx, gy, gz, self.block, 1, 1, self.shared_mem, stream, self._params_ptr, 0)
+        except Exception as exc:  # noqa: BLE001 - the same report as Launcher's
+            raise KernelError(f"launch of {self.expr} (grid {self.grid}, block {self.block}, shared "
+                              f"{self.shared_mem} B) failed: {type(exc).__name__}: {exc}") from exc
+
+
+#: launch_once's planned launches: (device, file, kernel, grid, block, shared memory, pdl, argument types)
+_ONCE: dict[tuple, PlannedLaunch] = {}
+_ONCE_MAX = 512
+
+
+def launch_once(device: int, filename: str, expr: str, grid: tuple[int, ...], block: int, args: tuple,
+                shared_mem: int, pdl: bool, stream: int, function: Any = None) -> None:
+    """One launch through a planned launch (a programmatic dependent one, or one with a by-value
+    struct, which CuPy's launch cannot pass), set up once per kernel, geometry and argument types and
+    then given each call's arguments (:meth:`PlannedLaunch.with_args`): an unplanned call's launch
+    costs what a planned one does, not a new plan's set-up (kernel lookup, buffers: ~300 us a grouped
+    decode gemv in session 26)."""
+    key = (device, filename, expr, None if function is None else int(function.ptr), tuple(grid), block, shared_mem,
+           pdl, tuple(v.dtype.str for v in args))
+    plan = _ONCE.get(key)
+    if plan is None:
+        if len(_ONCE) >= _ONCE_MAX:  # (a bound on the geometries kept: the oldest go)
+            for k in list(_ONCE)[:_ONCE_MAX // 4]:
+                del _ONCE[k]
+        plan = _ONCE[key] = PlannedLaunch(device, filename, expr, grid, block, args, shared_mem, pdl=pdl,
+                                          function=function)
+        plan(stream)
+        return
+    plan.with_args(stream, args)
 
 
 # -- TMA tensor maps (sm_90) -----------------------------------------------------------------------
