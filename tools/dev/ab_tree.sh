@@ -6,7 +6,9 @@
 #   OLD=.scratch/mx_gemm_old.cu AS=kernels_cuda/mx_gemm.cu bash tools/dev/ab_tree.sh tools/dev/mxgemm_time.py
 #   OLD=.scratch/ggml_old.cu AS=kernels_cuda/ggml.cu bash tools/dev/ab_tree.sh tools/dev/w4a8_time.py ""
 # (git show HEAD:kernels_cuda/ggml.cu > .scratch/ggml_old.cu makes the old file; OLD may be a folder:
-# mkdir .scratch/k && git archive HEAD~1 kernels_cuda | tar -x -C .scratch/k, then OLD=.scratch/k/kernels_cuda AS=kernels_cuda.)
+# mkdir .scratch/k && git archive HEAD~1 kernels_cuda | tar -x -C .scratch/k, then OLD=.scratch/k/kernels_cuda AS=kernels_cuda;
+# or several folders of an old tree: git archive HEAD kernels_cuda backends | tar -x -C .scratch/old, then
+# OLD=.scratch/old AS=.)
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/ab_out}"

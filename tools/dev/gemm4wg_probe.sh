@@ -1,6 +1,6 @@
 #!/bin/bash
 # The wgmma NF4 GEMM (kernels_cuda/bnb_gemm.cu gemm_4bit_wgmma_tma_kernel) on the GPU machine: its time per
-# QUANTCORE_CUDA_TUNE setting (TUNES="a;b": the input-row tile gw_nb, the ring depth gw_tma_s, the cluster
+# QUANTCORE_CUDA_TUNE setting (TUNES="a;b": a CTA per tile gw_persist=0, the input-row tile gw_nb, the ring depth gw_tma_s, the cluster
 # gw_cl) beside torch bf16, then ncu (full set, SASS
 # source page with stall samples) of the default kernel at ROWS rows (default 512) of 14336 x 4096
 # (NCU=0: timing only; NCU=mem: the memory sections of the wgmma GEMM and of torch's bf16 GEMM). Logs under $OUT.
@@ -25,7 +25,7 @@ if sys.argv[1] == "time":
         out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
         t_torch = tm.kernel([lambda w=w: torch.nn.functional.linear(x, w) for w in ws], 20, warmup=3)
         res = []
-        for tune in os.environ.get("TUNES", ";gw_nb=128;gw_tma_s=3").split(";"):
+        for tune in os.environ.get("TUNES", ";gw_persist=0;gw_nb=128;gw_tma_s=3").split(";"):
             os.environ[rt.ENV_TUNE] = tune
             res.append((tune or "default", tm.kernel([lambda p=p, s=s: gemv(x, out, p, s) for p, s in qs], 20, warmup=3)))
         os.environ.pop(rt.ENV_TUNE, None)
