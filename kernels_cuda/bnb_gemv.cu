@@ -565,22 +565,10 @@ __global__ void __launch_bounds__(kGtWarps * 32, 1) gemv_4bit_tc_kernel(
                         const i64 row = r0 + 8 * (r >> 1);
                         if (col < batch && row < wt.n) out[col * ldo + wt.col0 + row] = T::from_f(gv_mx_post<kNv>(acc[h][r], wt.absmax2));
                     }
-            } else if (nseg == 0 && cq.left > 0) {  // the range's first piece: kept for the end
-#pragma unroll
-                for (int h = 0; h < NB; ++h)
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) keep[h][r] = acc[h][r];
-                have_keep = true;
-                if (lane == 0) ptile[2 * warp] = tile;
-            } else {  // the range's last piece: stays in acc
-                last_slot = nseg == 0 ? 0 : 1;
-                if (lane == 0) ptile[2 * warp + last_slot] = tile;
+            } else {  // the range's first piece (kept for the end) or its last (stays in acc)
+                end_tile_piece<NB>(cq.left > 0, nseg, tile, ptile, warp, lane, acc, keep, have_keep, last_slot);
             }
-            ++nseg;
-            if (cq.left > 0) {
-#pragma unroll
-                for (int h = 0; h < NB; ++h) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.0f;
-            }
+            next_tile_segment<NB>(cq.left > 0, nseg, acc);
             seg_j0 = 0;
         }
     }

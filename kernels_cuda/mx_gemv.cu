@@ -721,22 +721,10 @@ __device__ __forceinline__ void mx_gemv_tc_impl(const u16* __restrict__ x, const
 #pragma unroll
                     for (int r = 0; r < 4; ++r)
                         store(8 * h + 2 * c + (r & 1), tile * 16 + g + 8 * (r >> 1), acc[h][r]);
-            } else if (nseg == 0 && cq.left > 0) {  // the range's first piece: kept for the end
-#pragma unroll
-                for (int h = 0; h < H; ++h)
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) keep[h][r] = acc[h][r];
-                have_keep = true;
-                if (lane == 0) ptile[2 * warp] = tile;
-            } else {  // the range's last piece: stays in acc
-                last_slot = nseg == 0 ? 0 : 1;
-                if (lane == 0) ptile[2 * warp + last_slot] = tile;
+            } else {  // the range's first piece (kept for the end) or its last (stays in acc)
+                qc::end_tile_piece<H>(cq.left > 0, nseg, tile, ptile, warp, lane, acc, keep, have_keep, last_slot);
             }
-            ++nseg;
-            if (cq.left > 0) {
-#pragma unroll
-                for (int h = 0; h < H; ++h) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.0f;
-            }
+            qc::next_tile_segment<H>(cq.left > 0, nseg, acc);
             seg_j0 = 0;
         }
     }

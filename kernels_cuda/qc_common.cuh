@@ -249,6 +249,34 @@ __device__ __forceinline__ void stash_tile_pieces(float* part, int part_len, boo
             if (last_slot >= 0) part[last_slot * part_len + h * 128 + 4 * lane + r] = acc[h][r];
         }
 }
+// A segment (the warp's range's piece of one tile) that is not the whole tile ends: the range's first
+// piece, where more of the range follows (`more`), is kept for the end (keep); any other is the range's
+// last piece and stays in acc (last_slot: its ring slot). Lane 0 records its tile in ptile (entry 2 warp
+// + slot). Then the next segment: nseg counted, acc cleared where more follows.
+template <int H, typename I>
+__device__ __forceinline__ void end_tile_piece(bool more, int nseg, int tile, I* ptile, int warp, int lane,
+                                               const float (&acc)[H][4], float (&keep)[H][4], bool& have_keep,
+                                               int& last_slot) {
+    if (nseg == 0 && more) {
+#pragma unroll
+        for (int h = 0; h < H; ++h)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) keep[h][r] = acc[h][r];
+        have_keep = true;
+        if (lane == 0) ptile[2 * warp] = tile;
+    } else {
+        last_slot = nseg == 0 ? 0 : 1;
+        if (lane == 0) ptile[2 * warp + last_slot] = tile;
+    }
+}
+template <int H>
+__device__ __forceinline__ void next_tile_segment(bool more, int& nseg, float (&acc)[H][4]) {
+    ++nseg;
+    if (more) {
+#pragma unroll
+        for (int h = 0; h < H; ++h) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.0f;
+    }
+}
 // ptile[0 .. n): the tile of piece entry i (warp i / 2, slot i % 2), -1 unused; a tile's pieces are the
 // entries of consecutive warps. Threads 0 .. n - 1 write link[i]: the entry of the tile's next piece
 // (0xff: none), bit 8 set on the tile's first piece, -1 for an unused entry. (The caller syncs.)
