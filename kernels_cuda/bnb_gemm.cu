@@ -84,22 +84,7 @@ __device__ __forceinline__ void place_table(u32 base, u32 end, u32 table, u32 sl
 }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // clusters (sm_90): the K slices of a tile over CL CTAs, added through distributed shared memory
-__device__ __forceinline__ void gm_cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ float gm_ld_cluster_f32(u32 addr, u32 rank) {
-    u32 remote;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-    return v;
-}
-__device__ __forceinline__ void gm_ld_cluster_v4(u32 addr, u32 rank, float (&v)[4]) {
-    u32 remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
-                 : "r"(remote) : "memory");
-}
+// (qc_common.cuh cluster_sync, ld_cluster_*)
 #define QC_GM_CLUSTER(CL) __cluster_dims__(1, 1, CL)
 #else
 #define QC_GM_CLUSTER(CL)  // CL > 1 only on sm_90 (the launcher's choice); the body traps below it
@@ -304,13 +289,13 @@ __global__ void QC_GM_CLUSTER(CL) __launch_bounds__(kGmThreads, 1) gemm_4bit_ker
 #pragma unroll
             for (int i = 0; i < 64; ++i) gm_sts_f32(cpart + 128 * i, acc[i >> 4][(i >> 2) & 3][i & 3]);
         }
-        gm_cluster_sync();  // every CTA's sums are in place
+        cluster_sync();  // every CTA's sums are in place
         if (blockIdx.z == 0 && wk == 0)
             for (u32 q = 1; q < (u32)CL; ++q) {
 #pragma unroll
-                for (int i = 0; i < 64; ++i) acc[i >> 4][(i >> 2) & 3][i & 3] += gm_ld_cluster_f32(cpart + 128 * i, q);
+                for (int i = 0; i < 64; ++i) acc[i >> 4][(i >> 2) & 3][i & 3] += ld_cluster_f32(cpart + 128 * i, q);
             }
-        gm_cluster_sync();  // no CTA leaves while CTA 0 reads its shared memory
+        cluster_sync();  // no CTA leaves while CTA 0 reads its shared memory
         if (blockIdx.z > 0) return;
 #else
         __trap();  // launcher bug: clusters are sm_90
@@ -407,7 +392,7 @@ __device__ __forceinline__ void gw_finish(float (&acc)[NB / 2], u32 base, u32 ta
                 asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(base + 16 * (kGwThreads * jn + tid)),
                              "f"(acc[4 * jn]), "f"(acc[4 * jn + 1]), "f"(acc[4 * jn + 2]), "f"(acc[4 * jn + 3])
                              : "memory");
-        gm_cluster_sync();  // every CTA's sums are in place
+        cluster_sync();  // every CTA's sums are in place
 #pragma unroll
         for (int h = 0; h < kParts; ++h) {
             if (!owns(h)) continue;
@@ -415,7 +400,7 @@ __device__ __forceinline__ void gw_finish(float (&acc)[NB / 2], u32 base, u32 ta
             // bit for bit) + p_rank+1 + ...; 8 remote loads in flight
             auto load = [&](int q, float(&v)[8][4]) {
 #pragma unroll
-                for (int x = 0; x < 8; ++x) gm_ld_cluster_v4(base + 16 * (kGwThreads * (8 * h + x) + tid), (u32)q, v[x]);
+                for (int x = 0; x < 8; ++x) ld_cluster_v4(base + 16 * (kGwThreads * (8 * h + x) + tid), (u32)q, v[x]);
             };
             float v[8][4];
             if (rank > 0) {
@@ -441,7 +426,7 @@ __device__ __forceinline__ void gw_finish(float (&acc)[NB / 2], u32 base, u32 ta
                     for (int e = 0; e < 4; ++e) acc[4 * (8 * h + x) + e] += v[x][e];
             }
         }
-        gm_cluster_sync();  // no CTA leaves or stages while another reads its shared memory
+        cluster_sync();  // no CTA leaves or stages while another reads its shared memory
 #endif
     }
     // staging: part h's 64 input rows x 128 weight rows (16 columns of 16 bytes a row) in the table's free

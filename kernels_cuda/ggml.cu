@@ -240,16 +240,8 @@ __device__ __forceinline__ u32 cluster_rank() {
     asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
     return r;
 }
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ float ld_cluster_f32(const float* p, u32 rank) {
-    u32 remote;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-    return v;
-}
+// (the cluster loads of qc_common.cuh, by pointer)
+__device__ __forceinline__ float ld_cluster_f32(const float* p, u32 rank) { return ld_cluster_f32(smem_addr(p), rank); }
 #endif
 
 // ==================================================================================================

@@ -441,6 +441,25 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
                      : "=r"(done) : "r"(bar), "r"(parity) : "memory");
     } while (!done);
 }
+// clusters (sm_90): a barrier of the cluster's CTAs (release / acquire: shared-memory writes before it are
+// seen after it), and loads from CTA `rank`'s shared memory at the address `addr` has in this CTA's window
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ u32 cluster_addr(u32 addr, u32 rank) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    return remote;
+}
+__device__ __forceinline__ float ld_cluster_f32(u32 addr, u32 rank) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_addr(addr, rank)) : "memory");
+    return v;
+}
+__device__ __forceinline__ void ld_cluster_v4(u32 addr, u32 rank, float (&v)[4]) {
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
+                 : "r"(cluster_addr(addr, rank)) : "memory");
+}
 #endif
 
 // A kernel whose launcher sizes its dynamic shared memory states the bytes its own layout needs: a
