@@ -528,7 +528,7 @@ struct alignas(64) TmaMaps2 {
     u64 m0[16];
     u64 m1[16];
 };
-constexpr int kWtCodes = QC_GW_ROWS * 32;  // a stage's codes: 64 elements of each weight row
+constexpr int kWtCodes = QC_GW_STAGE_CODES;  // a stage's codes: 64 elements of each weight row
 constexpr int kWtMaxStages = QC_GWT_MAX_STAGES;  // (the barriers' space: 16 bytes a stage)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void wt_tma2d(u32 dst, const void* map, int c0, int c1, u32 bar) {

@@ -603,7 +603,7 @@ def _gw_shape(rows: int, n: int, k: int, sms: int) -> tuple[int, int]:
 
 
 _GWT_MAX_STAGES = LAUNCH_GEOMETRY["QC_GWT_MAX_STAGES"]
-_GWT_CODES = _GW_WEIGHT_ROWS * 32  # a stage's codes: 64 elements of each weight row (bnb_gemm.cu kWtCodes)
+_GWT_CODES = LAUNCH_GEOMETRY["QC_GW_STAGE_CODES"]  # a stage's codes (bnb_gemm.cu kWtCodes)
 #: where a CTA's dynamic shared memory starts (the kernel has no static shared memory): 0 or the 1 KiB
 #: the system reserves. The kernel traps where its ring does not fit (tests/test_cuda.py runs every tile).
 _GWT_WINDOW_STARTS = (0, 1024)
@@ -677,8 +677,7 @@ def _gemm4wg_launch(device, a, packed, absmax, nested, out, *, rows, n, k, block
     maps = _input_map(rt.pointer(a), rows, k, nb) + _codes_map(rt.pointer(packed), n, k)
     args = kernel_args(expr, a=a, packed=packed, absmax=absmax, **_nested_named(nested), out=out, ldo=ldo,
                        rows=rows, n=n, k=k, log2bs=_log2(blocksize), maps=maps)
-    return (_FM, expr, (ctas, 1, cl), _GW_THREADS, args, _GW_SMEM,
-            _GEMV_SLOTS, _GWT_MAPS)
+    return _FM, expr, (ctas, 1, cl), _GW_THREADS, args, _GW_SMEM, _GEMV_SLOTS, _GWT_MAPS
 
 
 def _gemv_launch(device, a, packed, absmax, out, *, rows, n, k, blocksize, quant_type, nested):

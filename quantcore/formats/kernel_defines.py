@@ -83,6 +83,8 @@ LAUNCH_GEOMETRY.update({"QC_GM_THREADS": 256, "QC_GM_TABLE": 65536, "QC_GM_APAD"
 LAUNCH_GEOMETRY.update({"QC_GW_THREADS": 256, "QC_GW_ROWS": 128, "QC_GW_SMEM": 227 * 1024})
 #: ... and its deepest ring (gemm_4bit_wgmma_tma_kernel: the space of its full / empty barriers)
 LAUNCH_GEOMETRY["QC_GWT_MAX_STAGES"] = 8
+#: ... and a stage's codes in bytes (its code slot): 64 4-bit elements of each of its weight rows
+LAUNCH_GEOMETRY["QC_GW_STAGE_CODES"] = LAUNCH_GEOMETRY["QC_GW_ROWS"] * 64 // 2
 
 
 def gw_slot_bytes(nb: int) -> int:
