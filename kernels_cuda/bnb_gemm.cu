@@ -375,9 +375,8 @@ __device__ __forceinline__ V keep(V x) {
 template <typename T, int NB, int CL>
 __device__ __forceinline__ void gw_finish(float (&acc)[NB / 2], u32 base, u32 tab, u16* __restrict__ out, i64 ldo,
                                           int rows, i64 N, int m0, i64 n0) {
-    using G = GwGeo<NB>;
     constexpr int NA = NB / 2;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = lane_id(), g = lane >> 2, t = lane & 3;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = lane_id();
     const int wg = warp >> 2, wi = warp & 3;
     constexpr int kParts = NB / 64;  // staged parts of 64 input rows: fragment column blocks 8 h .. 8 h + 7
     const int rank = CL > 1 ? (int)blockIdx.z : 0;
