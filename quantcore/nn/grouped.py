@@ -12,9 +12,9 @@ matmul is a launch of its own anyway, and the member's own call is bound to its 
 that needs gradients, and for Linear4bit an eager call on a CUDA device outside a graph capture, where
 the members' bound launches cost far less host time than the grouped op's dispatch: eager decode of a
 Llama-3-8B-shaped model ran at 15.9 tok/s grouped against 31.9 alone on an H200, session 26) runs the
-member alone, so results never depend on call order: each column block is the member's own gemv_4bit / linear_mx result within the tolerance
-tier (on the cuda backend the grouped kernel splits K across warps by the group's total size, so the
-bits may differ from a single-weight launch).
+member alone, so results never depend on call order: each column block is the member's own gemv_4bit /
+linear_mx result within the tolerance tier (on the cuda backend the grouped kernel splits K across warps
+by the group's total size, so the bits may differ from a single-weight launch).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch import nn
 
 from .. import torch as qct
 from ..errors import ParameterError
+from . import _eager  # (quantcore.nn imports this module after defining it)
 
 #: sibling names grouped by default: Llama / Mistral / Qwen attention and MLP projections
 DEFAULT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -82,7 +83,6 @@ class LinearGroup:
 
     def forward(self, member: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """``member``'s output for ``x`` from a grouped call, or None where ``member`` should run alone."""
-        from . import _eager
         if not self._fp4 and x.is_cuda and _eager(x) and not torch.cuda.is_current_stream_capturing():
             return None  # an eager cuda call: each member's own launch, bound to its tensors, costs less host time
         op = "linear_fp4" if self._fp4 else "linear_4bit"
