@@ -18,6 +18,7 @@ complete backend covers is :data:`quantcore.ops.ALL_CAPABILITIES`.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +61,32 @@ class Nested:
     absmax2: Any  #: fp32 [ceil(nblocks / 256)]
     code2: Any  #: fp32 [256]
     offset: Any  #: fp32 [1]
+
+
+class _LaunchContext(threading.local):
+    after_foreign = False
+
+
+#: Per thread: ``after_foreign`` is True while the calls being made follow another library's GPU work in
+#: the same stream (:class:`after_foreign_work` sets it; the torch layer runs its ops in it: in a model the
+#: kernel before each of quantcore's is torch's). A backend may launch differently there: the cuda
+#: backend launches no programmatic dependents (behind a kernel that never releases its dependents early
+#: such a launch only costs time: ~1 us a launch, docs/performance.md "Session 27").
+LAUNCH_CONTEXT = _LaunchContext()
+
+
+class after_foreign_work:  # noqa: N801 - used as a context manager, like contextlib's
+    """``with after_foreign_work(): ...``: :data:`LAUNCH_CONTEXT` ``.after_foreign`` is True inside (nestable,
+    restored on exit, per thread)."""
+
+    __slots__ = ("_prev",)
+
+    def __enter__(self) -> None:
+        self._prev = LAUNCH_CONTEXT.after_foreign
+        LAUNCH_CONTEXT.after_foreign = True
+
+    def __exit__(self, *exc: object) -> None:
+        LAUNCH_CONTEXT.after_foreign = self._prev
 
 
 def grouped_run_end(groups: Sequence[tuple], i: int, limit: int, fits: Callable[[tuple], bool] | None = None) -> int:

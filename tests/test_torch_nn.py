@@ -506,6 +506,70 @@ def test_cuda_compile_reduce_overhead(gen, fmt):
     assert torch.equal(got, ref)
 
 
+def test_the_torch_layer_runs_its_calls_after_foreign_work(gen, monkeypatch):
+    """The torch layer's calls reach the backend inside after_foreign_work (a model's kernels run between
+    them): LAUNCH_CONTEXT.after_foreign is set there, restored afterwards and when the call raises."""
+    from quantcore import api
+    from quantcore.backend import LAUNCH_CONTEXT, after_foreign_work
+
+    seen = []
+    real = api.gemv_4bit
+
+    def spy(*args, **kw):
+        seen.append(LAUNCH_CONTEXT.after_foreign)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(api, "gemv_4bit", spy)
+    mod = qnn.Linear4bit.from_linear(_linear(gen, 128, 64))
+    x = _randn(gen, 1, 128, dtype=torch.bfloat16)
+    assert not LAUNCH_CONTEXT.after_foreign
+    with torch.no_grad():
+        torch.ops.quantcore.linear_4bit(x, *mod._state_args(), 64, 128, 64, "nf4", None)
+    assert seen == [True] and not LAUNCH_CONTEXT.after_foreign
+
+    def boom(*args, **kw):
+        assert LAUNCH_CONTEXT.after_foreign
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        qct._run(x.device, boom, (x,))
+    assert not LAUNCH_CONTEXT.after_foreign
+    with after_foreign_work():  # nested: the outer setting comes back
+        with after_foreign_work():
+            assert LAUNCH_CONTEXT.after_foreign
+        assert LAUNCH_CONTEXT.after_foreign
+    assert not LAUNCH_CONTEXT.after_foreign
+
+
+@needs_cuda
+def test_cuda_torch_layer_launches_no_programmatic_dependents(gen, monkeypatch):
+    """The cuda backend launches its decode gemv as a programmatic dependent when called through the
+    public API (a chain of quantcore's own kernels), and plainly from the torch layer (behind torch's
+    kernels): the op, the eager module's bound launch and the grouped op; the same results either way."""
+    from quantcore.backends.cuda import runtime as rt
+
+    calls = []
+    real = rt.launch_pdl
+    monkeypatch.setattr(rt, "launch_pdl", lambda *a: (calls.append(a[1]), real(*a))[1])
+    mod = qnn.Linear4bit.from_linear(_linear(gen, 1024, 512, bias=False, device="cuda"))
+    x = _randn(gen, 1, 1024, dtype=torch.bfloat16, device="cuda")
+    packed, st = mod.weight, mod.quant_state
+    with torch.no_grad():
+        via_api = qc.gemv_4bit(x, packed, st, backend="cuda")
+        api_pdl = len(calls)
+        assert api_pdl >= 1 or not rt.pdl_available()
+        y_op = torch.ops.quantcore.linear_4bit(x, *mod._state_args(), 512, 1024, 64, "nf4", None)
+        for _ in range(3):
+            y_mod = mod(x)  # the eager path, then its bound launch
+        sa = mod._state_args()
+        y_grp = torch.ops.quantcore.gemv_4bit_grouped(x, *([t] * 2 for t in sa), [512, 512], 1024, 64, "nf4")
+        torch.cuda.synchronize()
+    assert len(calls) == api_pdl, f"the torch layer launched {len(calls) - api_pdl} programmatic dependents"
+    assert torch.equal(y_op, via_api) and torch.equal(y_mod, via_api)
+    # (the grouped launch may split K otherwise than the single weight's: close, not equal)
+    assert _rel(y_grp, torch.cat([via_api, via_api], -1)) < 1e-2
+
+
 @needs_cuda
 def test_cuda_eager_calls_reuse_the_launch_plan(gen):
     mod = qnn.Linear4bit.from_linear(_linear(gen, 1024, 512, device="cuda"))

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from quantcore.arrays import as_dtype
-from quantcore.backend import Nested
+from quantcore.backend import LAUNCH_CONTEXT, Nested
 from quantcore.errors import KernelError
 
 from . import runtime as rt
@@ -71,12 +71,13 @@ class _StatePlan:
             return None
         return entry
 
-    def _launch(self, launch: Any, first: Any, out: Any) -> Any:
-        """Run a matched entry's launch on the caller's stream with these two arrays; None (the
-        full path runs) when the thread's current context is another device's."""
+    def _launch(self, launch: Any, first: Any, out: Any, plain: bool = False) -> Any:
+        """Run a matched entry's launch on the caller's stream with these two arrays (``plain``: never as a
+        programmatic dependent); None (the full path runs) when the thread's current context is another
+        device's."""
         if self._ctx_now() != self.ctx:
             return None
-        launch(self._stream(self.device), first.data_ptr(), out.data_ptr())
+        launch(self._stream(self.device), first.data_ptr(), out.data_ptr(), plain=plain)
         self.hits += 1
         return out
 
@@ -173,16 +174,20 @@ class _BoundGemv(_Bound):
     """One gemv plan entry bound to the weight's and the state's tensors (see :class:`_Bound`); the
     plan's launch checks the thread's context."""
 
-    __slots__ = ("plan",)
+    __slots__ = ("plan", "plain")
 
     def __init__(self, plan: Any, key: tuple, entry: tuple, tensors: tuple):
         super().__init__(key, plan.device, entry[0], entry[1], tensors)
         self.plan = plan
+        # bound from the torch layer (behind torch's kernels): never a programmatic dependent, though the
+        # plan's launch may be one (a plan made by a public API call) and the module calls this outside
+        # the layer's after_foreign_work
+        self.plain = LAUNCH_CONTEXT.after_foreign
 
     def __call__(self, A: Any) -> Any:
         if not self._holds(A, self.plan.tune):
             return None
-        return self.plan._launch(self.launch, A, A.new_empty(self.out_shape))
+        return self.plan._launch(self.launch, A, A.new_empty(self.out_shape), self.plain)
 
 
 class _DequantPlan(_StatePlan):

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from quantcore import cache
+from quantcore.backend import LAUNCH_CONTEXT
 from quantcore.errors import BackendUnavailableError, DeviceError, KernelError
 from quantcore.formats import kernel_defines, kernel_interface
 
@@ -413,7 +414,7 @@ class Launcher:
             with cupy().cuda.Device(self.device) if self._switch else contextlib.nullcontext():
                 launch_once(self.device, filename, expr, grid, block, args, shared_mem, pdl, self.stream_handle())
             return
-        stream = self.raw_stream() if pdl else None
+        stream = self.raw_stream() if pdl and pdl_available() else None
         if stream is not None:  # a programmatic dependent launch (see launch_pdl)
             launch_once(self.device, filename, expr, grid, block, args, shared_mem, True, stream)
             return
@@ -659,13 +660,15 @@ class PlannedLaunch:
         """The argument slots as unsigned 64-bit values (tests)."""
         return tuple(ctypes.c_uint64.from_buffer(self._buf, o).value for o in self._offsets[:len(self._params)])
 
-    def __call__(self, stream: int, *pointers: int) -> None:
+    def __call__(self, stream: int, *pointers: int, plain: bool = False) -> None:
+        """Launch with the slots set to ``pointers`` (``plain``: not as a programmatic dependent, whatever
+        the launch was set up as)."""
         with self._lock:
             for slot, p in zip(self._slots, pointers):
                 slot.value = p
             for addr, pos in self._maps:
                 replace_tensor_map_address(addr, pointers[pos])
-            self._go(stream)
+            self._go(stream, plain)
 
     def with_args(self, stream: int, args: tuple) -> None:
         """Launch with every argument replaced by ``args`` (of the types the launch was set up with:
@@ -677,10 +680,10 @@ class PlannedLaunch:
                 ctypes.memmove(base + o, raw, len(raw))
             self._go(stream)
 
-    def _go(self, stream: int) -> None:  # (the caller holds the lock)
+    def _go(self, stream: int, plain: bool = False) -> None:  # (the caller holds the lock)
         gx, gy, gz = self.grid
         try:
-            if self.pdl:
+            if self.pdl and not plain and not LAUNCH_CONTEXT.after_foreign:
                 launch_pdl(self._fn, self.grid, self.block, self.shared_mem, stream, self._params_ptr)
             else:
                 self._launch(self._fn, gx, gy, gz, self.block, 1, 1, self.shared_mem, stream, self._params_ptr, 0)
@@ -701,6 +704,7 @@ def launch_once(device: int, filename: str, expr: str, grid: tuple[int, ...], bl
     then given each call's arguments (:meth:`PlannedLaunch.with_args`): an unplanned call's launch
     costs what a planned one does, not a new plan's set-up (kernel lookup, buffers: ~300 us a grouped
     decode gemv in session 26)."""
+    pdl = pdl and pdl_available()  # (the key holds what the launch does)
     key = (device, filename, expr, None if function is None else int(function.ptr), tuple(grid), block, shared_mem,
            pdl, tuple(v.dtype.str for v in args))
     plan = _ONCE.get(key)
@@ -787,8 +791,10 @@ _pdl: list = []  # [cuLaunchKernelEx or None, the attribute]
 
 
 def pdl_available() -> bool:
-    """Can kernels be launched as programmatic dependents here (a driver with cuLaunchKernelEx)?
-    ``QUANTCORE_CUDA_TUNE=pdl=0`` turns it off (timing comparisons)."""
+    """Can kernels be launched as programmatic dependents here (a driver with cuLaunchKernelEx), and
+    should they be: not after another library's kernels (``quantcore.backend.LAUNCH_CONTEXT``: the torch
+    layer's calls), where a programmatic launch only adds ~1 us (such a kernel never releases its
+    dependents early). ``QUANTCORE_CUDA_TUNE=pdl=0`` turns it off (timing comparisons)."""
     if not _pdl:
         fn = None
         try:
@@ -802,7 +808,7 @@ def pdl_available() -> bool:
         attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         attr.value = (1).to_bytes(4, "little") + bytes(60)
         _pdl[:] = [fn, attr]
-    return _pdl[0] is not None and tune("pdl", 1) == 1
+    return _pdl[0] is not None and tune("pdl", 1) == 1 and not LAUNCH_CONTEXT.after_foreign
 
 
 def launch_pdl(fn: int, grid: tuple[int, int, int], block: int, shared_mem: int, stream: int, params: int) -> None:

@@ -32,6 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import api, api_mx
 from .. import validate as v
 from ..arrays import dtype_name
+from ..backend import after_foreign_work
 from ..errors import DTypeError, ParameterError, ShapeError
 from ..formats import bnb, ggml, mx
 from ..registry import get_backend
@@ -123,10 +124,12 @@ def _moved(be: Any, obj: Any) -> Any:
 
 
 def _run(device: torch.device, fn, args: tuple, **kw) -> Any:
-    """``fn(*args, backend=be, **kw)`` (a public API function) on the backend routed for ``device``."""
+    """``fn(*args, backend=be, **kw)`` (a public API function) on the backend routed for ``device``, in
+    :class:`~quantcore.backend.after_foreign_work` (the backend's kernels follow torch's)."""
     be = backend_for(device)
     if not _host_route(be, device):
-        return fn(*args, backend=be, **kw)
+        with after_foreign_work():  # a model's kernels run between the torch layer's calls
+            return fn(*args, backend=be, **kw)
     from ..arrays import numpy_to_torch
 
     kw = {k: _moved(be, v) for k, v in kw.items()}
@@ -394,12 +397,14 @@ def bind_linear_4bit(x: torch.Tensor, packed: torch.Tensor, state: QuantState) -
     if linear_path(_rows(x), backend=be, k=k, device=x.device, n=n) != "gemv":
         from ..api import bind_dequantize_4bit
 
-        dq = bind_dequantize_4bit(packed, state, x.dtype, backend=be)
+        with after_foreign_work():
+            dq = bind_dequantize_4bit(packed, state, x.dtype, backend=be)
         # (the bound call serves any input that takes this path: the path asked per call)
         return None if dq is None else _BoundDequantLinear(dq, x, n, be)
     from ..api import bind_gemv_4bit
 
-    return bind_gemv_4bit(x if x.is_contiguous() else x.contiguous(), packed, state, backend=be)
+    with after_foreign_work():  # as _run: the bound launch is set up for a place behind torch's kernels
+        return bind_gemv_4bit(x if x.is_contiguous() else x.contiguous(), packed, state, backend=be)
 
 
 def _linear_4bit_fake(x, packed, absmax, absmax2, code2, offset, n, k, blocksize, quant_type, bias=None):
@@ -507,7 +512,8 @@ def bind_linear_q4_0(x: torch.Tensor, wq: torch.Tensor) -> Any:
         return None
     from ..api import bind_gemm_w4a8
 
-    return bind_gemm_w4a8(wq, x, m, rows, k, linear=True, backend=be)
+    with after_foreign_work():
+        return bind_gemm_w4a8(wq, x, m, rows, k, linear=True, backend=be)
 
 
 def _linear_q4_0_fake(x, wq, bias=None):
