@@ -128,6 +128,45 @@ class HostTimer:
         return self.kernel(fns, reps, len(fns))
 
 
+def capture_graph(fn: Callable[[], Any]) -> Any:
+    """``fn`` (a sequence of launches on torch's current CUDA stream) captured in a torch CUDAGraph after one
+    warm-up call on a side stream (kernel builds, launch plans, allocator pools), replayed once."""
+    import torch as t  # noqa: PLC0415 - a CUDA-only helper; the module imports without torch
+
+    s = t.cuda.Stream()
+    s.wait_stream(t.cuda.current_stream())
+    with t.cuda.stream(s):
+        fn()
+    t.cuda.current_stream().wait_stream(s)
+    g = t.cuda.CUDAGraph()
+    with t.cuda.graph(g):
+        fn()
+    g.replay()
+    t.cuda.synchronize()
+    return g
+
+
+def replay_us(g: Any, reps: int) -> list[float]:
+    """GPU time in us of each of ``reps`` replays of the CUDA graph ``g`` (CUDA events around each)."""
+    import torch as t  # noqa: PLC0415
+
+    times = []
+    for _ in range(reps):
+        e0, e1 = t.cuda.Event(enable_timing=True), t.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        t.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3)
+    return times
+
+
+def graph_us(fn: Callable[[], Any], reps: int = 5) -> float:
+    """GPU time in us of ``fn`` captured once in a CUDA graph (:func:`capture_graph`), median of ``reps`` replays."""
+    g = capture_graph(fn)
+    return statistics.median(replay_us(g, reps))
+
+
 def timer_for(be: Any) -> CudaTimer | HostTimer:
     """The timer of a backend: CUDA events through torch on the cuda backend, else the host clock
     after ``be.synchronize()`` (the bench, the tools and ``quantcore check --perf`` use it)."""
@@ -505,27 +544,7 @@ class Bench:
     def graph_us(self, fn: Callable[[], Any], reps: int = 5) -> float:
         """GPU time of ``fn`` (a sequence of launches) captured once in a CUDA graph, median of
         ``reps`` replays."""
-        t = self.torch
-        s = t.cuda.Stream()
-        s.wait_stream(t.cuda.current_stream())
-        with t.cuda.stream(s):
-            fn()  # warm-up outside the graph: kernel builds, launch plans, allocator pools
-        t.cuda.current_stream().wait_stream(s)
-        g = t.cuda.CUDAGraph()
-        with t.cuda.graph(g):
-            fn()
-        g.replay()
-        t.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            e0, e1 = t.cuda.Event(enable_timing=True), t.cuda.Event(enable_timing=True)
-            e0.record()
-            g.replay()
-            e1.record()
-            t.cuda.synchronize()
-            times.append(e0.elapsed_time(e1) * 1e3)
-        del g
-        return statistics.median(times)
+        return graph_us(fn, reps)
 
     def decode_step(self, batch_t) -> None:
         """The linear layers of one Llama-3-8B decode step (q, k, v, o, gate, up, down x 32 layers,

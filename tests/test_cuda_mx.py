@@ -676,14 +676,9 @@ def test_linear_mx_graph_capture(rng):
     def step():
         cmx.linear_mx(None, x, cd, sd, out, n=n, k=k, fmt="nvfp4", swizzled=True, global_scale=gd)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    from quantcore.bench import capture_graph
+
+    graph = capture_graph(step)
     for _ in range(2):
         x.copy_(torch.randn((4, k), device="cuda"))
         graph.replay()

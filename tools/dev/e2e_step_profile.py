@@ -5,6 +5,10 @@ time and count per step, the time between kernels (wall - kernels: launch gaps, 
 kernels grouped by name (quantcore's gemvs, torch's matmuls, attention, the rest) with their top names.
 
     python3 tools/dev/e2e_step_profile.py --variants bf16,qc-nf4-grouped [--layers 32] [--batch 1] [--steps 8]
+        [--eager-host [--no-compiled]]
+
+--eager-host first times eager decode steps (host-bound: the model's Python) and prints cProfile's top
+functions by own time per step, for comparing the host cost of a variant's linear layers with bf16's.
 
 The model, its quantization and the decode loop are quantcore.bench_e2e's (same seed and settings).
 """
@@ -37,9 +41,52 @@ def categorize(name: str) -> str:
     return "other"
 
 
+def eager_host_profile(variant: str, model, cache, prompt, args) -> None:
+    """Eager decode steps (the model called as bench_e2e's eager mode does): wall time per step, then
+    cProfile over args.steps steps, the top functions by their own time (calls and us per step)."""
+    import cProfile
+    import pstats
+    import time
+
+    n = args.steps
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    with torch.no_grad():
+
+        def run(profiler=None):
+            cache.reset()
+            tok = model(input_ids=prompt, use_cache=True, logits_to_keep=1, past_key_values=cache)
+            tok = tok.logits[:, -1:].argmax(-1)
+            sync()
+            t0 = time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
+            for _ in range(n):
+                tok = model(input_ids=tok, use_cache=True, past_key_values=cache).logits[:, -1:].argmax(-1)
+            if profiler is not None:
+                profiler.disable()
+            sync()
+            return (time.perf_counter() - t0) / n * 1e3
+
+        run()
+        walls = [run() for _ in range(3)]
+        prof = cProfile.Profile()
+        pwall = run(prof)
+    print(
+        f"\n== {variant}: eager decode, {args.layers} layers, batch {args.batch}: {statistics.median(walls):.2f} ms "
+        f"a step ({pwall:.2f} under cProfile)"
+    )
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[: args.host_top]
+    print(f"  {'calls/step':>10s} {'own us/step':>11s} {'cum us/step':>11s}  function")
+    for (file, line, fn), (_cc, nc, tt, ct, _callers) in rows:
+        print(
+            f"  {nc / n:10.1f} {tt / n * 1e6:11.1f} {ct / n * 1e6:11.1f}  {fn} ({file.rsplit('/', 2)[-1]}:{line})"
+        )
+
+
 def profile_variant(variant: str, args) -> None:
-    config = be.model_config("llama3-8b", args.layers)
-    model = be.build_model(config, "cuda")
+    config = be.model_config(args.preset, args.layers)
+    model = be.build_model(config, args.device)
     if variant in be.BNB_FORMATS:
         be.quantize_bnb(model, be.BNB_FORMATS[variant])
     elif variant in be.QC_FORMATS:
@@ -50,7 +97,11 @@ def profile_variant(variant: str, args) -> None:
             qnn.group_linears(model)
     cache = StaticCache(config=model.config, max_cache_len=16 + args.steps * 4 + 8)
     gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, config.vocab_size, (args.batch, 16), generator=gen).cuda()
+    prompt = torch.randint(0, config.vocab_size, (args.batch, 16), generator=gen).to(args.device)
+    if args.eager_host:
+        eager_host_profile(variant, model, cache, prompt, args)
+    if args.no_compiled:
+        return
     step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
     with torch.no_grad():
 
@@ -148,10 +199,17 @@ def profile_variant(variant: str, args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variants", default="bf16,qc-nf4-grouped")
-    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the preset's)")
+    p.add_argument("--preset", default="llama3-8b", help="bench_e2e's model preset (tiny: a CPU dry run)")
+    p.add_argument("--device", default="cuda", help="cpu: --eager-host --no-compiled only (a dry run)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--top", type=int, default=6)
+    p.add_argument(
+        "--eager-host", action="store_true", help="also time eager steps and cProfile their host side"
+    )
+    p.add_argument("--host-top", type=int, default=30, help="functions listed by --eager-host")
+    p.add_argument("--no-compiled", action="store_true", help="skip the compiled step's profile")
     args = p.parse_args()
     for v in args.variants.split(","):
         profile_variant(v, args)

@@ -26,6 +26,7 @@ import torch
 from quantcore.backends.cuda import runtime as rt
 
 import quantcore.nn as qnn
+from quantcore.bench import capture_graph, replay_us
 
 SRC = r"""
 extern "C" __global__ void qc_empty(int* p) {
@@ -38,18 +39,12 @@ extern "C" __global__ void qc_empty(int* p) {
 def graph_time(body, reps: int, replays: int = 20, profile_name: str | None = None) -> float:
     """us per body() call: a CUDA graph of reps calls, replayed, median of replays; with profile_name, also
     the median duration of the kernels whose name has it and the gaps before / after them (one replay)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            body()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+
+    def many():
         for _ in range(reps):
             body()
-    g.replay()
-    torch.cuda.synchronize()
+
+    g = capture_graph(many)
     if profile_name is not None:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             g.replay()
@@ -75,16 +70,7 @@ def graph_time(body, reps: int, replays: int = 20, profile_name: str | None = No
             f"    profile '{profile_name}': duration {statistics.median(durs):6.2f} us, gap before "
             f"{statistics.median(gaps) if gaps else float('nan'):5.2f}, after {statistics.median(after):5.2f} (medians)"
         )
-    times = []
-    for _ in range(replays):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / reps)
-    times.sort()
-    return times[len(times) // 2]
+    return statistics.median(replay_us(g, replays)) / reps
 
 
 def main() -> None:
