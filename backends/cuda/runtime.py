@@ -414,7 +414,7 @@ class Launcher:
             with cupy().cuda.Device(self.device) if self._switch else contextlib.nullcontext():
                 launch_once(self.device, filename, expr, grid, block, args, shared_mem, pdl, self.stream_handle())
             return
-        stream = self.raw_stream() if pdl and pdl_available() else None
+        stream = self.raw_stream() if pdl else None
         if stream is not None:  # a programmatic dependent launch (see launch_pdl)
             launch_once(self.device, filename, expr, grid, block, args, shared_mem, True, stream)
             return
@@ -681,6 +681,9 @@ class PlannedLaunch:
             self._go(stream)
 
     def _go(self, stream: int, plain: bool = False) -> None:  # (the caller holds the lock)
+        # (where a launch may be a programmatic dependent, decided per launch: not behind another library's
+        # kernels - quantcore.backend.LAUNCH_CONTEXT, the torch layer's calls -, where such a launch only adds
+        # ~1 us, for that kernel never releases its dependents early)
         gx, gy, gz = self.grid
         try:
             if self.pdl and not plain and not LAUNCH_CONTEXT.after_foreign:
@@ -704,7 +707,6 @@ def launch_once(device: int, filename: str, expr: str, grid: tuple[int, ...], bl
     then given each call's arguments (:meth:`PlannedLaunch.with_args`): an unplanned call's launch
     costs what a planned one does, not a new plan's set-up (kernel lookup, buffers: ~300 us a grouped
     decode gemv in session 26)."""
-    pdl = pdl and pdl_available()  # (the key holds what the launch does)
     key = (device, filename, expr, None if function is None else int(function.ptr), tuple(grid), block, shared_mem,
            pdl, tuple(v.dtype.str for v in args))
     plan = _ONCE.get(key)
@@ -791,10 +793,9 @@ _pdl: list = []  # [cuLaunchKernelEx or None, the attribute]
 
 
 def pdl_available() -> bool:
-    """Can kernels be launched as programmatic dependents here (a driver with cuLaunchKernelEx), and
-    should they be: not after another library's kernels (``quantcore.backend.LAUNCH_CONTEXT``: the torch
-    layer's calls), where a programmatic launch only adds ~1 us (such a kernel never releases its
-    dependents early). ``QUANTCORE_CUDA_TUNE=pdl=0`` turns it off (timing comparisons)."""
+    """Can kernels be launched as programmatic dependents here (a driver with cuLaunchKernelEx)?
+    ``QUANTCORE_CUDA_TUNE=pdl=0`` turns it off (timing comparisons). Whether one launch is one is
+    decided when it is made (:meth:`PlannedLaunch._go`)."""
     if not _pdl:
         fn = None
         try:
@@ -808,7 +809,7 @@ def pdl_available() -> bool:
         attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         attr.value = (1).to_bytes(4, "little") + bytes(60)
         _pdl[:] = [fn, attr]
-    return _pdl[0] is not None and tune("pdl", 1) == 1 and not LAUNCH_CONTEXT.after_foreign
+    return _pdl[0] is not None and tune("pdl", 1) == 1
 
 
 def launch_pdl(fn: int, grid: tuple[int, int, int], block: int, shared_mem: int, stream: int, params: int) -> None:
