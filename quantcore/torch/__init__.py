@@ -397,13 +397,12 @@ def bind_linear_4bit(x: torch.Tensor, packed: torch.Tensor, state: QuantState) -
     if linear_path(_rows(x), backend=be, k=k, device=x.device, n=n) != "gemv":
         from ..api import bind_dequantize_4bit
 
-        with after_foreign_work():
-            dq = bind_dequantize_4bit(packed, state, x.dtype, backend=be)
+        dq = bind_dequantize_4bit(packed, state, x.dtype, backend=be)
         # (the bound call serves any input that takes this path: the path asked per call)
         return None if dq is None else _BoundDequantLinear(dq, x, n, be)
     from ..api import bind_gemv_4bit
 
-    with after_foreign_work():  # as _run: the bound launch is set up for a place behind torch's kernels
+    with after_foreign_work():  # the bound launch keeps it: a module calls it behind torch's kernels
         return bind_gemv_4bit(x if x.is_contiguous() else x.contiguous(), packed, state, backend=be)
 
 
@@ -512,8 +511,7 @@ def bind_linear_q4_0(x: torch.Tensor, wq: torch.Tensor) -> Any:
         return None
     from ..api import bind_gemm_w4a8
 
-    with after_foreign_work():
-        return bind_gemm_w4a8(wq, x, m, rows, k, linear=True, backend=be)
+    return bind_gemm_w4a8(wq, x, m, rows, k, linear=True, backend=be)
 
 
 def _linear_q4_0_fake(x, wq, bias=None):
