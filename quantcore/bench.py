@@ -167,6 +167,19 @@ def graph_us(fn: Callable[[], Any], reps: int = 5) -> float:
     return statistics.median(replay_us(g, reps))
 
 
+def trace_kernels(prof: Any) -> list[tuple[float, float, str]]:
+    """The GPU work a finished ``torch.profiler.profile`` recorded, from its trace: (start us, duration us,
+    name) of each kernel, memset and memcpy, in start order (the tools that measure launch gaps use it)."""
+    import tempfile  # noqa: PLC0415
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as fh:
+            events = json.load(fh)["traceEvents"]
+    return sorted((e["ts"], e["dur"], e["name"]) for e in events
+                  if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"))
+
+
 def timer_for(be: Any) -> CudaTimer | HostTimer:
     """The timer of a backend: CUDA events through torch on the cuda backend, else the host clock
     after ``be.synchronize()`` (the bench, the tools and ``quantcore check --perf`` use it)."""

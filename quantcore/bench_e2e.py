@@ -41,6 +41,7 @@ import statistics
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -296,6 +297,26 @@ def quantize_qc(model, fmt: str, skip=("lm_head",)):
     return qnn.quantize_model(model, fmt=fmt, skip=skip, **kw) or model
 
 
+def quantize_variant(model, variant: str, log: Callable[[str], None] = lambda line: None):
+    """``variant``'s model made from the bf16 ``model`` (``bf16`` returns it as it is): bitsandbytes'
+    modules (:func:`quantize_bnb`), quantcore's (:func:`quantize_qc`), with ``quantcore.nn.group_linears``
+    for the grouped variants; ``log`` gets one line per step."""
+    n = len([name for name in linear_names(model) if name != "lm_head"])
+    if variant in BNB_FORMATS:
+        log(f"{variant}: quantizing {n} linear layers with bitsandbytes ({BNB_FORMATS[variant]}, double quant, "
+            "blocksize 64)")
+        quantize_bnb(model, BNB_FORMATS[variant])
+    elif variant in QC_FORMATS:
+        log(f"{variant}: quantizing {n} linear layers with quantcore.nn.quantize_model"
+            f"(fmt={QC_FORMATS[variant]!r}, skip=('lm_head',))")
+        model = quantize_qc(model, QC_FORMATS[variant])
+        if variant in QC_GROUPED:
+            import quantcore.nn as qnn  # noqa: PLC0415
+
+            log(f"{variant}: {qnn.group_linears(model)} groups (q/k/v, gate/up) made with quantcore.nn.group_linears")
+    return model
+
+
 def available_variants(device_type: str) -> dict[str, str | None]:
     """variant -> None when it can run here, else why not."""
     out: dict[str, str | None] = {"bf16": None}
@@ -401,19 +422,7 @@ class Runner:
         names = [n for n in linear_names(model) if n != "lm_head"]
         if variant != "bf16":
             t = time.perf_counter()
-            if variant in BNB_FORMATS:
-                self.log(f"{variant}: quantizing {len(names)} linear layers with bitsandbytes "
-                         f"({BNB_FORMATS[variant]}, double quant, blocksize 64)")
-                quantize_bnb(model, BNB_FORMATS[variant])
-            else:
-                self.log(f"{variant}: quantizing {len(names)} linear layers with quantcore.nn.quantize_model"
-                         f"(fmt={QC_FORMATS[variant]!r}, skip=('lm_head',))")
-                model = quantize_qc(model, QC_FORMATS[variant])
-                if variant in QC_GROUPED:
-                    import quantcore.nn as qnn  # noqa: PLC0415
-
-                    self.log(f"{variant}: {qnn.group_linears(model)} groups (q/k/v, gate/up) made with "
-                             "quantcore.nn.group_linears")
+            model = quantize_variant(model, variant, self.log)
             gc.collect()
             self.clock.sync()
             r.quantize_s = time.perf_counter() - t

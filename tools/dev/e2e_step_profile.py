@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
-import json
 import statistics
-import tempfile
 
 import torch
 from transformers import StaticCache
 
 from quantcore import bench_e2e as be
+from quantcore.bench import trace_kernels
 
 
 def categorize(name: str) -> str:
@@ -86,15 +85,7 @@ def eager_host_profile(variant: str, model, cache, prompt, args) -> None:
 
 def profile_variant(variant: str, args) -> None:
     config = be.model_config(args.preset, args.layers)
-    model = be.build_model(config, args.device)
-    if variant in be.BNB_FORMATS:
-        be.quantize_bnb(model, be.BNB_FORMATS[variant])
-    elif variant in be.QC_FORMATS:
-        model = be.quantize_qc(model, be.QC_FORMATS[variant])
-        if variant in be.QC_GROUPED:
-            import quantcore.nn as qnn
-
-            qnn.group_linears(model)
+    model = be.quantize_variant(be.build_model(config, args.device), variant)
     cache = StaticCache(config=model.config, max_cache_len=16 + args.steps * 4 + 8)
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, config.vocab_size, (args.batch, 16), generator=gen).to(args.device)
@@ -146,14 +137,7 @@ def profile_variant(variant: str, args) -> None:
             torch.cuda.synchronize()
     # the kernels' start and end from the trace (us); the gap before a kernel: its start minus the end of the
     # one before it (negative where a programmatic dependent started early)
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
-    kern = sorted(
-        (e["ts"], e["dur"], e["name"])
-        for e in trace["traceEvents"]
-        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")
-    )
+    kern = trace_kernels(prof)
     per_name: dict[str, list[float]] = collections.defaultdict(list)
     gaps: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
     for i, (ts, dur, name) in enumerate(kern):

@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import statistics
-import tempfile
 
 import cupy as cp
 import torch
 from quantcore.backends.cuda import runtime as rt
 
 import quantcore.nn as qnn
-from quantcore.bench import capture_graph, replay_us
+from quantcore.bench import capture_graph, replay_us, trace_kernels
 
 SRC = r"""
 extern "C" __global__ void qc_empty(int* p) {
@@ -49,12 +47,7 @@ def graph_time(body, reps: int, replays: int = 20, profile_name: str | None = No
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             g.replay()
             torch.cuda.synchronize()
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            prof.export_chrome_trace(f.name)
-            ev = json.load(open(f.name))["traceEvents"]
-        kern = sorted(
-            (e["ts"], e["dur"], e["name"]) for e in ev if e.get("ph") == "X" and e.get("cat") == "kernel"
-        )
+        kern = [k for k in trace_kernels(prof) if not k[2].startswith(("Memset", "Memcpy"))]
         durs = [d for _, d, nm in kern if profile_name in nm]
         gaps = [
             kern[i][0] - kern[i - 1][0] - kern[i - 1][1]
